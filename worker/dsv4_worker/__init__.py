@@ -1,0 +1,1 @@
+"""dsv4-serve GPU worker."""

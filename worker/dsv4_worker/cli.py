@@ -1,0 +1,166 @@
+"""The `dsv4` command line. Parses arguments, calls pure functions, prints; no decisions here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from dsv4_worker.core.layout import LayoutError
+from dsv4_worker.core.model_config import PRESETS, ModelConfigError, load_model_config
+from dsv4_worker.plan.inputs import GIB, ROLES, PlanError, PlanInputs
+from dsv4_worker.plan.planner import plan
+from dsv4_worker.plan.report import format_table, plan_to_dict
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _layer_split(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated layer counts such as 16,15,15,15, got {text!r}"
+        ) from None
+
+
+def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="per-PP-rank KV capacity plan",
+        description="Plan per-PP-rank KV pools (full, SWA, request state) for one role.",
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help=f"preset ({', '.join(sorted(PRESETS))}) or a HuggingFace config.json path",
+    )
+    p.add_argument("--role", choices=ROLES, default="colocated")
+    p.add_argument("--pp", type=_positive_int, default=1, help="pipeline-parallel size")
+    p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size")
+    p.add_argument(
+        "--gpu-memory-gib",
+        type=_positive_float,
+        required=True,
+        help="memory per device in GiB (H200: 141 GB = 131.3 GiB)",
+    )
+    p.add_argument(
+        "--mem-fraction",
+        type=_positive_float,
+        default=0.9,
+        help="fraction of device memory for weights + KV (rest: activations)",
+    )
+    p.add_argument(
+        "--swa-ratio",
+        type=_positive_float,
+        default=None,
+        help="SWA tokens per full token; default: sized from what the role needs",
+    )
+    p.add_argument("--max-running-requests", type=_positive_int, default=None)
+    p.add_argument(
+        "--chunked-prefill-size",
+        type=_positive_int,
+        default=None,
+        help="prefill chunk in tokens (default: 32 pages)",
+    )
+    p.add_argument(
+        "--speculative-draft-tokens",
+        type=_non_negative_int,
+        default=0,
+        help="MTP draft tokens per step (0 = no speculative decoding)",
+    )
+    p.add_argument(
+        "--page-size",
+        type=_positive_int,
+        default=None,
+        help="tokens per page (default: 256, tiny models 16)",
+    )
+    p.add_argument(
+        "--context-len",
+        type=_positive_int,
+        default=None,
+        help="cap on context length (default: the model's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--layer-split",
+        type=_layer_split,
+        default=None,
+        help="target layers per PP rank, e.g. 16,15,15,15 (default: even)",
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsv4", description="dsv4-serve command line")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_plan_parser(sub)
+    return parser
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    model = load_model_config(args.model)
+    inputs = PlanInputs(
+        model=model,
+        role=args.role,
+        gpu_memory_bytes=int(args.gpu_memory_gib * GIB),
+        pp_size=args.pp,
+        layer_split=args.layer_split,
+        tp_size=args.tp,
+        page_size=args.page_size,
+        chunked_prefill_tokens=args.chunked_prefill_size,
+        max_running_requests=args.max_running_requests,
+        swa_ratio=args.swa_ratio,
+        mem_fraction=args.mem_fraction,
+        speculative_draft_tokens=args.speculative_draft_tokens,
+        context_len=args.context_len,
+    )
+    result = plan(inputs)
+    if args.json:
+        print(json.dumps(plan_to_dict(result), indent=2))
+    else:
+        print(format_table(result))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "plan":
+            return _run_plan(args)
+    except (PlanError, LayoutError, ModelConfigError) as exc:
+        print(f"dsv4 {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Shared vocabulary: model configs, the KV layout spec, index spaces. Pure Python."""

@@ -1,0 +1,1 @@
+"""The planner: model + role + parallelism + memory -> per-PP-rank KV plan. Never imports torch."""

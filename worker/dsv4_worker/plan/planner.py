@@ -1,0 +1,213 @@
+"""The planner: model + role + parallelism + memory -> a per-PP-rank plan. Pure Python.
+
+One planner, three consumers (operator, worker, local runner). Steps:
+  1. split target layers over PP ranks (the last rank also owns the draft layer when speculating)
+  2. slice the one KV layout per rank (`KVLayout.select`) and estimate each rank's weights
+  3. choose max running requests (given, or auto per rank; the group uses the minimum)
+  4. solve every rank's pools with that common request count; the bottleneck rank is the one
+     with the smallest max context (then the fewest requests, then the fewest full tokens)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsv4_worker.core.index_space import pages_for_tokens
+from dsv4_worker.core.layout import IndexSpace, KVLayout, LayoutError, build_layout
+from dsv4_worker.plan.capacity import (
+    RankCapacity,
+    SwaNeed,
+    auto_max_running,
+    solve_rank,
+    swa_need,
+)
+from dsv4_worker.plan.inputs import (
+    AUTO_MAX_RUNNING_CAP,
+    DEFAULT_TOKENS_PER_REQUEST,
+    PlanError,
+    PlanInputs,
+    Role,
+)
+from dsv4_worker.plan.weights import estimate_weight_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlan:
+    pp_rank: int
+    layers: tuple[int, int]  # target layers [start, end)
+    layout: KVLayout  # this rank's slice (target layers + draft layers it owns)
+    weight_bytes: int
+    available_bytes: int  # for KV after weights and the memory fraction
+    capacity: RankCapacity
+    swa_need: SwaNeed
+    context_len: int
+
+    @property
+    def page_size(self) -> int:
+        return self.layout.page_size
+
+    @property
+    def full_tokens(self) -> int:
+        return self.capacity.full_pages * self.page_size
+
+    @property
+    def swa_tokens(self) -> int:
+        return self.capacity.swa_pages * self.page_size
+
+    @property
+    def max_running_requests(self) -> int:
+        return self.capacity.request_slots
+
+    @property
+    def max_context_tokens(self) -> int:
+        """Bounded by the full pool and the model context only, never by the SWA pool."""
+        return min(self.context_len, self.full_tokens)
+
+    @property
+    def swa_ratio(self) -> float:
+        return self.swa_tokens / self.full_tokens
+
+    def component_units(self) -> dict[str, int]:
+        """Units (pages or request slots) per layer of every component, reserved unit 0 included."""
+        units = {
+            IndexSpace.FULL_PAGE: self.capacity.full_pages + 1,
+            IndexSpace.SWA_PAGE: self.capacity.swa_pages + 1,
+            IndexSpace.REQ_SLOT: self.capacity.request_slots + 1,
+        }
+        return {c.name: units[c.index_space] for c in self.layout.components}
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    inputs: PlanInputs
+    ranks: tuple[RankPlan, ...]
+
+    @property
+    def role(self) -> Role:
+        return self.inputs.role
+
+    @property
+    def bottleneck_rank(self) -> int:
+        worst = min(
+            self.ranks,
+            key=lambda r: (r.max_context_tokens, r.max_running_requests, r.full_tokens),
+        )
+        return worst.pp_rank
+
+    @property
+    def max_context_tokens(self) -> int:
+        return min(r.max_context_tokens for r in self.ranks)
+
+    @property
+    def max_running_requests(self) -> int:
+        return min(r.max_running_requests for r in self.ranks)
+
+
+def split_layers(num_layers: int, pp_size: int, split: tuple[int, ...] | None) -> list[range]:
+    """Contiguous target-layer ranges per PP rank; the first `num_layers % pp` get one more."""
+    if pp_size > num_layers:
+        raise PlanError(f"pp_size={pp_size} exceeds the model's {num_layers} target layers")
+    if split is None:
+        base, extra = divmod(num_layers, pp_size)
+        split = tuple(base + (1 if i < extra else 0) for i in range(pp_size))
+    if len(split) != pp_size:
+        raise PlanError(f"layer_split has {len(split)} entries but pp_size={pp_size}")
+    if any(n < 1 for n in split):
+        raise PlanError(f"layer_split={list(split)}: every PP rank needs at least one layer")
+    if sum(split) != num_layers:
+        raise PlanError(
+            f"layer_split={list(split)} sums to {sum(split)}, the model has {num_layers} layers"
+        )
+    ranges, start = [], 0
+    for n in split:
+        ranges.append(range(start, start + n))
+        start += n
+    return ranges
+
+
+def plan(inputs: PlanInputs) -> Plan:
+    model = inputs.model
+    page = inputs.resolved_page_size
+    draft = inputs.speculative_draft_tokens
+    try:
+        full_layout = build_layout(model, page, draft, inputs.tp_size)
+    except LayoutError as exc:
+        raise PlanError(str(exc)) from exc
+    ranges = split_layers(model.num_hidden_layers, inputs.pp_size, inputs.layer_split)
+    if inputs.weight_bytes_per_rank is not None and len(inputs.weight_bytes_per_rank) != len(
+        ranges
+    ):
+        raise PlanError(
+            f"weight_bytes_per_rank has {len(inputs.weight_bytes_per_rank)} entries, "
+            f"pp_size={inputs.pp_size}"
+        )
+    context_len = inputs.resolved_context_len
+    usable = int(inputs.gpu_memory_bytes * inputs.mem_fraction)
+    last = len(ranges) - 1
+
+    # Steps 1-2: per-rank layouts, weights, what is left for KV.
+    staged: list[tuple[int, range, KVLayout, int, int, SwaNeed]] = []
+    for rank, layers in enumerate(ranges):
+        owned = list(layers) + (list(full_layout.draft_layer_ids) if rank == last else [])
+        layout = full_layout.select(owned)
+        if inputs.weight_bytes_per_rank is not None:
+            weights = inputs.weight_bytes_per_rank[rank]
+        else:
+            weights = estimate_weight_bytes(
+                model,
+                layers,
+                first=rank == 0,
+                last=rank == last,
+                with_draft=draft > 0,
+                tp_size=inputs.tp_size,
+            )
+        available = usable - weights
+        if available <= 0:
+            raise PlanError(
+                f"PP rank {rank}: weights need {weights / 2**30:.1f} GiB per GPU but only "
+                f"{usable / 2**30:.1f} GiB is usable (gpu memory x mem_fraction "
+                f"{inputs.mem_fraction}); raise tp_size or pp_size"
+            )
+        need = swa_need(layout, inputs.role, inputs.resolved_chunk_tokens)
+        staged.append((rank, layers, layout, weights, available, need))
+
+    # Step 3: one request count for the whole PP group (every rank holds every request).
+    if inputs.max_running_requests is not None:
+        max_running = inputs.max_running_requests
+    else:
+        tokens = min(DEFAULT_TOKENS_PER_REQUEST, context_len)
+        max_running = min(
+            auto_max_running(
+                layout,
+                available_bytes=available,
+                need=need,
+                tokens_per_request=tokens,
+                cap=AUTO_MAX_RUNNING_CAP[inputs.role],
+            )
+            for _, _, layout, _, available, need in staged
+        )
+
+    # Step 4: solve every rank with the common request count.
+    max_full_pages = pages_for_tokens(context_len, page) * max_running
+    ranks = tuple(
+        RankPlan(
+            pp_rank=rank,
+            layers=(layers.start, layers.stop),
+            layout=layout,
+            weight_bytes=weights,
+            available_bytes=available,
+            capacity=solve_rank(
+                layout,
+                pp_rank=rank,
+                available_bytes=available,
+                max_running=max_running,
+                need=need,
+                swa_ratio=inputs.swa_ratio,
+                max_full_pages=max_full_pages,
+            ),
+            swa_need=need,
+            context_len=context_len,
+        )
+        for rank, layers, layout, weights, available, need in staged
+    )
+    return Plan(inputs=inputs, ranks=ranks)
