@@ -59,6 +59,10 @@ def plan_to_dict(p: Plan) -> dict[str, Any]:
     }
 
 
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / GIB:.1f} GiB" if num_bytes >= GIB else f"{num_bytes / MIB:.1f} MiB"
+
+
 _COLUMNS = (
     ("rank", 4),
     ("layers", 9),
@@ -80,7 +84,7 @@ def format_table(p: Plan) -> str:
     head = (
         f"{i.model.name}  role={i.role}  PP={i.pp_size}  TP={i.tp_size}  "
         f"page={i.resolved_page_size}  draft={i.speculative_draft_tokens}  "
-        f"gpu={i.gpu_memory_bytes / GIB:.1f} GiB x {i.mem_fraction}"
+        f"gpu={_size(i.gpu_memory_bytes)} x {i.mem_fraction}"
     )
     lines = [head, "  ".join(name.rjust(width) for name, width in _COLUMNS)]
     for r in p.ranks:
