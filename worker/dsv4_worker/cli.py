@@ -119,10 +119,23 @@ def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
+def _add_render_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "render",
+        help="print every object the operator would apply for a DSV4Deployment",
+        description="Render a DSV4Deployment file to the Kubernetes objects the operator "
+        "applies, as a YAML stream (for GitOps). Invalid specs and contexts that do not fit "
+        "the memory plan are errors (exit 2).",
+    )
+    p.add_argument("file", help="YAML file holding one or more DSV4Deployment documents")
+    p.add_argument("--namespace", "-n", default=None, help="namespace when the file has none")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv4", description="dsv4-serve command line")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_plan_parser(sub)
+    _add_render_parser(sub)
     return parser
 
 
@@ -151,11 +164,31 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_render(args: argparse.Namespace) -> int:
+    # The only place the worker package reaches into the operator, and only when asked.
+    from pathlib import Path
+
+    import yaml
+
+    from dsv4_operator.memory import MemoryPlanError
+    from dsv4_operator.render import render_file
+    from dsv4_operator.spec import SpecError
+
+    try:
+        sys.stdout.write(render_file(Path(args.file), namespace=args.namespace))
+    except (SpecError, MemoryPlanError, OSError, yaml.YAMLError) as exc:
+        print(f"dsv4 render: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "plan":
             return _run_plan(args)
+        if args.command == "render":
+            return _run_render(args)
     except (PlanError, LayoutError, ModelConfigError) as exc:
         print(f"dsv4 {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -6,6 +6,9 @@ import dataclasses
 import itertools
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from dsv4_worker.core import index_space as ix
 from dsv4_worker.core.layout import IndexSpace, LayoutError, build_layout
 from dsv4_worker.core.model_config import (
@@ -14,8 +17,6 @@ from dsv4_worker.core.model_config import (
     hybrid_tiny,
     tiny,
 )
-from hypothesis import given
-from hypothesis import strategies as st
 
 # fp8 KV row: 448 B fp8 nope + 64 x 2 B bf16 rope + 7 B scales (one per 64) = 583 -> 8-aligned 584.
 KV_ROW = 448 + 64 * 2 + 7 + 1

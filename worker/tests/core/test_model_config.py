@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from dsv4_worker.core.model_config import (
     PRESETS,
     DSV4Config,

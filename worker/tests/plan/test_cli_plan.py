@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+
 from dsv4_worker.cli import main
 
 PRO_H200 = ["--model", "deepseek-v4-pro", "--tp", "8", "--gpu-memory-gib", "131.3"]

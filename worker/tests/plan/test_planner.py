@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from dsv4_worker.core.model_config import deepseek_v4_flash, deepseek_v4_pro, hybrid_tiny, tiny
 from dsv4_worker.plan.inputs import GIB, PlanError, PlanInputs, Role
 from dsv4_worker.plan.planner import plan, split_layers
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 MIB = 1 << 20
 # tiny, page 16 (see worker/tests/core/test_layout.py for the unit arithmetic)

@@ -1,0 +1,78 @@
+{{/* Chart name, truncated to a DNS label. */}}
+{{- define "dsv4-operator.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Full name: release + chart unless the release name already contains the chart name. */}}
+{{- define "dsv4-operator.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "dsv4-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "dsv4-operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "dsv4-operator.labels" -}}
+{{ include "dsv4-operator.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: dsv4-serve
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "dsv4-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "dsv4-operator.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Namespaces served, as a JSON list; empty list = cluster-wide. */}}
+{{- define "dsv4-operator.namespaces" -}}
+{{- if .Values.watch.namespaces -}}
+{{- toJson .Values.watch.namespaces -}}
+{{- else if .Values.rbac.namespaced -}}
+{{- toJson (list .Release.Namespace) -}}
+{{- else -}}
+[]
+{{- end -}}
+{{- end -}}
+
+{{/* The rules the operator needs on the objects it plans, in every namespace it serves. */}}
+{{- define "dsv4-operator.workloadRules" -}}
+- apiGroups: [serving.dsv4.io]
+  resources: [dsv4deployments]
+  verbs: [get, list, watch, patch]
+- apiGroups: [serving.dsv4.io]
+  resources: [dsv4deployments/status]
+  verbs: [get, patch]
+- apiGroups: [apps]
+  resources: [statefulsets, deployments]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [services, configmaps, serviceaccounts]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch, delete, deletecollection]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end -}}

@@ -1,0 +1,145 @@
+"""The Kubernetes API as the reconciler sees it: a small `Kube` protocol, its error type, and
+the real implementation on the official `kubernetes` client (dynamic client, server-side
+apply with fieldManager `dsv4-operator` and forced conflicts on the fields we own).
+
+The only module that talks to the API server. Tests use an in-memory fake instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from dsv4_operator import labels as L
+
+
+class KubeError(Exception):
+    """An API call failed. `retryable`: a conflict, throttling, timeout or server error."""
+
+    def __init__(self, message: str, *, retryable: bool, status: int | None = None) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+        self.status = status
+
+
+class Kube(Protocol):
+    def apply(self, obj: Mapping[str, Any]) -> None:
+        """Server-side apply `obj` (namespaced; namespace in its metadata)."""
+        ...
+
+    def get(
+        self, api_version: str, kind: str, namespace: str, name: str
+    ) -> dict[str, Any] | None: ...
+
+    def list(
+        self, api_version: str, kind: str, namespace: str, selector: str
+    ) -> list[dict[str, Any]]: ...
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        """Delete (background propagation); a missing object is not an error."""
+        ...
+
+    def delete_pods(self, namespace: str, selector: str) -> None:
+        """Delete every pod matching `selector` (one PP group)."""
+        ...
+
+    def patch_status(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
+        """JSON-merge-patch the DSV4Deployment's status subresource with `{"status": patch}`."""
+        ...
+
+
+_RETRYABLE = {409, 429, 500, 502, 503, 504}
+
+
+class ApiKube:
+    """`Kube` on `kubernetes.dynamic.DynamicClient` (synchronous; kopf runs sync handlers in
+    threads)."""
+
+    def __init__(self, api_client: Any, request_timeout_s: float = 30.0) -> None:
+        from kubernetes import dynamic
+
+        self._dyn = dynamic.DynamicClient(api_client)  # type: ignore[no-untyped-call]
+        self._timeout_s = request_timeout_s
+
+    @classmethod
+    def from_environment(cls, request_timeout_s: float = 30.0) -> ApiKube:
+        """In-cluster config when running in a pod, else the local kubeconfig."""
+        from kubernetes import client, config
+
+        try:
+            config.load_incluster_config()  # type: ignore[no-untyped-call]
+        except config.ConfigException:
+            config.load_kube_config()  # type: ignore[no-untyped-call]
+        return cls(client.ApiClient(), request_timeout_s)
+
+    def _resource(self, api_version: str, kind: str) -> Any:
+        return self._dyn.resources.get(api_version=api_version, kind=kind)
+
+    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        try:
+            return fn(*args, _request_timeout=self._timeout_s, **kwargs)
+        except ApiException as exc:
+            status = int(exc.status or 0)
+            if status == 404:
+                return None
+            raise KubeError(
+                f"{what}: {status} {exc.reason}", retryable=status in _RETRYABLE, status=status
+            ) from exc
+        except (HTTPError, OSError) as exc:
+            raise KubeError(f"{what}: {exc}", retryable=True) from exc
+
+    def apply(self, obj: Mapping[str, Any]) -> None:
+        meta = obj["metadata"]
+        self._call(
+            f"apply {obj['kind']}/{meta['name']}",
+            self._resource(obj["apiVersion"], obj["kind"]).server_side_apply,
+            body=dict(obj),
+            name=meta["name"],
+            namespace=meta["namespace"],
+            field_manager=L.FIELD_MANAGER,
+            force_conflicts=True,
+        )
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        res = self._resource(api_version, kind)
+        got = self._call(f"get {kind}/{name}", res.get, name=name, namespace=namespace)
+        return None if got is None else dict(got.to_dict())
+
+    def list(
+        self, api_version: str, kind: str, namespace: str, selector: str
+    ) -> list[dict[str, Any]]:
+        res = self._resource(api_version, kind)
+        got = self._call(f"list {kind}", res.get, namespace=namespace, label_selector=selector)
+        if got is None:
+            return []
+        return [dict(item) for item in got.to_dict().get("items", [])]
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        res = self._resource(api_version, kind)
+        self._call(
+            f"delete {kind}/{name}",
+            res.delete,
+            name=name,
+            namespace=namespace,
+            body={"propagationPolicy": "Background"},
+        )
+
+    def delete_pods(self, namespace: str, selector: str) -> None:
+        res = self._resource("v1", "Pod")
+        self._call(
+            f"delete pods {selector}", res.delete, namespace=namespace, label_selector=selector
+        )
+
+    def patch_status(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
+        res = self._dyn.resources.get(api_version=L.API_VERSION, kind=L.KIND).status
+        self._call(
+            f"patch {L.KIND}/{name} status",
+            res.patch,
+            body={"status": dict(patch)},
+            name=name,
+            namespace=namespace,
+            content_type="application/merge-patch+json",
+        )

@@ -1,0 +1,151 @@
+"""Label and annotation keys, child-object name templates and the CR name rule.
+
+Owns every string the operator stamps on children, so builders, the pruner and the observer
+agree on them. Pure: no Kubernetes client here.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Final, Literal
+
+GROUP: Final = "serving.dsv4.io"
+VERSION: Final = "v1alpha1"
+API_VERSION: Final = f"{GROUP}/{VERSION}"
+KIND: Final = "DSV4Deployment"
+PLURAL: Final = "dsv4deployments"
+FIELD_MANAGER: Final = "dsv4-operator"
+
+WorkerRole = Literal["prefill", "decode"]
+WORKER_ROLES: Final[tuple[WorkerRole, ...]] = ("prefill", "decode")
+Component = Literal["worker", "router"]
+
+# Labels (selectors use these; never change a key without a migration).
+APP_NAME: Final = "app.kubernetes.io/name"
+APP_INSTANCE: Final = "app.kubernetes.io/instance"
+APP_COMPONENT: Final = "app.kubernetes.io/component"
+APP_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
+DEPLOYMENT_LABEL: Final = f"{GROUP}/deployment"
+ROLE_LABEL: Final = f"{GROUP}/role"
+GROUP_LABEL: Final = f"{GROUP}/group"
+REPLICA_LABEL: Final = f"{GROUP}/replica"
+# Set by the StatefulSet controller on every pod (Kubernetes >= 1.28): the PP rank.
+POD_INDEX_LABEL: Final = "apps.kubernetes.io/pod-index"
+# The serving PP rank: routing Services select it, so only rank 0 receives traffic.
+SERVING_RANK: Final = 0
+
+APP_NAME_VALUE: Final = "dsv4-serve"
+MANAGED_BY_VALUE: Final = "dsv4-operator"
+# Labels the operator's own pods carry (the chart must set them): the NetworkPolicy lets only
+# these pods reach the workers' status port.
+OPERATOR_POD_LABELS: Final = {APP_NAME: "dsv4-operator"}
+
+# Annotations.
+TEMPLATE_HASH_ANNOTATION: Final = f"{GROUP}/template-hash"
+APPLIED_HASH_ANNOTATION: Final = f"{GROUP}/applied-hash"
+
+# Name templates. Bounds on the variable parts keep every derived name legal.
+MAX_ROLE_REPLICAS: Final = 64  # replica index <= 63: at most 2 digits (the CRD's bound)
+MAX_PIPELINE_PARALLEL: Final = 16  # PP rank <= 15 (the CRD's bound)
+GROUP_TEMPLATE: Final = "{name}-{role}-{replica}"  # StatefulSet + headless Service of a PP group
+ROLE_SERVICE_TEMPLATE: Final = "{name}-{role}"  # routing Service + PDB per role
+ROUTER_TEMPLATE: Final = "{name}-router"
+CONFIG_TEMPLATE: Final = "{name}-config"
+SERVICE_ACCOUNT_TEMPLATE: Final = "{name}-workload"
+NETWORK_POLICY_TEMPLATE: Final = "{name}-workers"
+
+# NOTE: the StatefulSet controller labels pods with `controller-revision-hash: <sts>-<hash>`
+# (label values <= 63, hash <= 10 chars), so a StatefulSet name may use at most 52 characters.
+_MAX_STATEFULSET_NAME: Final = 63 - 11
+_LONGEST_GROUP_SUFFIX: Final = len(
+    GROUP_TEMPLATE.format(name="", role=max(WORKER_ROLES, key=len), replica=MAX_ROLE_REPLICAS - 1)
+)
+_DERIVED_MAX_NAME_LENGTH: Final = _MAX_STATEFULSET_NAME - _LONGEST_GROUP_SUFFIX  # 41
+# The CRD's CEL rule allows 40 (one character of headroom); both must accept the same names.
+MAX_NAME_LENGTH: Final = min(40, _DERIVED_MAX_NAME_LENGTH)
+# DNS-1035 label: Services need a leading letter.
+NAME_PATTERN: Final = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def name_error(name: str) -> str | None:
+    """Why `name` cannot be a DSV4Deployment name, or None when it can."""
+    if not name:
+        return "must not be empty"
+    if len(name) > MAX_NAME_LENGTH:
+        return (
+            f"{name!r} has {len(name)} characters; at most {MAX_NAME_LENGTH} so that every "
+            "child name (e.g. the StatefulSet of a PP group) stays legal"
+        )
+    if not NAME_PATTERN.match(name):
+        return (
+            f"{name!r} must be a DNS-1035 label: lower-case letters, digits and '-', "
+            "starting with a letter and ending with a letter or digit"
+        )
+    return None
+
+
+def group_name(name: str, role: WorkerRole, replica: int) -> str:
+    return GROUP_TEMPLATE.format(name=name, role=role, replica=replica)
+
+
+def role_service_name(name: str, role: WorkerRole) -> str:
+    return ROLE_SERVICE_TEMPLATE.format(name=name, role=role)
+
+
+def router_name(name: str) -> str:
+    return ROUTER_TEMPLATE.format(name=name)
+
+
+def config_name(name: str) -> str:
+    return CONFIG_TEMPLATE.format(name=name)
+
+
+def service_account_name(name: str) -> str:
+    return SERVICE_ACCOUNT_TEMPLATE.format(name=name)
+
+
+def network_policy_name(name: str) -> str:
+    return NETWORK_POLICY_TEMPLATE.format(name=name)
+
+
+def owned_labels(name: str) -> dict[str, str]:
+    """Labels on every child; the prune selector matches exactly these."""
+    return {
+        APP_NAME: APP_NAME_VALUE,
+        APP_INSTANCE: name,
+        APP_MANAGED_BY: MANAGED_BY_VALUE,
+        DEPLOYMENT_LABEL: name,
+    }
+
+
+def component_labels(name: str, component: Component) -> dict[str, str]:
+    return {**owned_labels(name), APP_COMPONENT: component}
+
+
+def role_labels(name: str, role: WorkerRole) -> dict[str, str]:
+    return {**component_labels(name, "worker"), ROLE_LABEL: role}
+
+
+def group_labels(name: str, role: WorkerRole, replica: int) -> dict[str, str]:
+    return {
+        **role_labels(name, role),
+        GROUP_LABEL: group_name(name, role, replica),
+        REPLICA_LABEL: str(replica),
+    }
+
+
+def selector_string(labels: dict[str, str]) -> str:
+    """`k=v,k=v` in key order (the form list calls take)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+def prune_selector(name: str) -> str:
+    return selector_string(
+        {APP_MANAGED_BY: MANAGED_BY_VALUE, DEPLOYMENT_LABEL: name},
+    )
+
+
+def worker_selector(name: str) -> str:
+    return selector_string(
+        {APP_MANAGED_BY: MANAGED_BY_VALUE, DEPLOYMENT_LABEL: name, APP_COMPONENT: "worker"}
+    )

@@ -1,0 +1,173 @@
+"""Pure builders for the non-workload children: Services, ConfigMap, PodDisruptionBudget,
+NetworkPolicy, ServiceAccount. One function per kind; explicit arguments in, a plain dict out.
+
+The pod-bearing kinds (StatefulSet, Deployment) live in `workloads.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dsv4_operator import labels as L
+from dsv4_operator.spec import DeploymentMeta
+from dsv4_operator.workerconfig import HTTP_PORT, STATUS_PORT, WORKER_PORTS
+
+Obj = dict[str, Any]
+
+
+def owner_reference(meta: DeploymentMeta) -> Obj:
+    assert meta.uid is not None, "owner references need the CR's uid"
+    return {
+        "apiVersion": L.API_VERSION,
+        "kind": L.KIND,
+        "name": meta.name,
+        "uid": meta.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def object_meta(meta: DeploymentMeta, name: str, labels: dict[str, str]) -> Obj:
+    """Child metadata: namespace, labels and (when the CR exists) the owner reference."""
+    out: Obj = {"name": name, "namespace": meta.namespace, "labels": dict(labels)}
+    if meta.uid is not None:
+        out["ownerReferences"] = [owner_reference(meta)]
+    return out
+
+
+def _ports(names: tuple[str, ...]) -> list[Obj]:
+    return [{"name": n, "port": WORKER_PORTS[n], "targetPort": n, "protocol": "TCP"} for n in names]
+
+
+def build_service_account(meta: DeploymentMeta) -> Obj:
+    """Workers and the router call no Kubernetes API: no token is mounted, no role is bound."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": object_meta(meta, L.service_account_name(meta.name), L.owned_labels(meta.name)),
+        "automountServiceAccountToken": False,
+    }
+
+
+def build_config_map(meta: DeploymentMeta, data: dict[str, str]) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": object_meta(meta, L.config_name(meta.name), L.owned_labels(meta.name)),
+        "data": dict(data),
+    }
+
+
+def build_group_service(meta: DeploymentMeta, role: L.WorkerRole, replica: int) -> Obj:
+    """Headless Service of one PP group: stable DNS per rank, published before readiness so
+    that ranks can find each other while the group forms."""
+    group = L.group_name(meta.name, role, replica)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": object_meta(meta, group, L.group_labels(meta.name, role, replica)),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {L.DEPLOYMENT_LABEL: meta.name, L.GROUP_LABEL: group},
+            "ports": _ports(("pp", "kv", "status")),
+        },
+    }
+
+
+def build_role_service(meta: DeploymentMeta, role: L.WorkerRole) -> Obj:
+    """Headless routing Service of a role: its endpoints are the Ready serving ranks only
+    (PP rank 0 of each group, selected by the StatefulSet's pod-index label)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": object_meta(
+            meta, L.role_service_name(meta.name, role), L.role_labels(meta.name, role)
+        ),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": False,
+            "selector": {
+                L.DEPLOYMENT_LABEL: meta.name,
+                L.APP_COMPONENT: "worker",
+                L.ROLE_LABEL: role,
+                L.POD_INDEX_LABEL: str(L.SERVING_RANK),
+            },
+            "ports": _ports(("http", "kv")),
+        },
+    }
+
+
+def build_router_service(meta: DeploymentMeta, port: int) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": object_meta(
+            meta, L.router_name(meta.name), L.component_labels(meta.name, "router")
+        ),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": {L.DEPLOYMENT_LABEL: meta.name, L.APP_COMPONENT: "router"},
+            "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def build_pdb(meta: DeploymentMeta, role: L.WorkerRole) -> Obj:
+    """At most one worker pod of a role voluntarily disrupted at a time. Because a serving
+    rank turns unready when a peer is gone, one evicted pod blocks further evictions."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": object_meta(
+            meta, L.role_service_name(meta.name, role), L.role_labels(meta.name, role)
+        ),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {
+                "matchLabels": {
+                    L.DEPLOYMENT_LABEL: meta.name,
+                    L.APP_COMPONENT: "worker",
+                    L.ROLE_LABEL: role,
+                }
+            },
+        },
+    }
+
+
+def build_network_policy(meta: DeploymentMeta) -> Obj:
+    """Worker ingress: peer workers of this deployment on any port (PP activations and KV
+    transfer; UCX/NIXL data paths use ephemeral ports), the router on the serving port, and the
+    operator on the status port. Everything else is denied."""
+    workers = {L.DEPLOYMENT_LABEL: meta.name, L.APP_COMPONENT: "worker"}
+    router = {L.DEPLOYMENT_LABEL: meta.name, L.APP_COMPONENT: "router"}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": object_meta(
+            meta, L.network_policy_name(meta.name), L.component_labels(meta.name, "worker")
+        ),
+        "spec": {
+            "podSelector": {"matchLabels": workers},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": workers}}]},
+                {
+                    "from": [{"podSelector": {"matchLabels": router}}],
+                    "ports": [
+                        {"protocol": "TCP", "port": HTTP_PORT},
+                        {"protocol": "TCP", "port": STATUS_PORT},
+                    ],
+                },
+                {
+                    "from": [
+                        {
+                            "namespaceSelector": {},
+                            "podSelector": {"matchLabels": dict(L.OPERATOR_POD_LABELS)},
+                        }
+                    ],
+                    "ports": [{"protocol": "TCP", "port": STATUS_PORT}],
+                },
+            ],
+        },
+    }

@@ -1,0 +1,124 @@
+"""The memory plan of a deployment: the planner's per-PP-rank plan for each role, and whether
+`spec.maxContextTokens` fits.
+
+Pure: the same planner the workers use (`dsv4_worker.plan`), no Kubernetes. Errors name the
+spec field to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from dsv4_operator.labels import WORKER_ROLES, WorkerRole
+from dsv4_operator.spec import DeploymentSpec
+from dsv4_worker.core.model_config import ModelConfig, ModelConfigError, load_model_config
+from dsv4_worker.plan.inputs import DEFAULT_MEM_FRACTION, GIB, PlanError, PlanInputs
+from dsv4_worker.plan.planner import Plan, plan
+
+# CPU mode (gpu.memoryGiB 0, tiny model): each worker pod plans its pools as if it had a
+# device of this size. Worker pods get a memory limit above it (see manifests).
+CPU_MODE_MEMORY_BYTES: Final = 1 * GIB
+
+
+class MemoryPlanError(ValueError):
+    """The spec is well-formed but cannot be planned; the message names the field to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    requested_context_tokens: int
+    model_context_tokens: int  # the model's max_position_embeddings
+    prefill: Plan
+    decode: Plan
+
+    def role(self, role: WorkerRole) -> Plan:
+        return self.prefill if role == "prefill" else self.decode
+
+    @property
+    def max_context_tokens(self) -> int:
+        """The largest context every role holds (the pool of its bottleneck rank)."""
+        return min(self.prefill.max_context_tokens, self.decode.max_context_tokens)
+
+    @property
+    def bottleneck(self) -> tuple[WorkerRole, int]:
+        """(role, PP rank) that limits the context."""
+        role = min(WORKER_ROLES, key=lambda r: self.role(r).max_context_tokens)
+        return role, self.role(role).bottleneck_rank
+
+    @property
+    def context_fits(self) -> bool:
+        return self.max_context_tokens >= self.requested_context_tokens
+
+    def context_message(self) -> str:
+        role, rank = self.bottleneck
+        largest = self.max_context_tokens
+        if self.context_fits:
+            return (
+                f"maxContextTokens {self.requested_context_tokens} fits every role "
+                f"(bottleneck: {role} PP rank {rank})"
+            )
+        if self.requested_context_tokens > self.model_context_tokens:
+            why = f"the model's context is {self.model_context_tokens} tokens"
+            fix = f"lower maxContextTokens to at most {largest}"
+        else:
+            why = f"{role} PP rank {rank} holds at most {largest} full-KV tokens"
+            fix = (
+                f"lower maxContextTokens to at most {largest}, or add memory per rank: more "
+                f"{role}.pipelineParallel, a larger gpu.memoryGiB or memFraction"
+            )
+        return (
+            f"maxContextTokens {self.requested_context_tokens} does not fit: {why}; the largest "
+            f"context that fits is {largest} tokens ({fix})"
+        )
+
+
+def device_memory_bytes(spec: DeploymentSpec) -> int:
+    if spec.gpu.cpu_mode:
+        return CPU_MODE_MEMORY_BYTES
+    return int(spec.gpu.memory_gib * GIB)
+
+
+def plan_inputs(spec: DeploymentSpec, role: WorkerRole, model: ModelConfig) -> PlanInputs:
+    """What the planner (operator side and worker side) is given for one role."""
+    role_spec = spec.role(role)
+    return PlanInputs(
+        model=model,
+        role=role,
+        gpu_memory_bytes=device_memory_bytes(spec),
+        pp_size=role_spec.pipeline_parallel,
+        tp_size=role_spec.tensor_parallel,
+        page_size=spec.kv.page_size,
+        chunked_prefill_tokens=role_spec.chunked_prefill_tokens,
+        max_running_requests=role_spec.max_running_requests,
+        swa_ratio=spec.kv.swa_ratio,
+        mem_fraction=spec.mem_fraction if spec.mem_fraction is not None else DEFAULT_MEM_FRACTION,
+        speculative_draft_tokens=spec.speculative_draft_tokens,
+        # Never plan past the model's own context: the cap keeps "largest fit" honest.
+        context_len=min(spec.max_context_tokens, model.max_position_embeddings),
+    )
+
+
+def load_model(spec: DeploymentSpec) -> ModelConfig:
+    field = "spec.model.preset" if spec.model.preset is not None else "spec.model.configPath"
+    try:
+        return load_model_config(spec.model.source)
+    except ModelConfigError as exc:
+        raise MemoryPlanError(f"{field}: {exc}") from exc
+
+
+def plan_memory(spec: DeploymentSpec) -> MemoryPlan:
+    """Plan both roles. Raises MemoryPlanError when a role cannot be planned at all."""
+    model = load_model(spec)
+    plans: dict[WorkerRole, Plan] = {}
+    for role in WORKER_ROLES:
+        try:
+            plans[role] = plan(plan_inputs(spec, role, model))
+        except PlanError as exc:
+            raise MemoryPlanError(f"spec.{role}: {exc}") from exc
+    return MemoryPlan(
+        requested_context_tokens=spec.max_context_tokens,
+        model_context_tokens=model.max_position_embeddings,
+        prefill=plans["prefill"],
+        decode=plans["decode"],
+    )

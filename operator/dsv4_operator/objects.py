@@ -1,0 +1,123 @@
+"""Desired state: spec + metadata + memory plan -> every child object, in apply order, plus the
+selector that finds children to prune. Pure; `render.py` prints it, `reconcile.py` applies it.
+
+Each object carries an applied-hash annotation (a hash of the object as planned) so the
+reconciler can skip objects the cluster already holds; each pod template carries a
+template-hash annotation (template + the config it reads) so a change rolls its pods.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from dsv4_operator import labels as L
+from dsv4_operator.manifests import (
+    Obj,
+    build_config_map,
+    build_group_service,
+    build_network_policy,
+    build_pdb,
+    build_role_service,
+    build_router_service,
+    build_service_account,
+)
+from dsv4_operator.memory import MemoryPlan
+from dsv4_operator.spec import DeploymentMeta, DeploymentSpec
+from dsv4_operator.workerconfig import ROUTER_CONFIG_KEY, config_data, role_config_data
+from dsv4_operator.workloads import (
+    DEFAULT_WORKER_IMAGE,
+    build_group_statefulset,
+    build_router_deployment,
+    router_pod_template,
+    with_template_hash,
+    worker_pod_template,
+)
+
+ObjKey = tuple[str, str, str]  # (apiVersion, kind, name)
+
+# Every kind the operator creates (the pruner lists exactly these).
+MANAGED_KINDS: tuple[tuple[str, str], ...] = (
+    ("v1", "ServiceAccount"),
+    ("v1", "ConfigMap"),
+    ("v1", "Service"),
+    ("policy/v1", "PodDisruptionBudget"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
+    ("apps/v1", "StatefulSet"),
+    ("apps/v1", "Deployment"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class DesiredState:
+    objects: tuple[Obj, ...]
+    prune_selector: str
+    # Group name (or the router Deployment's name) -> the template hash its pods must carry.
+    template_hashes: dict[str, str]
+
+    def keys(self) -> set[ObjKey]:
+        return {object_key(o) for o in self.objects}
+
+
+def object_key(obj: dict[str, Any]) -> ObjKey:
+    return (obj["apiVersion"], obj["kind"], obj["metadata"]["name"])
+
+
+def stable_hash(*parts: object) -> str:
+    """16 hex digits of SHA-256 over canonical JSON."""
+    text = json.dumps(parts, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _stamp_applied_hash(obj: Obj) -> Obj:
+    annotations = obj["metadata"].setdefault("annotations", {})
+    annotations.pop(L.APPLIED_HASH_ANNOTATION, None)
+    annotations[L.APPLIED_HASH_ANNOTATION] = stable_hash(obj)
+    return obj
+
+
+def build_desired_state(
+    spec: DeploymentSpec,
+    meta: DeploymentMeta,
+    memory: MemoryPlan,
+    *,
+    default_image: str = DEFAULT_WORKER_IMAGE,
+) -> DesiredState:
+    image = spec.image or default_image
+    data = config_data(spec, meta, memory)
+    objects: list[Obj] = [
+        build_service_account(meta),
+        build_config_map(meta, data),
+        build_network_policy(meta),
+    ]
+    hashes: dict[str, str] = {}
+    workloads: list[Obj] = []
+    for role in L.WORKER_ROLES:
+        objects.append(build_role_service(meta, role))
+        objects.append(build_pdb(meta, role))
+        role_data = role_config_data(data, role)
+        for replica in range(spec.role(role).replicas):
+            group = L.group_name(meta.name, role, replica)
+            template = worker_pod_template(meta, spec, role, replica, image)
+            hashes[group] = stable_hash(template, role_data)
+            objects.append(build_group_service(meta, role, replica))
+            workloads.append(
+                build_group_statefulset(
+                    meta, spec, role, replica, with_template_hash(template, hashes[group])
+                )
+            )
+    router_template = router_pod_template(meta, spec, image)
+    router = L.router_name(meta.name)
+    hashes[router] = stable_hash(router_template, data[ROUTER_CONFIG_KEY])
+    objects.append(build_router_service(meta, spec.router.port))
+    workloads.append(
+        build_router_deployment(meta, spec, with_template_hash(router_template, hashes[router]))
+    )
+    objects.extend(workloads)  # last: everything they mount or join exists first
+    return DesiredState(
+        objects=tuple(_stamp_applied_hash(o) for o in objects),
+        prune_selector=L.prune_selector(meta.name),
+        template_hashes=hashes,
+    )

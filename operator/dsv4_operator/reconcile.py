@@ -1,0 +1,196 @@
+"""One idempotent reconcile of a DSV4Deployment: plan purely, apply thinly, then status.
+
+Level-based: every call recomputes everything from the CR and what the cluster holds, so
+create, update, resume and the periodic timer all call the same function. Writes happen only
+where the cluster differs from the plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from dsv4_operator import labels as L
+from dsv4_operator.diff import needs_apply, status_patch
+from dsv4_operator.groups import GroupAction, group_states, plan_group_actions
+from dsv4_operator.kube import Kube
+from dsv4_operator.memory import MemoryPlan, MemoryPlanError, plan_memory
+from dsv4_operator.objects import MANAGED_KINDS, DesiredState, ObjKey, build_desired_state
+from dsv4_operator.observe import Observed, WorkerProbe, parse_reports, pod_state
+from dsv4_operator.spec import DeploymentMeta, DeploymentSpec, SpecError, parse_meta, parse_spec
+from dsv4_operator.status import STATUS_KEYS, Problem, summarize
+from dsv4_operator.workloads import DEFAULT_WORKER_IMAGE
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorConfig:
+    default_image: str = DEFAULT_WORKER_IMAGE
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> OperatorConfig:
+        return cls(default_image=env.get("DSV4_WORKER_IMAGE") or DEFAULT_WORKER_IMAGE)
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcileResult:
+    status: dict[str, Any]
+    status_written: bool
+    applied: tuple[ObjKey, ...] = ()
+    pruned: tuple[ObjKey, ...] = ()
+    group_actions: tuple[GroupAction, ...] = ()
+    problem: Problem | None = None  # set when the spec was rejected (nothing applied)
+    permanent: bool = False  # the problem needs a spec edit (SpecError)
+
+
+def utc_now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def reconcile(
+    body: Mapping[str, Any],
+    kube: Kube,
+    probe: WorkerProbe,
+    *,
+    config: OperatorConfig = OperatorConfig(),
+    now: Callable[[], str] = utc_now,
+) -> ReconcileResult:
+    """
+    1. parse and validate the spec; an invalid spec -> PlanValid=False (InvalidSpec), stop
+    2. plan memory per role and PP rank; a plan error -> PlanValid=False (PlanFailed), stop
+    3. a maxContextTokens that does not fit -> ContextFits=False with the largest fit, stop
+       (steps 1-3 apply nothing: no worker pod is created; running workers are left alone)
+    4. build every desired child object (pure)
+    5. server-side apply each one the cluster does not already hold (missing or drifted)
+    6. prune owned children that are no longer planned
+    7. observe worker pods, the router and the workers' realized capacity
+    8. restart broken PP groups as units; roll outdated groups (one ready group per role);
+       observe again if anything was deleted
+    9. summarize status; patch it only when it changed
+    """
+    meta = _meta(body)
+    previous: Mapping[str, Any] = body.get("status") or {}
+
+    def finish(
+        spec: DeploymentSpec | None,
+        memory: MemoryPlan | None,
+        observed: Observed,
+        **extra: Any,
+    ) -> ReconcileResult:
+        status = summarize(
+            spec,
+            memory,
+            observed,
+            meta.generation,
+            meta=meta,
+            groups=extra.pop("groups", ()),
+            actions=extra.get("group_actions", ()),
+            problem=extra.get("problem"),
+            previous=previous,
+            now=now(),
+        )
+        patch = status_patch(previous, status, STATUS_KEYS)
+        if patch is not None:
+            kube.patch_status(meta.namespace, meta.name, patch)
+        return ReconcileResult(status=status, status_written=patch is not None, **extra)
+
+    # Steps 1-3.
+    try:
+        spec = parse_spec(body)
+    except SpecError as exc:
+        problem = Problem("InvalidSpec", str(exc))
+        return finish(None, None, Observed(), problem=problem, permanent=True)
+    try:
+        memory = plan_memory(spec)
+    except MemoryPlanError as exc:
+        return finish(spec, None, Observed(), problem=Problem("PlanFailed", str(exc)))
+    if not memory.context_fits:
+        problem = Problem("ContextTooLong", memory.context_message())
+        return finish(spec, memory, Observed(), problem=problem)
+
+    # Step 4.
+    desired = build_desired_state(spec, meta, memory, default_image=config.default_image)
+
+    # Steps 5-6.
+    live = _list_owned(kube, meta, desired.prune_selector)
+    applied = []
+    for obj in desired.objects:
+        key = (obj["apiVersion"], obj["kind"], obj["metadata"]["name"])
+        if needs_apply(obj, live.get(key)):
+            kube.apply(obj)
+            applied.append(key)
+    pruned = []
+    for key in sorted(live.keys() - desired.keys()):
+        if _owned_by(live[key], meta):
+            kube.delete(key[0], key[1], meta.namespace, key[2])
+            pruned.append(key)
+
+    # Steps 7-8.
+    observed = _observe(kube, probe, meta)
+    groups = group_states(spec, meta.name, desired.template_hashes, observed.pods)
+    actions = plan_group_actions(groups)
+    for action in actions:
+        selector = L.selector_string({L.DEPLOYMENT_LABEL: meta.name, L.GROUP_LABEL: action.group})
+        kube.delete_pods(meta.namespace, selector)
+    if actions:
+        observed = _observe(kube, probe, meta)
+        groups = group_states(spec, meta.name, desired.template_hashes, observed.pods)
+
+    # Step 9.
+    return finish(
+        spec,
+        memory,
+        observed,
+        groups=groups,
+        applied=tuple(applied),
+        pruned=tuple(pruned),
+        group_actions=tuple(actions),
+    )
+
+
+def _meta(body: Mapping[str, Any]) -> DeploymentMeta:
+    """The CR's metadata; a name the CRD should have refused still gets a status (parse_spec
+    reports it as the problem)."""
+    try:
+        return parse_meta(body)
+    except SpecError:
+        raw = body.get("metadata") or {}
+        return DeploymentMeta(
+            name=str(raw.get("name", "")),
+            namespace=str(raw.get("namespace") or "default"),
+            uid=raw.get("uid"),
+            generation=int(raw.get("generation") or 0),
+        )
+
+
+def _list_owned(kube: Kube, meta: DeploymentMeta, selector: str) -> dict[ObjKey, dict[str, Any]]:
+    live: dict[ObjKey, dict[str, Any]] = {}
+    for api_version, kind in MANAGED_KINDS:
+        for obj in kube.list(api_version, kind, meta.namespace, selector):
+            live[(api_version, kind, obj["metadata"]["name"])] = obj
+    return live
+
+
+def _owned_by(obj: Mapping[str, Any], meta: DeploymentMeta) -> bool:
+    """Never prune what another owner controls, even if it carries our labels."""
+    refs = obj.get("metadata", {}).get("ownerReferences") or []
+    if meta.uid is None:
+        return False
+    return any(r.get("uid") == meta.uid for r in refs)
+
+
+def _observe(kube: Kube, probe: WorkerProbe, meta: DeploymentMeta) -> Observed:
+    pods = tuple(
+        pod_state(p) for p in kube.list("v1", "Pod", meta.namespace, L.worker_selector(meta.name))
+    )
+    router = kube.get("apps/v1", "Deployment", meta.namespace, L.router_name(meta.name))
+    ready_replicas = int(((router or {}).get("status") or {}).get("readyReplicas") or 0)
+    return Observed(
+        pods=pods,
+        reports=parse_reports(probe.fetch(pods)),
+        router_ready_replicas=ready_replicas,
+    )
+
+
+__all__ = ["DesiredState", "OperatorConfig", "ReconcileResult", "reconcile", "utc_now"]

@@ -1,0 +1,299 @@
+"""The DSV4Deployment spec as frozen dataclasses, and its parser (`SpecError` re-exported).
+
+`parse_spec(body)` applies the CRD's defaults and checks every bound, enum, pattern and
+cross-field rule of crds/dsv4deployment.yaml (so `dsv4 render`/`dsv4 up` reject what the API
+server would), collecting all errors, each prefixed with its field path. Pure: no kopf, no
+Kubernetes client, no torch. Memory fit is not checked here (see `memory.py`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Literal, cast
+
+from dsv4_operator.errors import SpecError
+from dsv4_operator.fields import FieldReader
+from dsv4_operator.labels import (
+    MAX_PIPELINE_PARALLEL,
+    MAX_ROLE_REPLICAS,
+    WORKER_ROLES,
+    WorkerRole,
+    name_error,
+)
+
+__all__ = ["DeploymentMeta", "DeploymentSpec", "SpecError", "parse_meta", "parse_spec"]
+
+Transfer = Literal["nixl", "mooncake", "zmq"]
+TRANSFERS: Final[tuple[Transfer, ...]] = ("nixl", "mooncake", "zmq")
+# The presets the CRD enumerates; CPU mode (gpu.memoryGiB 0) runs only CPU_PRESETS.
+MODEL_PRESETS: Final = ("tiny", "deepseek-v4-flash", "deepseek-v4-pro")
+CPU_PRESETS: Final = frozenset({"tiny"})
+GPU_RESOURCE: Final = "nvidia.com/gpu"
+
+_ABS_PATH = re.compile(r"^/")
+_PVC_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+_SWA_RATIO = re.compile(r"^(auto|0?\.[0-9]*[1-9][0-9]*|1(\.0+)?)$")
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?([munkMGTPE]|[KMGTPE]i)?$")
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsSpec:
+    persistent_volume_claim: str
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    preset: str | None
+    config_path: str | None
+    weights: WeightsSpec | None = None
+
+    @property
+    def source(self) -> str:
+        """What `load_model_config` takes: the preset name or the config path."""
+        return self.preset if self.preset is not None else cast(str, self.config_path)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSpec:
+    memory_gib: float = 0.0
+    per_pod: int = 0
+
+    @property
+    def cpu_mode(self) -> bool:
+        return self.memory_gib == 0
+
+
+@dataclass(frozen=True, slots=True)
+class KVSpec:
+    page_size: int | None = None  # None = the model's default
+    swa_ratio: float | None = None  # None = auto
+    transfer: Transfer = "nixl"
+
+
+@dataclass(frozen=True, slots=True)
+class RoleSpec:
+    replicas: int = 1
+    pipeline_parallel: int = 1
+    tensor_parallel: int = 1
+    chunked_prefill_tokens: int | None = None  # None = 32 pages
+    max_running_requests: int | None = None  # None = sized from the memory plan
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSpec:
+    replicas: int = 1
+    port: int = 8000
+
+
+@dataclass(frozen=True, slots=True)
+class ResourcesSpec:
+    """CPU/memory for worker containers, quantities as strings; sorted (name, quantity) pairs."""
+
+    requests: tuple[tuple[str, str], ...] = ()
+    limits: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentSpec:
+    model: ModelSpec
+    max_context_tokens: int
+    gpu: GpuSpec = GpuSpec()
+    kv: KVSpec = KVSpec()
+    prefill: RoleSpec = RoleSpec()
+    decode: RoleSpec = RoleSpec()
+    router: RouterSpec = RouterSpec()
+    speculative_draft_tokens: int = 0
+    mem_fraction: float | None = None  # None = the planner's default
+    image: str | None = None  # None = the operator's configured worker image
+    resources: ResourcesSpec = ResourcesSpec()
+
+    def role(self, role: WorkerRole) -> RoleSpec:
+        return self.prefill if role == "prefill" else self.decode
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentMeta:
+    name: str
+    namespace: str
+    uid: str | None = None  # None when rendering a file that was never applied
+    generation: int = 0
+
+
+def parse_meta(body: Mapping[str, Any], default_namespace: str = "default") -> DeploymentMeta:
+    meta = body.get("metadata")
+    if not isinstance(meta, Mapping):
+        raise SpecError(["metadata: must be an object with a name"])
+    name = meta.get("name")
+    if not isinstance(name, str):
+        raise SpecError(["metadata.name: required string"])
+    if (why := name_error(name)) is not None:
+        raise SpecError([f"metadata.name: {why}"])
+    namespace = meta.get("namespace") or default_namespace
+    uid = meta.get("uid")
+    generation = meta.get("generation")
+    return DeploymentMeta(
+        name=name,
+        namespace=str(namespace),
+        uid=str(uid) if uid else None,
+        generation=generation if isinstance(generation, int) else 0,
+    )
+
+
+def parse_spec(body: Mapping[str, Any]) -> DeploymentSpec:
+    """Defaults + validation of `body["spec"]` (and `metadata.name` when present)."""
+    r = FieldReader()
+    meta = body.get("metadata")
+    name = meta.get("name") if isinstance(meta, Mapping) else None
+    if isinstance(name, str) and (why := name_error(name)) is not None:
+        r.fail("metadata.name", why)
+    spec = r.obj(body.get("spec"), "spec", required=True)
+    r.keys(
+        spec,
+        "spec",
+        {"model", "maxContextTokens", "gpu", "kv", "prefill", "decode", "router"}
+        | {"speculativeDraftTokens", "memFraction", "image", "resources"},
+    )
+    model = _model(r, spec.get("model"))
+    max_context = r.integer(spec, "maxContextTokens", "spec", None, 1, 16_777_216, required=True)
+    gpu = _gpu(r, spec.get("gpu"))
+    kv = _kv(r, spec.get("kv"))
+    roles = {role: _role(r, spec.get(role), f"spec.{role}") for role in WORKER_ROLES}
+    router_raw = r.obj(spec.get("router"), "spec.router")
+    r.keys(router_raw, "spec.router", {"replicas", "port"})
+    router = RouterSpec(
+        replicas=r.integer(router_raw, "replicas", "spec.router", 1, 1, 16) or 1,
+        port=r.integer(router_raw, "port", "spec.router", 8000, 1024, 65535) or 8000,
+    )
+    draft = r.integer(spec, "speculativeDraftTokens", "spec", 0, 0, 16) or 0
+    mem_fraction = r.number(spec, "memFraction", "spec", 0.05, 1.0)
+    image = r.string(spec, "image", "spec", max_length=512)
+    resources = _resources(r, spec.get("resources"))
+
+    # Cross-field rules (the CRD's CEL rules say the same).
+    if model is not None and gpu.cpu_mode and model.preset not in CPU_PRESETS:
+        r.fail(
+            "spec.gpu.memoryGiB",
+            f"0 (CPU mode) runs only model.preset {sorted(CPU_PRESETS)}: set gpu.memoryGiB "
+            "and gpu.perPod for this model",
+        )
+    expected_tp = gpu.per_pod if gpu.per_pod > 0 else 1
+    for role, role_spec in roles.items():
+        if role_spec.tensor_parallel != expected_tp:
+            r.fail(
+                f"spec.{role}.tensorParallel",
+                f"must equal gpu.perPod ({expected_tp}; 1 in CPU mode): one pod holds one "
+                f"tensor-parallel group, got {role_spec.tensor_parallel}",
+            )
+    r.raise_if_any()
+    assert model is not None and max_context is not None
+    return DeploymentSpec(
+        model=model,
+        max_context_tokens=max_context,
+        gpu=gpu,
+        kv=kv,
+        prefill=roles["prefill"],
+        decode=roles["decode"],
+        router=router,
+        speculative_draft_tokens=draft,
+        mem_fraction=mem_fraction,
+        image=image,
+        resources=resources,
+    )
+
+
+def _model(r: FieldReader, raw: object) -> ModelSpec | None:
+    path = "spec.model"
+    m = r.obj(raw, path, required=True)
+    r.keys(m, path, {"preset", "configPath", "weights"})
+    preset = r.string(m, "preset", path, enum=MODEL_PRESETS)
+    config_path = r.string(m, "configPath", path, min_length=2, max_length=1024, pattern=_ABS_PATH)
+    if ("preset" in m) == ("configPath" in m) and isinstance(raw, Mapping):
+        r.fail(path, "exactly one of model.preset and model.configPath must be set")
+    weights: WeightsSpec | None = None
+    if "weights" in m:
+        wp = f"{path}.weights"
+        w = r.obj(m["weights"], wp)
+        r.keys(w, wp, {"persistentVolumeClaim", "path"})
+        for key in ("persistentVolumeClaim", "path"):
+            if key not in w:
+                r.fail(f"{wp}.{key}", "required")
+        pvc = r.string(w, "persistentVolumeClaim", wp, max_length=253, pattern=_PVC_NAME)
+        wpath = r.string(w, "path", wp, min_length=2, max_length=1024, pattern=_ABS_PATH)
+        if pvc is not None and wpath is not None:
+            weights = WeightsSpec(persistent_volume_claim=pvc, path=wpath)
+    if preset is None and config_path is None:
+        return None
+    return ModelSpec(preset=preset, config_path=config_path, weights=weights)
+
+
+def _gpu(r: FieldReader, raw: object) -> GpuSpec:
+    g = r.obj(raw, "spec.gpu")
+    r.keys(g, "spec.gpu", {"memoryGiB", "perPod"})
+    memory = r.number(g, "memoryGiB", "spec.gpu", 0.0, 1024.0)
+    per_pod = r.integer(g, "perPod", "spec.gpu", 0, 0, 16)
+    memory = 0.0 if memory is None else memory
+    per_pod = 0 if per_pod is None else per_pod
+    if memory == 0 and per_pod != 0:
+        r.fail("spec.gpu.perPod", f"must be 0 in CPU mode (gpu.memoryGiB 0), got {per_pod}")
+    if memory > 0 and per_pod == 0:
+        r.fail("spec.gpu.perPod", "must be > 0 when gpu.memoryGiB > 0")
+    return GpuSpec(memory_gib=memory, per_pod=per_pod)
+
+
+def _kv(r: FieldReader, raw: object) -> KVSpec:
+    k = r.obj(raw, "spec.kv")
+    r.keys(k, "spec.kv", {"pageSize", "swaRatio", "transfer"})
+    page_size = r.integer(k, "pageSize", "spec.kv", None, 1, 4096)
+    raw_swa = k.get("swaRatio")
+    if isinstance(raw_swa, int | float) and not isinstance(raw_swa, bool):
+        r.fail("spec.kv.swaRatio", f'must be a string: "auto" or a quoted decimal ("{raw_swa}")')
+        swa_text: str | None = None
+    else:
+        swa_text = r.string(k, "swaRatio", "spec.kv", max_length=32, pattern=_SWA_RATIO)
+    swa = None if swa_text in (None, "auto") else float(swa_text)
+    transfer = r.string(k, "transfer", "spec.kv", enum=TRANSFERS) or "nixl"
+    return KVSpec(page_size=page_size, swa_ratio=swa, transfer=cast(Transfer, transfer))
+
+
+def _role(r: FieldReader, raw: object, path: str) -> RoleSpec:
+    m = r.obj(raw, path)
+    r.keys(
+        m,
+        path,
+        {"replicas", "pipelineParallel", "tensorParallel"}
+        | {"chunkedPrefillTokens", "maxRunningRequests"},
+    )
+    return RoleSpec(
+        replicas=r.integer(m, "replicas", path, 1, 1, MAX_ROLE_REPLICAS) or 1,
+        pipeline_parallel=r.integer(m, "pipelineParallel", path, 1, 1, MAX_PIPELINE_PARALLEL) or 1,
+        tensor_parallel=r.integer(m, "tensorParallel", path, 1, 1, 16) or 1,
+        chunked_prefill_tokens=r.integer(m, "chunkedPrefillTokens", path, None, 1, 1_048_576),
+        max_running_requests=r.integer(m, "maxRunningRequests", path, None, 1, 65_536),
+    )
+
+
+def _resources(r: FieldReader, raw: object) -> ResourcesSpec:
+    path = "spec.resources"
+    m = r.obj(raw, path)
+    r.keys(m, path, {"requests", "limits"})
+    parts: dict[str, tuple[tuple[str, str], ...]] = {}
+    for key in ("requests", "limits"):
+        sub = r.obj(m.get(key), f"{path}.{key}")
+        if len(sub) > 8:
+            r.fail(f"{path}.{key}", f"at most 8 entries, got {len(sub)}")
+        pairs: list[tuple[str, str]] = []
+        for res_name, quantity in sorted(sub.items()):
+            where = f"{path}.{key}.{res_name}"
+            if res_name == GPU_RESOURCE:
+                r.fail(where, "set GPUs with gpu.perPod, not resources")
+            elif isinstance(quantity, int) and not isinstance(quantity, bool) and quantity >= 0:
+                pairs.append((str(res_name), str(quantity)))
+            elif isinstance(quantity, str) and _QUANTITY.match(quantity):
+                pairs.append((str(res_name), quantity))
+            else:
+                r.fail(where, f"must be a quantity such as 2, 500m or 4Gi, got {quantity!r}")
+        parts[key] = tuple(pairs)
+    return ResourcesSpec(requests=parts["requests"], limits=parts["limits"])

@@ -1,0 +1,300 @@
+"""The DSV4Deployment status, computed purely from the spec, the memory plan and what was
+observed: `observedGeneration`, conditions (metav1.Condition shape), readiness per role, the
+per-rank plan (planned and observed), the largest context that fits, and the endpoint.
+
+A condition keeps its `lastTransitionTime` while its status is unchanged, so summarizing an
+unchanged world twice yields equal dicts and the reconciler writes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+from dsv4_operator import labels as L
+from dsv4_operator.groups import GroupAction, GroupState
+from dsv4_operator.memory import MemoryPlan
+from dsv4_operator.observe import Observed, WorkerReport
+from dsv4_operator.spec import DeploymentMeta, DeploymentSpec
+
+CONDITION_TYPES: Final = (
+    "Ready",
+    "Progressing",
+    "Degraded",
+    "PlanValid",
+    "ContextFits",
+    "KVTransferReady",
+)
+# The status keys this module owns (anything else under status, e.g. kopf's, is left alone).
+STATUS_KEYS: Final = (
+    "observedGeneration",
+    "conditions",
+    "roles",
+    "plan",
+    "maxContextTokens",
+    "endpoint",
+)
+Tri = Literal["True", "False", "Unknown"]
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """Why nothing could be planned: reason InvalidSpec or PlanFailed, message names a field."""
+
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Cond:
+    type: str
+    status: Tri
+    reason: str
+    message: str
+
+
+def summarize(
+    spec: DeploymentSpec | None,
+    plan: MemoryPlan | None,
+    observed: Observed,
+    generation: int,
+    *,
+    meta: DeploymentMeta,
+    groups: Sequence[GroupState] = (),
+    actions: Sequence[GroupAction] = (),
+    problem: Problem | None = None,
+    previous: Mapping[str, Any] | None = None,
+    now: str,
+) -> dict[str, Any]:
+    status: dict[str, Any] = {"observedGeneration": generation}
+    if spec is None or plan is None:
+        assert problem is not None, "no plan without a problem"
+        conds = _rejected(problem)
+    elif not plan.context_fits:
+        conds = _rejected(Problem("ContextTooLong", plan.context_message()), plan=plan)
+        status["maxContextTokens"] = plan.max_context_tokens
+        status["plan"] = _plan_entries(plan, observed)
+    else:
+        roles = _roles(spec, groups, observed)
+        status["roles"] = roles
+        status["plan"] = _plan_entries(plan, observed)
+        status["maxContextTokens"] = plan.max_context_tokens
+        if observed.router_ready_replicas > 0:
+            status["endpoint"] = f"http://{L.router_name(meta.name)}.{meta.namespace}.svc:" + str(
+                spec.router.port
+            )
+        conds = _serving(spec, plan, groups, actions, observed, roles)
+    status["conditions"] = merge_conditions(
+        conds, (previous or {}).get("conditions") or [], generation, now
+    )
+    return status
+
+
+def merge_conditions(
+    new: Sequence[Cond], previous: Sequence[Mapping[str, Any]], generation: int, now: str
+) -> list[dict[str, Any]]:
+    before = {c.get("type"): c for c in previous if isinstance(c, Mapping)}
+    out = []
+    for c in new:
+        old = before.get(c.type)
+        unchanged = old is not None and old.get("status") == c.status
+        out.append(
+            {
+                "type": c.type,
+                "status": c.status,
+                "reason": c.reason,
+                "message": c.message,
+                "lastTransitionTime": old.get("lastTransitionTime", now)
+                if unchanged and old
+                else now,
+                "observedGeneration": generation,
+            }
+        )
+    return out
+
+
+def _rejected(problem: Problem, plan: MemoryPlan | None = None) -> list[Cond]:
+    """Nothing (new) is applied: existing workers, if any, are left as they were."""
+    fits = problem.reason == "ContextTooLong"
+    return [
+        Cond("Ready", "False", problem.reason, problem.message),
+        Cond("Progressing", "False", "SpecRejected", "fix the spec; no worker object applied"),
+        Cond("Degraded", "Unknown", "NotPlanned", "no plan to compare against"),
+        Cond("PlanValid", "True", "Planned", _plan_summary(plan))
+        if fits and plan is not None
+        else Cond("PlanValid", "False", problem.reason, problem.message),
+        Cond("ContextFits", "False", "ContextTooLong", problem.message)
+        if fits
+        else Cond("ContextFits", "Unknown", "NotPlanned", "no memory plan"),
+        Cond("KVTransferReady", "Unknown", "NotPlanned", "no workers planned"),
+    ]
+
+
+def _plan_summary(plan: MemoryPlan | None) -> str:
+    if plan is None:
+        return ""
+    parts = []
+    for role in L.WORKER_ROLES:
+        p = plan.role(role)
+        parts.append(
+            f"{role}: PP {p.inputs.pp_size} x TP {p.inputs.tp_size}, "
+            f"{p.max_running_requests} requests, up to {p.max_context_tokens} tokens"
+        )
+    return "; ".join(parts)
+
+
+def _roles(
+    spec: DeploymentSpec, groups: Sequence[GroupState], observed: Observed
+) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for role in L.WORKER_ROLES:
+        want = spec.role(role).replicas
+        ready = sum(1 for g in groups if g.role == role and g.ready)
+        out[role] = {"replicas": want, "readyReplicas": ready, "ready": f"{ready}/{want}"}
+    want, ready = spec.router.replicas, min(observed.router_ready_replicas, spec.router.replicas)
+    out["router"] = {"replicas": want, "readyReplicas": ready, "ready": f"{ready}/{want}"}
+    return out
+
+
+def _observed_for(role: str, rank: int, observed: Observed) -> dict[str, int] | None:
+    reports = [r for r in observed.reports.values() if r.role == role and r.pp_rank == rank]
+    if not reports:
+        return None
+    return {
+        "fullTokens": min(r.full_tokens for r in reports),
+        "swaTokens": min(r.swa_tokens for r in reports),
+        "maxRunningRequests": min(r.max_running_requests for r in reports),
+        "maxContextTokens": min(r.max_context_tokens for r in reports),
+    }
+
+
+def _plan_entries(plan: MemoryPlan, observed: Observed) -> list[dict[str, Any]]:
+    entries = []
+    for role in L.WORKER_ROLES:
+        p = plan.role(role)
+        for r in p.ranks:
+            entry: dict[str, Any] = {
+                "role": role,
+                "ppRank": r.pp_rank,
+                "layers": [r.layers[0], r.layers[1]],
+                "bytesPerFullToken": round(r.layout.bytes_per_full_token, 2),
+                "bytesPerSwaToken": round(r.layout.bytes_per_swa_token, 2),
+                "bytesPerRequest": r.layout.bytes_per_request_slot,
+                "weightBytes": r.weight_bytes,
+                "kvBytes": r.capacity.kv_bytes,
+                "fullTokens": r.full_tokens,
+                "swaTokens": r.swa_tokens,
+                "maxRunningRequests": r.max_running_requests,
+                "maxContextTokens": r.max_context_tokens,
+                "bottleneck": r.pp_rank == p.bottleneck_rank,
+            }
+            if (seen := _observed_for(role, r.pp_rank, observed)) is not None:
+                entry["observed"] = seen
+            entries.append(entry)
+    return entries
+
+
+def _kv_transfer(spec: DeploymentSpec, reports: Mapping[str, WorkerReport]) -> Cond:
+    backend = spec.kv.transfer
+    wrong = sorted(n for n, r in reports.items() if r.kv_backend not in (None, backend))
+    if wrong:
+        return Cond(
+            "KVTransferReady",
+            "False",
+            "BackendMismatch",
+            f"spec.kv.transfer is {backend} but {', '.join(wrong)} report another backend",
+        )
+    hashes = {r.kv_layout_hash for r in reports.values() if r.kv_layout_hash}
+    if len(hashes) > 1:
+        return Cond(
+            "KVTransferReady",
+            "False",
+            "LayoutMismatch",
+            f"workers disagree on the KV layout ({', '.join(sorted(hashes))}): prefill and "
+            "decode would exchange incompatible KV",
+        )
+    waiting = [
+        role
+        for role in L.WORKER_ROLES
+        if not any(r.kv_ready and r.role == role for r in reports.values())
+    ]
+    if waiting:
+        return Cond(
+            "KVTransferReady",
+            "False",
+            "WaitingForWorkers",
+            f"no {' or '.join(waiting)} worker reports a ready {backend} transfer engine yet",
+        )
+    return Cond(
+        "KVTransferReady",
+        "True",
+        "HandshakeComplete",
+        f"prefill and decode report {backend} ready on one KV layout",
+    )
+
+
+def _degraded(
+    spec: DeploymentSpec, actions: Sequence[GroupAction], reports: Mapping[str, WorkerReport]
+) -> Cond:
+    restarts = [a for a in actions if a.restart]
+    if restarts:
+        return Cond(
+            "Degraded",
+            "True",
+            "GroupRestarted",
+            "; ".join(f"{a.group} restarted as a unit: {a.message}" for a in restarts),
+        )
+    short = sorted(n for n, r in reports.items() if r.max_context_tokens < spec.max_context_tokens)
+    if short:
+        return Cond(
+            "Degraded",
+            "True",
+            "CapacityBelowPlan",
+            f"{', '.join(short)} realized less KV than planned: they hold fewer than "
+            f"maxContextTokens {spec.max_context_tokens} tokens",
+        )
+    return Cond("Degraded", "False", "AsExpected", "")
+
+
+def _serving(
+    spec: DeploymentSpec,
+    plan: MemoryPlan,
+    groups: Sequence[GroupState],
+    actions: Sequence[GroupAction],
+    observed: Observed,
+    roles: Mapping[str, Mapping[str, Any]],
+) -> list[Cond]:
+    kv = _kv_transfer(spec, observed.reports)
+    missing = [r for r in (*L.WORKER_ROLES, "router") if roles[r]["readyReplicas"] == 0]
+    counts = ", ".join(f"{r} {roles[r]['ready']}" for r in (*L.WORKER_ROLES, "router"))
+    if missing:
+        reason = f"{missing[0].capitalize()}NotReady"
+        ready = Cond("Ready", "False", reason, f"ready: {counts}")
+    elif kv.status != "True":
+        ready = Cond("Ready", "False", "KVTransferNotReady", kv.message)
+    else:
+        ready = Cond(
+            "Ready",
+            "True",
+            "Serving",
+            f"ready: {counts}; up to {plan.max_context_tokens} tokens of context",
+        )
+    rolling = [a.group for a in actions if not a.restart] + [g.name for g in groups if g.outdated]
+    starting = [g.name for g in groups if not g.ready]
+    if rolling:
+        progressing = Cond(
+            "Progressing", "True", "Rolling", f"rolling: {', '.join(sorted(set(rolling)))}"
+        )
+    elif starting or any(roles[r]["readyReplicas"] < roles[r]["replicas"] for r in roles):
+        progressing = Cond("Progressing", "True", "Starting", f"ready: {counts}")
+    else:
+        progressing = Cond("Progressing", "False", "Complete", f"ready: {counts}")
+    return [
+        ready,
+        progressing,
+        _degraded(spec, actions, observed.reports),
+        Cond("PlanValid", "True", "Planned", _plan_summary(plan)),
+        Cond("ContextFits", "True", "Fits", plan.context_message()),
+        kv,
+    ]

@@ -1,0 +1,245 @@
+"""Pure builders for the pod-bearing children: one StatefulSet per PP group (its pods are the
+group's PP ranks) and the router Deployment, plus the hardened pod template they share.
+
+NOTE: a PP group's StatefulSet uses `updateStrategy: OnDelete`. The operator replaces a group's
+pods together (`groups.py`), so a group never runs mixed template versions and a role never
+loses more than one group to a rollout.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from dsv4_operator import labels as L
+from dsv4_operator.manifests import Obj, object_meta
+from dsv4_operator.spec import DeploymentMeta, DeploymentSpec
+from dsv4_operator.workerconfig import CONFIG_DIR, STATUS_PORT, WORKER_PORTS
+
+RUN_AS_USER: Final = 10001  # the images' non-root user (Dockerfile.worker)
+DEFAULT_WORKER_IMAGE: Final = "ghcr.io/dsv4-serve/worker:0.1.0"
+# CPU mode: requests/limits for worker pods (the planner budgets CPU_MODE_MEMORY_BYTES of it).
+CPU_MODE_REQUESTS: Final = {"cpu": "500m", "memory": "1536Mi"}
+CPU_MODE_LIMITS: Final = {"memory": "2Gi"}
+ROUTER_REQUESTS: Final = {"cpu": "100m", "memory": "256Mi"}
+ROUTER_LIMITS: Final = {"memory": "1Gi"}
+# Weight loading can take long on big checkpoints: the startup probe allows an hour.
+STARTUP_PERIOD_S: Final = 10
+STARTUP_FAILURES: Final = 360
+
+
+def _env_field(name: str, path: str) -> Obj:
+    return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
+
+
+def _probe(path: str, period_s: int, failures: int) -> Obj:
+    return {
+        "httpGet": {"path": path, "port": "status"},
+        "periodSeconds": period_s,
+        "failureThreshold": failures,
+        "timeoutSeconds": 2,
+    }
+
+
+def _container_security() -> Obj:
+    return {
+        "runAsNonRoot": True,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _pod_security() -> Obj:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "runAsGroup": RUN_AS_USER,
+        "fsGroup": RUN_AS_USER,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def worker_resources(spec: DeploymentSpec) -> Obj:
+    requests: dict[str, str] = {}
+    limits: dict[str, str] = {}
+    if spec.gpu.cpu_mode:
+        requests.update(CPU_MODE_REQUESTS)
+        limits.update(CPU_MODE_LIMITS)
+    requests.update(dict(spec.resources.requests))
+    limits.update(dict(spec.resources.limits))
+    if not spec.gpu.cpu_mode:
+        limits["nvidia.com/gpu"] = str(spec.gpu.per_pod)
+    out: Obj = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _volumes(meta: DeploymentMeta, spec: DeploymentSpec) -> tuple[list[Obj], list[Obj]]:
+    shm_limit = "1Gi" if spec.gpu.cpu_mode else "32Gi"
+    volumes: list[Obj] = [
+        {"name": "config", "configMap": {"name": L.config_name(meta.name)}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_limit}},
+    ]
+    mounts: list[Obj] = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    weights = spec.model.weights
+    if weights is not None:
+        volumes.append(
+            {
+                "name": "weights",
+                "persistentVolumeClaim": {
+                    "claimName": weights.persistent_volume_claim,
+                    "readOnly": True,
+                },
+            }
+        )
+        mounts.append({"name": "weights", "mountPath": weights.path, "readOnly": True})
+    return volumes, mounts
+
+
+def _pod_spec(meta: DeploymentMeta, spec: DeploymentSpec, container: Obj, *, gpu: bool) -> Obj:
+    volumes, mounts = _volumes(meta, spec)
+    pod: Obj = {
+        "serviceAccountName": L.service_account_name(meta.name),
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": _pod_security(),
+        "terminationGracePeriodSeconds": 60,
+        "containers": [{**container, "volumeMounts": mounts}],
+        "volumes": volumes,
+    }
+    if gpu:
+        pod["tolerations"] = [
+            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+        ]
+    return pod
+
+
+def worker_pod_template(
+    meta: DeploymentMeta, spec: DeploymentSpec, role: L.WorkerRole, replica: int, image: str
+) -> Obj:
+    """The template of one group's pods, without the template-hash annotation."""
+    container: Obj = {
+        "name": "worker",
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["dsv4", "serve"],
+        "args": ["--role", role, "--config-dir", CONFIG_DIR],
+        "env": [
+            {"name": "DSV4_DEPLOYMENT", "value": meta.name},
+            {"name": "DSV4_ROLE", "value": role},
+            {"name": "DSV4_CONFIG_DIR", "value": CONFIG_DIR},
+            {"name": "HOME", "value": "/tmp"},
+            _env_field("DSV4_GROUP", f"metadata.labels['{L.GROUP_LABEL}']"),
+            _env_field("DSV4_PP_RANK", f"metadata.labels['{L.POD_INDEX_LABEL}']"),
+            _env_field("DSV4_POD_NAME", "metadata.name"),
+            _env_field("DSV4_NAMESPACE", "metadata.namespace"),
+            _env_field("DSV4_POD_IP", "status.podIP"),
+        ],
+        "ports": [
+            {"name": n, "containerPort": p, "protocol": "TCP"} for n, p in WORKER_PORTS.items()
+        ],
+        "resources": worker_resources(spec),
+        "startupProbe": _probe("/live", STARTUP_PERIOD_S, STARTUP_FAILURES),
+        "livenessProbe": _probe("/live", 10, 3),
+        # Every rank has it; on the serving rank /ready means "the whole PP group is up", and
+        # only serving ranks are endpoints of the routing Service.
+        "readinessProbe": _probe("/ready", 5, 2),
+        "securityContext": _container_security(),
+    }
+    return {
+        "metadata": {"labels": L.group_labels(meta.name, role, replica)},
+        "spec": _pod_spec(meta, spec, container, gpu=not spec.gpu.cpu_mode),
+    }
+
+
+def build_group_statefulset(
+    meta: DeploymentMeta,
+    spec: DeploymentSpec,
+    role: L.WorkerRole,
+    replica: int,
+    template: Obj,
+) -> Obj:
+    group = L.group_name(meta.name, role, replica)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": object_meta(meta, group, L.group_labels(meta.name, role, replica)),
+        "spec": {
+            "replicas": spec.role(role).pipeline_parallel,
+            "serviceName": group,
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "OnDelete"},
+            # NOTE: selectors are immutable; keep them to the two labels that never change.
+            "selector": {"matchLabels": {L.DEPLOYMENT_LABEL: meta.name, L.GROUP_LABEL: group}},
+            "template": template,
+        },
+    }
+
+
+def router_pod_template(meta: DeploymentMeta, spec: DeploymentSpec, image: str) -> Obj:
+    container: Obj = {
+        "name": "router",
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["dsv4", "serve"],
+        "args": ["--role", "router", "--config-dir", CONFIG_DIR],
+        "env": [
+            {"name": "DSV4_DEPLOYMENT", "value": meta.name},
+            {"name": "DSV4_ROLE", "value": "router"},
+            {"name": "DSV4_CONFIG_DIR", "value": CONFIG_DIR},
+            {"name": "HOME", "value": "/tmp"},
+        ],
+        "ports": [
+            {"name": "http", "containerPort": spec.router.port, "protocol": "TCP"},
+            {"name": "status", "containerPort": STATUS_PORT, "protocol": "TCP"},
+        ],
+        "resources": {"requests": dict(ROUTER_REQUESTS), "limits": dict(ROUTER_LIMITS)},
+        "livenessProbe": _probe("/live", 10, 3),
+        "readinessProbe": _probe("/ready", 5, 2),
+        "securityContext": _container_security(),
+    }
+    pod = _pod_spec(meta, spec, container, gpu=False)
+    # The router needs the config only (no weights, little shared memory).
+    pod["volumes"] = [v for v in pod["volumes"] if v["name"] in ("config", "tmp")]
+    pod["containers"][0]["volumeMounts"] = [
+        m for m in pod["containers"][0]["volumeMounts"] if m["name"] in ("config", "tmp")
+    ]
+    return {"metadata": {"labels": L.component_labels(meta.name, "router")}, "spec": pod}
+
+
+def build_router_deployment(meta: DeploymentMeta, spec: DeploymentSpec, template: Obj) -> Obj:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": object_meta(
+            meta, L.router_name(meta.name), L.component_labels(meta.name, "router")
+        ),
+        "spec": {
+            "replicas": spec.router.replicas,
+            "selector": {"matchLabels": {L.DEPLOYMENT_LABEL: meta.name, L.APP_COMPONENT: "router"}},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+            },
+            "template": template,
+        },
+    }
+
+
+def with_template_hash(template: Obj, template_hash: str) -> Obj:
+    """A copy of `template` whose pods carry the hash (a change replaces the pods)."""
+    metadata: dict[str, Any] = dict(template["metadata"])
+    metadata["annotations"] = {
+        **metadata.get("annotations", {}),
+        L.TEMPLATE_HASH_ANNOTATION: template_hash,
+    }
+    return {**template, "metadata": metadata}

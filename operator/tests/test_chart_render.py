@@ -1,0 +1,324 @@
+"""The Helm chart: lints, renders, every object passes kubernetes-validate (1.30 and 1.37, strict),
+RBAC is least-privilege in both modes, CRDs reach the cluster on upgrade when asked to.
+
+helm comes from scripts/tools.sh (.tools/bin/helm); the tests skip, saying so, only when it is
+missing, which CI never allows (scripts/setup.sh runs tools.sh).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+
+def _support() -> Any:
+    name = "dsv4_test_crd_support"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, Path(__file__).with_name("test_crd_support.py")
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+S = _support()
+CHART = S.ROOT / "charts" / "dsv4-operator"
+HELM = S.ROOT / ".tools" / "bin" / "helm"
+K8S_VERSIONS = ("1.30", "1.37")
+needs_helm = pytest.mark.skipif(
+    not HELM.exists(), reason=f"{HELM} missing: run scripts/tools.sh (CI always does)"
+)
+
+# Value sets the chart must render cleanly with.
+VALUE_SETS: dict[str, list[str]] = {
+    "default": [],
+    "namespaced": ["--set", "rbac.namespaced=true"],
+    "watch-list": ["--set", "watch.namespaces={team-a,team-b}"],
+    "ha": ["--set", "replicaCount=3"],
+    "ha-namespaced": ["--set", "replicaCount=2", "--set", "rbac.namespaced=true"],
+    "managed-crds": ["--set", "crds.manage=true"],
+    "no-rbac": ["--set", "rbac.create=false", "--set", "serviceAccount.create=false"],
+}
+
+
+def helm(*args: str) -> str:
+    result = subprocess.run(
+        [str(HELM), *args], capture_output=True, text=True, check=False, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def render(*values: str, include_crds: bool = False) -> list[dict[str, Any]]:
+    args = ["template", "dsv4", str(CHART), "--namespace", "dsv4-system", *values]
+    if include_crds:
+        args.append("--include-crds")
+    return [d for d in yaml.safe_load_all(helm(*args)) if d]
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+# --- files -----------------------------------------------------------------------------------
+
+
+def test_chart_crd_is_a_byte_identical_copy() -> None:
+    top = S.CRD_FILE.read_bytes()
+    assert (CHART / "crds" / "dsv4deployment.yaml").read_bytes() == top, (
+        "copy crds/dsv4deployment.yaml to charts/dsv4-operator/crds/"
+    )
+
+
+# Blocks whose content is a plain Kubernetes structure, documented by the block's comment.
+PASSTHROUGH = {"resources", "podSecurityContext", "securityContext"}
+
+
+def test_every_values_key_is_commented() -> None:
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    parent = ""
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if not stripped or stripped.startswith(("#", "-")) or ":" not in stripped:
+            continue
+        indent = len(line) - len(line.lstrip())
+        key = stripped.split(":", 1)[0]
+        if indent == 0:
+            parent = key
+        group = indent == 0 and stripped.endswith(":") and parent not in PASSTHROUGH
+        if group or (indent > 0 and parent in PASSTHROUGH):
+            continue
+        assert lines[i - 1].strip().startswith("#"), f"values.yaml:{i + 1} {key!r} has no comment"
+
+
+# --- helm ------------------------------------------------------------------------------------
+
+
+@needs_helm
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_helm_lint_strict(name: str) -> None:
+    helm("lint", "--strict", str(CHART), *VALUE_SETS[name])
+
+
+@needs_helm
+@pytest.mark.parametrize("k8s", K8S_VERSIONS)
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_rendered_objects_pass_kubernetes_validate(name: str, k8s: str) -> None:
+    objects = render(*VALUE_SETS[name], include_crds=True)
+    assert objects
+    peering_crds = {
+        o["spec"]["names"]["kind"]: o for o in by_kind(objects, "CustomResourceDefinition")
+    }
+    for obj in objects:
+        if obj["apiVersion"] == "zalando.org/v1":
+            # A custom resource: kubernetes-validate has no schema; use its CRD's.
+            schema = S.crd_schema(peering_crds[obj["kind"]])
+            assert S.validate_cr(obj, schema) == [], obj
+            continue
+        kubernetes_validate.validate(obj, k8s, strict=True)
+
+
+@needs_helm
+def test_operator_pod_is_locked_down() -> None:
+    (sts,) = by_kind(render(), "StatefulSet")
+    pod = sts["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    (container,) = pod["containers"]
+    ctx = container["securityContext"]
+    assert ctx["readOnlyRootFilesystem"] is True
+    assert ctx["allowPrivilegeEscalation"] is False
+    assert ctx["capabilities"]["drop"] == ["ALL"]
+    assert container["command"] == ["kopf", "run", "-m", "dsv4_operator.main"]
+    assert "--liveness=http://0.0.0.0:8080/healthz" in container["args"]
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert "--standalone" in container["args"] and "--all-namespaces" in container["args"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["DSV4_PEERING"] == ""  # standalone for dsv4_operator.settings too
+
+
+@needs_helm
+def test_ha_uses_peering_with_distinct_priorities() -> None:
+    objects = render("--set", "replicaCount=3")
+    (sts,) = by_kind(objects, "StatefulSet")
+    assert sts["spec"]["replicas"] == 3
+    args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--peering=dsv4-operator" in args and "--standalone" not in args
+    # Same-priority kopf peers all pause: each pod's priority is minus its StatefulSet index.
+    assert "--priority=-$(DSV4_POD_INDEX)" in args
+    env = {e["name"]: e for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["DSV4_POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.labels['apps.kubernetes.io/pod-index']"
+    )
+    # dsv4_operator.settings reads the same choices from the environment.
+    assert env["DSV4_PEERING"]["value"] == "dsv4-operator"
+    assert env["DSV4_PEERING_CLUSTERWIDE"]["value"] == "true"
+    assert env["DSV4_PRIORITY"]["value"] == "-$(DSV4_POD_INDEX)"
+    (peering,) = by_kind(objects, "ClusterKopfPeering")
+    assert peering["metadata"]["name"] == "dsv4-operator"
+    (role,) = [
+        r
+        for r in by_kind(objects, "ClusterRole")
+        if not r["metadata"]["name"].endswith("crd-reader")
+    ]
+    assert {
+        "apiGroups": ["zalando.org"],
+        "resources": ["clusterkopfpeerings"],
+        "verbs": ["get", "list", "watch", "patch"],
+    } in role["rules"]
+
+
+@needs_helm
+def test_peering_crds_ship_with_the_chart() -> None:
+    crds = by_kind(render(include_crds=True), "CustomResourceDefinition")
+    names = {c["metadata"]["name"] for c in crds}
+    assert names == {
+        "dsv4deployments.serving.dsv4.io",
+        "clusterkopfpeerings.zalando.org",
+        "kopfpeerings.zalando.org",
+    }
+
+
+# --- RBAC ------------------------------------------------------------------------------------
+
+EXPECTED_RULES = {
+    ("serving.dsv4.io", "dsv4deployments"): {"get", "list", "watch", "patch"},
+    ("serving.dsv4.io", "dsv4deployments/status"): {"get", "patch"},
+    **{
+        (group, res): {"get", "list", "watch", "create", "patch", "delete"}
+        for group, res in [
+            ("apps", "statefulsets"),
+            ("apps", "deployments"),
+            ("", "services"),
+            ("", "configmaps"),
+            ("", "serviceaccounts"),
+            ("policy", "poddisruptionbudgets"),
+            ("networking.k8s.io", "networkpolicies"),
+        ]
+    },
+    ("", "pods"): {"get", "list", "watch", "delete", "deletecollection"},
+    ("", "events"): {"create"},
+}
+
+
+def _grants(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
+    out: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
+        assert not rule.get("nonResourceURLs"), rule
+        for group in rule["apiGroups"]:
+            for res in rule["resources"]:
+                out.setdefault((group, res), set()).update(rule["verbs"])
+    return out
+
+
+@needs_helm
+def test_cluster_mode_grants_exactly_the_workload_verbs() -> None:
+    objects = render()
+    roles = {r["metadata"]["name"]: r for r in by_kind(objects, "ClusterRole")}
+    assert _grants(roles["dsv4-dsv4-operator"]) == EXPECTED_RULES
+    assert _grants(roles["dsv4-dsv4-operator-crd-reader"]) == {
+        ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"}
+    }
+    assert not by_kind(objects, "Role")
+    for binding in by_kind(objects, "ClusterRoleBinding"):
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "dsv4-dsv4-operator", "namespace": "dsv4-system"}
+        ]
+
+
+@needs_helm
+def test_no_secrets_or_nodes_anywhere() -> None:
+    for name in VALUE_SETS:
+        for role in by_kind(render(*VALUE_SETS[name]), "ClusterRole") + by_kind(
+            render(*VALUE_SETS[name]), "Role"
+        ):
+            resources = {res for _, res in _grants(role)}
+            assert not resources & {"secrets", "nodes", "clusterroles", "roles", "rolebindings"}
+
+
+@needs_helm
+@pytest.mark.parametrize(
+    ("values", "namespaces"),
+    [
+        (["--set", "rbac.namespaced=true"], ["dsv4-system"]),
+        (["--set", "watch.namespaces={team-a,team-b}"], ["team-a", "team-b"]),
+        (["--set", "rbac.namespaced=true", "--set", "replicaCount=2"], ["dsv4-system"]),
+    ],
+)
+def test_namespaced_mode_uses_roles_only(values: list[str], namespaces: list[str]) -> None:
+    objects = render(*values)
+    # No ClusterRole carries workload verbs; only the optional read-only CRD observer remains.
+    for cluster_role in by_kind(objects, "ClusterRole"):
+        assert set(_grants(cluster_role)) == {("apiextensions.k8s.io", "customresourcedefinitions")}
+    roles = by_kind(objects, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == namespaces
+    peered = "replicaCount=2" in values
+    for role in roles:
+        expected = dict(EXPECTED_RULES)
+        if peered:
+            expected[("zalando.org", "kopfpeerings")] = {"get", "list", "watch", "patch"}
+        assert _grants(role) == expected
+    bindings = by_kind(objects, "RoleBinding")
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == namespaces
+    (sts,) = by_kind(objects, "StatefulSet")
+    args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert [a for a in args if a.startswith("--namespace=")] == [
+        f"--namespace={n}" for n in namespaces
+    ]
+    assert "--all-namespaces" not in args
+    if peered:
+        assert sorted(p["metadata"]["namespace"] for p in by_kind(objects, "KopfPeering")) == (
+            namespaces
+        )
+        assert not by_kind(objects, "ClusterKopfPeering")
+
+
+@needs_helm
+def test_crd_observer_can_be_turned_off() -> None:
+    objects = render("--set", "rbac.namespaced=true", "--set", "rbac.observeCRDs=false")
+    assert not by_kind(objects, "ClusterRole") and not by_kind(objects, "ClusterRoleBinding")
+
+
+# --- CRD upgrades ----------------------------------------------------------------------------
+
+
+@needs_helm
+def test_crds_are_not_templated_by_default() -> None:
+    assert not by_kind(render(), "CustomResourceDefinition")
+
+
+@needs_helm
+def test_managed_crds_render_the_same_schema_and_survive_uninstall() -> None:
+    objects = render("--set", "crds.manage=true")
+    crds = {c["metadata"]["name"]: c for c in by_kind(objects, "CustomResourceDefinition")}
+    assert set(crds) == {
+        "dsv4deployments.serving.dsv4.io",
+        "clusterkopfpeerings.zalando.org",
+        "kopfpeerings.zalando.org",
+    }
+    source = S.load_yaml(S.CRD_FILE)
+    ours = crds["dsv4deployments.serving.dsv4.io"]
+    assert ours["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    # Same spec, same types (helm's fromYaml/toYaml must not turn ints into floats).
+    assert yaml.safe_dump(ours["spec"]) == yaml.safe_dump(source["spec"])
+    without_peering = render("--set", "crds.manage=true", "--set", "crds.managePeering=false")
+    assert [
+        c["metadata"]["name"] for c in by_kind(without_peering, "CustomResourceDefinition")
+    ] == ["dsv4deployments.serving.dsv4.io"]
+
+
+@needs_helm
+def test_notes_render() -> None:
+    out = helm("install", "dsv4", str(CHART), "--dry-run=client", "--namespace", "dsv4-system")
+    assert "kubectl apply --server-side -f crds/dsv4deployment.yaml" in out

@@ -1,0 +1,165 @@
+"""Each CEL rule of the CRD, restated as a Python predicate; both must agree on every sample.
+
+The CEL side runs through the interpreter in test_crd_support.py (our subset, CEL typing);
+the Python side is the intent written independently. A new rule without a predicate fails
+`test_every_rule_has_a_predicate`. Not checked here: the API server's CEL compiler and cost
+estimator (only a real cluster runs those: e2e/).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def _support() -> Any:
+    name = "dsv4_test_crd_support"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, Path(__file__).with_name("test_crd_support.py")
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+S = _support()
+SCHEMA: dict[str, Any] = S.crd_schema()
+
+
+def _tp_ok(role: str) -> Callable[[dict[str, Any]], bool]:
+    def check(spec: dict[str, Any]) -> bool:
+        per_pod = spec["gpu"]["perPod"]
+        return bool(spec[role]["tensorParallel"] == (per_pod if per_pod > 0 else 1))
+
+    return check
+
+
+# (schema path, rule text) -> the same condition in Python, on the defaulted object at that path.
+PREDICATES: dict[tuple[str, str], Callable[[Any], bool]] = {
+    ("", "self.metadata.name.size() <= 40"): lambda o: len(o["metadata"]["name"]) <= 40,
+    ("", "!self.metadata.name.contains('.')"): lambda o: "." not in o["metadata"]["name"],
+    (
+        "spec",
+        "self.gpu.memoryGiB > 0.0 || (has(self.model.preset) && self.model.preset == 'tiny')",
+    ): lambda s: s["gpu"]["memoryGiB"] > 0 or s["model"].get("preset") == "tiny",
+    (
+        "spec",
+        "self.prefill.tensorParallel == (self.gpu.perPod > 0 ? self.gpu.perPod : 1)",
+    ): _tp_ok("prefill"),
+    (
+        "spec",
+        "self.decode.tensorParallel == (self.gpu.perPod > 0 ? self.gpu.perPod : 1)",
+    ): _tp_ok("decode"),
+    ("spec.model", "has(self.preset) != has(self.configPath)"): lambda m: (
+        ("preset" in m) != ("configPath" in m)
+    ),
+    ("spec.gpu", "self.memoryGiB > 0.0 || self.perPod == 0"): lambda g: (
+        g["memoryGiB"] > 0 or g["perPod"] == 0
+    ),
+    ("spec.gpu", "self.memoryGiB == 0.0 || self.perPod > 0"): lambda g: (
+        g["memoryGiB"] == 0 or g["perPod"] > 0
+    ),
+    ("spec.resources", "!has(self.limits) || !('nvidia.com/gpu' in self.limits)"): lambda r: (
+        "nvidia.com/gpu" not in r.get("limits", {})
+    ),
+    ("spec.resources", "!has(self.requests) || !('nvidia.com/gpu' in self.requests)"): lambda r: (
+        "nvidia.com/gpu" not in r.get("requests", {})
+    ),
+}
+
+# Samples whose OpenAPI validation passes (CEL only sees well-typed objects): the valid ones and
+# the invalid ones that are invalid through a CEL rule.
+CEL_SAMPLES = [
+    p
+    for p in [*S.valid_samples(), *S.invalid_samples()]
+    if not S.schema_errors(SCHEMA, S.apply_defaults(SCHEMA, S.load_yaml(p)))
+]
+
+
+def test_every_rule_has_a_predicate() -> None:
+    rules = {(path, rule["rule"].strip()) for path, rule in S.all_rules(SCHEMA)}
+    assert rules == set(PREDICATES)
+
+
+@pytest.mark.parametrize("rule", sorted(r for _, r in PREDICATES), ids=str)
+def test_rule_parses_in_the_supported_subset(rule: str) -> None:
+    S.parse(rule)
+
+
+@pytest.mark.parametrize("path", CEL_SAMPLES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_cel_and_python_agree_on_sample(path: Path) -> None:
+    obj = S.apply_defaults(SCHEMA, S.load_yaml(path))
+    checked = 0
+    for node, value, where in S.rule_sites(SCHEMA, obj):
+        for rule in node["x-kubernetes-validations"]:
+            cel = S.evaluate(rule["rule"], S.to_cel(node, value))
+            python = PREDICATES[(where, rule["rule"].strip())](value)
+            assert cel is python, (where, rule["rule"], cel, python)
+            checked += 1
+    assert checked >= 8
+
+
+def test_each_rule_is_broken_by_some_invalid_sample() -> None:
+    broken: set[str] = set()
+    for path in S.invalid_samples():
+        broken |= {
+            e.split(": Invalid value: ", 1)[1]
+            for e in S.validate_cr(S.load_yaml(path))
+            if ": Invalid value: " in e
+        }
+    messages = {rule["message"] for _, rule in S.all_rules(SCHEMA)}
+    # The requests-side GPU rule mirrors the limits-side one; one sample covers the pair.
+    assert messages - broken == {"set GPUs with gpu.perPod, not resources.requests"}
+
+
+# --- the interpreter itself ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("rule", "this", "expected"),
+    [
+        ("self.a > 0.0 || self.b == 0", {"a": 1.5, "b": 3}, True),
+        ("self.a > 0.0 || self.b == 0", {"a": 0.0, "b": 3}, False),
+        ("has(self.x) != has(self.y)", {"x": 1}, True),
+        ("has(self.x) != has(self.y)", {"x": 1, "y": 2}, False),
+        ("self.n == (self.p > 0 ? self.p : 1)", {"n": 1, "p": 0}, True),
+        ("!('k' in self.m)", {"m": {"k": 1}}, False),
+        ("self.s.size() <= 3 && !self.s.contains('.')", {"s": "abc"}, True),
+        ("true || self.missing", {}, True),  # || absorbs an error when the other side is true
+        ("self.missing || true", {}, True),
+    ],
+)
+def test_interpreter_semantics(rule: str, this: Any, expected: bool) -> None:
+    assert S.evaluate(rule, this) is expected
+
+
+@pytest.mark.parametrize(
+    ("rule", "this"),
+    [
+        ("self.a > 0", {"a": 1.0}),  # double vs int: no overload in CEL, write 0.0
+        ("self.missing == 1", {}),  # no such key
+        ("false || self.missing", {}),
+    ],
+)
+def test_interpreter_errors_like_cel(rule: str, this: Any) -> None:
+    with pytest.raises(S.CelError):
+        S.evaluate(rule, this)
+
+
+def test_number_fields_are_doubles_in_cel() -> None:
+    gpu = SCHEMA["properties"]["spec"]["properties"]["gpu"]
+    assert S.to_cel(gpu, {"memoryGiB": 0, "perPod": 0}) == {"memoryGiB": 0.0, "perPod": 0}
+    assert isinstance(S.to_cel(gpu, {"memoryGiB": 0})["memoryGiB"], float)
+
+
+def test_unsupported_syntax_is_refused() -> None:
+    with pytest.raises(SyntaxError):
+        S.parse("self.items.all(x, x > 0)")

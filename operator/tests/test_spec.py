@@ -1,0 +1,241 @@
+"""Spec parsing: defaults, and every error path names its field (table-driven)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from dsv4_operator.spec import (
+    DeploymentSpec,
+    GpuSpec,
+    KVSpec,
+    RoleSpec,
+    RouterSpec,
+    SpecError,
+    parse_meta,
+    parse_spec,
+)
+
+BASE: dict[str, Any] = {
+    "apiVersion": "serving.dsv4.io/v1alpha1",
+    "kind": "DSV4Deployment",
+    "metadata": {"name": "tiny"},
+    "spec": {"model": {"preset": "tiny"}, "maxContextTokens": 4096},
+}
+GPU = {"gpu": {"memoryGiB": 79.1, "perPod": 8}, "prefill": {"tensorParallel": 8}}
+GPU_BOTH = {**GPU, "decode": {"tensorParallel": 8}}
+
+
+def body_with(spec_patch: dict[str, Any], name: str = "tiny") -> dict[str, Any]:
+    body = copy.deepcopy(BASE)
+    body["metadata"]["name"] = name
+    body["spec"].update(copy.deepcopy(spec_patch))
+    return body
+
+
+def test_minimal_spec_gets_the_crd_defaults() -> None:
+    spec = parse_spec(BASE)
+    assert spec == DeploymentSpec(
+        model=spec.model,
+        max_context_tokens=4096,
+        gpu=GpuSpec(0.0, 0),
+        kv=KVSpec(page_size=None, swa_ratio=None, transfer="nixl"),
+        prefill=RoleSpec(),
+        decode=RoleSpec(),
+        router=RouterSpec(replicas=1, port=8000),
+    )
+    assert spec.gpu.cpu_mode and spec.model.source == "tiny"
+
+
+def test_full_gpu_spec_round_trips_every_field() -> None:
+    spec = parse_spec(
+        body_with(
+            {
+                "model": {
+                    "preset": "deepseek-v4-flash",
+                    "weights": {"persistentVolumeClaim": "w", "path": "/models/f"},
+                },
+                **GPU_BOTH,
+                "kv": {"pageSize": 256, "swaRatio": "0.25", "transfer": "mooncake"},
+                "prefill": {"tensorParallel": 8, "pipelineParallel": 2, "chunkedPrefillTokens": 8},
+                "decode": {"tensorParallel": 8, "replicas": 3, "maxRunningRequests": 64},
+                "router": {"replicas": 2, "port": 9000},
+                "speculativeDraftTokens": 2,
+                "memFraction": 0.8,
+                "image": "registry/worker:1",
+                "resources": {"requests": {"cpu": 4, "memory": "64Gi"}},
+            }
+        )
+    )
+    assert spec.model.weights is not None and spec.model.weights.path == "/models/f"
+    assert spec.kv == KVSpec(page_size=256, swa_ratio=0.25, transfer="mooncake")
+    assert spec.prefill == RoleSpec(1, 2, 8, 8, None)
+    assert spec.decode == RoleSpec(3, 1, 8, None, 64)
+    assert spec.router == RouterSpec(2, 9000)
+    assert (spec.speculative_draft_tokens, spec.mem_fraction, spec.image) == (
+        2,
+        0.8,
+        "registry/worker:1",
+    )
+    assert spec.resources.requests == (("cpu", "4"), ("memory", "64Gi"))
+
+
+@pytest.mark.parametrize(
+    ("text", "ratio"), [("auto", None), ("0.25", 0.25), (".5", 0.5), ("1", 1.0), ("1.0", 1.0)]
+)
+def test_swa_ratio_takes_auto_or_a_decimal_string(text: str, ratio: float | None) -> None:
+    assert parse_spec(body_with({"kv": {"swaRatio": text}})).kv.swa_ratio == ratio
+
+
+# (spec patch, metadata name, the field path the error must name)
+ERRORS: list[tuple[str, dict[str, Any], str]] = [
+    ("no spec", {"__drop_spec__": True}, "spec: required"),
+    ("spec not object", {"__spec__": [1]}, "spec: must be an object"),
+    ("no model", {"model": None}, "spec.model: required"),
+    ("model not object", {"model": "tiny"}, "spec.model: must be an object"),
+    ("no model source", {"model": {}}, "spec.model: exactly one"),
+    ("two model sources", {"model": {"preset": "tiny", "configPath": "/c.json"}}, "spec.model:"),
+    ("unknown preset", {"model": {"preset": "llama"}}, "spec.model.preset"),
+    (
+        "relative configPath",
+        {"model": {"configPath": "c.json"}, **GPU_BOTH},
+        "spec.model.configPath",
+    ),
+    (
+        "weights no path",
+        {"model": {"preset": "tiny", "weights": {"persistentVolumeClaim": "w"}}},
+        "spec.model.weights.path: required",
+    ),
+    (
+        "weights no pvc",
+        {"model": {"preset": "tiny", "weights": {"path": "/m"}}},
+        "spec.model.weights.persistentVolumeClaim: required",
+    ),
+    (
+        "bad pvc name",
+        {"model": {"preset": "tiny", "weights": {"persistentVolumeClaim": "W_", "path": "/m"}}},
+        "spec.model.weights.persistentVolumeClaim",
+    ),
+    (
+        "relative weights path",
+        {"model": {"preset": "tiny", "weights": {"persistentVolumeClaim": "w", "path": "m"}}},
+        "spec.model.weights.path",
+    ),
+    ("unknown model field", {"model": {"preset": "tiny", "revision": "x"}}, "spec.model.revision"),
+    ("no context", {"maxContextTokens": None}, "spec.maxContextTokens: required"),
+    ("zero context", {"maxContextTokens": 0}, "spec.maxContextTokens: must be >= 1"),
+    ("huge context", {"maxContextTokens": 1 << 30}, "spec.maxContextTokens: must be <="),
+    ("string context", {"maxContextTokens": "4k"}, "spec.maxContextTokens: must be an integer"),
+    ("bool context", {"maxContextTokens": True}, "spec.maxContextTokens: must be an integer"),
+    ("negative memory", {"gpu": {"memoryGiB": -1}}, "spec.gpu.memoryGiB"),
+    ("string memory", {"gpu": {"memoryGiB": "80"}}, "spec.gpu.memoryGiB: must be a number"),
+    ("cpu with devices", {"gpu": {"memoryGiB": 0, "perPod": 1}}, "spec.gpu.perPod: must be 0"),
+    (
+        "gpu without devices",
+        {"model": {"preset": "deepseek-v4-flash"}, "gpu": {"memoryGiB": 80}},
+        "spec.gpu.perPod: must be > 0",
+    ),
+    ("too many devices", {"gpu": {"memoryGiB": 80, "perPod": 17}}, "spec.gpu.perPod: must be <="),
+    (
+        "cpu mode big model",
+        {"model": {"preset": "deepseek-v4-pro"}},
+        "spec.gpu.memoryGiB: 0 (CPU mode)",
+    ),
+    ("prefill tp mismatch", {**GPU, "decode": {"tensorParallel": 4}}, "spec.decode.tensorParallel"),
+    ("tp on cpu", {"prefill": {"tensorParallel": 2}}, "spec.prefill.tensorParallel"),
+    ("page size zero", {"kv": {"pageSize": 0}}, "spec.kv.pageSize"),
+    ("swa above one", {"kv": {"swaRatio": "1.5"}}, "spec.kv.swaRatio"),
+    ("swa zero", {"kv": {"swaRatio": "0"}}, "spec.kv.swaRatio"),
+    ("swa unquoted", {"kv": {"swaRatio": 0.25}}, "spec.kv.swaRatio: must be a string"),
+    ("unknown transfer", {"kv": {"transfer": "tcp"}}, "spec.kv.transfer: must be one of"),
+    ("kv not object", {"kv": 3}, "spec.kv: must be an object"),
+    ("zero decode replicas", {"decode": {"replicas": 0}}, "spec.decode.replicas: must be >= 1"),
+    ("too many replicas", {"prefill": {"replicas": 65}}, "spec.prefill.replicas: must be <="),
+    ("zero pp", {"decode": {"pipelineParallel": 0}}, "spec.decode.pipelineParallel: must be >= 1"),
+    ("pp too big", {"prefill": {"pipelineParallel": 17}}, "spec.prefill.pipelineParallel"),
+    ("chunk zero", {"prefill": {"chunkedPrefillTokens": 0}}, "spec.prefill.chunkedPrefillTokens"),
+    ("running zero", {"decode": {"maxRunningRequests": 0}}, "spec.decode.maxRunningRequests"),
+    ("misspelled role field", {"prefill": {"pipelineParalel": 2}}, "spec.prefill.pipelineParalel"),
+    ("router port privileged", {"router": {"port": 80}}, "spec.router.port: must be >= 1024"),
+    ("router replicas zero", {"router": {"replicas": 0}}, "spec.router.replicas"),
+    ("router unknown", {"router": {"host": "x"}}, "spec.router.host"),
+    ("draft negative", {"speculativeDraftTokens": -1}, "spec.speculativeDraftTokens"),
+    ("mem fraction high", {"memFraction": 1.5}, "spec.memFraction"),
+    ("mem fraction low", {"memFraction": 0.01}, "spec.memFraction"),
+    ("empty image", {"image": ""}, "spec.image: length"),
+    (
+        "gpu in resources",
+        {"resources": {"limits": {"nvidia.com/gpu": 1}}},
+        "spec.resources.limits.nvidia.com/gpu",
+    ),
+    (
+        "bad quantity",
+        {"resources": {"requests": {"memory": "lots"}}},
+        "spec.resources.requests.memory",
+    ),
+    ("unknown resources key", {"resources": {"claims": []}}, "spec.resources.claims"),
+    ("unknown top-level", {"replicas": 3}, "spec.replicas: unknown field"),
+]
+
+
+@pytest.mark.parametrize(("case", "patch", "field"), ERRORS, ids=[e[0] for e in ERRORS])
+def test_every_error_names_its_field(case: str, patch: dict[str, Any], field: str) -> None:
+    body = body_with({k: v for k, v in patch.items() if not k.startswith("__")})
+    if "__drop_spec__" in patch:
+        del body["spec"]
+    if "__spec__" in patch:
+        body["spec"] = patch["__spec__"]
+    with pytest.raises(SpecError) as info:
+        parse_spec(body)
+    assert any(e.startswith(field) or field in e for e in info.value.errors), info.value.errors
+
+
+@pytest.mark.parametrize(
+    ("name", "ok"),
+    [
+        ("tiny", True),
+        ("a" * 40, True),
+        ("a" * 41, False),
+        ("tiny.v2", False),
+        ("1tiny", False),
+        ("Tiny", False),
+        ("tiny-", False),
+    ],
+)
+def test_metadata_name_rule(name: str, ok: bool) -> None:
+    body = body_with({}, name=name)
+    if ok:
+        parse_spec(body)
+        assert parse_meta(body).name == name
+    else:
+        with pytest.raises(SpecError, match=r"metadata\.name"):
+            parse_spec(body)
+        with pytest.raises(SpecError, match=r"metadata\.name"):
+            parse_meta(body)
+
+
+def test_all_errors_are_collected_not_just_the_first() -> None:
+    body = body_with(
+        {"maxContextTokens": 0, "decode": {"pipelineParallel": 0}, "kv": {"transfer": "tcp"}},
+        name="Bad.Name",
+    )
+    with pytest.raises(SpecError) as info:
+        parse_spec(body)
+    fields = {e.split(":")[0] for e in info.value.errors}
+    assert fields == {
+        "metadata.name",
+        "spec.maxContextTokens",
+        "spec.decode.pipelineParallel",
+        "spec.kv.transfer",
+    }
+    assert str(info.value).count(";") == 3
+
+
+def test_meta_defaults_namespace_and_reads_uid_and_generation() -> None:
+    body = body_with({})
+    assert parse_meta(body, "dev").namespace == "dev"
+    body["metadata"].update({"namespace": "prod", "uid": "u1", "generation": 7})
+    meta = parse_meta(body, "dev")
+    assert (meta.namespace, meta.uid, meta.generation) == ("prod", "u1", 7)
