@@ -1,0 +1,78 @@
+"""KVMemory: one PP stage's KV memory = pool buffers + request slots + the page allocator.
+
+Sized from a planner `RankPlan`, so the buffers' bytes are exactly what the planner counted.
+The hot allocation paths live on `pages` (a KVAllocator); this class owns request lifecycles.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dsv4_worker.core.layout import IndexSpace, KVLayout
+from dsv4_worker.mem.alloc_config import AllocatorConfig
+from dsv4_worker.mem.errors import IntegrityError
+from dsv4_worker.mem.kv_allocator import KVAllocator
+from dsv4_worker.mem.pool import KVPool
+from dsv4_worker.mem.req_slots import ReqSlotAllocator
+from dsv4_worker.mem.usage import PoolUsage
+from dsv4_worker.plan.planner import RankPlan
+
+
+class KVMemory:
+    def __init__(
+        self,
+        layout: KVLayout,
+        config: AllocatorConfig,
+        device: torch.device | str = "cpu",
+        *,
+        with_buffers: bool = True,
+    ) -> None:
+        if layout.page_size != config.page_size:
+            raise ValueError(f"layout page {layout.page_size} != allocator {config.page_size}")
+        self.layout = layout
+        self.config = config
+        self.device = torch.device(device)
+        units = {
+            IndexSpace.FULL_PAGE: config.num_full_pages + 1,
+            IndexSpace.SWA_PAGE: config.num_swa_pages + 1,
+            IndexSpace.REQ_SLOT: config.num_request_slots + 1,
+        }
+        self.pool = KVPool(layout, units, self.device) if with_buffers else None
+        self.req_slots = ReqSlotAllocator(config.num_request_slots, self.pool, self.device)
+        self.pages = KVAllocator(config, self.device)
+
+    @classmethod
+    def from_rank_plan(
+        cls,
+        rank: RankPlan,
+        device: torch.device | str = "cpu",
+        *,
+        max_context_tokens: int | None = None,
+        with_buffers: bool = True,
+    ) -> KVMemory:
+        config = AllocatorConfig.from_rank_plan(rank, max_context_tokens)
+        return cls(rank.layout, config, device, with_buffers=with_buffers)
+
+    def open(self, num_requests: int) -> Tensor:
+        """Allocate and open `num_requests` request slots (state cleared); all or nothing."""
+        slots = self.req_slots.alloc(num_requests)
+        self.pages.open(slots)
+        return slots
+
+    def free(self, slots: Tensor) -> None:
+        """End requests: free their pages, then their slots."""
+        self.pages.free(slots)
+        self.req_slots.free(slots)
+
+    def usage(self) -> tuple[PoolUsage, ...]:
+        return (*self.pages.usage(), self.req_slots.usage())
+
+    def check_integrity(self) -> None:
+        self.pages.check_integrity()
+        self.req_slots.check_integrity()
+        open_ = self.pages.open_slots()
+        if not bool(self.req_slots.in_use(open_).all()) or open_.numel() != (
+            self.req_slots.num_slots - self.req_slots.num_free
+        ):
+            raise IntegrityError("open page-table rows and used request slots disagree")

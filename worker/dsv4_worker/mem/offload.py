@@ -1,0 +1,90 @@
+"""CPU offload / reload of one request across every component (retraction; ref. issue #33385).
+
+What is saved, per index space of the layout:
+
+    FULL_PAGE : rows of the request's full pages (c4/c128 KV, indexer keys, full-attn KV)
+    SWA_PAGE  : rows of its mapped SWA pages only (window KV, per-page compressor rings),
+                with the sparse SWA mask (which page columns had an SWA page)
+    REQ_SLOT  : its request slot's state (HCA compressor rings)
+
+NOTE: offload copies first and frees only after every copy succeeded; reload allocates (all or
+nothing) before writing, and reproduces the same SWA mask, so the restored request is
+byte-identical in every component.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dsv4_worker.core.layout import IndexSpace
+from dsv4_worker.mem.errors import IntegrityError, KVMemoryError
+from dsv4_worker.mem.memory import KVMemory
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadedRequest:
+    num_tokens: int
+    swa_start_tokens: int
+    swa_mask: Tensor  # bool per page column: True where the column had an SWA page
+    data: dict[str, Tensor]  # component -> [num_layers, num_units, ...] on CPU
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.data.values())
+
+
+def _units_by_space(mem: KVMemory, slot: int) -> dict[IndexSpace, Tensor]:
+    full_pages, swa_pages = mem.pages.request_pages(slot)
+    return {
+        IndexSpace.FULL_PAGE: full_pages,
+        IndexSpace.SWA_PAGE: swa_pages[swa_pages > 0],
+        IndexSpace.REQ_SLOT: torch.tensor([slot], dtype=torch.int64, device=mem.device),
+    }
+
+
+def offload_request(mem: KVMemory, slot: int) -> OffloadedRequest:
+    """Copy request `slot` to CPU, then free its pages and slot."""
+    if mem.pool is None:
+        raise KVMemoryError("offload needs a KVMemory with buffers")
+    _, swa_pages = mem.pages.request_pages(slot)
+    units = _units_by_space(mem, slot)
+    data = {
+        c.name: mem.pool.buffer(c.name).index_select(1, units[c.index_space]).to("cpu")
+        for c in mem.layout.components
+    }
+    snapshot = OffloadedRequest(
+        num_tokens=int(mem.pages.num_tokens[slot]),
+        swa_start_tokens=int(mem.pages.swa_start_tokens[slot]),
+        swa_mask=(swa_pages > 0).to("cpu"),
+        data=data,
+    )
+    mem.free(torch.tensor([slot], dtype=torch.int64, device=mem.device))
+    return snapshot
+
+
+def reload_request(mem: KVMemory, snapshot: OffloadedRequest) -> int:
+    """Allocate a fresh slot and pages shaped like the snapshot, write it back; returns the slot."""
+    if mem.pool is None:
+        raise KVMemoryError("reload needs a KVMemory with buffers")
+    slots = mem.open(1)
+    dev = mem.device
+    try:
+        mem.pages.alloc_sparse(
+            slots,
+            torch.tensor([snapshot.num_tokens], dtype=torch.int64, device=dev),
+            torch.tensor([snapshot.swa_start_tokens], dtype=torch.int64, device=dev),
+        )
+    except KVMemoryError:
+        mem.free(slots)
+        raise
+    slot = int(slots[0])
+    units = _units_by_space(mem, slot)
+    _, swa_pages = mem.pages.request_pages(slot)
+    if not torch.equal((swa_pages > 0).to("cpu"), snapshot.swa_mask):
+        raise IntegrityError("reload: the new SWA mask differs from the offloaded one")
+    for c in mem.layout.components:
+        mem.pool.buffer(c.name).index_copy_(1, units[c.index_space], snapshot.data[c.name].to(dev))
+    return slot

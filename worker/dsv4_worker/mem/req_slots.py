@@ -1,0 +1,57 @@
+"""ReqSlotAllocator: request slots 1..num_slots; clears request-scoped state when a slot is reused.
+
+NOTE: clearing on allocation is a property of this allocator, not of its callers: a request
+never sees the HCA compressor ring of the request that held its slot before (lesson 9).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dsv4_worker.core.layout import IndexSpace
+from dsv4_worker.mem.errors import OutOfPages
+from dsv4_worker.mem.page_allocator import PageAllocator
+from dsv4_worker.mem.pool import KVPool
+from dsv4_worker.mem.usage import PoolUsage
+
+_SLOT_OWNER = 1  # request slots have no finer owner than "in use"
+
+
+class ReqSlotAllocator:
+    def __init__(
+        self, num_slots: int, pool: KVPool | None = None, device: torch.device | str = "cpu"
+    ) -> None:
+        if pool is not None and pool.units[IndexSpace.REQ_SLOT] != num_slots + 1:
+            raise ValueError(
+                f"pool has {pool.units[IndexSpace.REQ_SLOT] - 1} request slots, not {num_slots}"
+            )
+        self._slots = PageAllocator("req_slots", num_slots, device)
+        self.pool = pool
+        self.num_slots = num_slots
+
+    @property
+    def num_free(self) -> int:
+        return self._slots.num_free
+
+    def usage(self) -> PoolUsage:
+        return self._slots.usage()
+
+    def in_use(self, slots: Tensor) -> Tensor:
+        return self._slots.owner[slots] != 0
+
+    def alloc(self, num_slots: int) -> Tensor:
+        """`num_slots` fresh slots with their request-scoped state zeroed; all or nothing."""
+        if num_slots > self._slots.num_free:
+            raise OutOfPages("req_slots", num_slots, self._slots.num_free)
+        owners = torch.full((num_slots,), _SLOT_OWNER, dtype=torch.int64, device=self._slots.device)
+        slots = self._slots.alloc(owners)
+        if self.pool is not None and num_slots:
+            self.pool.clear_units(IndexSpace.REQ_SLOT, slots)
+        return slots
+
+    def free(self, slots: Tensor) -> None:
+        self._slots.free(slots, torch.full_like(slots, _SLOT_OWNER))
+
+    def check_integrity(self) -> None:
+        self._slots.check_integrity()
