@@ -2,8 +2,9 @@
 
     .venv/bin/python bench/alloc.py [--device cpu|cuda] [--repeats N]
 
-Median microseconds per call, one torch thread, page sizes 256 and 16. Each cell is the lowest
-of `--rounds` medians (each over `--repeats` calls): shared CPUs here add bursts of noise.
+Microseconds per call, one torch thread, page sizes 256 and 16. Each cell is the median of
+`--rounds` round medians (each over `--repeats` calls), the best round in brackets: shared CPUs
+here add bursts of noise.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--repeats", type=int, default=50)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(1)
     device, r = torch.device(args.device), args.repeats
@@ -133,11 +134,17 @@ def main() -> None:
         ),
     ]
     threads = torch.get_num_threads()
-    print(f"device={device}  torch={torch.__version__}  threads={threads}  (median us)")
-    print(f"{'operation':<34}{'page 256':>12}{'page 16':>12}")
+    print(
+        f"device={device}  torch={torch.__version__}  threads={threads}  "
+        f"(us per call: median of {args.rounds} round medians, best round in brackets)"
+    )
+    print(f"{'operation':<34}{'page 256':>20}{'page 16':>20}")
     for name, fn in rows:
-        cells = [min(fn(page) for _ in range(args.rounds)) for page in (256, 16)]
-        print(f"{name:<34}{cells[0]:>12.1f}{cells[1]:>12.1f}", flush=True)
+        cells = []
+        for page in (256, 16):
+            medians = [fn(page) for _ in range(args.rounds)]
+            cells.append(f"{statistics.median(medians):.1f} [{min(medians):.1f}]")
+        print(f"{name:<34}{cells[0]:>20}{cells[1]:>20}", flush=True)
 
 
 if __name__ == "__main__":
