@@ -192,12 +192,13 @@ class KVAllocator:
         n0 = self._checked_num_tokens(slots, max_tokens=self.config.max_tokens_per_request - 1)
         offsets, cols = self._mod_page(n0), self._div_page(n0)
         flat = torch.add(cols, slots, alpha=self.config.max_pages_per_request)
-        num_new = slots.numel() - int(torch.count_nonzero(offsets))
+        rollover = offsets == 0  # requests whose next token starts a new page
+        new_slots = slots.masked_select(rollover)
+        num_new = new_slots.numel()
         if num_new:
             self._check_free(num_new, num_new)
-            idx = torch.nonzero(offsets == 0, as_tuple=True)[0]
-            pages = self.full.pop(slots.index_select(0, idx))
-            self._table_flat.index_copy_(0, flat.index_select(0, idx), pages)
+            pages = self.full.pop(new_slots)
+            self._table_flat.index_copy_(0, flat.masked_select(rollover), pages)
             self.full_to_swa.index_copy_(0, pages, self.swa.pop(pages))
         out = torch.add(
             offsets, self._table_flat.index_select(0, flat), alpha=self.config.page_size
