@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from dsv4_operator import labels as L
 from dsv4_operator.observe import PodState
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).parent))  # test helpers: `import crd_support`
 SAMPLES = ROOT / "crds" / "samples"
 Key = tuple[str, str, str, str]  # apiVersion, kind, namespace, name
 _uids = itertools.count(1)

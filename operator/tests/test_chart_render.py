@@ -7,31 +7,14 @@ missing, which CI never allows (scripts/setup.sh runs tools.sh).
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
+import crd_support as S
 import kubernetes_validate
 import pytest
 import yaml
 
-
-def _support() -> Any:
-    name = "dsv4_test_crd_support"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).with_name("test_crd_support.py")
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-S = _support()
 CHART = S.ROOT / "charts" / "dsv4-operator"
 HELM = S.ROOT / ".tools" / "bin" / "helm"
 K8S_VERSIONS = ("1.30", "1.37")

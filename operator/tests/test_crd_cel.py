@@ -1,6 +1,6 @@
 """Each CEL rule of the CRD, restated as a Python predicate; both must agree on every sample.
 
-The CEL side runs through the interpreter in test_crd_support.py (our subset, CEL typing);
+The CEL side runs through the interpreter in crd_support.py (our subset, CEL typing);
 the Python side is the intent written independently. A new rule without a predicate fails
 `test_every_rule_has_a_predicate`. Not checked here: the API server's CEL compiler and cost
 estimator (only a real cluster runs those: e2e/).
@@ -8,29 +8,13 @@ estimator (only a real cluster runs those: e2e/).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import crd_support as S
 import pytest
 
-
-def _support() -> Any:
-    name = "dsv4_test_crd_support"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).with_name("test_crd_support.py")
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-S = _support()
 SCHEMA: dict[str, Any] = S.crd_schema()
 
 

@@ -1,36 +1,20 @@
 """The DSV4Deployment CRD: structural, valid samples accepted, invalid ones rejected by field.
 
-Validation here is offline (test_crd_support.py): OpenAPI via jsonschema, unknown fields, and
+Validation here is offline (crd_support.py): OpenAPI via jsonschema, unknown fields, and
 our CEL rules through a small interpreter. The API server's own CEL compiler and cost limits are
 only exercised by e2e/ on a real cluster.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
+import crd_support as S
 import kubernetes_validate
 import pytest
 
-
-def _support() -> Any:
-    name = "dsv4_test_crd_support"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).with_name("test_crd_support.py")
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-S = _support()
 CRD: dict[str, Any] = S.load_yaml(S.CRD_FILE)
 SCHEMA: dict[str, Any] = S.crd_schema(CRD)
 K8S_VERSIONS = ("1.30", "1.37")

@@ -4,11 +4,9 @@ field its `# expect:` line names."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from typing import Any
 
+import crd_support  # conftest puts this folder on sys.path
 import pytest
 import yaml
 
@@ -16,18 +14,6 @@ from dsv4_operator.spec import SpecError, parse_spec
 
 TESTS = Path(__file__).resolve().parent
 SAMPLES = TESTS.parents[1] / "crds" / "samples"
-
-
-def _crd_support() -> Any:
-    """The CRD test helper (defaulting as the API server does), loaded by path."""
-    name = "dsv4_test_crd_support"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, TESTS / "test_crd_support.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 VALID = sorted(SAMPLES.glob("*.yaml"))
@@ -48,8 +34,7 @@ def test_there_are_samples_of_both_kinds() -> None:
 @pytest.mark.parametrize("path", VALID, ids=[p.name for p in VALID])
 def test_valid_sample_parses_with_the_crd_defaults(path: Path) -> None:
     body = yaml.safe_load(path.read_text())
-    support = _crd_support()
-    defaulted = support.apply_defaults(support.crd_schema(), body)
+    defaulted = crd_support.apply_defaults(crd_support.crd_schema(), body)
     assert parse_spec(body) == parse_spec(defaulted)
 
 

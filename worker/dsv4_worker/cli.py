@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from dsv4_worker.core.layout import LayoutError
 from dsv4_worker.core.model_config import PRESETS, ModelConfigError, load_model_config
@@ -14,34 +15,26 @@ from dsv4_worker.plan.planner import plan
 from dsv4_worker.plan.report import format_table, plan_to_dict
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _bounded(kind: type[int] | type[float], minimum: float, *, inclusive: bool) -> Any:
+    """An argparse type: parse `kind` and require value >= minimum (or > when not inclusive)."""
+    noun = "an integer" if kind is int else "a number"
+    bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
+        if not (value >= minimum if inclusive else value > minimum):
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
+_positive_int = _bounded(int, 1, inclusive=True)
+_non_negative_int = _bounded(int, 0, inclusive=True)
+_positive_float = _bounded(float, 0, inclusive=False)
 
 
 def _layer_split(text: str) -> tuple[int, ...]:
