@@ -91,6 +91,7 @@ class FieldReader:
         min_length: int = 1,
         max_length: int = 1024,
         pattern: re.Pattern[str] | None = None,
+        pattern_hint: str | None = None,  # what a match means, in words, for the message
     ) -> str | None:
         where = f"{path}.{key}"
         if key not in m or m[key] is None:
@@ -106,6 +107,7 @@ class FieldReader:
             self.fail(where, f"length must be in [{min_length}, {max_length}], got {len(value)}")
             return None
         if pattern is not None and not pattern.match(value):
-            self.fail(where, f"{value!r} does not match {pattern.pattern}")
+            expected = pattern_hint or f"must match {pattern.pattern}"
+            self.fail(where, f"{expected}, got {value!r}")
             return None
         return value

@@ -104,7 +104,13 @@ def load_model(spec: DeploymentSpec) -> ModelConfig:
     try:
         return load_model_config(spec.model.source)
     except ModelConfigError as exc:
-        raise MemoryPlanError(f"{field}: {exc}") from exc
+        hint = ""
+        if spec.model.preset is None:
+            hint = (
+                " (configPath is read where the plan is made: mount the model's config.json "
+                "into the operator pod, or render locally with the file at that path)"
+            )
+        raise MemoryPlanError(f"{field}: {exc}{hint}") from exc
 
 
 def plan_memory(spec: DeploymentSpec) -> MemoryPlan:

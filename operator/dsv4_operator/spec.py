@@ -252,7 +252,14 @@ def _kv(r: FieldReader, raw: object) -> KVSpec:
         r.fail("spec.kv.swaRatio", f'must be a string: "auto" or a quoted decimal ("{raw_swa}")')
         swa_text: str | None = None
     else:
-        swa_text = r.string(k, "swaRatio", "spec.kv", max_length=32, pattern=_SWA_RATIO)
+        swa_text = r.string(
+            k,
+            "swaRatio",
+            "spec.kv",
+            max_length=32,
+            pattern=_SWA_RATIO,
+            pattern_hint='must be "auto" or a decimal in (0, 1] such as "0.25"',
+        )
     swa = None if swa_text in (None, "auto") else float(swa_text)
     transfer = r.string(k, "transfer", "spec.kv", enum=TRANSFERS) or "nixl"
     return KVSpec(page_size=page_size, swa_ratio=swa, transfer=cast(Transfer, transfer))

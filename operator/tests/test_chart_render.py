@@ -31,6 +31,18 @@ VALUE_SETS: dict[str, list[str]] = {
     "ha-namespaced": ["--set", "replicaCount=2", "--set", "rbac.namespaced=true"],
     "managed-crds": ["--set", "crds.manage=true"],
     "no-rbac": ["--set", "rbac.create=false", "--set", "serviceAccount.create=false"],
+    "model-config-volume": [
+        "--set",
+        "extraVolumes[0].name=pro-config",
+        "--set",
+        "extraVolumes[0].configMap.name=dsv4-pro-config",
+        "--set",
+        "extraVolumeMounts[0].name=pro-config",
+        "--set",
+        "extraVolumeMounts[0].mountPath=/models/DeepSeek-V4-Pro",
+        "--set",
+        "extraVolumeMounts[0].readOnly=true",
+    ],
 }
 
 
@@ -128,6 +140,21 @@ def test_operator_pod_is_locked_down() -> None:
     assert "--standalone" in container["args"] and "--all-namespaces" in container["args"]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["DSV4_PEERING"] == ""  # standalone for dsv4_operator.settings too
+
+
+@needs_helm
+def test_model_config_volume_reaches_the_operator_container() -> None:
+    """A `model.configPath` CR is planned by the operator: its config.json must be mountable."""
+    (sts,) = by_kind(render(*VALUE_SETS["model-config-volume"]), "StatefulSet")
+    pod = sts["spec"]["template"]["spec"]
+    assert {"name": "pro-config", "configMap": {"name": "dsv4-pro-config"}} in pod["volumes"]
+    mounts = pod["containers"][0]["volumeMounts"]
+    assert {
+        "name": "pro-config",
+        "mountPath": "/models/DeepSeek-V4-Pro",
+        "readOnly": True,
+    } in mounts
+    assert {"name": "tmp", "mountPath": "/tmp"} in mounts  # the default mount stays
 
 
 @needs_helm
