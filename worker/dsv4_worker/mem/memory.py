@@ -9,13 +9,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dsv4_worker.core.layout import IndexSpace, KVLayout
+from dsv4_worker.core.layout import KVLayout
 from dsv4_worker.mem.alloc_config import AllocatorConfig
 from dsv4_worker.mem.errors import IntegrityError
 from dsv4_worker.mem.kv_allocator import KVAllocator
 from dsv4_worker.mem.pool import KVPool
 from dsv4_worker.mem.req_slots import ReqSlotAllocator
 from dsv4_worker.mem.usage import PoolUsage
+from dsv4_worker.plan.capacity import units_per_space
 from dsv4_worker.plan.planner import RankPlan
 
 
@@ -33,11 +34,9 @@ class KVMemory:
         self.layout = layout
         self.config = config
         self.device = torch.device(device)
-        units = {
-            IndexSpace.FULL_PAGE: config.num_full_pages + 1,
-            IndexSpace.SWA_PAGE: config.num_swa_pages + 1,
-            IndexSpace.REQ_SLOT: config.num_request_slots + 1,
-        }
+        units = units_per_space(
+            config.num_full_pages, config.num_swa_pages, config.num_request_slots
+        )
         self.pool = KVPool(layout, units, self.device) if with_buffers else None
         self.req_slots = ReqSlotAllocator(config.num_request_slots, self.pool, self.device)
         self.pages = KVAllocator(config, self.device)

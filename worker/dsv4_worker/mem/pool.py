@@ -29,16 +29,6 @@ TORCH_DTYPES: Mapping[str, torch.dtype] = {
 }
 
 
-def units_of_plan(rank: RankPlan) -> dict[IndexSpace, int]:
-    """Units per layer of each index space, the reserved unit 0 included."""
-    cap = rank.capacity
-    return {
-        IndexSpace.FULL_PAGE: cap.full_pages + 1,
-        IndexSpace.SWA_PAGE: cap.swa_pages + 1,
-        IndexSpace.REQ_SLOT: cap.request_slots + 1,
-    }
-
-
 def _is_padded(c: Component) -> bool:
     return c.unit_bytes != c.rows_per_unit * c.row_bytes
 
@@ -69,7 +59,7 @@ class KVPool:
 
     @classmethod
     def from_rank_plan(cls, rank: RankPlan, device: torch.device | str = "cpu") -> KVPool:
-        return cls(rank.layout, units_of_plan(rank), device)
+        return cls(rank.layout, rank.capacity.units, device)
 
     @property
     def nbytes(self) -> int:

@@ -50,13 +50,22 @@ class RankCapacity:
     request_slots: int  # usable (excluding slot 0) == max running requests
     kv_bytes: int  # every buffer of every component, reserved units included
 
+    @property
+    def units(self) -> dict[IndexSpace, int]:
+        return units_per_space(self.full_pages, self.swa_pages, self.request_slots)
 
-def planned_bytes(layout: KVLayout, full_pages: int, swa_pages: int, request_slots: int) -> int:
-    units = {
+
+def units_per_space(full_pages: int, swa_pages: int, request_slots: int) -> dict[IndexSpace, int]:
+    """Units per layer of each index space that buffers hold: the usable ones + reserved unit 0."""
+    return {
         IndexSpace.FULL_PAGE: full_pages + 1,
         IndexSpace.SWA_PAGE: swa_pages + 1,
         IndexSpace.REQ_SLOT: request_slots + 1,
     }
+
+
+def planned_bytes(layout: KVLayout, full_pages: int, swa_pages: int, request_slots: int) -> int:
+    units = units_per_space(full_pages, swa_pages, request_slots)
     return sum(c.bytes_per_unit_all_layers * units[c.index_space] for c in layout.components)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsv4_worker.core.index_space import pages_for_tokens
-from dsv4_worker.core.layout import IndexSpace, KVLayout, LayoutError, build_layout
+from dsv4_worker.core.layout import KVLayout, LayoutError, build_layout
 from dsv4_worker.plan.capacity import (
     RankCapacity,
     SwaNeed,
@@ -69,11 +69,7 @@ class RankPlan:
 
     def component_units(self) -> dict[str, int]:
         """Units (pages or request slots) per layer of every component, reserved unit 0 included."""
-        units = {
-            IndexSpace.FULL_PAGE: self.capacity.full_pages + 1,
-            IndexSpace.SWA_PAGE: self.capacity.swa_pages + 1,
-            IndexSpace.REQ_SLOT: self.capacity.request_slots + 1,
-        }
+        units = self.capacity.units
         return {c.name: units[c.index_space] for c in self.layout.components}
 
 
