@@ -36,21 +36,23 @@ class OffloadedRequest:
         return sum(t.numel() * t.element_size() for t in self.data.values())
 
 
-def _units_by_space(mem: KVMemory, slot: int) -> dict[IndexSpace, Tensor]:
+def _units_by_space(mem: KVMemory, slot: int) -> tuple[dict[IndexSpace, Tensor], Tensor]:
+    """The units request `slot` holds in each index space, and its SWA mask (on CPU)."""
     full_pages, swa_pages = mem.pages.request_pages(slot)
-    return {
+    mask = swa_pages > 0
+    units = {
         IndexSpace.FULL_PAGE: full_pages,
-        IndexSpace.SWA_PAGE: swa_pages[swa_pages > 0],
+        IndexSpace.SWA_PAGE: swa_pages[mask],
         IndexSpace.REQ_SLOT: torch.tensor([slot], dtype=torch.int64, device=mem.device),
     }
+    return units, mask.to("cpu")
 
 
 def offload_request(mem: KVMemory, slot: int) -> OffloadedRequest:
     """Copy request `slot` to CPU, then free its pages and slot."""
     if mem.pool is None:
         raise KVMemoryError("offload needs a KVMemory with buffers")
-    _, swa_pages = mem.pages.request_pages(slot)
-    units = _units_by_space(mem, slot)
+    units, swa_mask = _units_by_space(mem, slot)
     data = {
         c.name: mem.pool.buffer(c.name).index_select(1, units[c.index_space]).to("cpu")
         for c in mem.layout.components
@@ -58,7 +60,7 @@ def offload_request(mem: KVMemory, slot: int) -> OffloadedRequest:
     snapshot = OffloadedRequest(
         num_tokens=int(mem.pages.num_tokens[slot]),
         swa_start_tokens=int(mem.pages.swa_start_tokens[slot]),
-        swa_mask=(swa_pages > 0).to("cpu"),
+        swa_mask=swa_mask,
         data=data,
     )
     mem.free(torch.tensor([slot], dtype=torch.int64, device=mem.device))
@@ -81,9 +83,8 @@ def reload_request(mem: KVMemory, snapshot: OffloadedRequest) -> int:
         mem.free(slots)
         raise
     slot = int(slots[0])
-    units = _units_by_space(mem, slot)
-    _, swa_pages = mem.pages.request_pages(slot)
-    if not torch.equal((swa_pages > 0).to("cpu"), snapshot.swa_mask):
+    units, swa_mask = _units_by_space(mem, slot)
+    if not torch.equal(swa_mask, snapshot.swa_mask):
         raise IntegrityError("reload: the new SWA mask differs from the offloaded one")
     for c in mem.layout.components:
         mem.pool.buffer(c.name).index_copy_(1, units[c.index_space], snapshot.data[c.name].to(dev))
