@@ -178,3 +178,34 @@ def test_tiny_cpu_serves_a_completion_and_is_cleaned_up(namespace: str) -> None:
     while (left := owned_by(namespace, uid)) and time.monotonic() < deadline:
         time.sleep(3)
     assert left == []
+
+
+def group_pods(ns: str, group: str) -> dict[str, str]:
+    """name -> uid of the live pods of one PP group."""
+    items = json.loads(
+        kubectl("get", "pods", "-n", ns, "-l", f"serving.dsv4.io/group={group}", "-o", "json")
+    )["items"]
+    return {
+        i["metadata"]["name"]: i["metadata"]["uid"]
+        for i in items
+        if not i["metadata"].get("deletionTimestamp")
+    }
+
+
+def test_killing_one_pp_rank_restarts_its_whole_group(namespace: str) -> None:
+    """prefill PP=2: deleting rank 1 alone must replace rank 0 too (one pipeline, one unit)."""
+    kubectl("apply", "-n", namespace, "-f", str(SAMPLES / "tiny-cpu.yaml"))
+    wait_condition(namespace, "tiny", "Ready", "True")
+    group = "tiny-prefill-0"
+    before = group_pods(namespace, group)
+    assert sorted(before) == [f"{group}-0", f"{group}-1"]
+    kubectl("delete", "pod", f"{group}-1", "-n", namespace, "--wait=false")
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        now = group_pods(namespace, group)
+        if len(now) == 2 and not set(now.values()) & set(before.values()):
+            break
+        time.sleep(2)
+    else:
+        raise AssertionError(f"group {group} was not restarted as a unit: {now} vs {before}")
+    wait_condition(namespace, "tiny", "Ready", "True")

@@ -1,5 +1,11 @@
-"""kopf glue: create, update, resume and a periodic timer all run the one reconcile; errors are
-mapped to kopf's retry semantics here and nowhere else. No decisions in this module.
+"""kopf glue: create, update, resume, a periodic timer and events of the workers' pods all run
+the one reconcile; errors are mapped to kopf's retry semantics here and nowhere else. No
+decisions in this module.
+
+Pod events (a worker failed, restarted, became ready) trigger a reconcile of the owning
+DSV4Deployment at once instead of at the next timer tick. They are coalesced like a work queue:
+while one pod-triggered reconcile of a deployment waits for its lock, further events of that
+deployment are dropped, since the waiting reconcile reads the CR and the pods afresh.
 """
 
 from __future__ import annotations
@@ -20,15 +26,21 @@ from dsv4_operator.reconcile import OperatorConfig, ReconcileResult, reconcile
 RECONCILE_INTERVAL_S: Final = 15.0  # level-based safety net: pod failures, worker reports
 RETRY_DELAY_S: Final = 10.0
 
-# Timers and change handlers of one object may run concurrently (both in kopf's thread pool);
-# one reconcile per object at a time.
+# Timers, change handlers and pod events of one deployment may run concurrently (all in kopf's
+# thread pool); one reconcile per deployment ("namespace/name") at a time.
 _locks: dict[str, threading.Lock] = {}
 _locks_guard = threading.Lock()
+_queued: set[str] = set()  # deployments with a pod-triggered reconcile waiting for the lock
 
 
-def _lock_for(uid: str) -> threading.Lock:
+def _lock_for(key: str) -> threading.Lock:
     with _locks_guard:
-        return _locks.setdefault(uid, threading.Lock())
+        return _locks.setdefault(key, threading.Lock())
+
+
+def _key(body: Mapping[str, Any]) -> str:
+    meta = body.get("metadata", {})
+    return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
 
 
 def run_reconcile(
@@ -39,14 +51,23 @@ def run_reconcile(
     logger: logging.Logger | logging.LoggerAdapter[Any],
 ) -> ReconcileResult:
     """Reconcile and translate the outcome for kopf (PermanentError / TemporaryError)."""
-    uid = str(body.get("metadata", {}).get("uid", ""))
-    with _lock_for(uid):
-        try:
-            result = reconcile(body, kube, probe, config=config)
-        except KubeError as exc:
-            if exc.retryable:
-                raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
-            raise
+    with _lock_for(_key(body)):
+        return _reconcile_locked(body, kube, probe, config, logger)
+
+
+def _reconcile_locked(
+    body: Mapping[str, Any],
+    kube: Kube,
+    probe: WorkerProbe,
+    config: OperatorConfig,
+    logger: logging.Logger | logging.LoggerAdapter[Any],
+) -> ReconcileResult:
+    try:
+        result = reconcile(body, kube, probe, config=config)
+    except KubeError as exc:
+        if exc.retryable:
+            raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
+        raise
     for key in result.applied:
         logger.info("applied %s %s", key[1], key[2])
     for key in result.pruned:
@@ -78,3 +99,43 @@ def on_timer(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) ->
     # A permanent problem is already in status and was raised by the change handler.
     with contextlib.suppress(kopf.PermanentError):
         run_reconcile(body, *_deps(memo), logger)
+
+
+def reconcile_owner(
+    namespace: str,
+    name: str,
+    kube: Kube,
+    probe: WorkerProbe,
+    config: OperatorConfig,
+    logger: logging.Logger | logging.LoggerAdapter[Any],
+) -> ReconcileResult | None:
+    """Reconcile the DSV4Deployment `namespace/name` because one of its pods changed; None when
+    the event was coalesced into a reconcile already waiting, or the CR is gone or going."""
+    key = f"{namespace}/{name}"
+    with _locks_guard:
+        if key in _queued:
+            return None
+        _queued.add(key)
+    with _lock_for(key):
+        with _locks_guard:
+            _queued.discard(key)
+        # Read inside the lock: the freshest spec and status, never a body older than the last
+        # reconcile's writes.
+        body = kube.get(L.API_VERSION, L.KIND, namespace, name)
+        if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+            return None
+        with contextlib.suppress(kopf.PermanentError):  # already in status (PlanValid=False)
+            return _reconcile_locked(body, kube, probe, config, logger)
+    return None
+
+
+@kopf.on.event("", "v1", "pods", labels={L.DEPLOYMENT_LABEL: kopf.PRESENT})
+def on_pod_event(
+    namespace: str | None,
+    labels: Mapping[str, str],
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    **_: Any,
+) -> None:
+    if namespace:
+        reconcile_owner(namespace, labels[L.DEPLOYMENT_LABEL], *_deps(memo), logger)

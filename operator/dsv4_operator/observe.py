@@ -136,11 +136,12 @@ class HttpWorkerProbe:
     """GETs each running worker's /status on its pod IP (the NetworkPolicy admits the operator
     on the status port only)."""
 
-    def __init__(self, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    def __init__(self, timeout_s: float = PROBE_TIMEOUT_S, port: int = STATUS_PORT) -> None:
         self.timeout_s = timeout_s
+        self.port = port  # the rendered pods' status port; other values are for tests
 
     def _one(self, pod: PodState) -> tuple[str, Mapping[str, Any] | None]:
-        url = f"http://{pod.ip}:{STATUS_PORT}/status"
+        url = f"http://{pod.ip}:{self.port}/status"
         try:
             with urllib.request.urlopen(url, timeout=self.timeout_s) as resp:
                 doc = json.loads(resp.read())

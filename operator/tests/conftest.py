@@ -37,6 +37,7 @@ class FakeKube:
 
     def __init__(self, cr: dict[str, Any]) -> None:
         self.cr = cr
+        self.cr_deleted = False
         self.objects: dict[Key, dict[str, Any]] = {}
         self.writes: list[tuple[str, ...]] = []
         self.clock = itertools.count(1)
@@ -54,6 +55,14 @@ class FakeKube:
         self.writes.append(("apply", obj["kind"], meta["name"]))
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        cr_meta = self.cr.get("metadata", {})
+        if (api_version, kind, namespace, name) == (
+            L.API_VERSION,
+            L.KIND,
+            cr_meta.get("namespace"),
+            cr_meta.get("name"),
+        ):
+            return None if self.cr_deleted else copy.deepcopy(self.cr)
         obj = self.objects.get((api_version, kind, namespace, name))
         return copy.deepcopy(obj) if obj else None
 

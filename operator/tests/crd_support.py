@@ -6,11 +6,11 @@ unknown-field detection (what `kubectl --validate=strict` rejects and the server
 and evaluation of every `x-kubernetes-validations` rule with a small CEL interpreter.
 
 NOTE: the interpreter covers only the CEL subset our rules use (field access, has(), ! && || ?:,
-comparisons, `in`, size/contains/startsWith, literals) with CEL's typing for those: int and double
-never compare with each other (a `type: number` field is a double, so rules must write `0.0`), a
-missing field is an error, and || / && absorb errors the CEL way. It does not run the API
-server's type checker or cost estimator; a rule outside the subset fails the tests instead of
-being skipped. Only a real cluster (e2e/) checks those.
+comparisons, `in`, size/contains/startsWith/matches, literals) with CEL's typing for those: int
+and double never compare with each other (a `type: number` field is a double, so rules must
+write `0.0`), a missing field is an error, and || / && absorb errors the CEL way. It does not
+run the API server's type checker or cost estimator; a rule outside the subset fails the tests
+instead of being skipped. Only a real cluster (e2e/) checks those.
 """
 
 from __future__ import annotations
@@ -404,10 +404,12 @@ def _eval(node: Any, this: Any) -> Any:
 def _call(name: str, target: Any, args: list[Any]) -> Any:
     if name == "size" and not args and isinstance(target, str | list | dict):
         return len(target)
-    if name in ("contains", "startsWith") and isinstance(target, str):
+    if name in ("contains", "startsWith", "matches") and isinstance(target, str):
         (arg,) = args
         if not isinstance(arg, str):
             raise CelError(f"{name}() takes a string")
+        if name == "matches":  # RE2 semantics: a match anywhere unless anchored
+            return re.search(arg, target) is not None
         return arg in target if name == "contains" else target.startswith(arg)
     raise CelError(f"unsupported call {name}() on {type(target).__name__}")
 

@@ -30,6 +30,9 @@ def _tp_ok(role: str) -> Callable[[dict[str, Any]], bool]:
 PREDICATES: dict[tuple[str, str], Callable[[Any], bool]] = {
     ("", "self.metadata.name.size() <= 40"): lambda o: len(o["metadata"]["name"]) <= 40,
     ("", "!self.metadata.name.contains('.')"): lambda o: "." not in o["metadata"]["name"],
+    ("", "self.metadata.name.matches('^[a-z]')"): lambda o: (
+        o["metadata"]["name"][:1].isalpha() and o["metadata"]["name"][:1].islower()
+    ),
     (
         "spec",
         "self.gpu.memoryGiB > 0.0 || (has(self.model.preset) && self.model.preset == 'tiny')",

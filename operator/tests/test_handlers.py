@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import kopf
 import pytest
 
-from dsv4_operator.handlers import run_reconcile
+from dsv4_operator import handlers
+from dsv4_operator import labels as L
+from dsv4_operator.handlers import reconcile_owner, run_reconcile
 from dsv4_operator.kube import KubeError
 from dsv4_operator.reconcile import OperatorConfig
 from dsv4_operator.settings import configure
@@ -58,3 +62,81 @@ def test_settings_from_environment(env: dict[str, str], standalone: bool) -> Non
     assert settings.persistence.finalizer == "serving.dsv4.io/finalizer"
     if not standalone:
         assert (settings.peering.name, settings.peering.priority) == ("dsv4", 5)
+
+
+def _ready_cluster(kube: Any, probe: Any) -> None:
+    run_reconcile(kube.cr, kube, probe, OperatorConfig(), LOG)
+    kube.run_controllers()
+    probe.report_planned(kube)
+    run_reconcile(kube.cr, kube, probe, OperatorConfig(), LOG)
+
+
+def test_a_pod_event_restarts_the_broken_group_at_once(cluster: tuple[Any, Any]) -> None:
+    kube, probe = cluster
+    _ready_cluster(kube, probe)
+    pod = sorted(kube.of_kind("Pod"))[0]
+    group = kube.of_kind("Pod")[pod]["metadata"]["labels"][L.GROUP_LABEL]
+    kube.set_pod(pod, restarts=1)
+    mark = len(kube.writes)
+    result = reconcile_owner("ns", "tiny", kube, probe, OperatorConfig(), LOG)
+    assert result is not None and [a.group for a in result.group_actions] == [group]
+    assert ("delete_pods", f"{L.DEPLOYMENT_LABEL}=tiny,{L.GROUP_LABEL}={group}") in (
+        kube.writes_since(mark)
+    )
+
+
+def test_a_pod_event_reads_the_current_cr(cluster: tuple[Any, Any]) -> None:
+    """The pod handler reconciles the CR as the API holds it now (a spec edit included)."""
+    kube, probe = cluster
+    _ready_cluster(kube, probe)
+    kube.cr["metadata"]["generation"] = 2
+    result = reconcile_owner("ns", "tiny", kube, probe, OperatorConfig(), LOG)
+    assert result is not None and result.status["observedGeneration"] == 2
+
+
+@pytest.mark.parametrize("state", ["gone", "deleting"])
+def test_a_pod_event_of_a_gone_or_deleting_cr_does_nothing(
+    cluster: tuple[Any, Any], state: str
+) -> None:
+    kube, probe = cluster
+    if state == "gone":
+        kube.cr_deleted = True
+    else:
+        kube.cr["metadata"]["deletionTimestamp"] = "2026-11-21T00:00:00Z"
+    assert reconcile_owner("ns", "tiny", kube, probe, OperatorConfig(), LOG) is None
+    assert kube.writes == []
+
+
+def test_a_pod_event_of_an_invalid_cr_leaves_the_error_in_status(
+    make_cluster: Callable[..., tuple[Any, Any]],
+) -> None:
+    kube, probe = make_cluster(maxContextTokens=0)
+    assert reconcile_owner("ns", "tiny", kube, probe, OperatorConfig(), LOG) is None
+    assert kube.writes == [("patch_status", "tiny")]
+    assert any(
+        c["type"] == "PlanValid" and c["status"] == "False" for c in kube.cr["status"]["conditions"]
+    )
+
+
+def test_pod_events_coalesce_while_a_reconcile_waits(cluster: tuple[Any, Any]) -> None:
+    """A burst of pod events costs one reconcile per lock release, not one per event."""
+    kube, probe = cluster
+    lock = handlers._lock_for("ns/tiny")
+    results: list[Any] = []
+    with lock:  # a reconcile of this deployment is running
+        waiting = threading.Thread(
+            target=lambda: results.append(
+                reconcile_owner("ns", "tiny", kube, probe, OperatorConfig(), LOG)
+            )
+        )
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while "ns/tiny" not in handlers._queued and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "ns/tiny" in handlers._queued
+        for _ in range(5):  # further events are folded into the waiting reconcile
+            assert reconcile_owner("ns", "tiny", kube, probe, OperatorConfig(), LOG) is None
+        assert kube.writes == []
+    waiting.join(timeout=10)
+    assert len(results) == 1 and results[0] is not None and results[0].applied
+    assert "ns/tiny" not in handlers._queued

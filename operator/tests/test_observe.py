@@ -1,0 +1,222 @@
+"""What the operator observes: pod records, worker status documents, and the HTTP probe against
+real loopback servers (one per pod IP, as in a cluster)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, ClassVar
+
+import pytest
+
+from dsv4_operator import labels as L
+from dsv4_operator.observe import HttpWorkerProbe, PodState, parse_report, parse_reports, pod_state
+
+GOOD: dict[str, Any] = {
+    "role": "decode",
+    "pp_rank": 1,
+    "capacity": {
+        "full_tokens": 8192,
+        "swa_tokens": 1024,
+        "max_running_requests": 16,
+        "max_context_tokens": 4096,
+    },
+    "kv_transfer": {"backend": "nixl", "ready": True, "layout_hash": "abc123"},
+}
+
+
+def _without(path: tuple[str, ...]) -> dict[str, Any]:
+    doc = json.loads(json.dumps(GOOD))
+    target = doc
+    for key in path[:-1]:
+        target = target[key]
+    del target[path[-1]]
+    return doc
+
+
+def test_a_complete_report_parses() -> None:
+    r = parse_report(GOOD)
+    assert r is not None
+    assert (r.role, r.pp_rank, r.full_tokens, r.swa_tokens) == ("decode", 1, 8192, 1024)
+    assert (r.max_running_requests, r.max_context_tokens) == (16, 4096)
+    assert (r.kv_backend, r.kv_ready, r.kv_layout_hash) == ("nixl", True, "abc123")
+
+
+def test_kv_transfer_is_optional_and_means_not_ready() -> None:
+    r = parse_report(_without(("kv_transfer",)))
+    assert r is not None and (r.kv_backend, r.kv_ready, r.kv_layout_hash) == (None, False, None)
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        _without(("role",)),
+        _without(("pp_rank",)),
+        _without(("capacity",)),
+        _without(("capacity", "full_tokens")),
+        _without(("capacity", "max_context_tokens")),
+        {**GOOD, "pp_rank": "one"},
+        {**GOOD, "capacity": None},
+        {**GOOD, "capacity": {**GOOD["capacity"], "swa_tokens": [1]}},
+    ],
+    ids=["no-role", "no-rank", "no-capacity", "no-full", "no-context", "bad-rank", "null", "list"],
+)
+def test_a_malformed_report_counts_as_not_reporting(doc: dict[str, Any]) -> None:
+    assert parse_report(doc) is None
+    assert parse_reports({"p": doc, "q": GOOD}).keys() == {"q"}
+
+
+def _pod(**status: Any) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": "tiny-decode-0-1",
+            "uid": "u1",
+            "labels": {
+                L.ROLE_LABEL: "decode",
+                L.GROUP_LABEL: "tiny-decode-0",
+                L.POD_INDEX_LABEL: "1",
+            },
+            "annotations": {L.TEMPLATE_HASH_ANNOTATION: "h1"},
+            "creationTimestamp": "2026-11-21T10:00:00Z",
+        },
+        "status": status,
+    }
+
+
+def test_pod_state_reads_rank_readiness_restarts_and_start_time() -> None:
+    p = pod_state(
+        _pod(
+            phase="Running",
+            podIP="10.0.0.7",
+            conditions=[{"type": "Ready", "status": "True"}],
+            containerStatuses=[
+                {"restartCount": 1, "state": {"running": {"startedAt": "2026-11-21T10:00:09Z"}}},
+                {"restartCount": 2, "state": {"running": {"startedAt": "2026-11-21T10:00:05Z"}}},
+            ],
+        )
+    )
+    assert (p.role, p.group, p.pp_rank, p.phase, p.ready) == (
+        "decode",
+        "tiny-decode-0",
+        1,
+        "Running",
+        True,
+    )
+    assert (p.restart_count, p.template_hash, p.ip, p.deleting) == (3, "h1", "10.0.0.7", False)
+    assert p.started_at == datetime(2026, 11, 21, 10, 0, 5, tzinfo=UTC)
+    assert p.created_at == datetime(2026, 11, 21, 10, 0, 0, tzinfo=UTC)
+
+
+def test_a_pending_pod_has_defaults() -> None:
+    p = pod_state(_pod())
+    assert (p.phase, p.ready, p.restart_count, p.started_at, p.ip) == (
+        "Pending",
+        False,
+        0,
+        None,
+        None,
+    )
+
+
+# --- HttpWorkerProbe against loopback servers ------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Worker(BaseHTTPRequestHandler):
+    behaviour: ClassVar[dict[str, str]] = {}  # server ip -> "good" | "error" | "garbage" | "slow"
+    hits: ClassVar[list[str]] = []
+
+    def do_GET(self) -> None:
+        ip = self.server.server_address[0]
+        self.hits.append(f"{ip}{self.path}")
+        mode = self.behaviour[str(ip)]
+        if mode == "slow":
+            time.sleep(1.0)
+        if mode == "error":
+            self.send_error(500)
+            return
+        body = json.dumps(GOOD).encode() if mode in ("good", "slow") else b"<html>"
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def workers() -> Iterator[tuple[int, dict[str, str], list[str]]]:
+    """Status servers on 127.0.0.2-5 sharing one port, as pods share the status port."""
+    port = _free_port()
+    behaviour = {"127.0.0.2": "good", "127.0.0.3": "error", "127.0.0.4": "garbage"}
+    behaviour["127.0.0.5"] = "slow"
+    hits: ClassVar[list[str]] = []
+    handler = type("Worker", (_Worker,), {"behaviour": behaviour, "hits": hits})
+    servers = [ThreadingHTTPServer((ip, port), handler) for ip in behaviour]
+    threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in servers]
+    for t in threads:
+        t.start()
+    yield port, behaviour, hits
+    for s in servers:
+        s.shutdown()
+        s.server_close()
+
+
+def _state(name: str, ip: str | None, phase: str = "Running", deleting: bool = False) -> PodState:
+    return PodState(
+        name=name,
+        uid=name,
+        role="decode",
+        group="g",
+        pp_rank=0,
+        phase=phase,
+        ready=True,
+        restart_count=0,
+        deleting=deleting,
+        template_hash=None,
+        created_at=None,
+        started_at=None,
+        ip=ip,
+    )
+
+
+def test_probe_keeps_answers_and_drops_failures(
+    workers: tuple[int, dict[str, str], list[str]],
+) -> None:
+    port, _, hits = workers
+    pods = [
+        _state("good", "127.0.0.2"),
+        _state("error", "127.0.0.3"),
+        _state("garbage", "127.0.0.4"),
+        _state("slow", "127.0.0.5"),
+        _state("closed", "127.0.0.6"),  # nothing listens there
+        _state("pending", "127.0.0.2", phase="Pending"),
+        _state("leaving", "127.0.0.2", deleting=True),
+        _state("no-ip", None),
+    ]
+    raw = HttpWorkerProbe(timeout_s=0.3, port=port).fetch(pods)
+    assert raw == {"good": GOOD}  # the slow one (1 s) is cut off by the 0.3 s timeout
+    # Only running, live pods with an IP are asked, each once, on /status.
+    assert sorted(hits) == sorted(f"127.0.0.{n}/status" for n in (2, 3, 4, 5)), (
+        "probe asked the wrong pods"
+    )
+
+
+def test_probe_with_no_running_pods_sends_nothing(
+    workers: tuple[int, dict[str, str], list[str]],
+) -> None:
+    port, _, hits = workers
+    assert HttpWorkerProbe(port=port).fetch([_state("p", "127.0.0.2", phase="Pending")]) == {}
+    assert hits == []
