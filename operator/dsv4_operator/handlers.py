@@ -13,8 +13,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Mapping
-from typing import Any, Final
+from collections.abc import Callable, Mapping
+from typing import Any, Final, cast
 
 import kopf
 
@@ -108,9 +108,12 @@ def reconcile_owner(
     probe: WorkerProbe,
     config: OperatorConfig,
     logger: logging.Logger | logging.LoggerAdapter[Any],
+    warn: Callable[[Mapping[str, Any], str, str], None] | None = None,
 ) -> ReconcileResult | None:
     """Reconcile the DSV4Deployment `namespace/name` because one of its pods changed; None when
-    the event was coalesced into a reconcile already waiting, or the CR is gone or going."""
+    the event was coalesced into a reconcile already waiting, or the CR is gone or going.
+    `warn(cr_body, reason, message)` is told of each group restarted (kopf does not post the
+    loggers of event handlers as Kubernetes Events, so the caller posts them)."""
     key = f"{namespace}/{name}"
     with _locks_guard:
         if key in _queued:
@@ -124,9 +127,19 @@ def reconcile_owner(
         body = kube.get(L.API_VERSION, L.KIND, namespace, name)
         if body is None or body.get("metadata", {}).get("deletionTimestamp"):
             return None
-        with contextlib.suppress(kopf.PermanentError):  # already in status (PlanValid=False)
-            return _reconcile_locked(body, kube, probe, config, logger)
-    return None
+        try:
+            result = _reconcile_locked(body, kube, probe, config, logger)
+        except kopf.PermanentError:  # already in status (PlanValid=False)
+            return None
+    if warn is not None:
+        for action in result.group_actions:
+            if action.restart:
+                warn(body, action.reason, f"{action.group} restarted as a unit: {action.message}")
+    return result
+
+
+def _post_warning(body: Mapping[str, Any], reason: str, message: str) -> None:
+    kopf.warn(kopf.Body(cast(kopf.RawBody, dict(body))), reason=reason, message=message)
 
 
 @kopf.on.event("", "v1", "pods", labels={L.DEPLOYMENT_LABEL: kopf.PRESENT})
@@ -138,4 +151,6 @@ def on_pod_event(
     **_: Any,
 ) -> None:
     if namespace:
-        reconcile_owner(namespace, labels[L.DEPLOYMENT_LABEL], *_deps(memo), logger)
+        reconcile_owner(
+            namespace, labels[L.DEPLOYMENT_LABEL], *_deps(memo), logger, warn=_post_warning
+        )

@@ -7,7 +7,7 @@ The only module that talks to the API server. Tests use an in-memory fake instea
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from dsv4_operator import labels as L
@@ -73,17 +73,37 @@ class ApiKube:
         return cls(client.ApiClient(), request_timeout_s)
 
     def _resource(self, api_version: str, kind: str) -> Any:
-        return self._dyn.resources.get(api_version=api_version, kind=kind)
+        """The kind's API resource. Discovery is lazy (the first use of a group asks the API
+        server), so its failures are mapped to `KubeError` like those of any other call."""
+        from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
-    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        what = f"discover {api_version} {kind}"
+        try:
+            res = self._guard(
+                what, lambda: self._dyn.resources.get(api_version=api_version, kind=kind)
+            )
+        except ResourceNotFoundError as exc:
+            raise KubeError(f"{what}: not served by the API server", retryable=False) from exc
+        if res is None:  # 404 on a discovery document
+            raise KubeError(f"{what}: not served by the API server", retryable=False, status=404)
+        return res
+
+    def _call(self, what: str, fn: Any, *args: Any, missing_ok: bool = True, **kwargs: Any) -> Any:
+        return self._guard(
+            what, lambda: fn(*args, _request_timeout=self._timeout_s, **kwargs), missing_ok
+        )
+
+    def _guard(self, what: str, thunk: Callable[[], Any], missing_ok: bool = True) -> Any:
+        """`thunk()`, with API failures as `KubeError`; 404 is None when `missing_ok` (a get or
+        delete of what is already gone), else a permanent error (an apply must never be lost)."""
         from kubernetes.client.exceptions import ApiException
         from urllib3.exceptions import HTTPError
 
         try:
-            return fn(*args, _request_timeout=self._timeout_s, **kwargs)
+            return thunk()
         except ApiException as exc:
             status = int(exc.status or 0)
-            if status == 404:
+            if status == 404 and missing_ok:
                 return None
             raise KubeError(
                 f"{what}: {status} {exc.reason}", retryable=status in _RETRYABLE, status=status
@@ -101,6 +121,7 @@ class ApiKube:
             namespace=meta["namespace"],
             field_manager=L.FIELD_MANAGER,
             force_conflicts=True,
+            missing_ok=False,
         )
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
@@ -134,7 +155,7 @@ class ApiKube:
         )
 
     def patch_status(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
-        res = self._dyn.resources.get(api_version=L.API_VERSION, kind=L.KIND).status
+        res = self._resource(L.API_VERSION, L.KIND).status
         self._call(
             f"patch {L.KIND}/{name} status",
             res.patch,

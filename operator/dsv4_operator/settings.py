@@ -36,6 +36,9 @@ def configure(settings: kopf.OperatorSettings, env: dict[str, str]) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=L.GROUP, key="last-handled-configuration"
     )
+    # Warnings and errors of the handlers' loggers (a group restarted, a plan failed) become
+    # Kubernetes Events on the CR (kopf 1.45 defaults `posting.loggers` to False: none are).
+    settings.posting.loggers = True
     settings.posting.level = logging.WARNING
     settings.networking.request_timeout = REQUEST_TIMEOUT_S
     settings.watching.server_timeout = WATCH_SERVER_TIMEOUT_S

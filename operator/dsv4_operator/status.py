@@ -34,6 +34,7 @@ STATUS_KEYS: Final = (
     "plan",
     "maxContextTokens",
     "endpoint",
+    "restartingGroups",
 )
 Tri = Literal["True", "False", "Unknown"]
 
@@ -84,7 +85,10 @@ def summarize(
             status["endpoint"] = f"http://{L.router_name(meta.name)}.{meta.namespace}.svc:" + str(
                 spec.router.port
             )
-        conds = _serving(spec, plan, groups, actions, observed, roles)
+        restarting = _restarting(groups, actions, previous or {})
+        if restarting:
+            status["restartingGroups"] = restarting
+        conds = _serving(spec, plan, groups, actions, observed, roles, restarting)
     status["conditions"] = merge_conditions(
         conds, (previous or {}).get("conditions") or [], generation, now
     )
@@ -234,16 +238,33 @@ def _kv_transfer(spec: DeploymentSpec, reports: Mapping[str, WorkerReport]) -> C
     )
 
 
+def _restarting(
+    groups: Sequence[GroupState], actions: Sequence[GroupAction], previous: Mapping[str, Any]
+) -> list[str]:
+    """Groups restarted now or by an earlier reconcile (remembered in status) that are not
+    ready again. A group that no longer exists (replicas lowered) is dropped."""
+    before = previous.get("restartingGroups") or []
+    marked = {a.group for a in actions if a.restart} | {g for g in before if isinstance(g, str)}
+    return sorted(g.name for g in groups if g.name in marked and not g.ready)
+
+
 def _degraded(
-    spec: DeploymentSpec, actions: Sequence[GroupAction], reports: Mapping[str, WorkerReport]
+    spec: DeploymentSpec,
+    actions: Sequence[GroupAction],
+    reports: Mapping[str, WorkerReport],
+    restarting: Sequence[str],
 ) -> Cond:
     restarts = [a for a in actions if a.restart]
-    if restarts:
+    if restarting:
+        now = {a.group: a.message for a in restarts}
         return Cond(
             "Degraded",
             "True",
             "GroupRestarted",
-            "; ".join(f"{a.group} restarted as a unit: {a.message}" for a in restarts),
+            "; ".join(
+                f"{g} restarted as a unit: {now[g]}" if g in now else f"{g} is re-forming"
+                for g in restarting
+            ),
         )
     short = sorted(n for n, r in reports.items() if r.max_context_tokens < spec.max_context_tokens)
     if short:
@@ -264,6 +285,7 @@ def _serving(
     actions: Sequence[GroupAction],
     observed: Observed,
     roles: Mapping[str, Mapping[str, Any]],
+    restarting: Sequence[str],
 ) -> list[Cond]:
     kv = _kv_transfer(spec, observed.reports)
     missing = [r for r in (*L.WORKER_ROLES, "router") if roles[r]["readyReplicas"] == 0]
@@ -293,7 +315,7 @@ def _serving(
     return [
         ready,
         progressing,
-        _degraded(spec, actions, observed.reports),
+        _degraded(spec, actions, observed.reports, restarting),
         Cond("PlanValid", "True", "Planned", _plan_summary(plan)),
         Cond("ContextFits", "True", "Fits", plan.context_message()),
         kv,

@@ -78,8 +78,20 @@ def test_a_pod_event_restarts_the_broken_group_at_once(cluster: tuple[Any, Any])
     group = kube.of_kind("Pod")[pod]["metadata"]["labels"][L.GROUP_LABEL]
     kube.set_pod(pod, restarts=1)
     mark = len(kube.writes)
-    result = reconcile_owner("ns", "tiny", kube, probe, OperatorConfig(), LOG)
+    warnings: list[tuple[str, str, str]] = []
+    result = reconcile_owner(
+        "ns",
+        "tiny",
+        kube,
+        probe,
+        OperatorConfig(),
+        LOG,
+        warn=lambda body, reason, msg: warnings.append((body["metadata"]["uid"], reason, msg)),
+    )
     assert result is not None and [a.group for a in result.group_actions] == [group]
+    # Posted as a Warning Event on the CR (kopf's event-handler logger posts nothing).
+    assert [w[:2] for w in warnings] == [("cr-uid-1", "PodRestarted")]
+    assert group in warnings[0][2]
     assert ("delete_pods", f"{L.DEPLOYMENT_LABEL}=tiny,{L.GROUP_LABEL}={group}") in (
         kube.writes_since(mark)
     )

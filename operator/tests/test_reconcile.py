@@ -176,11 +176,20 @@ def test_a_failed_pod_restarts_its_whole_pp_group_only(cluster: tuple[Any, Any])
     assert "tiny-decode-0-0" in pods
     degraded = conditions(kube)["Degraded"]
     assert (degraded["status"], degraded["reason"]) == ("True", "GroupRestarted")
-    # The StatefulSet recreates the group; it comes back healthy and nothing more happens.
+    assert kube.cr["status"]["restartingGroups"] == ["tiny-prefill-0"]
+    # Later reconciles (the pods' DELETED events, the timer) keep Degraded while it re-forms.
+    kube.run_controllers(ready=False)
+    assert run(kube, probe).group_actions == ()
+    degraded = conditions(kube)["Degraded"]
+    assert (degraded["status"], degraded["reason"]) == ("True", "GroupRestarted")
+    assert "tiny-prefill-0 is re-forming" in degraded["message"]
+    # The group comes back healthy: Degraded clears and nothing more happens.
     kube.run_controllers()
     probe.report_planned(kube)
     assert run(kube, probe).group_actions == ()
     assert conditions(kube)["Ready"]["status"] == "True"
+    assert conditions(kube)["Degraded"]["status"] == "False"
+    assert "restartingGroups" not in kube.cr["status"]
 
 
 def test_spec_change_rolls_one_group_per_role_at_a_time(cluster: tuple[Any, Any]) -> None:

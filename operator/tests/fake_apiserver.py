@@ -1,0 +1,1187 @@
+"""A loopback, in-memory Kubernetes API server that speaks the REST wire protocol: enough of it
+for the official client's DynamicClient (what `ApiKube` uses) and for kopf running our handlers.
+
+What it serves (HTTP, no auth, 127.0.0.1 only):
+  discovery  /version, /api, /api/v1, /apis, /apis/{group}/{version} (APIResourceList with
+             verbs, short names and `<plural>/status` subresources)
+  objects    get, list (labelSelector, fieldSelector on metadata.name/namespace), watch
+             (chunked JSON lines; resourceVersion start, timeoutSeconds, sendInitialEvents),
+             create (generateName, 409 AlreadyExists, 404 for a missing namespace), replace,
+             patch (merge, strategic merge treated as merge, JSON patch with `test`,
+             server-side apply), the status subresource, delete (finalizers: deletionTimestamp
+             first, gone when the last finalizer goes; owner-reference garbage collection) and
+             deletecollection.
+  kinds      v1 Namespace/Pod/Service/ConfigMap/ServiceAccount/Event, apps/v1 StatefulSet and
+             Deployment, policy/v1 PodDisruptionBudget, networking.k8s.io/v1 NetworkPolicy,
+             apiextensions.k8s.io/v1 CustomResourceDefinition, plus every CRD handed to it.
+
+As the real server does: one global resourceVersion counter; uid, creationTimestamp and
+generation are server-set (generation moves when anything outside metadata and status
+changes); writes to a kind with a status subresource ignore `status` on the main resource and
+only `status` on `/status`; no-op writes change nothing; list items of built-in kinds carry no
+apiVersion/kind (kubernetes/kubernetes#3030), items of custom resources do; errors are
+`Status` objects. Server-side apply merges the applied object over the live one and drops the
+fields this manager applied before but no longer applies (no conflict detection; `force` is
+only recorded). Admission hooks (defaulting, validation) can be installed per resource.
+
+For tests: `requests` logs every request (method, path, query, content type, parsed body);
+`fail_next` makes the next matching request fail with a given code; the object helpers
+(`create`, `get`, `list`, `patch`, `set_status`, `delete`) act as a controller or kubelet would
+(and show up in watches); `write_kubeconfig` points a client at the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import json
+import random
+import re
+import socket
+import string
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Final
+
+import yaml
+from aiohttp import web
+
+Obj = dict[str, Any]
+Admission = Callable[[Obj], Obj]  # returns the (defaulted) object or raises AdmissionError
+
+ALL_VERBS = ("create", "delete", "deletecollection", "get", "list", "patch", "update", "watch")
+
+
+def now_rfc3339() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# ---------------------------------------------------------------------------------------------
+# Resource types
+
+
+@dataclass(frozen=True)
+class ResourceType:
+    group: str
+    version: str
+    plural: str
+    kind: str
+    namespaced: bool
+    singular: str = ""
+    short_names: tuple[str, ...] = ()
+    categories: tuple[str, ...] = ()
+    status_subresource: bool = False
+    custom: bool = False  # a custom resource: list items keep apiVersion/kind
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+    def discovery(self) -> list[Obj]:
+        main: Obj = {
+            "name": self.plural,
+            "singularName": self.singular or self.kind.lower(),
+            "namespaced": self.namespaced,
+            "kind": self.kind,
+            "verbs": list(ALL_VERBS),
+        }
+        if self.short_names:
+            main["shortNames"] = list(self.short_names)
+        if self.categories:
+            main["categories"] = list(self.categories)
+        out = [main]
+        if self.status_subresource:
+            out.append(
+                {
+                    "name": f"{self.plural}/status",
+                    "singularName": "",
+                    "namespaced": self.namespaced,
+                    "kind": self.kind,
+                    "verbs": ["get", "patch", "update"],
+                }
+            )
+        return out
+
+
+BUILTIN_TYPES: tuple[ResourceType, ...] = (
+    ResourceType("", "v1", "namespaces", "Namespace", False, short_names=("ns",),
+                 status_subresource=True),
+    ResourceType("", "v1", "pods", "Pod", True, short_names=("po",), status_subresource=True),
+    ResourceType("", "v1", "services", "Service", True, short_names=("svc",),
+                 status_subresource=True),
+    ResourceType("", "v1", "configmaps", "ConfigMap", True, short_names=("cm",)),
+    ResourceType("", "v1", "serviceaccounts", "ServiceAccount", True, short_names=("sa",)),
+    ResourceType("", "v1", "events", "Event", True, short_names=("ev",)),
+    ResourceType("apps", "v1", "statefulsets", "StatefulSet", True, short_names=("sts",),
+                 status_subresource=True),
+    ResourceType("apps", "v1", "deployments", "Deployment", True, short_names=("deploy",),
+                 status_subresource=True),
+    ResourceType("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", True,
+                 short_names=("pdb",), status_subresource=True),
+    ResourceType("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", True,
+                 short_names=("netpol",)),
+    ResourceType("apiextensions.k8s.io", "v1", "customresourcedefinitions",
+                 "CustomResourceDefinition", False, short_names=("crd", "crds"),
+                 status_subresource=True),
+)  # fmt: skip
+
+
+def crd_types(crd: Mapping[str, Any]) -> list[ResourceType]:
+    spec, names = crd["spec"], crd["spec"]["names"]
+    return [
+        ResourceType(
+            spec["group"],
+            version["name"],
+            names["plural"],
+            names["kind"],
+            spec.get("scope", "Namespaced") == "Namespaced",
+            singular=names.get("singular", names["kind"].lower()),
+            short_names=tuple(names.get("shortNames", ())),
+            categories=tuple(names.get("categories", ())),
+            status_subresource="status" in (version.get("subresources") or {}),
+            custom=True,
+        )
+        for version in spec["versions"]
+        if version.get("served", True)
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+_REASONS: Final = {
+    400: "BadRequest",
+    403: "Forbidden",
+    404: "NotFound",
+    405: "MethodNotAllowed",
+    409: "Conflict",
+    410: "Gone",
+    415: "UnsupportedMediaType",
+    422: "Invalid",
+    429: "TooManyRequests",
+    500: "InternalError",
+    503: "ServiceUnavailable",
+    504: "Timeout",
+}
+
+
+class ApiError(Exception):
+    def __init__(self, code: int, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.reason = reason or _REASONS.get(code, "Unknown")
+
+    def status(self) -> Obj:
+        return {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": self.message,
+            "reason": self.reason,
+            "code": self.code,
+        }
+
+    def response(self) -> web.Response:
+        return web.json_response(self.status(), status=self.code)
+
+
+class AdmissionError(Exception):
+    """Raised by an admission hook: the write is refused with 422 Invalid."""
+
+    def __init__(self, messages: Iterable[str]) -> None:
+        self.messages = list(messages)
+        super().__init__("; ".join(self.messages))
+
+
+# ---------------------------------------------------------------------------------------------
+# Label selectors and patches (pure)
+
+_REQUIREMENT = re.compile(
+    r"^\s*(?P<neg>!)?\s*(?P<key>[A-Za-z0-9._/-]+)\s*"
+    r"(?:(?P<op>==|!=|=|\s+in\s+|\s+notin\s+)\s*(?P<value>\([^)]*\)|[A-Za-z0-9._-]*))?\s*$"
+)
+
+
+def _split_selector(selector: str) -> list[str]:
+    parts, depth, current = [], 0, ""
+    for ch in selector:
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    parts.append(current)
+    return [p for p in parts if p.strip()]
+
+
+def selector_matches(selector: str, labels: Mapping[str, str]) -> bool:
+    """Kubernetes label selector syntax: k=v, k==v, k!=v, k, !k, k in (a,b), k notin (a,b)."""
+    for part in _split_selector(selector):
+        m = _REQUIREMENT.match(part)
+        if m is None:
+            raise ApiError(400, f"unable to parse requirement: {part!r}")
+        key, op, value = m["key"], (m["op"] or "").strip(), m["value"]
+        if m["neg"]:
+            if op:
+                raise ApiError(400, f"unable to parse requirement: {part!r}")
+            if key in labels:
+                return False
+        elif not op:
+            if key not in labels:
+                return False
+        elif op in ("=", "=="):
+            if labels.get(key) != value:
+                return False
+        elif op == "!=":
+            if labels.get(key) == value:
+                return False
+        else:
+            values = {v.strip() for v in (value or "").strip("()").split(",") if v.strip()}
+            if op == "in" and labels.get(key) not in values:
+                return False
+            if op == "notin" and labels.get(key) in values:
+                return False
+    return True
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
+
+
+def _pointer(path: str) -> list[str]:
+    if path == "":
+        return []
+    if not path.startswith("/"):
+        raise ApiError(422, f"invalid JSON pointer {path!r}")
+    return [p.replace("~1", "/").replace("~0", "~") for p in path[1:].split("/")]
+
+
+def _container(doc: Any, parts: list[str]) -> Any:
+    for part in parts:
+        if isinstance(doc, list):
+            doc = doc[int(part)]
+        elif isinstance(doc, dict):
+            doc = doc[part]
+        else:
+            raise KeyError(part)
+    return doc
+
+
+def json_patch(doc: Any, ops: list[Mapping[str, Any]]) -> Any:
+    """RFC 6902 JSON patch; a failed `test` or a missing path is 422 (as the API server says)."""
+    doc = copy.deepcopy(doc)
+    for op in ops:
+        kind, parts = op.get("op"), _pointer(str(op.get("path", "")))
+        try:
+            if kind == "test":
+                if _container(doc, parts) != op.get("value"):
+                    raise ApiError(422, f"the server rejected our request: test failed at {op}")
+                continue
+            if kind in ("move", "copy"):
+                src = _pointer(str(op["from"]))
+                value = copy.deepcopy(_container(doc, src))
+                if kind == "move":
+                    parent = _container(doc, src[:-1])
+                    parent.pop(int(src[-1]) if isinstance(parent, list) else src[-1])
+                kind, op = "add", {"value": value}
+            if not parts:
+                if kind in ("add", "replace"):
+                    doc = copy.deepcopy(op["value"])
+                    continue
+                raise ApiError(422, "cannot remove the root")
+            parent = _container(doc, parts[:-1])
+            last = parts[-1]
+            if isinstance(parent, list):
+                index = len(parent) if last == "-" else int(last)
+                if kind == "add":
+                    parent.insert(index, copy.deepcopy(op["value"]))
+                elif kind == "replace":
+                    parent[index] = copy.deepcopy(op["value"])
+                elif kind == "remove":
+                    parent.pop(index)
+                else:
+                    raise ApiError(422, f"unknown JSON patch op {kind!r}")
+            elif isinstance(parent, dict):
+                if kind == "add":
+                    parent[last] = copy.deepcopy(op["value"])
+                elif kind == "replace":
+                    if last not in parent:
+                        raise KeyError(last)
+                    parent[last] = copy.deepcopy(op["value"])
+                elif kind == "remove":
+                    del parent[last]
+                else:
+                    raise ApiError(422, f"unknown JSON patch op {kind!r}")
+            else:
+                raise KeyError(last)
+        except (KeyError, IndexError, ValueError, TypeError) as exc:
+            raise ApiError(422, f"JSON patch {op} cannot be applied: {exc!r}") from exc
+    return doc
+
+
+def _drop_unapplied(target: Any, previous: Any, current: Any) -> None:
+    """Remove from `target` the map keys `previous` applied and `current` no longer does."""
+    if not (isinstance(target, dict) and isinstance(previous, dict)):
+        return
+    current = current if isinstance(current, dict) else {}
+    for key, value in previous.items():
+        if key not in current:
+            target.pop(key, None)
+        elif key in target:
+            _drop_unapplied(target[key], value, current[key])
+
+
+def _apply_over(live: Any, applied: Any) -> Any:
+    """Maps merge recursively; lists and scalars are replaced; null removes."""
+    if not (isinstance(live, dict) and isinstance(applied, dict)):
+        return copy.deepcopy(applied)
+    out = copy.deepcopy(live)
+    for key, value in applied.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = _apply_over(out.get(key), value)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The server
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    query: dict[str, str]
+    content_type: str | None
+    body: Any
+    code: int = 0  # the response's status code
+
+
+@dataclass
+class _Failure:
+    code: int
+    method: str | None
+    path: str | None  # a substring of the path
+    reason: str | None
+    message: str
+    times: int
+
+
+@dataclass
+class _Event:
+    rv: int
+    type: str
+    rtype: ResourceType
+    obj: Obj
+    old: Obj | None
+
+
+@dataclass
+class _Watch:
+    rtype: ResourceType
+    namespace: str | None
+    name: str | None
+    selector: str
+    queue: asyncio.Queue[_Event | None]
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _Stored:
+    rtype: ResourceType
+    obj: Obj
+    applied: dict[str, Obj] = field(default_factory=dict)  # field manager -> last applied
+
+
+Key = tuple[str, str, str, str]  # group, plural, namespace ("" if cluster-scoped), name
+
+
+class FakeApiServer:
+    """Start with `start()` (or as a context manager); `url` is http://127.0.0.1:<port>."""
+
+    def __init__(
+        self,
+        crds: Iterable[Mapping[str, Any]] = (),
+        *,
+        namespaces: Iterable[str] = ("default",),
+    ) -> None:
+        self.requests: list[Request] = []
+        self._lock = threading.RLock()
+        self._types: dict[tuple[str, str, str], ResourceType] = {}
+        self._objects: dict[Key, _Stored] = {}
+        self._history: list[_Event] = []
+        self._watches: list[_Watch] = []
+        self._failures: list[_Failure] = []
+        self._admission: dict[tuple[str, str], Admission] = {}
+        self._rv = itertools.count(1)
+        self._last_rv = 0
+        self._uids = itertools.count(1)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+        self._sock: socket.socket | None = None
+        self.port = 0
+        for rtype in BUILTIN_TYPES:
+            self._types[(rtype.group, rtype.version, rtype.plural)] = rtype
+        for crd in crds:
+            self.add_crd(crd)
+        for ns in namespaces:
+            self.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+
+    # --- lifecycle -------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> FakeApiServer:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(128)
+        self.port = self._sock.getsockname()[1]
+        started = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._serve, args=(started,), name="fake-apiserver", daemon=True
+        )
+        self._thread.start()
+        if not started.wait(10):
+            raise RuntimeError("the fake API server did not start")
+        return self
+
+    def _serve(self, started: threading.Event) -> None:
+        loop = self._loop
+        assert loop is not None and self._sock is not None
+        asyncio.set_event_loop(loop)
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(
+            app, handle_signals=False, access_log=None, handler_cancellation=True,
+            shutdown_timeout=1.0,
+        )  # fmt: skip
+        loop.run_until_complete(self._runner.setup())
+        loop.run_until_complete(web.SockSite(self._runner, self._sock).start())
+        started.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(self._runner.cleanup())
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+            loop.close()
+
+    def stop(self) -> None:
+        """Ends every watch, closes the port and joins the server thread."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        with self._lock:
+            for watch in self._watches:
+                watch.loop.call_soon_threadsafe(watch.queue.put_nowait, None)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(15)
+        if self._sock is not None:
+            self._sock.close()
+        self._loop = self._thread = None
+
+    def __enter__(self) -> FakeApiServer:
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+    def write_kubeconfig(self, path: Path, namespace: str = "default") -> Path:
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
+            "users": [{"name": "fake", "user": {}}],
+            "contexts": [
+                {
+                    "name": "fake",
+                    "context": {"cluster": "fake", "user": "fake", "namespace": namespace},
+                }
+            ],
+            "current-context": "fake",
+        }
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+    # --- configuration ---------------------------------------------------------------------
+    def add_crd(self, crd: Mapping[str, Any]) -> None:
+        for rtype in crd_types(crd):
+            self._types[(rtype.group, rtype.version, rtype.plural)] = rtype
+        self.create(copy.deepcopy(dict(crd)))
+
+    def add_admission(self, api_version: str, kind: str, hook: Admission) -> None:
+        rtype = self.rtype(api_version, kind)
+        self._admission[(rtype.group, rtype.plural)] = hook
+
+    def fail_next(
+        self,
+        code: int,
+        *,
+        method: str | None = None,
+        path: str | None = None,
+        reason: str | None = None,
+        message: str = "injected failure",
+        times: int = 1,
+    ) -> None:
+        """The next `times` requests matching `method` and containing `path` fail with `code`."""
+        with self._lock:
+            self._failures.append(
+                _Failure(code, method.upper() if method else None, path, reason, message, times)
+            )
+
+    def requests_to(self, method: str | None = None, path: str | None = None) -> list[Request]:
+        """Logged requests with this method whose path contains `path`."""
+        return [
+            r
+            for r in list(self.requests)
+            if (method is None or r.method == method.upper()) and (path is None or path in r.path)
+        ]
+
+    def rtype(self, api_version: str, kind: str) -> ResourceType:
+        for rtype in self._types.values():
+            if rtype.api_version == api_version and rtype.kind == kind:
+                return rtype
+        raise KeyError(f"{api_version} {kind} is not served")
+
+    # --- object helpers (the test acting as a controller or kubelet) ------------------------
+    def create(self, obj: Mapping[str, Any], *, keep_status: bool = True) -> Obj:
+        rtype = self.rtype(obj["apiVersion"], obj["kind"])
+        ns = obj["metadata"].get("namespace", "") if rtype.namespaced else ""
+        with self._lock:
+            return self._create(rtype, ns, copy.deepcopy(dict(obj)), keep_status=keep_status)
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Obj | None:
+        rtype = self.rtype(api_version, kind)
+        with self._lock:
+            stored = self._objects.get(self._key(rtype, namespace, name))
+            return copy.deepcopy(stored.obj) if stored else None
+
+    def list(
+        self, api_version: str, kind: str, namespace: str | None = None, selector: str = ""
+    ) -> list[Obj]:
+        rtype = self.rtype(api_version, kind)
+        with self._lock:
+            return [copy.deepcopy(o) for o in self._select(rtype, namespace, None, selector)]
+
+    def patch(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        patch: Mapping[str, Any],
+        *,
+        status: bool = False,
+    ) -> Obj:
+        """A JSON merge patch of the object (or of its status subresource)."""
+        rtype = self.rtype(api_version, kind)
+        with self._lock:
+            live = self._require(rtype, namespace, name)
+            new = merge_patch(live, dict(patch))
+            return self._update(rtype, live, new, "status" if status else None, "test")
+
+    def set_status(
+        self, api_version: str, kind: str, namespace: str, name: str, status: Mapping[str, Any]
+    ) -> Obj:
+        """Replace the status (as a controller writing the status subresource)."""
+        rtype = self.rtype(api_version, kind)
+        with self._lock:
+            live = self._require(rtype, namespace, name)
+            new = {**copy.deepcopy(live), "status": copy.deepcopy(dict(status))}
+            return self._update(rtype, live, new, "status", "test")
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> Obj:
+        rtype = self.rtype(api_version, kind)
+        with self._lock:
+            return self._delete(rtype, namespace, name, "Background")
+
+    # --- store (call with the lock held) -----------------------------------------------------
+    @staticmethod
+    def _key(rtype: ResourceType, namespace: str | None, name: str) -> Key:
+        return (rtype.group, rtype.plural, namespace or "" if rtype.namespaced else "", name)
+
+    def _next_rv(self) -> str:
+        self._last_rv = next(self._rv)
+        return str(self._last_rv)
+
+    def _require(self, rtype: ResourceType, namespace: str, name: str) -> Obj:
+        stored = self._objects.get(self._key(rtype, namespace, name))
+        if stored is None:
+            raise ApiError(404, f'{rtype.plural}.{rtype.group or "core"} "{name}" not found')
+        return stored.obj
+
+    def _emit(self, kind: str, rtype: ResourceType, obj: Obj, old: Obj | None) -> None:
+        event = _Event(int(obj["metadata"]["resourceVersion"]), kind, rtype, obj, old)
+        self._history.append(event)
+        for watch in self._watches:
+            if watch.rtype == rtype:
+                watch.loop.call_soon_threadsafe(watch.queue.put_nowait, event)
+
+    def _admit(self, rtype: ResourceType, obj: Obj) -> Obj:
+        hook = self._admission.get((rtype.group, rtype.plural))
+        if hook is None:
+            return obj
+        try:
+            return hook(copy.deepcopy(obj))
+        except AdmissionError as exc:
+            name = obj.get("metadata", {}).get("name", "")
+            raise ApiError(
+                422, f'{rtype.kind}.{rtype.group} "{name}" is invalid: {"; ".join(exc.messages)}'
+            ) from exc
+
+    def _create(
+        self,
+        rtype: ResourceType,
+        namespace: str,
+        obj: Obj,
+        *,
+        keep_status: bool,
+        manager: str = "",
+        operation: str = "Update",
+    ) -> Obj:
+        meta = obj.setdefault("metadata", {})
+        if rtype.namespaced:
+            if not namespace:
+                raise ApiError(400, "the namespace of the object does not match the request")
+            if meta.get("namespace", namespace) != namespace:
+                raise ApiError(400, "the namespace of the provided object does not match")
+            if not self._objects.get(("", "namespaces", "", namespace)):
+                raise ApiError(404, f'namespaces "{namespace}" not found')
+            meta["namespace"] = namespace
+        else:
+            meta.pop("namespace", None)
+        if not meta.get("name"):
+            if not meta.get("generateName"):
+                raise ApiError(422, "name or generateName is required")
+            suffix = "".join(random.choices(string.ascii_lowercase + string.digits, k=5))
+            meta["name"] = meta["generateName"] + suffix
+        key = self._key(rtype, namespace, meta["name"])
+        if key in self._objects:
+            raise ApiError(
+                409,
+                f'{rtype.plural}.{rtype.group or "core"} "{meta["name"]}" already exists',
+                "AlreadyExists",
+            )
+        obj["apiVersion"], obj["kind"] = rtype.api_version, rtype.kind
+        if rtype.status_subresource and not keep_status:
+            obj.pop("status", None)
+        for server_set in ("resourceVersion", "deletionTimestamp", "managedFields"):
+            meta.pop(server_set, None)
+        meta["uid"] = f"00000000-0000-4000-8000-{next(self._uids):012d}"
+        meta["creationTimestamp"] = now_rfc3339()
+        meta["generation"] = 1
+        obj = self._admit(rtype, obj)
+        if manager:
+            obj["metadata"]["managedFields"] = [self._managed(rtype, manager, operation, None)]
+        obj["metadata"]["resourceVersion"] = self._next_rv()
+        self._objects[key] = _Stored(rtype, obj)
+        self._emit("ADDED", rtype, copy.deepcopy(obj), None)
+        return copy.deepcopy(obj)
+
+    @staticmethod
+    def _managed(rtype: ResourceType, manager: str, operation: str, sub: str | None) -> Obj:
+        entry: Obj = {
+            "manager": manager,
+            "operation": operation,
+            "apiVersion": rtype.api_version,
+            "time": now_rfc3339(),
+            "fieldsType": "FieldsV1",
+            "fieldsV1": {},
+        }
+        if sub:
+            entry["subresource"] = sub
+        return entry
+
+    def _update(
+        self,
+        rtype: ResourceType,
+        live: Obj,
+        new: Obj,
+        subresource: str | None,
+        manager: str,
+        *,
+        operation: str = "Update",
+        precondition_rv: str | None = None,
+    ) -> Obj:
+        """Store `new` as the next version of `live` (both full objects)."""
+        meta_live = live["metadata"]
+        if precondition_rv and precondition_rv != meta_live["resourceVersion"]:
+            raise ApiError(
+                409,
+                f'Operation cannot be fulfilled on {rtype.plural} "{meta_live["name"]}": the '
+                "object has been modified; please apply your changes to the latest version and "
+                "try again",
+            )
+        if subresource == "status":
+            out = copy.deepcopy(live)
+            if "status" in new:
+                out["status"] = copy.deepcopy(new["status"])
+            else:
+                out.pop("status", None)
+        else:
+            out = copy.deepcopy(new)
+            out["apiVersion"], out["kind"] = rtype.api_version, rtype.kind
+            if rtype.status_subresource:
+                if "status" in live:
+                    out["status"] = copy.deepcopy(live["status"])
+                else:
+                    out.pop("status", None)
+            meta = out.setdefault("metadata", {})
+            for server_set in ("name", "namespace", "uid", "creationTimestamp", "generation"):
+                if server_set in meta_live:
+                    meta[server_set] = meta_live[server_set]
+                else:
+                    meta.pop(server_set, None)
+            if "deletionTimestamp" in meta_live:
+                meta["deletionTimestamp"] = meta_live["deletionTimestamp"]
+                # No new finalizers on an object being deleted.
+                kept = set(meta_live.get("finalizers") or [])
+                meta["finalizers"] = [f for f in meta.get("finalizers") or [] if f in kept]
+            else:
+                meta.pop("deletionTimestamp", None)
+            if not meta.get("finalizers"):
+                meta.pop("finalizers", None)
+        out = self._admit(rtype, out)
+        out["metadata"]["resourceVersion"] = meta_live["resourceVersion"]
+        out["metadata"]["managedFields"] = meta_live.get("managedFields", [])
+
+        def content(o: Obj) -> Obj:
+            return {k: v for k, v in o.items() if k not in ("metadata", "status")}
+
+        if out == live:
+            return copy.deepcopy(live)  # a no-op write changes nothing, not even the version
+        if content(out) != content(live):
+            out["metadata"]["generation"] = int(meta_live.get("generation", 1)) + 1
+        managed = [
+            m
+            for m in out["metadata"]["managedFields"]
+            if (m.get("manager"), m.get("operation"), m.get("subresource"))
+            != (manager, operation, subresource)
+        ]
+        out["metadata"]["managedFields"] = [
+            *managed,
+            self._managed(rtype, manager, operation, subresource),
+        ]
+        out["metadata"]["resourceVersion"] = self._next_rv()
+        key = self._key(rtype, meta_live.get("namespace"), meta_live["name"])
+        if out["metadata"].get("deletionTimestamp") and not out["metadata"].get("finalizers"):
+            return self._remove(key, out)
+        self._objects[key].obj = out
+        self._emit("MODIFIED", rtype, copy.deepcopy(out), copy.deepcopy(live))
+        return copy.deepcopy(out)
+
+    def _remove(self, key: Key, last: Obj) -> Obj:
+        stored = self._objects.pop(key)
+        self._emit("DELETED", stored.rtype, copy.deepcopy(last), None)
+        # Garbage collection: dependents of the removed owner go too (background propagation).
+        uid = last["metadata"]["uid"]
+        for dep_key, dep in list(self._objects.items()):
+            refs = dep.obj["metadata"].get("ownerReferences") or []
+            if dep_key in self._objects and any(r.get("uid") == uid for r in refs):
+                self._delete(dep.rtype, dep_key[2], dep_key[3], "Background")
+        return copy.deepcopy(last)
+
+    def _delete(self, rtype: ResourceType, namespace: str, name: str, propagation: str) -> Obj:
+        live = self._require(rtype, namespace, name)
+        key = self._key(rtype, namespace, name)
+        if live["metadata"].get("finalizers"):
+            if live["metadata"].get("deletionTimestamp"):
+                return copy.deepcopy(live)
+            out = copy.deepcopy(live)
+            out["metadata"]["deletionTimestamp"] = now_rfc3339()
+            out["metadata"]["deletionGracePeriodSeconds"] = 0
+            out["metadata"]["resourceVersion"] = self._next_rv()
+            self._objects[key].obj = out
+            self._emit("MODIFIED", rtype, copy.deepcopy(out), copy.deepcopy(live))
+            return copy.deepcopy(out)
+        out = copy.deepcopy(live)
+        out["metadata"]["resourceVersion"] = self._next_rv()
+        if propagation == "Orphan":
+            stored = self._objects.pop(key)
+            self._emit("DELETED", stored.rtype, copy.deepcopy(out), None)
+            return out
+        return self._remove(key, out)
+
+    def _select(
+        self, rtype: ResourceType, namespace: str | None, name: str | None, selector: str
+    ) -> list[Obj]:
+        out = []
+        for (group, plural, ns, obj_name), stored in sorted(self._objects.items()):
+            if (group, plural) != (rtype.group, rtype.plural):
+                continue
+            if namespace and rtype.namespaced and ns != namespace:
+                continue
+            if name is not None and obj_name != name:
+                continue
+            if selector and not selector_matches(
+                selector, stored.obj["metadata"].get("labels") or {}
+            ):
+                continue
+            out.append(stored.obj)
+        return out
+
+    def _apply(
+        self,
+        rtype: ResourceType,
+        namespace: str,
+        name: str,
+        applied: Obj,
+        manager: str,
+        subresource: str | None,
+    ) -> Obj:
+        if not isinstance(applied, dict):
+            raise ApiError(400, "the apply patch must be an object")
+        if (applied.get("apiVersion"), applied.get("kind")) != (rtype.api_version, rtype.kind):
+            raise ApiError(400, "apiVersion and kind of the applied object must match the request")
+        meta = applied.get("metadata") or {}
+        if meta.get("name") != name:
+            raise ApiError(400, "the name of the applied object does not match the request")
+        if rtype.namespaced and meta.get("namespace", namespace) != namespace:
+            raise ApiError(400, "the namespace of the applied object does not match the request")
+        if rtype.status_subresource and subresource != "status":
+            applied = {k: v for k, v in applied.items() if k != "status"}
+        key = self._key(rtype, namespace, name)
+        stored = self._objects.get(key)
+        if stored is None:
+            if subresource:
+                raise ApiError(404, f'{rtype.plural} "{name}" not found')
+            created = self._create(
+                rtype,
+                namespace,
+                copy.deepcopy(applied),
+                keep_status=False,
+                manager=manager,
+                operation="Apply",
+            )
+            self._objects[key].applied[manager] = copy.deepcopy(applied)
+            return created
+        live = stored.obj
+        base = copy.deepcopy(live)
+        previous = stored.applied.get(manager)
+        if previous is not None:
+            _drop_unapplied(base, previous, applied)
+        new = _apply_over(base, applied)
+        out = self._update(rtype, live, new, subresource, manager, operation="Apply")
+        if key in self._objects:
+            self._objects[key].applied[manager] = copy.deepcopy(applied)
+        return out
+
+    # --- HTTP ------------------------------------------------------------------------------
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        ctype = request.headers.get("Content-Type")
+        query = {k: v for k, v in request.query.items()}
+        body: Any = None
+        if raw:
+            try:
+                body = yaml.safe_load(raw) if ctype and "yaml" in ctype else json.loads(raw)
+            except (ValueError, yaml.YAMLError):
+                body = raw.decode("utf-8", "replace")
+        logged = Request(request.method, request.path, query, ctype, body)
+        self.requests.append(logged)
+        try:
+            with self._lock:
+                for failure in self._failures:
+                    if (
+                        failure.times > 0
+                        and (failure.method in (None, request.method))
+                        and (failure.path is None or failure.path in request.path)
+                    ):
+                        failure.times -= 1
+                        raise ApiError(failure.code, failure.message, failure.reason)
+                self._failures = [f for f in self._failures if f.times > 0]
+            response = await self._route(request, query, ctype, body)
+        except ApiError as exc:
+            response = exc.response()
+        logged.code = response.status
+        return response
+
+    async def _route(
+        self, request: web.Request, query: dict[str, str], ctype: str | None, body: Any
+    ) -> web.StreamResponse:
+        parts = [p for p in request.path.split("/") if p]
+        if parts == ["version"]:
+            return web.json_response(
+                {"major": "1", "minor": "31", "gitVersion": "v1.31.0-fake", "platform": "linux"}
+            )
+        if parts == ["api"]:
+            return web.json_response({"kind": "APIVersions", "versions": ["v1"]})
+        if parts == ["apis"]:
+            return web.json_response(self._group_list())
+        if len(parts) >= 2 and parts[0] == "api":
+            group, version, rest = "", parts[1], parts[2:]
+        elif len(parts) >= 3 and parts[0] == "apis":
+            group, version, rest = parts[1], parts[2], parts[3:]
+        else:
+            raise ApiError(404, "the server could not find the requested resource")
+        if not rest:
+            return web.json_response(self._resource_list(group, version))
+        namespace: str | None = None
+        if rest[0] == "namespaces" and len(rest) >= 3:
+            namespace, rest = rest[1], rest[2:]
+        if len(rest) > 3:
+            raise ApiError(404, "the server could not find the requested resource")
+        rtype = self._types.get((group, version, rest[0]))
+        if rtype is None or (namespace is not None and not rtype.namespaced):
+            raise ApiError(404, "the server could not find the requested resource")
+        name = rest[1] if len(rest) > 1 else None
+        sub = rest[2] if len(rest) > 2 else None
+        if sub is not None and not (sub == "status" and rtype.status_subresource):
+            raise ApiError(404, "the server could not find the requested resource")
+        if rtype.namespaced and name is not None and namespace is None:
+            raise ApiError(404, "the server could not find the requested resource")
+        method = request.method
+        manager = (
+            query.get("fieldManager") or request.headers.get("User-Agent", "unknown").split("/")[0]
+        )
+        if method == "GET" and name is None and query.get("watch") in ("true", "1"):
+            return await self._watch(request, rtype, namespace, query)
+        with self._lock:
+            if method == "GET":
+                if name is None:
+                    return web.json_response(self._list_response(rtype, namespace, query))
+                return web.json_response(self._require(rtype, namespace or "", name))
+            if method == "POST" and name is None:
+                if not isinstance(body, dict):
+                    raise ApiError(400, "the request body must be an object")
+                ns = namespace or "" if rtype.namespaced else ""
+                created = self._create(rtype, ns, body, keep_status=False, manager=manager)
+                return web.json_response(created, status=201)
+            if method == "PUT" and name is not None:
+                if not isinstance(body, dict):
+                    raise ApiError(400, "the request body must be an object")
+                live = self._require(rtype, namespace or "", name)
+                rv = (body.get("metadata") or {}).get("resourceVersion")
+                return web.json_response(
+                    self._update(rtype, live, body, sub, manager, precondition_rv=rv)
+                )
+            if method == "PATCH" and name is not None:
+                existed = self._key(rtype, namespace, name) in self._objects
+                patched = self._patch(
+                    rtype, namespace or "", name, sub, query, ctype, body, manager
+                )
+                return web.json_response(patched, status=200 if existed else 201)
+            if method == "DELETE" and name is not None:
+                options = body if isinstance(body, dict) else {}
+                policy = options.get("propagationPolicy") or query.get("propagationPolicy", "")
+                return web.json_response(self._delete(rtype, namespace or "", name, policy))
+            if method == "DELETE" and name is None:
+                matching = self._select(rtype, namespace, None, query.get("labelSelector", ""))
+                keys = [
+                    (o["metadata"].get("namespace", ""), o["metadata"]["name"]) for o in matching
+                ]
+                gone = [
+                    self._delete(rtype, ns, obj_name, "")
+                    for ns, obj_name in keys
+                    if self._key(rtype, ns, obj_name) in self._objects
+                ]
+                return web.json_response(self._as_list(rtype, gone))
+        raise ApiError(405, f"{method} is not supported on {request.path}")
+
+    def _patch(
+        self,
+        rtype: ResourceType,
+        namespace: str,
+        name: str,
+        sub: str | None,
+        query: dict[str, str],
+        ctype: str | None,
+        body: Any,
+        manager: str,
+    ) -> Obj:
+        media = (ctype or "").split(";")[0].strip()
+        if media == "application/apply-patch+yaml":
+            if not query.get("fieldManager"):
+                raise ApiError(
+                    400, "PATCH with an apply patch requires the fieldManager query parameter"
+                )
+            return self._apply(rtype, namespace, name, body, query["fieldManager"], sub)
+        live = self._require(rtype, namespace, name)
+        if media in ("application/merge-patch+json", "application/strategic-merge-patch+json"):
+            if not isinstance(body, dict):
+                raise ApiError(400, "a merge patch must be an object")
+            rv = (body.get("metadata") or {}).get("resourceVersion")
+            new = merge_patch(live, body)
+            return self._update(rtype, live, new, sub, manager, precondition_rv=rv)
+        if media == "application/json-patch+json":
+            if not isinstance(body, list):
+                raise ApiError(400, "a JSON patch must be a list of operations")
+            return self._update(rtype, live, json_patch(live, body), sub, manager)
+        raise ApiError(415, f"the media type {media!r} is not supported for PATCH")
+
+    def _group_list(self) -> Obj:
+        groups: dict[str, list[str]] = {}
+        for rtype in self._types.values():
+            if rtype.group:
+                versions = groups.setdefault(rtype.group, [])
+                if rtype.version not in versions:
+                    versions.append(rtype.version)
+        return {
+            "kind": "APIGroupList",
+            "apiVersion": "v1",
+            "groups": [
+                {
+                    "name": group,
+                    "versions": [{"groupVersion": f"{group}/{v}", "version": v} for v in versions],
+                    "preferredVersion": {
+                        "groupVersion": f"{group}/{versions[0]}",
+                        "version": versions[0],
+                    },
+                }
+                for group, versions in sorted(groups.items())
+            ],
+        }
+
+    def _resource_list(self, group: str, version: str) -> Obj:
+        types = [t for t in self._types.values() if (t.group, t.version) == (group, version)]
+        if not types:
+            raise ApiError(404, "the server could not find the requested resource")
+        return {
+            "kind": "APIResourceList",
+            "apiVersion": "v1",
+            "groupVersion": f"{group}/{version}" if group else version,
+            "resources": [entry for t in types for entry in t.discovery()],
+        }
+
+    def _as_list(self, rtype: ResourceType, items: list[Obj]) -> Obj:
+        if not rtype.custom:  # the server omits type meta on items of built-in kinds
+            items = [{k: v for k, v in o.items() if k not in ("apiVersion", "kind")} for o in items]
+        return {
+            "kind": f"{rtype.kind}List",
+            "apiVersion": rtype.api_version,
+            "metadata": {"resourceVersion": str(self._last_rv)},
+            "items": copy.deepcopy(items),
+        }
+
+    def _field_name(self, query: dict[str, str]) -> tuple[str | None, str | None]:
+        name = namespace = None
+        for part in _split_selector(query.get("fieldSelector", "")):
+            key, _, value = part.partition("=")
+            if key == "metadata.name":
+                name = value
+            elif key == "metadata.namespace":
+                namespace = value
+            else:
+                raise ApiError(400, f"field label not supported: {key}")
+        return name, namespace
+
+    def _list_response(
+        self, rtype: ResourceType, namespace: str | None, query: dict[str, str]
+    ) -> Obj:
+        name, field_ns = self._field_name(query)
+        items = self._select(rtype, namespace or field_ns, name, query.get("labelSelector", ""))
+        return self._as_list(rtype, items)
+
+    async def _watch(
+        self,
+        request: web.Request,
+        rtype: ResourceType,
+        namespace: str | None,
+        query: dict[str, str],
+    ) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        name, field_ns = self._field_name(query)
+        selector = query.get("labelSelector", "")
+        selector_matches(selector, {})  # 400 on a bad selector before the stream starts
+        watch = _Watch(rtype, namespace or field_ns, name, selector, asyncio.Queue(), loop)
+        since = query.get("resourceVersion", "")
+        initial = query.get("sendInitialEvents") == "true"
+        timeout = float(query.get("timeoutSeconds") or 1800)
+        with self._lock:
+            if since in ("", "0") or initial:
+                snapshot = self._select(rtype, watch.namespace, name, selector)
+                for obj in snapshot:
+                    rv = int(obj["metadata"]["resourceVersion"])
+                    watch.queue.put_nowait(_Event(rv, "ADDED", rtype, copy.deepcopy(obj), None))
+                if initial:
+                    bookmark = {
+                        "apiVersion": rtype.api_version,
+                        "kind": rtype.kind,
+                        "metadata": {
+                            "resourceVersion": str(self._last_rv),
+                            "annotations": {"k8s.io/initial-events-end": "true"},
+                        },
+                    }
+                    watch.queue.put_nowait(_Event(self._last_rv, "BOOKMARK", rtype, bookmark, None))
+            else:
+                start = int(since)
+                for event in self._history:
+                    if event.rv > start and event.rtype == rtype:
+                        watch.queue.put_nowait(event)
+            self._watches.append(watch)
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        deadline = loop.time() + timeout
+        try:
+            while (left := deadline - loop.time()) > 0:
+                try:
+                    event = await asyncio.wait_for(watch.queue.get(), left)
+                except TimeoutError:
+                    break
+                if event is None:
+                    break
+                line = self._watch_line(watch, event)
+                if line is not None:
+                    await response.write(line)
+            await response.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass
+        finally:
+            with self._lock:
+                self._watches.remove(watch)
+        return response
+
+    def _watch_line(self, watch: _Watch, event: _Event) -> bytes | None:
+        def visible(obj: Obj | None) -> bool:
+            if obj is None:
+                return False
+            meta = obj.get("metadata", {})
+            if (
+                watch.rtype.namespaced
+                and watch.namespace
+                and meta.get("namespace") != watch.namespace
+            ):
+                return False
+            if watch.name is not None and meta.get("name") != watch.name:
+                return False
+            return selector_matches(watch.selector, meta.get("labels") or {})
+
+        kind = event.type
+        if kind == "MODIFIED":
+            now, before = visible(event.obj), visible(event.old)
+            if not now and not before:
+                return None
+            kind = "MODIFIED" if now and before else "ADDED" if now else "DELETED"
+        elif kind != "BOOKMARK" and not visible(event.obj):
+            return None
+        return (json.dumps({"type": kind, "object": event.obj}) + "\n").encode()
+
+
+def load_crd(path: Path) -> Obj:
+    crd: Obj = yaml.safe_load(path.read_text())
+    return crd

@@ -1,0 +1,647 @@
+"""The real operator (kopf running our handlers and start-up, `ApiKube`, `HttpWorkerProbe`)
+against the loopback fake API server. The test plays the StatefulSet controller and the kubelet
+(pods with the template's labels, Running and Ready on loopback IPs 127.0.0.2, ...) and the
+workers (status JSON on those IPs), then checks what the operator wrote:
+
+  create       finalizer, every child server-side applied with an owner reference, status
+  serving      workers report the planned capacity and the router is ready -> Ready=True
+  restart      a pod with restartCount 1 -> one deletecollection of its PP group's pods
+  rejected     a context that does not fit, a model config the operator cannot read -> status
+               (ContextFits / PlanValid False) and a Warning event say so; nothing is applied
+  delete       the finalizer is released and the CR is gone
+
+The fake applies the CRD's structural defaults, validates against its schema and CEL rules and
+prunes unknown fields, as the API server would, so a status the CRD does not allow fails here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import http.server
+import json
+import logging
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import crd_support as S
+import kopf
+import kubernetes
+import pytest
+import yaml
+from fake_apiserver import AdmissionError, ApiError, FakeApiServer, load_crd
+
+from dsv4_operator import labels as L
+from dsv4_operator import main as operator_main
+from dsv4_operator import settings as operator_settings
+from dsv4_operator.observe import HttpWorkerProbe
+
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLES = ROOT / "crds" / "samples"
+NS = "default"
+TIMEOUT_S = 40.0
+WORKER_IPS = [f"127.0.0.{i}" for i in range(2, 8)]
+SCHEMA: dict[str, Any] = S.crd_schema()
+
+assert operator_main.handlers and operator_main.settings  # registered in kopf's default registry
+
+
+# ---------------------------------------------------------------------------------------------
+# The API server's part for the CRD: defaulting, validation, pruning
+
+
+def _prune(schema: Mapping[str, Any], value: Any, *, root: bool = False) -> Any:
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return value
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            if root and key in ("apiVersion", "kind", "metadata"):
+                out[key] = item
+                continue
+            props = schema.get("properties", {})
+            sub = props.get(key, schema.get("additionalProperties"))
+            if isinstance(sub, dict):
+                out[key] = _prune(sub, item)
+            elif sub is True:
+                out[key] = item
+        return out
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [_prune(schema["items"], item) for item in value]
+    return value
+
+
+def admit_cr(obj: dict[str, Any]) -> dict[str, Any]:
+    obj = _prune(SCHEMA, S.apply_defaults(SCHEMA, obj), root=True)
+    errors = S.schema_errors(SCHEMA, obj) + S.cel_errors(SCHEMA, obj)
+    if errors:
+        raise AdmissionError(errors)
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------
+# Workers' status endpoints: one HTTP server per loopback IP, all on one port
+
+
+class StatusServers:
+    """`docs[ip]` is what GET http://<ip>:<port>/status returns (404 when absent)."""
+
+    def __init__(self, ips: list[str]) -> None:
+        self.docs: dict[str, dict[str, Any]] = {}
+        self.hits: list[str] = []
+        self._servers: list[http.server.ThreadingHTTPServer] = []
+        self._threads: list[threading.Thread] = []
+        for _attempt in range(20):
+            try:
+                self._bind(ips)
+                break
+            except OSError:
+                self.close()
+        else:
+            raise RuntimeError("no port free on every worker IP")
+        for srv in self._servers:
+            thread = threading.Thread(target=srv.serve_forever, args=(0.05,), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _bind(self, ips: list[str]) -> None:
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                ip = self.connection.getsockname()[0]
+                outer.hits.append(ip)
+                doc = outer.docs.get(ip)
+                if self.path != "/status" or doc is None:
+                    self.send_error(404)
+                    return
+                data = json.dumps(doc).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *_: Any) -> None:
+                pass
+
+        self.port = 0
+        for ip in ips:
+            srv = http.server.ThreadingHTTPServer((ip, self.port), Handler)
+            srv.daemon_threads = True
+            self._servers.append(srv)
+            self.port = srv.server_address[1]
+
+    def close(self) -> None:
+        for srv in self._servers:
+            if self._threads:
+                srv.shutdown()
+            srv.server_close()
+        for thread in self._threads:
+            thread.join(5)
+        self._servers, self._threads = [], []
+
+
+# ---------------------------------------------------------------------------------------------
+# kopf in a background thread
+
+
+@dataclass
+class OperatorThread:
+    settings: kopf.OperatorSettings = field(default_factory=kopf.OperatorSettings)
+    stop_flag: threading.Event = field(default_factory=threading.Event)
+    ready_flag: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._run, name="kopf-operator", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.ready_flag.wait(0.05):
+            if self.error is not None or time.monotonic() > deadline:
+                raise RuntimeError("the operator did not start") from self.error
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(
+                kopf.operator(
+                    standalone=True,
+                    namespaces=[NS],
+                    settings=self.settings,
+                    ready_flag=self.ready_flag,
+                    stop_flag=self.stop_flag,
+                )
+            )
+        except BaseException as exc:
+            self.error = exc
+
+    def stop(self) -> float:
+        t0 = time.monotonic()
+        self.stop_flag.set()
+        if self.thread is not None:
+            self.thread.join(30)
+            assert not self.thread.is_alive(), "kopf did not stop"
+        self.settings.execution.executor.shutdown(wait=True)
+        return time.monotonic() - t0
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixture: fake API server + worker status servers + the operator
+
+
+@dataclass
+class Live:
+    server: FakeApiServer
+    workers: StatusServers
+    ips: dict[str, str] = field(default_factory=dict)  # pod name -> IP
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def cr(self, name: str) -> dict[str, Any] | None:
+        return self.server.get(L.API_VERSION, L.KIND, NS, name)
+
+    def create_cr(self, sample: str, **spec: Any) -> dict[str, Any]:
+        body = yaml.safe_load((SAMPLES / sample).read_text())
+        body["metadata"]["namespace"] = NS
+        body["spec"].update(spec)
+        return self.server.create(body, keep_status=False)
+
+    def wait(self, what: str, check: Callable[[], Any], timeout: float = TIMEOUT_S) -> Any:
+        t0 = time.monotonic()
+        while True:
+            result = check()
+            if result:
+                self.timings[what] = round(time.monotonic() - t0, 2)
+                return result
+            if time.monotonic() - t0 > timeout:
+                raise AssertionError(f"timed out after {timeout} s waiting for: {what}")
+            time.sleep(0.05)
+
+    def settle(self, quiet: float = 0.3, timeout: float = 10.0) -> None:
+        """Wait until the operator has made no API request for `quiet` seconds."""
+        deadline = time.monotonic() + timeout
+        seen, since = len(self.server.requests), time.monotonic()
+        while time.monotonic() - since < quiet and time.monotonic() < deadline:
+            time.sleep(0.05)
+            if len(self.server.requests) != seen:
+                seen, since = len(self.server.requests), time.monotonic()
+
+    def condition(self, name: str, ctype: str) -> dict[str, Any] | None:
+        cr = self.cr(name) or {}
+        conds = (cr.get("status") or {}).get("conditions") or []
+        return next((c for c in conds if c.get("type") == ctype), None)
+
+    def children(self, kind: str, api_version: str) -> dict[str, dict[str, Any]]:
+        return {o["metadata"]["name"]: o for o in self.server.list(api_version, kind, NS)}
+
+    # --- the StatefulSet controller, the kubelet and the workers -----------------------------
+    def create_pods(self) -> list[str]:
+        """The StatefulSet controller: every missing pod of every StatefulSet, from its
+        template (labels and annotations), with its PP rank label; Pending, no IP yet."""
+        created = []
+        for sts in self.server.list("apps/v1", "StatefulSet", NS):
+            template = sts["spec"]["template"]["metadata"]
+            for index in range(sts["spec"]["replicas"]):
+                name = f"{sts['metadata']['name']}-{index}"
+                if self.server.get("v1", "Pod", NS, name) is not None:
+                    continue
+                pod_labels = {
+                    **template["labels"],
+                    L.POD_INDEX_LABEL: str(index),
+                    "statefulset.kubernetes.io/pod-name": name,
+                }
+                owner = {
+                    "apiVersion": "apps/v1",
+                    "kind": "StatefulSet",
+                    "name": sts["metadata"]["name"],
+                    "uid": sts["metadata"]["uid"],
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+                self.server.create(
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Pod",
+                        "metadata": {
+                            "name": name,
+                            "namespace": NS,
+                            "labels": pod_labels,
+                            "annotations": dict(template.get("annotations") or {}),
+                            "ownerReferences": [owner],
+                        },
+                        "spec": copy.deepcopy(sts["spec"]["template"]["spec"]),
+                    },
+                    keep_status=False,
+                )
+                self.ips.setdefault(name, WORKER_IPS[len(self.ips)])
+                created.append(name)
+        return created
+
+    def start_pods(self, names: list[str]) -> None:
+        """The kubelet: the containers start (after every pod of a group was created, or the
+        operator would see a pod replaced under a running peer), then run Ready."""
+        time.sleep(1.05)  # timestamps have one-second resolution
+        for name in names:
+            self.set_pod(name)
+
+    def set_pod(self, name: str, *, restarts: int = 0) -> None:
+        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.server.set_status(
+            "v1",
+            "Pod",
+            NS,
+            name,
+            {
+                "phase": "Running",
+                "podIP": self.ips[name],
+                "podIPs": [{"ip": self.ips[name]}],
+                "conditions": [{"type": "Ready", "status": "True"}],
+                "containerStatuses": [
+                    {
+                        "name": "worker",
+                        "ready": True,
+                        "restartCount": restarts,
+                        "state": {"running": {"startedAt": started}},
+                    }
+                ],
+            },
+        )
+
+    def report_planned(self, name: str) -> None:
+        """Each running pod's worker reports exactly the capacity its ConfigMap plans."""
+        cm = self.server.get("v1", "ConfigMap", NS, L.config_name(name))
+        assert cm is not None
+        for pod in self.server.list("v1", "Pod", NS, L.worker_selector(name)):
+            labels = pod["metadata"]["labels"]
+            role, rank = labels[L.ROLE_LABEL], int(labels[L.POD_INDEX_LABEL])
+            planned = yaml.safe_load(cm["data"][f"{role}-rank-{rank}.json"])["planned"]
+            self.workers.docs[self.ips[pod["metadata"]["name"]]] = {
+                "role": role,
+                "pp_rank": rank,
+                "capacity": {
+                    key: planned[key]
+                    for key in (
+                        "full_tokens",
+                        "swa_tokens",
+                        "max_running_requests",
+                        "max_context_tokens",
+                    )
+                },
+                "kv_transfer": {"backend": "nixl", "ready": True, "layout_hash": "layout-1"},
+            }
+
+
+@pytest.fixture
+def live(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> Iterator[Live]:
+    threads_before = set(threading.enumerate())
+    t0 = time.monotonic()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the DynamicClient's cache
+    # kopf's login and ApiKube.from_environment() both load the kubeconfig into this global.
+    monkeypatch.setattr(kubernetes.client.Configuration, "_default", None)
+    for var in ("DSV4_PEERING", "DSV4_PEERING_CLUSTERWIDE", "DSV4_PRIORITY", "DSV4_WORKER_IMAGE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+
+    server = FakeApiServer([load_crd(ROOT / "crds" / "dsv4deployment.yaml")])
+    server.add_admission(L.API_VERSION, L.KIND, admit_cr)
+    server.start()
+    workers = StatusServers(WORKER_IPS)
+    kubeconfig = str(server.write_kubeconfig(tmp_path / "kubeconfig"))
+    monkeypatch.setenv("KUBECONFIG", kubeconfig)
+    # The client reads $KUBECONFIG once, at import.
+    monkeypatch.setattr(kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", kubeconfig)
+    monkeypatch.setattr(
+        operator_settings,
+        "HttpWorkerProbe",
+        lambda: HttpWorkerProbe(timeout_s=1.0, port=workers.port),
+    )
+    operator = OperatorThread()
+    live = Live(server, workers)
+    try:
+        operator.start()
+        live.timings["operator start"] = round(time.monotonic() - t0, 2)
+        yield live
+    finally:
+        try:
+            # Stopping kopf in the middle of handling an object can make it wait for its
+            # streams (2 s) and even start the object's timer while it shuts down.
+            live.settle()
+            live.timings["operator stop"] = round(operator.stop(), 2)
+        finally:
+            server.stop()
+            workers.close()
+            print(f"timings (s): {live.timings}")
+    assert operator.error is None, operator.error
+    # Nothing failed inside kopf or a handler (a refused write, a handler exception, ...).
+    errors = [
+        r.getMessage()
+        for when in ("setup", "call", "teardown")
+        for r in caplog.get_records(when)
+        if r.levelno >= logging.ERROR
+    ]
+    assert not errors, errors
+    # Nothing left behind: no thread, no listening port.
+    deadline = time.monotonic() + 5
+    while (leaked := set(threading.enumerate()) - threads_before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not leaked, f"threads left running: {leaked}"
+    for address in [("127.0.0.1", server.port)] + [(ip, workers.port) for ip in WORKER_IPS]:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(address, timeout=1).close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Scenarios
+
+CHILD_KINDS = {
+    ("v1", "ServiceAccount"): {"tiny-workload"},
+    ("v1", "ConfigMap"): {"tiny-config"},
+    ("networking.k8s.io/v1", "NetworkPolicy"): {"tiny-workers"},
+    ("v1", "Service"): {
+        "tiny-prefill",
+        "tiny-decode",
+        "tiny-prefill-0",
+        "tiny-decode-0",
+        "tiny-router",
+    },
+    ("policy/v1", "PodDisruptionBudget"): {"tiny-prefill", "tiny-decode"},
+    ("apps/v1", "StatefulSet"): {"tiny-prefill-0", "tiny-decode-0"},
+    ("apps/v1", "Deployment"): {"tiny-router"},
+}
+
+
+def _plan_valid(live: Live, name: str) -> bool:
+    cond = live.condition(name, "PlanValid")
+    cr = live.cr(name) or {}
+    return bool(cond and cond["status"] == "True" and cr["status"].get("observedGeneration") == 1)
+
+
+def test_create_applies_every_child_with_owner_references_and_writes_status(
+    live: Live,
+) -> None:
+    cr = live.create_cr("tiny-cpu.yaml")
+    uid = cr["metadata"]["uid"]
+    live.wait("finalizer added", lambda: (live.cr("tiny") or {}).get("metadata", {}).get(
+        "finalizers"
+    ))  # fmt: skip
+    live.wait("status PlanValid", lambda: _plan_valid(live, "tiny"))
+    live.wait(
+        "every child applied",
+        lambda: all(set(live.children(k, av)) >= names for (av, k), names in CHILD_KINDS.items()),
+    )
+    body = live.cr("tiny")
+    assert body is not None
+    assert body["metadata"]["finalizers"] == [f"{L.GROUP}/finalizer"]
+    assert body["status"]["observedGeneration"] == 1
+    for (api_version, kind), names in CHILD_KINDS.items():
+        children = live.children(kind, api_version)
+        assert set(children) == names, kind
+        for child in children.values():
+            (owner,) = child["metadata"]["ownerReferences"]
+            assert (owner["kind"], owner["name"], owner["uid"]) == (L.KIND, "tiny", uid)
+            assert owner.get("controller") is True
+            labels = child["metadata"]["labels"]
+            assert labels[L.DEPLOYMENT_LABEL] == "tiny"
+            managers = {(m["manager"], m["operation"]) for m in child["metadata"]["managedFields"]}
+            assert managers == {(L.FIELD_MANAGER, "Apply")}, (kind, managers)
+    # Every child write on the wire: a forced server-side apply by our field manager.
+    child_writes = [
+        r
+        for r in live.server.requests
+        if r.method in ("POST", "PUT", "PATCH", "DELETE")
+        and L.PLURAL not in r.path
+        and "/events" not in r.path
+    ]
+    assert len(child_writes) == sum(len(n) for n in CHILD_KINDS.values())
+    for request in child_writes:
+        assert request.method == "PATCH"
+        assert request.content_type == "application/apply-patch+yaml"
+        assert request.query == {"fieldManager": L.FIELD_MANAGER, "force": "true"}
+    # Status went to the status subresource as a merge patch.
+    status_writes = live.server.requests_to("PATCH", f"/{L.PLURAL}/tiny/status")
+    assert status_writes
+    assert {r.content_type for r in status_writes} == {"application/merge-patch+json"}
+
+
+def test_workers_at_planned_capacity_make_it_ready_and_a_restart_deletes_the_group(
+    live: Live,
+) -> None:
+    live.create_cr("tiny-cpu.yaml")
+    live.wait("StatefulSets applied", lambda: len(live.children("StatefulSet", "apps/v1")) == 2)
+    live.wait("router applied", lambda: "tiny-router" in live.children("Deployment", "apps/v1"))
+    pods = live.create_pods()
+    assert sorted(pods) == ["tiny-decode-0-0", "tiny-prefill-0-0", "tiny-prefill-0-1"]
+    live.report_planned("tiny")
+    t0 = time.monotonic()
+    live.start_pods(pods)
+
+    # Pod events reconcile at once: every worker is up and reports its planned capacity.
+    def workers_up() -> dict[str, Any] | None:
+        status = (live.cr("tiny") or {}).get("status") or {}
+        roles = status.get("roles") or {}
+        up = all((roles.get(r) or {}).get("ready") == "1/1" for r in L.WORKER_ROLES)
+        observed = all("observed" in p for p in status.get("plan") or [{}])
+        return status if up and observed else None
+
+    status = live.wait("workers ready and reporting", workers_up)
+    live.timings["pods started -> workers ready"] = round(time.monotonic() - t0, 2)
+    assert {(p["role"], p["ppRank"]) for p in status["plan"]} == {
+        ("prefill", 0),
+        ("prefill", 1),
+        ("decode", 0),
+    }
+    for entry in status["plan"]:
+        assert entry["observed"] == {
+            "fullTokens": entry["fullTokens"],
+            "swaTokens": entry["swaTokens"],
+            "maxRunningRequests": entry["maxRunningRequests"],
+            "maxContextTokens": entry["maxContextTokens"],
+        }
+    assert set(live.workers.hits) == {live.ips[p] for p in pods}  # probed on the pod IPs
+    not_ready = live.condition("tiny", "Ready")
+    assert not_ready is not None and not_ready["reason"] == "RouterNotReady"
+
+    # The router's Deployment becomes ready: no watch covers it, so once the reconciles that
+    # the pod events queued are done, only the periodic timer (first tick 5 s after the CR
+    # was seen, then every 15 s) can notice it.
+    live.settle(quiet=0.5)
+    t0 = time.monotonic()
+    live.server.set_status(
+        "apps/v1", "Deployment", NS, "tiny-router", {"replicas": 1, "readyReplicas": 1}
+    )
+    ready = live.wait(
+        "Ready after the router",
+        lambda: (c := live.condition("tiny", "Ready")) and c["status"] == "True" and c,
+    )
+    live.timings["router ready -> Ready"] = round(time.monotonic() - t0, 2)
+    assert ready["reason"] == "Serving"
+    status = live.cr("tiny")["status"]  # type: ignore[index]
+    assert status["roles"]["router"]["ready"] == "1/1"
+    assert status["endpoint"] == f"http://tiny-router.{NS}.svc:8000"
+    conds = {c["type"]: c["status"] for c in status["conditions"]}
+    assert conds == {
+        "Ready": "True",
+        "Progressing": "False",
+        "Degraded": "False",
+        "PlanValid": "True",
+        "ContextFits": "True",
+        "KVTransferReady": "True",
+    }
+
+    # A PP rank's container restarted: the whole group is deleted with one deletecollection.
+    mark = len(live.server.requests)
+    t0 = time.monotonic()
+    live.set_pod("tiny-prefill-0-1", restarts=1)
+    live.wait(
+        "group pods deleted",
+        lambda: not live.server.list("v1", "Pod", NS, f"{L.GROUP_LABEL}=tiny-prefill-0"),
+    )
+    live.timings["restart -> group deleted"] = round(time.monotonic() - t0, 2)
+    deletes = [r for r in live.server.requests[mark:] if r.method == "DELETE"]
+    selector = L.selector_string({L.DEPLOYMENT_LABEL: "tiny", L.GROUP_LABEL: "tiny-prefill-0"})
+    assert [(r.path, r.query) for r in deletes] == [
+        (f"/api/v1/namespaces/{NS}/pods", {"labelSelector": selector})
+    ]
+    assert [p["metadata"]["name"] for p in live.server.list("v1", "Pod", NS)] == ["tiny-decode-0-0"]
+    # Status says so, and keeps saying so while the group re-forms (the reconciles that the
+    # pods' DELETED events trigger keep Degraded, remembering the group in restartingGroups).
+    live.settle(quiet=0.5)
+    degraded = live.condition("tiny", "Degraded")
+    assert degraded is not None and (degraded["status"], degraded["reason"]) == (
+        "True",
+        "GroupRestarted",
+    )
+    assert "tiny-prefill-0" in degraded["message"]
+    assert live.cr("tiny")["status"]["restartingGroups"] == ["tiny-prefill-0"]  # type: ignore[index]
+    # The pod-triggered restart was posted as a Warning Event on the CR.
+    events = live.wait(
+        "a PodRestarted Warning event",
+        lambda: [
+            e
+            for e in live.server.list("v1", "Event", NS)
+            if e["involvedObject"]["name"] == "tiny" and e["reason"] == "PodRestarted"
+        ],
+    )
+    assert events[0]["type"] == "Warning" and "tiny-prefill-0" in events[0]["message"]
+    ready = live.wait(
+        "Ready False after the restart",
+        lambda: (c := live.condition("tiny", "Ready")) and c["status"] == "False" and c,
+    )
+    assert ready["reason"] == "PrefillNotReady"
+    # Every reconcile (create, each pod event) found the children as planned: no re-apply.
+    applies = [r for r in live.server.requests if r.content_type == "application/apply-patch+yaml"]
+    assert len(applies) == sum(len(names) for names in CHILD_KINDS.values())
+
+
+def test_rejected_specs_apply_no_workers_and_say_why_in_status(live: Live) -> None:
+    # Valid for the CRD, but the context does not fit the memory plan.
+    live.create_cr("tiny-cpu.yaml", maxContextTokens=1 << 20)
+    fits = live.wait(
+        "ContextFits False",
+        lambda: (c := live.condition("tiny", "ContextFits")) and c["status"] == "False" and c,
+    )
+    assert fits["reason"] == "ContextTooLong"
+    assert "largest context that fits" in fits["message"]
+    assert live.cr("tiny")["status"]["maxContextTokens"] < 1 << 20  # type: ignore[index]
+    # Valid for the CRD, but the model's config.json is not where the operator plans.
+    assert not Path("/models/DeepSeek-V4-Pro/config.json").exists()
+    live.create_cr("pro-pd-pp.yaml")
+    plan = live.wait(
+        "PlanValid False",
+        lambda: (c := live.condition("pro", "PlanValid")) and c["status"] == "False" and c,
+    )
+    assert plan["reason"] == "PlanFailed" and "spec.model.configPath" in plan["message"]
+    # The handler's warning became a Kubernetes Event on the CR (kopf posts WARNING and up).
+    events = live.wait(
+        "a Warning event about pro",
+        lambda: [
+            e
+            for e in live.server.list("v1", "Event", NS)
+            if e["involvedObject"]["name"] == "pro" and e["type"] == "Warning"
+        ],
+    )
+    assert "PlanFailed" in events[0]["message"]
+    # The CRD's admission refuses what it can check itself (here: a zero context) with 422.
+    bad = yaml.safe_load((SAMPLES / "invalid" / "zero-max-context.yaml").read_text())
+    bad["metadata"]["namespace"] = NS
+    with pytest.raises(ApiError, match=r"spec\.maxContextTokens") as refused:
+        live.server.create(bad)
+    assert refused.value.code == 422
+    time.sleep(1.0)  # give the operator time to (wrongly) apply something
+    for api_version, kind in CHILD_KINDS:
+        assert live.children(kind, api_version) == {}, kind
+    writes = [r for r in live.server.requests if r.method in ("PATCH", "PUT", "POST")]
+    assert not [r for r in writes if r.content_type == "application/apply-patch+yaml"]
+
+
+def test_deleting_the_cr_releases_the_finalizer(live: Live) -> None:
+    live.create_cr("tiny-cpu.yaml")
+    live.wait("status PlanValid", lambda: _plan_valid(live, "tiny"))
+    live.server.delete(L.API_VERSION, L.KIND, NS, "tiny")
+    assert (live.cr("tiny") or {}).get("metadata", {}).get("deletionTimestamp")
+    live.wait("CR gone", lambda: live.cr("tiny") is None)
+    # kopf added its finalizer and released it with JSON patches guarded by resourceVersion.
+    patches = [
+        r.body
+        for r in live.server.requests_to("PATCH", f"/{L.PLURAL}/tiny")
+        if r.content_type == "application/json-patch+json" and r.code == 200
+    ]
+    added, removed = patches[0], patches[-1]
+    assert added[0]["op"] == removed[0]["op"] == "test"
+    assert added[0]["path"] == "/metadata/resourceVersion"
+    assert added[1] == {
+        "op": "add",
+        "path": "/metadata/finalizers",
+        "value": [f"{L.GROUP}/finalizer"],
+    }
+    assert removed[1]["op"] == "remove" and removed[1]["path"].startswith("/metadata/finalizers")
+    # Owner references let the garbage collector remove every child (the fake collects them).
+    live.wait("children collected", lambda: not live.children("StatefulSet", "apps/v1"))
