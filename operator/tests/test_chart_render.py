@@ -7,20 +7,13 @@ missing, which CI never allows (scripts/setup.sh runs tools.sh).
 
 from __future__ import annotations
 
-import subprocess
 from typing import Any
 
 import crd_support as S
 import kubernetes_validate
 import pytest
 import yaml
-
-CHART = S.ROOT / "charts" / "dsv4-operator"
-HELM = S.ROOT / ".tools" / "bin" / "helm"
-K8S_VERSIONS = ("1.30", "1.37")
-needs_helm = pytest.mark.skipif(
-    not HELM.exists(), reason=f"{HELM} missing: run scripts/tools.sh (CI always does)"
-)
+from chart_support import CHART, K8S_VERSIONS, helm, needs_helm, render
 
 # Value sets the chart must render cleanly with.
 VALUE_SETS: dict[str, list[str]] = {
@@ -44,21 +37,6 @@ VALUE_SETS: dict[str, list[str]] = {
         "extraVolumeMounts[0].readOnly=true",
     ],
 }
-
-
-def helm(*args: str) -> str:
-    result = subprocess.run(
-        [str(HELM), *args], capture_output=True, text=True, check=False, timeout=120
-    )
-    assert result.returncode == 0, result.stderr
-    return result.stdout
-
-
-def render(*values: str, include_crds: bool = False) -> list[dict[str, Any]]:
-    args = ["template", "dsv4", str(CHART), "--namespace", "dsv4-system", *values]
-    if include_crds:
-        args.append("--include-crds")
-    return [d for d in yaml.safe_load_all(helm(*args)) if d]
 
 
 def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
