@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import pytest
 import yaml
-from chart_support import needs_helm, render
+from chart_support import CHART, needs_helm, render
 from fake_apiserver import FakeApiServer, load_crd
 
 from dsv4_operator import labels as L
@@ -49,19 +49,46 @@ def _wait(what: str, probe: Callable[[], T | None], timeout_s: float = 30.0) -> 
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _operator_container() -> dict[str, Any]:
-    (sts,) = [o for o in render() if o["kind"] == "StatefulSet"]
+def _operator_container(*values: str) -> dict[str, Any]:
+    (sts,) = [o for o in render(*values) if o["kind"] == "StatefulSet"]
     (container,) = sts["spec"]["template"]["spec"]["containers"]
     return container  # type: ignore[no-any-return]
 
 
-def _command_line(container: dict[str, Any], liveness_port: int) -> list[str]:
-    """The container's command + args, with the pod's address and port made loopback ones
-    and the cluster-wide watch narrowed to the test namespace."""
+def _expand(text: str, env: dict[str, str]) -> str:
+    """`$(VAR)` references, expanded as the kubelet does."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), text)
+
+
+def _environment(
+    container: dict[str, Any], kubeconfig: Path, home: Path, pod_index: int = 0
+) -> dict[str, str]:
+    """The container's env: literal values as given, downward-API values as pod `pod_index`
+    of the operator's StatefulSet would see them."""
+    downward = {
+        "metadata.name": f"dsv4-dsv4-operator-{pod_index}",
+        "metadata.namespace": "dsv4-system",
+        "metadata.labels['apps.kubernetes.io/pod-index']": str(pod_index),
+    }
+    env = {"PATH": os.environ["PATH"], "KUBECONFIG": str(kubeconfig)}
+    for item in container["env"]:
+        if "value" in item:
+            value = _expand(item["value"], env)
+        else:
+            value = downward[item["valueFrom"]["fieldRef"]["fieldPath"]]
+        env[item["name"]] = value
+    env["HOME"] = str(home)  # /tmp in the image; keep the test's files in its own folder
+    return env
+
+
+def _command_line(container: dict[str, Any], env: dict[str, str], liveness_port: int) -> list[str]:
+    """The container's command + args (expanded), with the pod's address and port made
+    loopback ones and the cluster-wide watch narrowed to the test namespace."""
     kopf_bin = Path(sys.executable).with_name("kopf")
     command = [str(kopf_bin), *container["command"][1:]]
     args = []
     for arg in container["args"]:
+        arg = _expand(arg, env)
         if arg.startswith("--liveness="):
             arg = re.sub(r"0\.0\.0\.0:\d+", f"127.0.0.1:{liveness_port}", arg)
         elif arg == "--all-namespaces":
@@ -70,23 +97,57 @@ def _command_line(container: dict[str, Any], liveness_port: int) -> list[str]:
     return command + args
 
 
-def _environment(container: dict[str, Any], kubeconfig: Path, home: Path) -> dict[str, str]:
-    """The container's env: literal values as given, `$(VAR)` expanded as the kubelet does,
-    downward-API values as a pod named dsv4-dsv4-operator-0 would see them."""
-    downward = {
-        "metadata.name": "dsv4-dsv4-operator-0",
-        "metadata.namespace": "dsv4-system",
-        "metadata.labels['apps.kubernetes.io/pod-index']": "0",
-    }
-    env = {"PATH": os.environ["PATH"], "KUBECONFIG": str(kubeconfig)}
-    for item in container["env"]:
-        if "value" in item:
-            value = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), item["value"])
-        else:
-            value = downward[item["valueFrom"]["fieldRef"]["fieldPath"]]
-        env[item["name"]] = value
-    env["HOME"] = str(home)  # /tmp in the image; keep the test's files in its own folder
-    return env
+class OperatorProcess:
+    """One operator pod's container, as a process; its output goes to `log_path`."""
+
+    def __init__(self, command: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = log_path.open("w")
+        self.proc = subprocess.Popen(
+            command, env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd=log_path.parent
+        )
+
+    def output(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self, timeout_s: float = 20.0) -> int:
+        """SIGTERM, as the kubelet sends; the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self._log.close()
+
+
+def _wait_healthy(liveness_port: int) -> None:
+    """The chart's livenessProbe: GET /healthz on the liveness port answers 200."""
+    url = f"http://127.0.0.1:{liveness_port}/healthz"
+
+    def healthy() -> bool:
+        with urllib.request.urlopen(url, timeout=2) as rsp:
+            return rsp.status == 200
+
+    _wait("the liveness endpoint", healthy)
+
+
+def _create_cr(server: FakeApiServer, name: str) -> None:
+    cr = yaml.safe_load((ROOT / "crds" / "samples" / "tiny-cpu.yaml").read_text())
+    cr["metadata"].update({"namespace": NS, "name": name})
+    server.create(cr)
+
+
+def _planned(server: FakeApiServer, name: str) -> Callable[[], dict[str, Any] | None]:
+    def probe() -> dict[str, Any] | None:
+        got = server.get(L.API_VERSION, L.KIND, NS, name) or {}
+        conds = (got.get("status") or {}).get("conditions") or []
+        ok = any(c["type"] == "PlanValid" and c["status"] == "True" for c in conds)
+        return got if ok else None
+
+    return probe
 
 
 @pytest.fixture
@@ -102,51 +163,78 @@ def server() -> Iterator[FakeApiServer]:
 def test_the_charts_command_line_runs_the_operator(server: FakeApiServer, tmp_path: Path) -> None:
     container = _operator_container()
     liveness_port = _free_port()
-    command = _command_line(container, liveness_port)
-    assert command[1:4] == ["run", "-m", "dsv4_operator.main"]
     env = _environment(container, server.write_kubeconfig(tmp_path / "kubeconfig"), tmp_path)
-    assert env["DSV4_PEERING"] == "" and env["DSV4_PRIORITY"] == "-0"  # standalone by default
-    log = (tmp_path / "operator.log").open("w")
-    proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    command = _command_line(container, env, liveness_port)
+    assert command[1:4] == ["run", "-m", "dsv4_operator.main"] and "--standalone" in command
+    assert env["DSV4_PEERING"] == "" and env["DSV4_PRIORITY"] == "-0"
+    op = OperatorProcess(command, env, tmp_path / "operator.log")
     try:
-        # The chart's livenessProbe: GET /healthz on the liveness port answers 200.
-        url = f"http://127.0.0.1:{liveness_port}/healthz"
-
-        def healthy() -> bool:
-            with urllib.request.urlopen(url, timeout=2) as rsp:
-                return rsp.status == 200
-
-        _wait("the liveness endpoint", healthy)
-
-        cr = yaml.safe_load((ROOT / "crds" / "samples" / "tiny-cpu.yaml").read_text())
-        cr["metadata"]["namespace"] = NS
-        server.create(cr)
-
-        def planned() -> dict[str, Any] | None:
-            got = server.get(L.API_VERSION, L.KIND, NS, "tiny") or {}
-            conds = (got.get("status") or {}).get("conditions") or []
-            ok = any(c["type"] == "PlanValid" and c["status"] == "True" for c in conds)
-            return got if ok else None
-
-        got = _wait("status PlanValid=True", planned)
+        _wait_healthy(liveness_port)
+        _create_cr(server, "tiny")
+        got = _wait("status PlanValid=True", _planned(server, "tiny"))
         assert got["metadata"]["finalizers"] == [f"{L.GROUP}/finalizer"]
-        assert {s["metadata"]["name"] for s in server.list("apps/v1", "StatefulSet", NS)} == {
-            "tiny-prefill-0",
-            "tiny-decode-0",
-        }
+        statefulsets = server.list("apps/v1", "StatefulSet", NS)
+        assert {s["metadata"]["name"] for s in statefulsets} == {"tiny-prefill-0", "tiny-decode-0"}
         # The default worker image comes from the chart's DSV4_WORKER_IMAGE.
-        (sts, *_) = server.list("apps/v1", "StatefulSet", NS)
-        image = sts["spec"]["template"]["spec"]["containers"][0]["image"]
+        image = statefulsets[0]["spec"]["template"]["spec"]["containers"][0]["image"]
         assert image == env["DSV4_WORKER_IMAGE"]
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(timeout=20)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
-    output = (tmp_path / "operator.log").read_text()
+        code = op.stop()
+    output = op.output()
     assert code == 0, output
     assert "Traceback" not in output, output
+
+
+HA_VALUES = ("--set", "replicaCount=2", "--set", f"watch.namespaces={{{NS}}}")
+
+
+@needs_helm
+def test_two_replicas_peer_and_the_standby_takes_over(tmp_path: Path) -> None:
+    """replicaCount=2: pod 0 (priority 0) works, pod 1 (priority -1) pauses; when pod 0 stops,
+    pod 1 takes over."""
+    objects = render(*HA_VALUES)
+    (peering,) = [o for o in objects if o["kind"] == "KopfPeering"]
+    assert peering["metadata"]["namespace"] == NS
+    crds = list(yaml.safe_load_all((CHART / "crds" / "kopf-peering.yaml").read_text()))
+    server = FakeApiServer([load_crd(ROOT / "crds" / "dsv4deployment.yaml"), *crds]).start()
+    container = _operator_container(*HA_VALUES)
+    kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
+    ops: list[OperatorProcess] = []
+    try:
+        server.create(peering)
+        for index in (0, 1):
+            port = _free_port()
+            env = _environment(container, kubeconfig, tmp_path, pod_index=index)
+            command = _command_line(container, env, port)
+            assert f"--priority=-{index}" in command and "--peering=dsv4-operator" in command
+            ops.append(OperatorProcess(command, env, tmp_path / f"operator-{index}.log"))
+            _wait_healthy(port)
+        active, standby = ops
+
+        def peers() -> dict[str, Any] | None:
+            got = server.get("zalando.org/v1", "KopfPeering", NS, "dsv4-operator") or {}
+            status = got.get("status") or {}
+            return status if len(status) == 2 else None
+
+        records = _wait("both replicas in the peering record", peers)
+        assert sorted(r["priority"] for r in records.values()) == [-1, 0]
+
+        _create_cr(server, "first")
+        _wait("first planned", _planned(server, "first"))
+        assert "applied StatefulSet first-prefill-0" in active.output()
+        # kopf starts a peered operator paused; the standby never resumed while pod 0 lived.
+        assert "first" not in standby.output() and "Resuming" not in standby.output()
+
+        assert active.stop() == 0
+        _wait("the standby to resume", lambda: "Resuming" in standby.output() or None)
+        _create_cr(server, "second")
+        _wait("second planned by the standby", _planned(server, "second"))
+        assert "applied StatefulSet second-prefill-0" in standby.output()
+        # On taking over, it resumed "first" and found it as planned: nothing re-applied.
+        assert "[default/first] applied" not in standby.output()
+    finally:
+        codes = [op.stop() for op in ops]
+        server.stop()
+    for op, code in zip(ops, codes, strict=True):
+        assert code == 0, op.output()
+        assert "Traceback" not in op.output(), op.output()
