@@ -2,8 +2,9 @@
 the one reconcile; errors are mapped to kopf's retry semantics here and nowhere else. No
 decisions in this module.
 
-Pod events (a worker failed, restarted, became ready) trigger a reconcile of the owning
-DSV4Deployment at once instead of at the next timer tick. They are coalesced like a work queue:
+Events of the worker pods (one failed, restarted, became ready) and of the router Deployment
+(its readiness gates Ready) trigger a reconcile of the owning DSV4Deployment at once instead of
+at the next timer tick. They are coalesced like a work queue:
 while one pod-triggered reconcile of a deployment waits for its lock, further events of that
 deployment are dropped, since the waiting reconcile reads the CR and the pods afresh.
 """
@@ -110,7 +111,8 @@ def reconcile_owner(
     logger: logging.Logger | logging.LoggerAdapter[Any],
     warn: Callable[[Mapping[str, Any], str, str], None] | None = None,
 ) -> ReconcileResult | None:
-    """Reconcile the DSV4Deployment `namespace/name` because one of its pods changed; None when
+    """Reconcile the DSV4Deployment `namespace/name` because a child it watches (a worker pod,
+    the router Deployment) changed; None when
     the event was coalesced into a reconcile already waiting, or the CR is gone or going.
     `warn(cr_body, reason, message)` is told of each group restarted (kopf does not post the
     loggers of event handlers as Kubernetes Events, so the caller posts them)."""
@@ -143,7 +145,13 @@ def _post_warning(body: Mapping[str, Any], reason: str, message: str) -> None:
 
 
 @kopf.on.event("", "v1", "pods", labels={L.DEPLOYMENT_LABEL: kopf.PRESENT})
-def on_pod_event(
+@kopf.on.event(
+    "apps",
+    "v1",
+    "deployments",
+    labels={L.DEPLOYMENT_LABEL: kopf.PRESENT, L.APP_COMPONENT: "router"},
+)
+def on_child_event(
     namespace: str | None,
     labels: Mapping[str, str],
     memo: kopf.Memo,

@@ -509,9 +509,7 @@ def test_workers_at_planned_capacity_make_it_ready_and_a_restart_deletes_the_gro
     not_ready = live.condition("tiny", "Ready")
     assert not_ready is not None and not_ready["reason"] == "RouterNotReady"
 
-    # The router's Deployment becomes ready: no watch covers it, so once the reconciles that
-    # the pod events queued are done, only the periodic timer (first tick 5 s after the CR
-    # was seen, then every 15 s) can notice it.
+    # The router's Deployment becomes ready: its event reconciles at once.
     live.settle(quiet=0.5)
     t0 = time.monotonic()
     live.server.set_status(
