@@ -22,7 +22,7 @@ export KUBECONFIG=${KUBECONFIG:-$PWD/.tools/kubeconfig-$CLUSTER}
 step() { printf '\n== %s\n' "$*"; }
 pf_pid=""
 cleanup() {
-  [ -n "$pf_pid" ] && kill "$pf_pid" 2>/dev/null || true
+  if [ -n "$pf_pid" ]; then kill "$pf_pid" 2>/dev/null || true; fi
   if [ "${KEEP:-0}" != 1 ]; then kind delete cluster --name "$CLUSTER" >/dev/null 2>&1 || true; fi
 }
 trap cleanup EXIT

@@ -9,8 +9,8 @@ What it serves (HTTP, no auth, 127.0.0.1 only):
              create (generateName, 409 AlreadyExists, 404 for a missing namespace), replace,
              patch (merge, strategic merge treated as merge, JSON patch with `test`,
              server-side apply), the status subresource, delete (finalizers: deletionTimestamp
-             first, gone when the last finalizer goes; owner-reference garbage collection) and
-             deletecollection.
+             first, gone when the last finalizer goes; owner-reference garbage collection, also
+             of a dependent created after its owner is gone) and deletecollection.
   kinds      v1 Namespace/Pod/Service/ConfigMap/ServiceAccount/Event, apps/v1 StatefulSet and
              Deployment, policy/v1 PodDisruptionBudget, networking.k8s.io/v1 NetworkPolicy,
              apiextensions.k8s.io/v1 CustomResourceDefinition, plus every CRD handed to it.
@@ -700,7 +700,21 @@ class FakeApiServer:
         obj["metadata"]["resourceVersion"] = self._next_rv()
         self._objects[key] = _Stored(rtype, obj)
         self._emit("ADDED", rtype, copy.deepcopy(obj), None)
-        return copy.deepcopy(obj)
+        created = copy.deepcopy(obj)
+        self._collect_if_orphaned(key)
+        return created
+
+    def _collect_if_orphaned(self, key: Key) -> None:
+        """The garbage collector's other half: a dependent created after every owner it names
+        is gone is deleted (the real collector does so asynchronously, soon after). A
+        reconcile that read its CR just before the CR went away can apply children late."""
+        stored = self._objects[key]
+        refs = stored.obj["metadata"].get("ownerReferences") or []
+        if not refs:
+            return
+        uids = {s.obj["metadata"]["uid"] for s in self._objects.values()}
+        if not any(r.get("uid") in uids for r in refs):
+            self._delete(stored.rtype, key[2], key[3], "Background")
 
     @staticmethod
     def _managed(rtype: ResourceType, manager: str, operation: str, sub: str | None) -> Obj:
@@ -877,7 +891,8 @@ class FakeApiServer:
                 manager=manager,
                 operation="Apply",
             )
-            self._objects[key].applied[manager] = copy.deepcopy(applied)
+            if key in self._objects:  # not collected at once as an orphan
+                self._objects[key].applied[manager] = copy.deepcopy(applied)
             return created
         live = stored.obj
         base = copy.deepcopy(live)

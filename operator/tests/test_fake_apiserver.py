@@ -107,6 +107,32 @@ def test_finalizers_hold_deletion_until_removed(server: FakeApiServer) -> None:
     assert call(server, "GET", f"{CMS}/held")[0] == 404
 
 
+def test_garbage_collection_of_dependents_also_when_created_late(server: FakeApiServer) -> None:
+    _, owner = call(server, "POST", CMS, cm("owner"))
+    ref = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "name": "owner",
+        "uid": owner["metadata"]["uid"],
+    }
+    early = cm("early")
+    early["metadata"]["ownerReferences"] = [ref]
+    assert call(server, "POST", CMS, early)[0] == 201
+    assert call(server, "DELETE", f"{CMS}/owner")[0] == 200
+    assert call(server, "GET", f"{CMS}/early")[0] == 404  # collected with its owner
+    late = cm("late")
+    late["metadata"]["ownerReferences"] = [ref]
+    assert call(server, "POST", CMS, late)[0] == 201  # accepted, then collected: owner is gone
+    assert call(server, "GET", f"{CMS}/late")[0] == 404
+    alive = cm("alive")
+    alive["metadata"]["ownerReferences"] = [ref, {**ref, "name": "other", "uid": "no-such-uid"}]
+    call(server, "POST", CMS, cm("keeper"))
+    _, keeper = call(server, "GET", f"{CMS}/keeper")
+    alive["metadata"]["ownerReferences"][1]["uid"] = keeper["metadata"]["uid"]
+    assert call(server, "POST", CMS, alive)[0] == 201
+    assert call(server, "GET", f"{CMS}/alive")[0] == 200  # one owner left is enough
+
+
 def test_status_subresource_and_generation(server: FakeApiServer) -> None:
     cr = {
         "apiVersion": "serving.dsv4.io/v1alpha1",

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -135,13 +134,14 @@ def _free_port() -> int:
 class _Worker(BaseHTTPRequestHandler):
     behaviour: ClassVar[dict[str, str]] = {}  # server ip -> "good" | "error" | "garbage" | "slow"
     hits: ClassVar[list[str]] = []
+    release: ClassVar[threading.Event] = threading.Event()
 
     def do_GET(self) -> None:
         ip = self.server.server_address[0]
         self.hits.append(f"{ip}{self.path}")
         mode = self.behaviour[str(ip)]
-        if mode == "slow":
-            time.sleep(1.0)
+        if mode == "slow":  # answers only after the test is done
+            self.release.wait(timeout=30)
         if mode == "error":
             self.send_error(500)
             return
@@ -163,12 +163,15 @@ def workers() -> Iterator[tuple[int, dict[str, str], list[str]]]:
     behaviour = {"127.0.0.2": "good", "127.0.0.3": "error", "127.0.0.4": "garbage"}
     behaviour["127.0.0.5"] = "slow"
     hits: ClassVar[list[str]] = []
-    handler = type("Worker", (_Worker,), {"behaviour": behaviour, "hits": hits})
+    release: ClassVar[threading.Event] = threading.Event()
+    release = threading.Event()
+    handler = type("Worker", (_Worker,), {"behaviour": behaviour, "hits": hits, "release": release})
     servers = [ThreadingHTTPServer((ip, port), handler) for ip in behaviour]
     threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in servers]
     for t in threads:
         t.start()
     yield port, behaviour, hits
+    release.set()
     for s in servers:
         s.shutdown()
         s.server_close()
@@ -206,8 +209,8 @@ def test_probe_keeps_answers_and_drops_failures(
         _state("leaving", "127.0.0.2", deleting=True),
         _state("no-ip", None),
     ]
-    raw = HttpWorkerProbe(timeout_s=0.3, port=port).fetch(pods)
-    assert raw == {"good": GOOD}  # the slow one (1 s) is cut off by the 0.3 s timeout
+    raw = HttpWorkerProbe(timeout_s=2.0, port=port).fetch(pods)
+    assert raw == {"good": GOOD}  # the slow one never answers in time: cut off by the timeout
     # Only running, live pods with an IP are asked, each once, on /status.
     assert sorted(hits) == sorted(f"127.0.0.{n}/status" for n in (2, 3, 4, 5)), (
         "probe asked the wrong pods"

@@ -40,7 +40,9 @@ from fake_apiserver import AdmissionError, ApiError, FakeApiServer, load_crd
 from dsv4_operator import labels as L
 from dsv4_operator import main as operator_main
 from dsv4_operator import settings as operator_settings
+from dsv4_operator.diff import holds
 from dsv4_operator.observe import HttpWorkerProbe
+from dsv4_operator.render import render
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = ROOT / "crds" / "samples"
@@ -452,6 +454,14 @@ def test_create_applies_every_child_with_owner_references_and_writes_status(
             assert labels[L.DEPLOYMENT_LABEL] == "tiny"
             managers = {(m["manager"], m["operation"]) for m in child["metadata"]["managedFields"]}
             assert managers == {(L.FIELD_MANAGER, "Apply")}, (kind, managers)
+    # `dsv4 render` of this CR shows exactly what the operator applied (GitOps == operator).
+    rendered = [d for d in yaml.safe_load_all(render(body)) if d]
+    assert {(o["kind"], o["metadata"]["name"]) for o in rendered} == {
+        (kind, name) for (_, kind), names in CHILD_KINDS.items() for name in names
+    }
+    for obj in rendered:
+        applied = live.children(obj["kind"], obj["apiVersion"])[obj["metadata"]["name"]]
+        assert holds(applied, obj), (obj["kind"], obj["metadata"]["name"])
     # Every child write on the wire: a forced server-side apply by our field manager.
     child_writes = [
         r
@@ -551,7 +561,11 @@ def test_workers_at_planned_capacity_make_it_ready_and_a_restart_deletes_the_gro
     assert [p["metadata"]["name"] for p in live.server.list("v1", "Pod", NS)] == ["tiny-decode-0-0"]
     # Status says so, and keeps saying so while the group re-forms (the reconciles that the
     # pods' DELETED events trigger keep Degraded, remembering the group in restartingGroups).
-    live.settle(quiet=0.5)
+    live.wait(
+        "Degraded True",
+        lambda: (c := live.condition("tiny", "Degraded")) and c["status"] == "True",
+    )
+    live.settle(quiet=0.5)  # the reconciles that the pods' deletion triggered are done
     degraded = live.condition("tiny", "Degraded")
     assert degraded is not None and (degraded["status"], degraded["reason"]) == (
         "True",

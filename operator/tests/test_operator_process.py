@@ -221,7 +221,10 @@ def test_two_replicas_peer_and_the_standby_takes_over(tmp_path: Path) -> None:
 
         _create_cr(server, "first")
         _wait("first planned", _planned(server, "first"))
-        assert "applied StatefulSet first-prefill-0" in active.output()
+        # (handlers log what they applied after the reconcile, so after its status write)
+        _wait(
+            "pod 0's log", lambda: "applied StatefulSet first-prefill-0" in active.output() or None
+        )
         # kopf starts a peered operator paused; the standby never resumed while pod 0 lived.
         assert "first" not in standby.output() and "Resuming" not in standby.output()
 
@@ -229,7 +232,10 @@ def test_two_replicas_peer_and_the_standby_takes_over(tmp_path: Path) -> None:
         _wait("the standby to resume", lambda: "Resuming" in standby.output() or None)
         _create_cr(server, "second")
         _wait("second planned by the standby", _planned(server, "second"))
-        assert "applied StatefulSet second-prefill-0" in standby.output()
+        _wait(
+            "pod 1's log",
+            lambda: "applied StatefulSet second-prefill-0" in standby.output() or None,
+        )
         # On taking over, it resumed "first" and found it as planned: nothing re-applied.
         assert "[default/first] applied" not in standby.output()
     finally:
