@@ -49,7 +49,11 @@ def desired_state_for(
 
 
 class _Dumper(yaml.SafeDumper):
-    """Multi-line strings (the ConfigMap's JSON documents) as readable literal blocks."""
+    """Multi-line strings (the ConfigMap's JSON documents) as readable literal blocks; no
+    anchors or aliases where objects share a sub-map (plain manifests for every GitOps tool)."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
 
 
 def _str_representer(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:

@@ -67,3 +67,12 @@ def test_cli_render_names_the_field_and_exits_2(
 def test_cli_render_of_a_missing_file_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["render", "/nonexistent.yaml"]) == 2
     assert "No such file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sample", ["tiny-cpu.yaml", "tiny-minimal.yaml", "flash-gpu.yaml"])
+def test_render_writes_plain_yaml_without_anchors(sample: str) -> None:
+    """Objects share sub-maps (a selector reused in a NetworkPolicy rule); the stream must not
+    turn them into YAML anchors and aliases, which some GitOps tools and reviewers trip on."""
+    text = render_file(SAMPLES / sample, namespace="demo")
+    assert not [line for line in text.splitlines() if "&id" in line or "*id" in line]
+    assert list(yaml.safe_load_all(text))
