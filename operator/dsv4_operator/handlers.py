@@ -50,25 +50,18 @@ def run_reconcile(
     probe: WorkerProbe,
     config: OperatorConfig,
     logger: logging.Logger | logging.LoggerAdapter[Any],
+    *,
+    locked: bool = False,
 ) -> ReconcileResult:
-    """Reconcile and translate the outcome for kopf (PermanentError / TemporaryError)."""
-    with _lock_for(_key(body)):
-        return _reconcile_locked(body, kube, probe, config, logger)
-
-
-def _reconcile_locked(
-    body: Mapping[str, Any],
-    kube: Kube,
-    probe: WorkerProbe,
-    config: OperatorConfig,
-    logger: logging.Logger | logging.LoggerAdapter[Any],
-) -> ReconcileResult:
-    try:
-        result = reconcile(body, kube, probe, config=config)
-    except KubeError as exc:
-        if exc.retryable:
-            raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
-        raise
+    """Reconcile and translate the outcome for kopf (PermanentError / TemporaryError).
+    `locked`: the caller already holds this deployment's lock."""
+    with contextlib.nullcontext() if locked else _lock_for(_key(body)):
+        try:
+            result = reconcile(body, kube, probe, config=config)
+        except KubeError as exc:
+            if exc.retryable:
+                raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
+            raise
     for key in result.applied:
         logger.info("applied %s %s", key[1], key[2])
     for key in result.pruned:
@@ -130,7 +123,7 @@ def reconcile_owner(
         if body is None or body.get("metadata", {}).get("deletionTimestamp"):
             return None
         try:
-            result = _reconcile_locked(body, kube, probe, config, logger)
+            result = run_reconcile(body, kube, probe, config, logger, locked=True)
         except kopf.PermanentError:  # already in status (PlanValid=False)
             return None
     if warn is not None:
