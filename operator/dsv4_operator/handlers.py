@@ -1,12 +1,12 @@
-"""kopf glue: create, update, resume, a periodic timer and events of the workers' pods all run
+"""kopf glue: create, update, resume, a periodic timer and events of watched children all run
 the one reconcile; errors are mapped to kopf's retry semantics here and nowhere else. No
 decisions in this module.
 
 Events of the worker pods (one failed, restarted, became ready) and of the router Deployment
 (its readiness gates Ready) trigger a reconcile of the owning DSV4Deployment at once instead of
-at the next timer tick. They are coalesced like a work queue:
-while one pod-triggered reconcile of a deployment waits for its lock, further events of that
-deployment are dropped, since the waiting reconcile reads the CR and the pods afresh.
+at the next timer tick. They are coalesced like a work queue: while one event-triggered
+reconcile of a deployment waits for its lock, further events of that deployment are dropped,
+since the waiting reconcile reads the CR and the children afresh.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from dsv4_operator.reconcile import OperatorConfig, ReconcileResult, reconcile
 RECONCILE_INTERVAL_S: Final = 15.0  # level-based safety net: pod failures, worker reports
 RETRY_DELAY_S: Final = 10.0
 
-# Timers, change handlers and pod events of one deployment may run concurrently (all in kopf's
+# Timers, change handlers and child events of one deployment may run concurrently (all in kopf's
 # thread pool); one reconcile per deployment ("namespace/name") at a time.
 _locks: dict[str, threading.Lock] = {}
 _locks_guard = threading.Lock()
-_queued: set[str] = set()  # deployments with a pod-triggered reconcile waiting for the lock
+_queued: set[str] = set()  # deployments with an event-triggered reconcile waiting for the lock
 
 
 def _lock_for(key: str) -> threading.Lock:
@@ -39,9 +39,13 @@ def _lock_for(key: str) -> threading.Lock:
         return _locks.setdefault(key, threading.Lock())
 
 
-def _key(body: Mapping[str, Any]) -> str:
+def _key(namespace: str, name: str) -> str:
+    return f"{namespace}/{name}"
+
+
+def _body_key(body: Mapping[str, Any]) -> str:
     meta = body.get("metadata", {})
-    return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+    return _key(meta.get("namespace", ""), meta.get("name", ""))
 
 
 def run_reconcile(
@@ -55,7 +59,7 @@ def run_reconcile(
 ) -> ReconcileResult:
     """Reconcile and translate the outcome for kopf (PermanentError / TemporaryError).
     `locked`: the caller already holds this deployment's lock."""
-    with contextlib.nullcontext() if locked else _lock_for(_key(body)):
+    with contextlib.nullcontext() if locked else _lock_for(_body_key(body)):
         try:
             result = reconcile(body, kube, probe, config=config)
         except KubeError as exc:
@@ -104,12 +108,12 @@ def reconcile_owner(
     logger: logging.Logger | logging.LoggerAdapter[Any],
     warn: Callable[[Mapping[str, Any], str, str], None] | None = None,
 ) -> ReconcileResult | None:
-    """Reconcile the DSV4Deployment `namespace/name` because a child it watches (a worker pod,
-    the router Deployment) changed; None when
-    the event was coalesced into a reconcile already waiting, or the CR is gone or going.
-    `warn(cr_body, reason, message)` is told of each group restarted (kopf does not post the
-    loggers of event handlers as Kubernetes Events, so the caller posts them)."""
-    key = f"{namespace}/{name}"
+    """Reconcile the DSV4Deployment `namespace/name` because a watched child (a worker pod, the
+    router Deployment) changed; None when the event was coalesced into a reconcile already
+    waiting, or the CR is gone or going. `warn(cr_body, reason, message)` is told of each group
+    restarted (kopf does not post the loggers of event handlers as Kubernetes Events, so the
+    caller posts them)."""
+    key = _key(namespace, name)
     with _locks_guard:
         if key in _queued:
             return None

@@ -1,8 +1,8 @@
 """One idempotent reconcile of a DSV4Deployment: plan purely, apply thinly, then status.
 
 Level-based: every call recomputes everything from the CR and what the cluster holds, so
-create, update, resume, the periodic timer and worker pod events all call the same function.
-Writes happen only where the cluster differs from the plan.
+create, update, resume, the periodic timer and child events (worker pods, the router) all
+call the same function. Writes happen only where the cluster differs from the plan.
 """
 
 from __future__ import annotations

@@ -254,9 +254,8 @@ def _degraded(
     reports: Mapping[str, WorkerReport],
     restarting: Sequence[str],
 ) -> Cond:
-    restarts = [a for a in actions if a.restart]
     if restarting:
-        now = {a.group: a.message for a in restarts}
+        now = {a.group: a.message for a in actions if a.restart}
         return Cond(
             "Degraded",
             "True",

@@ -26,7 +26,7 @@ only recorded). Admission hooks (defaulting, validation) can be installed per re
 
 For tests: `requests` logs every request (method, path, query, content type, parsed body);
 `fail_next` makes the next matching request fail with a given code; the object helpers
-(`create`, `get`, `list`, `patch`, `set_status`, `delete`) act as a controller or kubelet would
+(`create`, `get`, `list`, `set_status`, `delete`) act as a controller or kubelet would
 (and show up in watches); `write_kubeconfig` points a client at the server.
 """
 
@@ -586,23 +586,6 @@ class FakeApiServer:
         rtype = self.rtype(api_version, kind)
         with self._lock:
             return [copy.deepcopy(o) for o in self._select(rtype, namespace, None, selector)]
-
-    def patch(
-        self,
-        api_version: str,
-        kind: str,
-        namespace: str,
-        name: str,
-        patch: Mapping[str, Any],
-        *,
-        status: bool = False,
-    ) -> Obj:
-        """A JSON merge patch of the object (or of its status subresource)."""
-        rtype = self.rtype(api_version, kind)
-        with self._lock:
-            live = self._require(rtype, namespace, name)
-            new = merge_patch(live, dict(patch))
-            return self._update(rtype, live, new, "status" if status else None, "test")
 
     def set_status(
         self, api_version: str, kind: str, namespace: str, name: str, status: Mapping[str, Any]

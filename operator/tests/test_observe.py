@@ -4,14 +4,12 @@ real loopback servers (one per pod IP, as in a cluster)."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
+from status_servers import HANG, StatusServers
 
 from dsv4_operator import labels as L
 from dsv4_operator.observe import HttpWorkerProbe, PodState, parse_report, parse_reports, pod_state
@@ -125,56 +123,15 @@ def test_a_pending_pod_has_defaults() -> None:
 # --- HttpWorkerProbe against loopback servers ------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class _Worker(BaseHTTPRequestHandler):
-    behaviour: ClassVar[dict[str, str]] = {}  # server ip -> "good" | "error" | "garbage" | "slow"
-    hits: ClassVar[list[str]] = []
-    release: ClassVar[threading.Event] = threading.Event()
-
-    def do_GET(self) -> None:
-        ip = self.server.server_address[0]
-        self.hits.append(f"{ip}{self.path}")
-        mode = self.behaviour[str(ip)]
-        if mode == "slow":  # answers only after the test is done
-            self.release.wait(timeout=30)
-        if mode == "error":
-            self.send_error(500)
-            return
-        body = json.dumps(GOOD).encode() if mode in ("good", "slow") else b"<html>"
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *_: Any) -> None:
-        pass
-
-
 @pytest.fixture
-def workers() -> Iterator[tuple[int, dict[str, str], list[str]]]:
-    """Status servers on 127.0.0.2-5 sharing one port, as pods share the status port."""
-    port = _free_port()
-    behaviour = {"127.0.0.2": "good", "127.0.0.3": "error", "127.0.0.4": "garbage"}
-    behaviour["127.0.0.5"] = "slow"
-    hits: ClassVar[list[str]] = []
-    release: ClassVar[threading.Event] = threading.Event()
-    release = threading.Event()
-    handler = type("Worker", (_Worker,), {"behaviour": behaviour, "hits": hits, "release": release})
-    servers = [ThreadingHTTPServer((ip, port), handler) for ip in behaviour]
-    threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in servers]
-    for t in threads:
-        t.start()
-    yield port, behaviour, hits
-    release.set()
-    for s in servers:
-        s.shutdown()
-        s.server_close()
+def workers() -> Iterator[StatusServers]:
+    """127.0.0.2 answers, .3 fails with 500, .4 answers non-JSON, .5 hangs; nothing on .6."""
+    servers = StatusServers([f"127.0.0.{n}" for n in (2, 3, 4, 5)])
+    servers.docs.update(
+        {"127.0.0.2": GOOD, "127.0.0.3": 500, "127.0.0.4": b"<html>", "127.0.0.5": HANG}
+    )
+    yield servers
+    servers.close()
 
 
 def _state(name: str, ip: str | None, phase: str = "Running", deleting: bool = False) -> PodState:
@@ -195,10 +152,7 @@ def _state(name: str, ip: str | None, phase: str = "Running", deleting: bool = F
     )
 
 
-def test_probe_keeps_answers_and_drops_failures(
-    workers: tuple[int, dict[str, str], list[str]],
-) -> None:
-    port, _, hits = workers
+def test_probe_keeps_answers_and_drops_failures(workers: StatusServers) -> None:
     pods = [
         _state("good", "127.0.0.2"),
         _state("error", "127.0.0.3"),
@@ -209,17 +163,13 @@ def test_probe_keeps_answers_and_drops_failures(
         _state("leaving", "127.0.0.2", deleting=True),
         _state("no-ip", None),
     ]
-    raw = HttpWorkerProbe(timeout_s=2.0, port=port).fetch(pods)
+    raw = HttpWorkerProbe(timeout_s=2.0, port=workers.port).fetch(pods)
     assert raw == {"good": GOOD}  # the slow one never answers in time: cut off by the timeout
     # Only running, live pods with an IP are asked, each once, on /status.
-    assert sorted(hits) == sorted(f"127.0.0.{n}/status" for n in (2, 3, 4, 5)), (
-        "probe asked the wrong pods"
-    )
+    assert sorted(workers.hits) == [f"127.0.0.{n}/status" for n in (2, 3, 4, 5)], "wrong pods"
 
 
-def test_probe_with_no_running_pods_sends_nothing(
-    workers: tuple[int, dict[str, str], list[str]],
-) -> None:
-    port, _, hits = workers
-    assert HttpWorkerProbe(port=port).fetch([_state("p", "127.0.0.2", phase="Pending")]) == {}
-    assert hits == []
+def test_probe_with_no_running_pods_sends_nothing(workers: StatusServers) -> None:
+    pending = [_state("p", "127.0.0.2", phase="Pending")]
+    assert HttpWorkerProbe(port=workers.port).fetch(pending) == {}
+    assert workers.hits == []

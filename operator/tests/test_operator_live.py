@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import http.server
-import json
 import logging
 import socket
 import tempfile
@@ -36,6 +34,7 @@ import kubernetes
 import pytest
 import yaml
 from fake_apiserver import AdmissionError, ApiError, FakeApiServer, load_crd
+from status_servers import StatusServers
 
 from dsv4_operator import labels as L
 from dsv4_operator import main as operator_main
@@ -85,69 +84,6 @@ def admit_cr(obj: dict[str, Any]) -> dict[str, Any]:
     if errors:
         raise AdmissionError(errors)
     return obj
-
-
-# ---------------------------------------------------------------------------------------------
-# Workers' status endpoints: one HTTP server per loopback IP, all on one port
-
-
-class StatusServers:
-    """`docs[ip]` is what GET http://<ip>:<port>/status returns (404 when absent)."""
-
-    def __init__(self, ips: list[str]) -> None:
-        self.docs: dict[str, dict[str, Any]] = {}
-        self.hits: list[str] = []
-        self._servers: list[http.server.ThreadingHTTPServer] = []
-        self._threads: list[threading.Thread] = []
-        for _attempt in range(20):
-            try:
-                self._bind(ips)
-                break
-            except OSError:
-                self.close()
-        else:
-            raise RuntimeError("no port free on every worker IP")
-        for srv in self._servers:
-            thread = threading.Thread(target=srv.serve_forever, args=(0.05,), daemon=True)
-            thread.start()
-            self._threads.append(thread)
-
-    def _bind(self, ips: list[str]) -> None:
-        outer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                ip = self.connection.getsockname()[0]
-                outer.hits.append(ip)
-                doc = outer.docs.get(ip)
-                if self.path != "/status" or doc is None:
-                    self.send_error(404)
-                    return
-                data = json.dumps(doc).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *_: Any) -> None:
-                pass
-
-        self.port = 0
-        for ip in ips:
-            srv = http.server.ThreadingHTTPServer((ip, self.port), Handler)
-            srv.daemon_threads = True
-            self._servers.append(srv)
-            self.port = srv.server_address[1]
-
-    def close(self) -> None:
-        for srv in self._servers:
-            if self._threads:
-                srv.shutdown()
-            srv.server_close()
-        for thread in self._threads:
-            thread.join(5)
-        self._servers, self._threads = [], []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -515,7 +451,7 @@ def test_workers_at_planned_capacity_make_it_ready_and_a_restart_deletes_the_gro
             "maxRunningRequests": entry["maxRunningRequests"],
             "maxContextTokens": entry["maxContextTokens"],
         }
-    assert set(live.workers.hits) == {live.ips[p] for p in pods}  # probed on the pod IPs
+    assert set(live.workers.hits) == {f"{live.ips[p]}/status" for p in pods}  # on pod IPs
     not_ready = live.condition("tiny", "Ready")
     assert not_ready is not None and not_ready["reason"] == "RouterNotReady"
 
