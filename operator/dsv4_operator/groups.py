@@ -16,9 +16,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from dsv4_common.api.spec import DeploymentSpec
 from dsv4_operator import labels as L
 from dsv4_operator.observe import PodState
-from dsv4_operator.spec import DeploymentSpec
 
 Reason = Literal["PodFailed", "PodRestarted", "PodReplaced", "Outdated"]
 

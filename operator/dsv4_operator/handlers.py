@@ -20,9 +20,10 @@ from typing import Any, Final, cast
 import kopf
 
 from dsv4_operator import labels as L
+from dsv4_operator.config import OperatorConfig
 from dsv4_operator.kube import Kube, KubeError
 from dsv4_operator.observe import WorkerProbe
-from dsv4_operator.reconcile import OperatorConfig, ReconcileResult, reconcile
+from dsv4_operator.reconcile import ReconcileResult, reconcile
 
 RECONCILE_INTERVAL_S: Final = 15.0  # level-based safety net: pod failures, worker reports
 RETRY_DELAY_S: Final = 10.0

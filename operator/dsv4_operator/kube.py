@@ -1,16 +1,12 @@
-"""The Kubernetes API as the reconciler sees it: a small `Kube` protocol, its error type, and
-the real implementation on the official `kubernetes` client (dynamic client, server-side
-apply with fieldManager `dsv4-operator` and forced conflicts on the fields we own).
+"""The Kubernetes API as the reconciler sees it: a small `Kube` protocol and its error type.
 
-The only module that talks to the API server. Tests use an in-memory fake instead.
+Pure: the implementation on the official client is `kube_api.ApiKube`; tests use fakes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Protocol
-
-from dsv4_operator import labels as L
 
 
 class KubeError(Exception):
@@ -46,121 +42,3 @@ class Kube(Protocol):
     def patch_status(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
         """JSON-merge-patch the DSV4Deployment's status subresource with `{"status": patch}`."""
         ...
-
-
-_RETRYABLE = {409, 429, 500, 502, 503, 504}
-
-
-class ApiKube:
-    """`Kube` on `kubernetes.dynamic.DynamicClient` (synchronous; kopf runs sync handlers in
-    threads)."""
-
-    def __init__(self, api_client: Any, request_timeout_s: float = 30.0) -> None:
-        from kubernetes import dynamic
-
-        self._dyn = dynamic.DynamicClient(api_client)  # type: ignore[no-untyped-call]
-        self._timeout_s = request_timeout_s
-
-    @classmethod
-    def from_environment(cls, request_timeout_s: float = 30.0) -> ApiKube:
-        """In-cluster config when running in a pod, else the local kubeconfig."""
-        from kubernetes import client, config
-
-        try:
-            config.load_incluster_config()  # type: ignore[no-untyped-call]
-        except config.ConfigException:
-            config.load_kube_config()  # type: ignore[no-untyped-call]
-        return cls(client.ApiClient(), request_timeout_s)
-
-    def _resource(self, api_version: str, kind: str) -> Any:
-        """The kind's API resource. Discovery is lazy (the first use of a group asks the API
-        server), so its failures are mapped to `KubeError` like those of any other call."""
-        from kubernetes.dynamic.exceptions import ResourceNotFoundError
-
-        what = f"discover {api_version} {kind}"
-        try:
-            res = self._guard(
-                what, lambda: self._dyn.resources.get(api_version=api_version, kind=kind)
-            )
-        except ResourceNotFoundError as exc:
-            raise KubeError(f"{what}: not served by the API server", retryable=False) from exc
-        if res is None:  # 404 on a discovery document
-            raise KubeError(f"{what}: not served by the API server", retryable=False, status=404)
-        return res
-
-    def _call(self, what: str, fn: Any, *args: Any, missing_ok: bool = True, **kwargs: Any) -> Any:
-        return self._guard(
-            what, lambda: fn(*args, _request_timeout=self._timeout_s, **kwargs), missing_ok
-        )
-
-    def _guard(self, what: str, thunk: Callable[[], Any], missing_ok: bool = True) -> Any:
-        """`thunk()`, with API failures as `KubeError`; 404 is None when `missing_ok` (a get or
-        delete of what is already gone), else a permanent error (an apply must never be lost)."""
-        from kubernetes.client.exceptions import ApiException
-        from urllib3.exceptions import HTTPError
-
-        try:
-            return thunk()
-        except ApiException as exc:
-            status = int(exc.status or 0)
-            if status == 404 and missing_ok:
-                return None
-            raise KubeError(
-                f"{what}: {status} {exc.reason}", retryable=status in _RETRYABLE, status=status
-            ) from exc
-        except (HTTPError, OSError) as exc:
-            raise KubeError(f"{what}: {exc}", retryable=True) from exc
-
-    def apply(self, obj: Mapping[str, Any]) -> None:
-        meta = obj["metadata"]
-        self._call(
-            f"apply {obj['kind']}/{meta['name']}",
-            self._resource(obj["apiVersion"], obj["kind"]).server_side_apply,
-            body=dict(obj),
-            name=meta["name"],
-            namespace=meta["namespace"],
-            field_manager=L.FIELD_MANAGER,
-            force_conflicts=True,
-            missing_ok=False,
-        )
-
-    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        res = self._resource(api_version, kind)
-        got = self._call(f"get {kind}/{name}", res.get, name=name, namespace=namespace)
-        return None if got is None else dict(got.to_dict())
-
-    def list(
-        self, api_version: str, kind: str, namespace: str, selector: str
-    ) -> list[dict[str, Any]]:
-        res = self._resource(api_version, kind)
-        got = self._call(f"list {kind}", res.get, namespace=namespace, label_selector=selector)
-        if got is None:
-            return []
-        return [dict(item) for item in got.to_dict().get("items", [])]
-
-    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
-        res = self._resource(api_version, kind)
-        self._call(
-            f"delete {kind}/{name}",
-            res.delete,
-            name=name,
-            namespace=namespace,
-            body={"propagationPolicy": "Background"},
-        )
-
-    def delete_pods(self, namespace: str, selector: str) -> None:
-        res = self._resource("v1", "Pod")
-        self._call(
-            f"delete pods {selector}", res.delete, namespace=namespace, label_selector=selector
-        )
-
-    def patch_status(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
-        res = self._resource(L.API_VERSION, L.KIND).status
-        self._call(
-            f"patch {L.KIND}/{name} status",
-            res.patch,
-            body={"status": dict(patch)},
-            name=name,
-            namespace=namespace,
-            content_type="application/merge-patch+json",
-        )

@@ -6,18 +6,39 @@ agree on them. Pure: no Kubernetes client here.
 
 from __future__ import annotations
 
-import re
 from typing import Final, Literal
 
-GROUP: Final = "serving.dsv4.io"
-VERSION: Final = "v1alpha1"
-API_VERSION: Final = f"{GROUP}/{VERSION}"
-KIND: Final = "DSV4Deployment"
-PLURAL: Final = "dsv4deployments"
-FIELD_MANAGER: Final = "dsv4-operator"
+from dsv4_common.api.names import (
+    API_VERSION,
+    GROUP,
+    KIND,
+    MAX_NAME_LENGTH,
+    MAX_PIPELINE_PARALLEL,
+    MAX_ROLE_REPLICAS,
+    PLURAL,
+    VERSION,
+    WORKER_ROLES,
+    WorkerRole,
+    name_error,
+)
+from dsv4_common.api.rank_config import SERVING_RANK  # routing Services select it
 
-WorkerRole = Literal["prefill", "decode"]
-WORKER_ROLES: Final[tuple[WorkerRole, ...]] = ("prefill", "decode")
+__all__ = [
+    "API_VERSION",
+    "GROUP",
+    "KIND",
+    "MAX_NAME_LENGTH",
+    "MAX_PIPELINE_PARALLEL",
+    "MAX_ROLE_REPLICAS",
+    "PLURAL",
+    "SERVING_RANK",
+    "VERSION",
+    "WORKER_ROLES",
+    "WorkerRole",
+    "name_error",
+]
+
+FIELD_MANAGER: Final = "dsv4-operator"
 Component = Literal["worker", "router"]
 
 # Labels (selectors use these; never change a key without a migration).
@@ -31,8 +52,6 @@ GROUP_LABEL: Final = f"{GROUP}/group"
 REPLICA_LABEL: Final = f"{GROUP}/replica"
 # Set by the StatefulSet controller on every pod (Kubernetes >= 1.28): the PP rank.
 POD_INDEX_LABEL: Final = "apps.kubernetes.io/pod-index"
-# The serving PP rank: routing Services select it, so only rank 0 receives traffic.
-SERVING_RANK: Final = 0
 
 APP_NAME_VALUE: Final = "dsv4-serve"
 MANAGED_BY_VALUE: Final = "dsv4-operator"
@@ -45,8 +64,6 @@ TEMPLATE_HASH_ANNOTATION: Final = f"{GROUP}/template-hash"
 APPLIED_HASH_ANNOTATION: Final = f"{GROUP}/applied-hash"
 
 # Name templates. Bounds on the variable parts keep every derived name legal.
-MAX_ROLE_REPLICAS: Final = 64  # replica index <= 63: at most 2 digits (the CRD's bound)
-MAX_PIPELINE_PARALLEL: Final = 16  # PP rank <= 15 (the CRD's bound)
 GROUP_TEMPLATE: Final = "{name}-{role}-{replica}"  # StatefulSet + headless Service of a PP group
 ROLE_SERVICE_TEMPLATE: Final = "{name}-{role}"  # routing Service + PDB per role
 ROUTER_TEMPLATE: Final = "{name}-router"
@@ -61,27 +78,8 @@ _LONGEST_GROUP_SUFFIX: Final = len(
     GROUP_TEMPLATE.format(name="", role=max(WORKER_ROLES, key=len), replica=MAX_ROLE_REPLICAS - 1)
 )
 _DERIVED_MAX_NAME_LENGTH: Final = _MAX_STATEFULSET_NAME - _LONGEST_GROUP_SUFFIX  # 41
-# The CRD's CEL rule allows 40 (one character of headroom); both must accept the same names.
-MAX_NAME_LENGTH: Final = min(40, _DERIVED_MAX_NAME_LENGTH)
-# DNS-1035 label: Services need a leading letter.
-NAME_PATTERN: Final = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-
-
-def name_error(name: str) -> str | None:
-    """Why `name` cannot be a DSV4Deployment name, or None when it can."""
-    if not name:
-        return "must not be empty"
-    if len(name) > MAX_NAME_LENGTH:
-        return (
-            f"{name!r} has {len(name)} characters; at most {MAX_NAME_LENGTH} so that every "
-            "child name (e.g. the StatefulSet of a PP group) stays legal"
-        )
-    if not NAME_PATTERN.match(name):
-        return (
-            f"{name!r} must be a DNS-1035 label: lower-case letters, digits and '-', "
-            "starting with a letter and ending with a letter or digit"
-        )
-    return None
+# The CR name rule (names.MAX_NAME_LENGTH, 40) keeps one character of headroom below this.
+assert MAX_NAME_LENGTH <= _DERIVED_MAX_NAME_LENGTH, "a legal CR name could give an illegal child"
 
 
 def group_name(name: str, role: WorkerRole, replica: int) -> str:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dsv4_common.api.spec import DeploymentMeta
 from dsv4_operator import labels as L
-from dsv4_operator.spec import DeploymentMeta
 from dsv4_operator.workerconfig import HTTP_PORT, STATUS_PORT, WORKER_PORTS
 
 Obj = dict[str, Any]

@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from dsv4_common.api.deployment import MemoryPlan
+from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec
 from dsv4_operator import labels as L
 from dsv4_operator.manifests import (
     Obj,
@@ -24,8 +26,6 @@ from dsv4_operator.manifests import (
     build_router_service,
     build_service_account,
 )
-from dsv4_operator.memory import MemoryPlan
-from dsv4_operator.spec import DeploymentMeta, DeploymentSpec
 from dsv4_operator.workerconfig import ROUTER_CONFIG_KEY, config_data, role_config_data
 from dsv4_operator.workloads import (
     DEFAULT_WORKER_IMAGE,

@@ -1,29 +1,18 @@
 """What the operator observes: worker pods (as small frozen records), the router's readiness and
-each worker's self-reported realized capacity.
-
-Worker status contract (`GET http://<pod-ip>:8081/status`, JSON, snake_case):
-  {"role": "prefill", "pp_rank": 0,
-   "capacity": {"full_tokens": int, "swa_tokens": int, "max_running_requests": int,
-                "max_context_tokens": int},
-   "kv_transfer": {"backend": "nixl", "ready": bool, "layout_hash": str}}
-Parsing is pure; `HttpWorkerProbe` is the only network side effect here.
+each worker's self-reported realized capacity (the `/status` document of
+`dsv4_common.api.worker_status`). Pure: `probe.HttpWorkerProbe` fetches the documents.
 """
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Final, Protocol
+from typing import Any, Protocol
 
+from dsv4_common.api.documents import DocumentError
+from dsv4_common.api.worker_status import WorkerStatus, parse_worker_status
 from dsv4_operator import labels as L
-from dsv4_operator.workerconfig import STATUS_PORT
-
-PROBE_TIMEOUT_S: Final = 2.0
-PROBE_THREADS: Final = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,22 +33,9 @@ class PodState:
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerReport:
-    role: str
-    pp_rank: int
-    full_tokens: int
-    swa_tokens: int
-    max_running_requests: int
-    max_context_tokens: int
-    kv_backend: str | None
-    kv_ready: bool
-    kv_layout_hash: str | None
-
-
-@dataclass(frozen=True, slots=True)
 class Observed:
     pods: tuple[PodState, ...] = ()
-    reports: Mapping[str, WorkerReport] = field(default_factory=dict)  # by pod name
+    reports: Mapping[str, WorkerStatus] = field(default_factory=dict)  # by pod name
     router_ready_replicas: int = 0
 
 
@@ -107,52 +83,13 @@ def pod_state(pod: Mapping[str, Any]) -> PodState:
     )
 
 
-def parse_report(doc: Mapping[str, Any]) -> WorkerReport | None:
+def parse_report(doc: Mapping[str, Any]) -> WorkerStatus | None:
     """A worker's status document, or None when it is malformed (treated as not reporting)."""
     try:
-        capacity = doc["capacity"]
-        kv = doc.get("kv_transfer") or {}
-        report = WorkerReport(
-            role=str(doc["role"]),
-            pp_rank=int(doc["pp_rank"]),
-            full_tokens=int(capacity["full_tokens"]),
-            swa_tokens=int(capacity["swa_tokens"]),
-            max_running_requests=int(capacity["max_running_requests"]),
-            max_context_tokens=int(capacity["max_context_tokens"]),
-            kv_backend=str(kv["backend"]) if kv.get("backend") else None,
-            kv_ready=bool(kv.get("ready", False)),
-            kv_layout_hash=str(kv["layout_hash"]) if kv.get("layout_hash") else None,
-        )
-    except (KeyError, TypeError, ValueError):
+        return parse_worker_status(doc)
+    except DocumentError:
         return None
-    return report
 
 
-def parse_reports(raw: Mapping[str, Mapping[str, Any]]) -> dict[str, WorkerReport]:
+def parse_reports(raw: Mapping[str, Mapping[str, Any]]) -> dict[str, WorkerStatus]:
     return {name: r for name, doc in raw.items() if (r := parse_report(doc)) is not None}
-
-
-class HttpWorkerProbe:
-    """GETs each running worker's /status on its pod IP (the NetworkPolicy admits the operator
-    on the status port only)."""
-
-    def __init__(self, timeout_s: float = PROBE_TIMEOUT_S, port: int = STATUS_PORT) -> None:
-        self.timeout_s = timeout_s
-        self.port = port  # the rendered pods' status port; other values are for tests
-
-    def _one(self, pod: PodState) -> tuple[str, Mapping[str, Any] | None]:
-        url = f"http://{pod.ip}:{self.port}/status"
-        try:
-            with urllib.request.urlopen(url, timeout=self.timeout_s) as resp:
-                doc = json.loads(resp.read())
-        except (OSError, ValueError):
-            return pod.name, None
-        return pod.name, doc if isinstance(doc, Mapping) else None
-
-    def fetch(self, pods: Sequence[PodState]) -> dict[str, Mapping[str, Any]]:
-        targets = [p for p in pods if p.ip and p.phase == "Running" and not p.deleting]
-        if not targets:
-            return {}
-        with ThreadPoolExecutor(max_workers=min(PROBE_THREADS, len(targets))) as pool:
-            results = list(pool.map(self._one, targets))
-        return {name: doc for name, doc in results if doc is not None}

@@ -12,25 +12,16 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from dsv4_common.api.deployment import MemoryPlan, MemoryPlanError, plan_memory
+from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec, SpecError, parse_meta, parse_spec
 from dsv4_operator import labels as L
+from dsv4_operator.config import DEFAULT_CONFIG, OperatorConfig
 from dsv4_operator.diff import needs_apply, status_patch
 from dsv4_operator.groups import GroupAction, group_states, plan_group_actions
 from dsv4_operator.kube import Kube
-from dsv4_operator.memory import MemoryPlan, MemoryPlanError, plan_memory
 from dsv4_operator.objects import MANAGED_KINDS, DesiredState, ObjKey, build_desired_state
 from dsv4_operator.observe import Observed, WorkerProbe, parse_reports, pod_state
-from dsv4_operator.spec import DeploymentMeta, DeploymentSpec, SpecError, parse_meta, parse_spec
 from dsv4_operator.status import STATUS_KEYS, Problem, summarize
-from dsv4_operator.workloads import DEFAULT_WORKER_IMAGE
-
-
-@dataclass(frozen=True, slots=True)
-class OperatorConfig:
-    default_image: str = DEFAULT_WORKER_IMAGE
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> OperatorConfig:
-        return cls(default_image=env.get("DSV4_WORKER_IMAGE") or DEFAULT_WORKER_IMAGE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +44,7 @@ def reconcile(
     kube: Kube,
     probe: WorkerProbe,
     *,
-    config: OperatorConfig = OperatorConfig(),
+    config: OperatorConfig = DEFAULT_CONFIG,
     now: Callable[[], str] = utc_now,
 ) -> ReconcileResult:
     """

@@ -14,10 +14,10 @@ from typing import Any
 
 import yaml
 
+from dsv4_common.api.deployment import plan_memory
+from dsv4_common.api.spec import SpecError, parse_meta, parse_spec
 from dsv4_operator.labels import API_VERSION, KIND
-from dsv4_operator.memory import plan_memory
 from dsv4_operator.objects import DesiredState, build_desired_state
-from dsv4_operator.spec import SpecError, parse_meta, parse_spec
 from dsv4_operator.workloads import DEFAULT_WORKER_IMAGE
 
 

@@ -17,9 +17,9 @@ from typing import Any, Final
 import kopf
 
 from dsv4_operator import labels as L
-from dsv4_operator.kube import ApiKube
-from dsv4_operator.observe import HttpWorkerProbe
-from dsv4_operator.reconcile import OperatorConfig
+from dsv4_operator.config import OperatorConfig
+from dsv4_operator.kube_api import ApiKube
+from dsv4_operator.probe import HttpWorkerProbe
 
 REQUEST_TIMEOUT_S: Final = 30.0
 # Watches that silently stall are a known kopf failure mode: make the server end each watch

@@ -12,11 +12,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+from dsv4_common.api.deployment import MemoryPlan
+from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec
+from dsv4_common.api.worker_status import WorkerStatus
 from dsv4_operator import labels as L
 from dsv4_operator.groups import GroupAction, GroupState
-from dsv4_operator.memory import MemoryPlan
-from dsv4_operator.observe import Observed, WorkerReport
-from dsv4_operator.spec import DeploymentMeta, DeploymentSpec
+from dsv4_operator.observe import Observed
 
 CONDITION_TYPES: Final = (
     "Ready",
@@ -199,7 +200,7 @@ def _plan_entries(plan: MemoryPlan, observed: Observed) -> list[dict[str, Any]]:
     return entries
 
 
-def _kv_transfer(spec: DeploymentSpec, reports: Mapping[str, WorkerReport]) -> Cond:
+def _kv_transfer(spec: DeploymentSpec, reports: Mapping[str, WorkerStatus]) -> Cond:
     backend = spec.kv.transfer
     wrong = sorted(n for n, r in reports.items() if r.kv_backend not in (None, backend))
     if wrong:
@@ -251,7 +252,7 @@ def _restarting(
 def _degraded(
     spec: DeploymentSpec,
     actions: Sequence[GroupAction],
-    reports: Mapping[str, WorkerReport],
+    reports: Mapping[str, WorkerStatus],
     restarting: Sequence[str],
 ) -> Cond:
     if restarting:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Final
 
+from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec
 from dsv4_operator import labels as L
 from dsv4_operator.manifests import Obj, object_meta
-from dsv4_operator.spec import DeploymentMeta, DeploymentSpec
 from dsv4_operator.workerconfig import CONFIG_DIR, STATUS_PORT, WORKER_PORTS
 
 RUN_AS_USER: Final = 10001  # the images' non-root user (Dockerfile.worker)

@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
+from dsv4_common.api.rank_config import parse_rank_config
+from dsv4_common.api.worker_status import WorkerStatus, build_worker_status
 from dsv4_operator import labels as L
 from dsv4_operator.observe import PodState
 
@@ -163,18 +165,21 @@ class FakeProbe:
         for pod in kube.of_kind("Pod").values():
             labels = pod["metadata"]["labels"]
             role, rank = labels[L.ROLE_LABEL], int(labels[L.POD_INDEX_LABEL])
-            planned = yaml.safe_load(cm["data"][f"{role}-rank-{rank}.json"])["planned"]
-            self.docs[pod["metadata"]["name"]] = {
-                "role": role,
-                "pp_rank": rank,
-                "capacity": {
-                    "full_tokens": int(planned["full_tokens"] * scale),
-                    "swa_tokens": int(planned["swa_tokens"] * scale),
-                    "max_running_requests": planned["max_running_requests"],
-                    "max_context_tokens": int(planned["max_context_tokens"] * scale),
-                },
-                "kv_transfer": {"backend": backend, "ready": True, "layout_hash": "abc"},
-            }
+            config = parse_rank_config(yaml.safe_load(cm["data"][f"{role}-rank-{rank}.json"]))
+            planned = config.planned
+            self.docs[pod["metadata"]["name"]] = build_worker_status(
+                WorkerStatus(
+                    role=role,
+                    pp_rank=rank,
+                    full_tokens=int(planned.full_tokens * scale),
+                    swa_tokens=int(planned.swa_tokens * scale),
+                    max_running_requests=planned.max_running_requests,
+                    max_context_tokens=int(planned.max_context_tokens * scale),
+                    kv_backend=backend,
+                    kv_ready=True,
+                    kv_layout_hash="abc",
+                )
+            )
 
 
 def load_sample(name: str) -> dict[str, Any]:

@@ -13,9 +13,9 @@ import pytest
 
 from dsv4_operator import handlers
 from dsv4_operator import labels as L
+from dsv4_operator.config import OperatorConfig
 from dsv4_operator.handlers import reconcile_owner, run_reconcile
 from dsv4_operator.kube import KubeError
-from dsv4_operator.reconcile import OperatorConfig
 from dsv4_operator.settings import configure
 
 LOG = logging.getLogger("test")

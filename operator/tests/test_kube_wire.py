@@ -14,7 +14,7 @@ import yaml
 from fake_apiserver import FakeApiServer, load_crd
 
 from dsv4_operator import labels as L
-from dsv4_operator.kube import ApiKube, KubeError
+from dsv4_operator.kube_api import ApiKube, KubeError
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = "default"

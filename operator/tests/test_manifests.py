@@ -12,11 +12,12 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
+from dsv4_common.api.deployment import plan_memory
+from dsv4_common.api.names import NAME_PATTERN
+from dsv4_common.api.rank_config import parse_rank_config, planned_rank
+from dsv4_common.api.spec import parse_meta, parse_spec
 from dsv4_operator import labels as L
-from dsv4_operator.memory import plan_memory
 from dsv4_operator.objects import DesiredState, build_desired_state
-from dsv4_operator.spec import parse_meta, parse_spec
-from dsv4_worker.plan.report import rank_to_dict
 
 KUBERNETES_VERSIONS = ("1.30", "1.37")
 SAMPLES = ("tiny-cpu.yaml", "tiny-minimal.yaml", "flash-gpu.yaml")
@@ -220,9 +221,10 @@ def test_config_map_holds_each_ranks_config_and_plan(make_body: Callable[..., Bo
     for role, rank in (("prefill", 0), ("prefill", 1), ("decode", 0)):
         doc = json.loads(data[f"{role}-rank-{rank}.json"])
         assert (doc["role"], doc["pp_rank"], doc["serving_rank"]) == (role, rank, rank == 0)
-        assert doc["planned"] == json.loads(json.dumps(rank_to_dict(memory.role(role).ranks[rank])))
-        assert doc["kv"]["page_size"] == 32 and doc["kv"]["transfer"] == "nixl"
-        assert doc["plan_inputs"]["max_running_requests"] == memory.role(role).max_running_requests
+        config = parse_rank_config(doc)
+        assert config.planned == planned_rank(memory.role(role).ranks[rank])
+        assert config.kv.page_size == 32 and config.kv.transfer == "nixl"
+        assert config.plan.max_running_requests == memory.role(role).max_running_requests
     assert json.loads(data["plan.json"])["decode"]["max_context_tokens"] == 4096
     router = json.loads(data["router.json"])
     assert router["roles"]["prefill"]["service"] == "tiny-prefill.ns.svc"
@@ -269,7 +271,7 @@ def test_longest_name_at_most_replicas_gives_legal_child_names(
     body["spec"]["decode"] = {**body["spec"]["decode"], "replicas": L.MAX_ROLE_REPLICAS}
     for obj in desired(body).objects:
         name = obj["metadata"]["name"]
-        assert len(name) <= 63 and L.NAME_PATTERN.match(name)
+        assert len(name) <= 63 and NAME_PATTERN.match(name)
         if obj["kind"] == "StatefulSet":
             assert len(name) + 11 <= 63  # controller-revision-hash label
             for value in obj["spec"]["template"]["metadata"]["labels"].values():

@@ -36,11 +36,13 @@ import yaml
 from fake_apiserver import AdmissionError, ApiError, FakeApiServer, load_crd
 from status_servers import StatusServers
 
+from dsv4_common.api.rank_config import parse_rank_config
+from dsv4_common.api.worker_status import WorkerStatus, build_worker_status
 from dsv4_operator import labels as L
 from dsv4_operator import main as operator_main
 from dsv4_operator import settings as operator_settings
 from dsv4_operator.diff import holds
-from dsv4_operator.observe import HttpWorkerProbe
+from dsv4_operator.probe import HttpWorkerProbe
 from dsv4_operator.render import render
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -258,21 +260,22 @@ class Live:
         for pod in self.server.list("v1", "Pod", NS, L.worker_selector(name)):
             labels = pod["metadata"]["labels"]
             role, rank = labels[L.ROLE_LABEL], int(labels[L.POD_INDEX_LABEL])
-            planned = yaml.safe_load(cm["data"][f"{role}-rank-{rank}.json"])["planned"]
-            self.workers.docs[self.ips[pod["metadata"]["name"]]] = {
-                "role": role,
-                "pp_rank": rank,
-                "capacity": {
-                    key: planned[key]
-                    for key in (
-                        "full_tokens",
-                        "swa_tokens",
-                        "max_running_requests",
-                        "max_context_tokens",
-                    )
-                },
-                "kv_transfer": {"backend": "nixl", "ready": True, "layout_hash": "layout-1"},
-            }
+            planned = parse_rank_config(
+                yaml.safe_load(cm["data"][f"{role}-rank-{rank}.json"])
+            ).planned
+            self.workers.docs[self.ips[pod["metadata"]["name"]]] = build_worker_status(
+                WorkerStatus(
+                    role=role,
+                    pp_rank=rank,
+                    full_tokens=planned.full_tokens,
+                    swa_tokens=planned.swa_tokens,
+                    max_running_requests=planned.max_running_requests,
+                    max_context_tokens=planned.max_context_tokens,
+                    kv_backend="nixl",
+                    kv_ready=True,
+                    kv_layout_hash="layout-1",
+                )
+            )
 
 
 @pytest.fixture

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 from dsv4_operator import labels as L
-from dsv4_operator.reconcile import OperatorConfig, ReconcileResult, reconcile
+from dsv4_operator.config import OperatorConfig
+from dsv4_operator.reconcile import ReconcileResult, reconcile
 
 NOW = "2026-01-01T00:00:00Z"
 

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import yaml
 
-from dsv4_operator.memory import plan_memory
+from dsv4_common.api.deployment import plan_memory
+from dsv4_common.api.spec import SpecError, parse_meta, parse_spec
+from dsv4_common.cli import main
 from dsv4_operator.objects import build_desired_state
 from dsv4_operator.render import render, render_file
-from dsv4_operator.spec import SpecError, parse_meta, parse_spec
-from dsv4_worker.cli import main
 
 SAMPLES = Path(__file__).resolve().parents[2] / "crds" / "samples"
 

@@ -10,7 +10,7 @@ import crd_support  # conftest puts this folder on sys.path
 import pytest
 import yaml
 
-from dsv4_operator.spec import SpecError, parse_spec
+from dsv4_common.api.spec import SpecError, parse_spec
 
 TESTS = Path(__file__).resolve().parent
 SAMPLES = TESTS.parents[1] / "crds" / "samples"

@@ -9,15 +9,16 @@ from typing import Any
 
 import pytest
 
-from dsv4_operator.memory import plan_memory
-from dsv4_operator.observe import Observed, WorkerReport
-from dsv4_operator.spec import parse_meta, parse_spec
+from dsv4_common.api.deployment import plan_memory
+from dsv4_common.api.spec import parse_meta, parse_spec
+from dsv4_common.api.worker_status import WorkerStatus
+from dsv4_operator.observe import Observed
 from dsv4_operator.status import CONDITION_TYPES, Problem, summarize
 
 Body = dict[str, Any]
 
 
-def report(role: str, rank: int, full: int, **kw: Any) -> WorkerReport:
+def report(role: str, rank: int, full: int, **kw: Any) -> WorkerStatus:
     fields: dict[str, Any] = {
         "role": role,
         "pp_rank": rank,
@@ -30,7 +31,7 @@ def report(role: str, rank: int, full: int, **kw: Any) -> WorkerReport:
         "kv_layout_hash": "h",
     }
     fields.update(kw)
-    return WorkerReport(**fields)
+    return WorkerStatus(**fields)
 
 
 def by_type(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -98,7 +99,7 @@ def test_context_too_long_status_names_the_largest_fit(make_body: Callable[..., 
     ids=["none", "prefill-only", "both", "layouts-differ", "silent-fallback"],
 )
 def test_kv_transfer_condition(
-    make_body: Callable[..., Body], reports: dict[str, WorkerReport], status: str, reason: str
+    make_body: Callable[..., Body], reports: dict[str, WorkerStatus], status: str, reason: str
 ) -> None:
     body = make_body()
     spec = parse_spec(body)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsv4_worker.core.index_space import pages_for_tokens
-from dsv4_worker.plan.planner import RankPlan
+from dsv4_common.core.index_space import pages_for_tokens
+from dsv4_common.plan.planner import RankPlan
 
 CLOSED = -1  # num_tokens of a request slot that is not open
 

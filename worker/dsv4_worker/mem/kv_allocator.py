@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from dsv4_worker.core.index_space import pages_for_tokens
+from dsv4_common.core.index_space import pages_for_tokens
 from dsv4_worker.mem.alloc_config import CLOSED, AllocatorConfig
 from dsv4_worker.mem.errors import OutOfPages, OwnershipError, RequestTooLong
 from dsv4_worker.mem.integrity import check_kv_allocator

@@ -9,15 +9,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dsv4_worker.core.layout import KVLayout
+from dsv4_common.core.layout import KVLayout
+from dsv4_common.plan.capacity import units_per_space
+from dsv4_common.plan.planner import RankPlan
 from dsv4_worker.mem.alloc_config import AllocatorConfig
 from dsv4_worker.mem.errors import IntegrityError
 from dsv4_worker.mem.kv_allocator import KVAllocator
 from dsv4_worker.mem.pool import KVPool
 from dsv4_worker.mem.req_slots import ReqSlotAllocator
 from dsv4_worker.mem.usage import PoolUsage
-from dsv4_worker.plan.capacity import units_per_space
-from dsv4_worker.plan.planner import RankPlan
 
 
 class KVMemory:

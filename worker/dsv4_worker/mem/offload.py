@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dsv4_worker.core.layout import IndexSpace
+from dsv4_common.core.layout import IndexSpace
 from dsv4_worker.mem.errors import IntegrityError, KVMemoryError
 from dsv4_worker.mem.memory import KVMemory
 

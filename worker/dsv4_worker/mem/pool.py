@@ -16,8 +16,8 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from dsv4_worker.core.layout import Component, IndexSpace, KVLayout
-from dsv4_worker.plan.planner import RankPlan
+from dsv4_common.core.layout import Component, IndexSpace, KVLayout
+from dsv4_common.plan.planner import RankPlan
 
 TORCH_DTYPES: Mapping[str, torch.dtype] = {
     "uint8": torch.uint8,

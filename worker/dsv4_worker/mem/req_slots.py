@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dsv4_worker.core.layout import IndexSpace
+from dsv4_common.core.layout import IndexSpace
 from dsv4_worker.mem.errors import OutOfPages
 from dsv4_worker.mem.page_allocator import PageAllocator
 from dsv4_worker.mem.pool import KVPool

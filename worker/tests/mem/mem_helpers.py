@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dsv4_worker.core.layout import IndexSpace, build_layout
-from dsv4_worker.core.model_config import load_model_config
+from dsv4_common.core.layout import IndexSpace, build_layout
+from dsv4_common.core.presets import load_model_config
 from dsv4_worker.mem.alloc_config import AllocatorConfig
 from dsv4_worker.mem.kv_allocator import KVAllocator
 from dsv4_worker.mem.memory import KVMemory

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4_worker.core.layout import build_layout
-from dsv4_worker.core.model_config import load_model_config
+from dsv4_common.core.layout import build_layout
+from dsv4_common.core.presets import load_model_config
 from dsv4_worker.mem.alloc_config import AllocatorConfig
 from dsv4_worker.mem.errors import OutOfPages
 from dsv4_worker.mem.memory import KVMemory

@@ -6,7 +6,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from dsv4_worker.core import index_space as scalar
+from dsv4_common.core import index_space as scalar
 from dsv4_worker.mem import index as vec
 
 PAGES = st.sampled_from([4, 16, 64, 256])

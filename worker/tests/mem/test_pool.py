@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4_worker.core.layout import IndexSpace
-from dsv4_worker.core.model_config import load_model_config
+from dsv4_common.core.layout import IndexSpace
+from dsv4_common.core.presets import load_model_config
+from dsv4_common.plan.capacity import planned_bytes
+from dsv4_common.plan.inputs import PlanInputs
+from dsv4_common.plan.planner import plan
 from dsv4_worker.mem.memory import KVMemory
 from dsv4_worker.mem.pool import KVPool
-from dsv4_worker.plan.capacity import planned_bytes
-from dsv4_worker.plan.inputs import PlanInputs
-from dsv4_worker.plan.planner import plan
 
 MIB = 1 << 20
 

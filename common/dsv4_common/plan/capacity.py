@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsv4_worker.core.index_space import pages_for_tokens
-from dsv4_worker.core.layout import IndexSpace, KVLayout
-from dsv4_worker.plan.inputs import PlanError, Role
+from dsv4_common.core.index_space import pages_for_tokens
+from dsv4_common.core.layout import IndexSpace, KVLayout
+from dsv4_common.plan.inputs import PlanError, Role
 
 
 @dataclass(frozen=True, slots=True)

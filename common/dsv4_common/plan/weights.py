@@ -8,7 +8,7 @@ with the memory it measures after loading.
 
 from __future__ import annotations
 
-from dsv4_worker.core.model_config import DSV4Config, HybridSWAConfig, ModelConfig, WeightShape
+from dsv4_common.core.model import DSV4Config, HybridSWAConfig, ModelConfig, WeightShape
 
 
 def _moe_layer_bytes(w: WeightShape, dense: bool) -> float:

@@ -8,11 +8,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from dsv4_worker.core.layout import LayoutError
-from dsv4_worker.core.model_config import PRESETS, ModelConfigError, load_model_config
-from dsv4_worker.plan.inputs import GIB, ROLES, PlanError, PlanInputs
-from dsv4_worker.plan.planner import plan
-from dsv4_worker.plan.report import format_table, plan_to_dict
+from dsv4_common.core.layout import LayoutError
+from dsv4_common.core.model import ModelConfigError
+from dsv4_common.core.presets import PRESETS, load_model_config
+from dsv4_common.plan.inputs import GIB, ROLES, PlanError, PlanInputs
+from dsv4_common.plan.planner import plan
+from dsv4_common.plan.report import format_table, plan_to_dict
 
 
 def _bounded(kind: type[int] | type[float], minimum: float, *, inclusive: bool) -> Any:
@@ -163,9 +164,9 @@ def _run_render(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from dsv4_operator.memory import MemoryPlanError
+    from dsv4_common.api.deployment import MemoryPlanError
+    from dsv4_common.api.spec import SpecError
     from dsv4_operator.render import render_file
-    from dsv4_operator.spec import SpecError
 
     try:
         sys.stdout.write(render_file(Path(args.file), namespace=args.namespace))

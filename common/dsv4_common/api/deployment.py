@@ -1,7 +1,8 @@
 """The memory plan of a deployment: the planner's per-PP-rank plan for each role, and whether
 `spec.maxContextTokens` fits.
 
-Pure: the same planner the workers use (`dsv4_worker.plan`), no Kubernetes. Errors name the
+Pure: the same planner the workers use (`dsv4_common.plan`), no Kubernetes. Used by the
+operator, `dsv4 render` and `dsv4 up` alike. Errors name the
 spec field to change.
 """
 
@@ -10,11 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from dsv4_operator.labels import WORKER_ROLES, WorkerRole
-from dsv4_operator.spec import DeploymentSpec
-from dsv4_worker.core.model_config import ModelConfig, ModelConfigError, load_model_config
-from dsv4_worker.plan.inputs import DEFAULT_MEM_FRACTION, GIB, PlanError, PlanInputs
-from dsv4_worker.plan.planner import Plan, plan
+from dsv4_common.api.names import WORKER_ROLES, WorkerRole
+from dsv4_common.api.spec import DeploymentSpec
+from dsv4_common.core.model import ModelConfig, ModelConfigError
+from dsv4_common.core.presets import load_model_config
+from dsv4_common.plan.inputs import DEFAULT_MEM_FRACTION, GIB, PlanError, PlanInputs
+from dsv4_common.plan.planner import Plan, plan
 
 # CPU mode (gpu.memoryGiB 0, tiny model): each worker pod plans its pools as if it had a
 # device of this size. Worker pods get a memory limit above it (see manifests).

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from dsv4_worker.core.model_config import DTYPE_BYTES, DSV4Config, HybridSWAConfig, ModelConfig
+from dsv4_common.core.model import DTYPE_BYTES, DSV4Config, HybridSWAConfig, ModelConfig
 
 LAYOUT_VERSION = 1
 

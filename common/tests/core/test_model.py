@@ -7,15 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_worker.core.model_config import (
-    PRESETS,
-    DSV4Config,
-    HybridSWAConfig,
-    ModelConfigError,
-    deepseek_v4_pro,
-    load_model_config,
-)
-from dsv4_worker.plan.weights import estimate_weight_bytes
+from dsv4_common.core.model import DSV4Config, HybridSWAConfig, ModelConfigError
+from dsv4_common.core.presets import PRESETS, deepseek_v4_pro, load_model_config
+from dsv4_common.plan.weights import estimate_weight_bytes
 
 
 def _pro_hf() -> dict[str, object]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from dsv4_operator.spec import (
+from dsv4_common.api.spec import (
     DeploymentSpec,
     GpuSpec,
     KVSpec,

@@ -3,7 +3,7 @@
 `parse_spec(body)` applies the CRD's defaults and checks every bound, enum, pattern and
 cross-field rule of crds/dsv4deployment.yaml (so `dsv4 render`/`dsv4 up` reject what the API
 server would), collecting all errors, each prefixed with its field path. Pure: no kopf, no
-Kubernetes client, no torch. Memory fit is not checked here (see `memory.py`).
+Kubernetes client, no torch. Memory fit is not checked here (see `deployment.py`).
 """
 
 from __future__ import annotations
@@ -11,26 +11,26 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Literal, cast
+from typing import Any, cast
 
-from dsv4_operator.errors import SpecError
-from dsv4_operator.fields import FieldReader
-from dsv4_operator.labels import (
+from dsv4_common.api.errors import SpecError
+from dsv4_common.api.fields import FieldReader
+from dsv4_common.api.names import (
+    CPU_PRESETS,
+    DEFAULT_TRANSFER,
+    GPU_RESOURCE,
     MAX_PIPELINE_PARALLEL,
     MAX_ROLE_REPLICAS,
+    MAX_TENSOR_PARALLEL,
+    MODEL_PRESETS,
+    TRANSFERS,
     WORKER_ROLES,
+    Transfer,
     WorkerRole,
     name_error,
 )
 
 __all__ = ["DeploymentMeta", "DeploymentSpec", "SpecError", "parse_meta", "parse_spec"]
-
-Transfer = Literal["nixl", "mooncake", "zmq"]
-TRANSFERS: Final[tuple[Transfer, ...]] = ("nixl", "mooncake", "zmq")
-# The presets the CRD enumerates; CPU mode (gpu.memoryGiB 0) runs only CPU_PRESETS.
-MODEL_PRESETS: Final = ("tiny", "deepseek-v4-flash", "deepseek-v4-pro")
-CPU_PRESETS: Final = frozenset({"tiny"})
-GPU_RESOURCE: Final = "nvidia.com/gpu"
 
 _ABS_PATH = re.compile(r"^/")
 _PVC_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
@@ -70,7 +70,7 @@ class GpuSpec:
 class KVSpec:
     page_size: int | None = None  # None = the model's default
     swa_ratio: float | None = None  # None = auto
-    transfer: Transfer = "nixl"
+    transfer: Transfer = DEFAULT_TRANSFER
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,7 +261,7 @@ def _kv(r: FieldReader, raw: object) -> KVSpec:
             pattern_hint='must be "auto" or a decimal in (0, 1] such as "0.25"',
         )
     swa = None if swa_text in (None, "auto") else float(swa_text)
-    transfer = r.string(k, "transfer", "spec.kv", enum=TRANSFERS) or "nixl"
+    transfer = r.string(k, "transfer", "spec.kv", enum=TRANSFERS) or DEFAULT_TRANSFER
     return KVSpec(page_size=page_size, swa_ratio=swa, transfer=cast(Transfer, transfer))
 
 
@@ -276,7 +276,7 @@ def _role(r: FieldReader, raw: object, path: str) -> RoleSpec:
     return RoleSpec(
         replicas=r.integer(m, "replicas", path, 1, 1, MAX_ROLE_REPLICAS) or 1,
         pipeline_parallel=r.integer(m, "pipelineParallel", path, 1, 1, MAX_PIPELINE_PARALLEL) or 1,
-        tensor_parallel=r.integer(m, "tensorParallel", path, 1, 1, 16) or 1,
+        tensor_parallel=r.integer(m, "tensorParallel", path, 1, 1, MAX_TENSOR_PARALLEL) or 1,
         chunked_prefill_tokens=r.integer(m, "chunkedPrefillTokens", path, None, 1, 1_048_576),
         max_running_requests=r.integer(m, "maxRunningRequests", path, None, 1, 65_536),
     )

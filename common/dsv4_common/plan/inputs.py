@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from dsv4_worker.core.model_config import DSV4Config, ModelConfig
+from dsv4_common.core.model import DSV4Config, ModelConfig
 
 Role = Literal["colocated", "prefill", "decode"]
 ROLES: tuple[Role, ...] = ("colocated", "prefill", "decode")

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv4_worker.core.model_config import deepseek_v4_flash, deepseek_v4_pro, hybrid_tiny, tiny
-from dsv4_worker.plan.inputs import GIB, PlanError, PlanInputs, Role
-from dsv4_worker.plan.planner import plan, split_layers
+from dsv4_common.core.presets import deepseek_v4_flash, deepseek_v4_pro, hybrid_tiny, tiny
+from dsv4_common.plan.inputs import GIB, PlanError, PlanInputs, Role
+from dsv4_common.plan.planner import plan, split_layers
 
 MIB = 1 << 20
 # tiny, page 16 (see worker/tests/core/test_layout.py for the unit arithmetic)

@@ -12,23 +12,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsv4_worker.core.index_space import pages_for_tokens
-from dsv4_worker.core.layout import KVLayout, LayoutError, build_layout
-from dsv4_worker.plan.capacity import (
+from dsv4_common.core.index_space import pages_for_tokens
+from dsv4_common.core.layout import KVLayout, LayoutError, build_layout
+from dsv4_common.plan.capacity import (
     RankCapacity,
     SwaNeed,
     auto_max_running,
     solve_rank,
     swa_need,
 )
-from dsv4_worker.plan.inputs import (
+from dsv4_common.plan.inputs import (
     AUTO_MAX_RUNNING_CAP,
     DEFAULT_TOKENS_PER_REQUEST,
     PlanError,
     PlanInputs,
     Role,
 )
-from dsv4_worker.plan.weights import estimate_weight_bytes
+from dsv4_common.plan.weights import estimate_weight_bytes
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from dsv4_operator.errors import SpecError
+from dsv4_common.api.errors import SpecError
 
 
 class FieldReader:

@@ -8,16 +8,16 @@ from typing import Any
 
 import pytest
 
-from dsv4_operator.memory import (
+from dsv4_common.api.deployment import (
     CPU_MODE_MEMORY_BYTES,
     MemoryPlanError,
     plan_inputs,
     plan_memory,
 )
-from dsv4_operator.spec import DeploymentSpec, parse_spec
-from dsv4_worker.core.model_config import load_model_config
-from dsv4_worker.plan.inputs import GIB
-from dsv4_worker.plan.planner import plan
+from dsv4_common.api.spec import DeploymentSpec, parse_spec
+from dsv4_common.core.presets import load_model_config
+from dsv4_common.plan.inputs import GIB
+from dsv4_common.plan.planner import plan
 
 
 def spec_of(**spec: Any) -> DeploymentSpec:

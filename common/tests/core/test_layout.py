@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dsv4_worker.core import index_space as ix
-from dsv4_worker.core.layout import IndexSpace, LayoutError, build_layout
-from dsv4_worker.core.model_config import (
+from dsv4_common.core import index_space as ix
+from dsv4_common.core.layout import IndexSpace, LayoutError, build_layout
+from dsv4_common.core.presets import (
     deepseek_v4_flash,
     deepseek_v4_pro,
     hybrid_tiny,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsv4_worker.plan.planner import Plan, RankPlan
+from dsv4_common.plan.planner import Plan, RankPlan
 
 MIB = 1 << 20
 GIB = 1 << 30

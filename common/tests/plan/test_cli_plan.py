@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from dsv4_worker.cli import main
+from dsv4_common.cli import main
 
 PRO_H200 = ["--model", "deepseek-v4-pro", "--tp", "8", "--gpu-memory-gib", "131.3"]
 
@@ -110,7 +110,7 @@ def test_console_script_runs_as_a_process() -> None:
         [
             sys.executable,
             "-m",
-            "dsv4_worker.cli",
+            "dsv4_common.cli",
             "plan",
             "--model",
             "tiny",

@@ -1,0 +1,62 @@
+"""Names the whole project agrees on, defined once: the CRD's identity, worker roles, transfer
+backends, the presets a DSV4Deployment may name, the CR name rule and the CRD's bounds.
+
+The CRD's enums and bounds are tested against these. Pure.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Final, Literal
+
+from dsv4_common.core.presets import PRESETS
+
+# The custom resource.
+GROUP: Final = "serving.dsv4.io"
+VERSION: Final = "v1alpha1"
+API_VERSION: Final = f"{GROUP}/{VERSION}"
+KIND: Final = "DSV4Deployment"
+PLURAL: Final = "dsv4deployments"
+
+# Worker roles a DSV4Deployment deploys (the planner also knows "colocated").
+WorkerRole = Literal["prefill", "decode"]
+WORKER_ROLES: Final[tuple[WorkerRole, ...]] = ("prefill", "decode")
+
+# KV transfer backends (`spec.kv.transfer`, `dsv4 serve --transfer`).
+Transfer = Literal["nixl", "mooncake", "zmq"]
+TRANSFERS: Final[tuple[Transfer, ...]] = ("nixl", "mooncake", "zmq")
+DEFAULT_TRANSFER: Final[Transfer] = "nixl"
+
+# Presets `spec.model.preset` may name: every built-in preset. CPU mode (no GPU) runs only
+# the CPU-sized ones.
+MODEL_PRESETS: Final[tuple[str, ...]] = tuple(PRESETS)
+CPU_PRESETS: Final = frozenset({"tiny", "hybrid-tiny"})
+
+# The extended resource that counts GPUs (set by gpu.perPod, never by resources).
+GPU_RESOURCE: Final = "nvidia.com/gpu"
+
+# Bounds the CRD enforces (child names are derived from them; see the operator's labels).
+MAX_ROLE_REPLICAS: Final = 64  # replica index <= 63: at most 2 digits
+MAX_PIPELINE_PARALLEL: Final = 16  # PP rank <= 15
+MAX_TENSOR_PARALLEL: Final = 16
+# The CRD's CEL rule allows names of at most 40 characters, so every child name stays legal.
+MAX_NAME_LENGTH: Final = 40
+# DNS-1035 label: Services need a leading letter.
+NAME_PATTERN: Final = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def name_error(name: str) -> str | None:
+    """Why `name` cannot be a DSV4Deployment name, or None when it can."""
+    if not name:
+        return "must not be empty"
+    if len(name) > MAX_NAME_LENGTH:
+        return (
+            f"{name!r} has {len(name)} characters; at most {MAX_NAME_LENGTH} so that every "
+            "child name (e.g. the StatefulSet of a PP group) stays legal"
+        )
+    if not NAME_PATTERN.match(name):
+        return (
+            f"{name!r} must be a DNS-1035 label: lower-case letters, digits and '-', "
+            "starting with a letter and ending with a letter or digit"
+        )
+    return None

@@ -1,0 +1,298 @@
+"""What each worker rank and the router are told: the rank-config and router-config documents,
+version 1. One builder each (the operator and `dsv4 up`) and one parser each (`dsv4 serve`).
+
+Where they live: in Kubernetes, the deployment's ConfigMap is mounted at CONFIG_DIR; a worker
+reads `rank_config_key(role, pp_rank)`, the router reads ROUTER_CONFIG_KEY. The schema is the
+dataclasses below (snake_case JSON); it is independent of `dsv4 plan --json`, so the human
+report can change without changing the wire format. Network addresses are inputs of the
+builders: Kubernetes DNS names for the operator, loopback ports for `dsv4 up`. Pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from dsv4_common.api.deployment import MemoryPlan
+from dsv4_common.api.documents import DocumentError, from_document, to_document
+from dsv4_common.api.names import WORKER_ROLES, Transfer, WorkerRole
+from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec
+from dsv4_common.core.model import ModelConfig
+from dsv4_common.plan.inputs import PlanInputs, Role
+from dsv4_common.plan.planner import RankPlan
+
+RANK_CONFIG_VERSION: Final = 1
+ROUTER_CONFIG_VERSION: Final = 1
+CONFIG_DIR: Final = "/etc/dsv4"
+ROUTER_CONFIG_KEY: Final = "router.json"
+# Only this PP rank of a group takes requests; its /ready means "the whole group is up".
+SERVING_RANK: Final = 0
+
+
+def rank_config_key(role: WorkerRole, pp_rank: int) -> str:
+    return f"{role}-rank-{pp_rank}.json"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerPorts:
+    http: int = 8080  # serving API (the serving rank answers the router)
+    status: int = 8081  # /live, /ready, /status (realized capacity), /metrics
+    pp: int = 8082  # pipeline-parallel activations between the ranks of one group
+    kv: int = 8083  # KV-transfer bootstrap (the data path may use other ports)
+
+    def by_name(self) -> dict[str, int]:
+        return {"http": self.http, "status": self.status, "pp": self.pp, "kv": self.kv}
+
+
+DEFAULT_PORTS: Final = WorkerPorts()
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRef:
+    preset: str | None
+    config_path: str | None
+    weights_path: str | None = None
+
+    @property
+    def source(self) -> str:
+        """What `load_model_config` takes."""
+        source = self.preset if self.preset is not None else self.config_path
+        assert source is not None, "a model reference names a preset or a config path"
+        return source
+
+
+@dataclass(frozen=True, slots=True)
+class KVSettings:
+    page_size: int
+    swa_ratio: float | None  # None: auto (sized from what the role needs)
+    transfer: Transfer
+
+
+@dataclass(frozen=True, slots=True)
+class PlanSettings:
+    """The planner inputs a worker re-solves with, from the memory it measures."""
+
+    device_memory_bytes: int
+    cpu_mode: bool
+    mem_fraction: float
+    chunked_prefill_tokens: int
+    max_running_requests: int
+    speculative_draft_tokens: int
+    context_len: int
+    layer_split: tuple[int, ...]  # target layers per PP rank of the group
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedRank:
+    """What the planner expects this rank to realize (the operator compares it in status)."""
+
+    layers: tuple[int, int]  # target layers [start, end)
+    draft_layers: tuple[int, ...]
+    full_tokens: int
+    swa_tokens: int
+    max_running_requests: int
+    max_context_tokens: int
+    weight_bytes: int
+    kv_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Peers:
+    # `{group}` and `{rank}` are filled by the worker (group from its environment).
+    host_template: str
+    pp_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankConfig:
+    version: int
+    deployment: str
+    namespace: str
+    role: Role  # prefill | decode (| colocated, for a worker run without a peer role)
+    pp_rank: int
+    pp_size: int
+    tp_size: int
+    serving_rank: bool
+    model: ModelRef
+    max_context_tokens: int
+    kv: KVSettings
+    plan: PlanSettings
+    planned: PlannedRank
+    ports: WorkerPorts
+    peers: Peers
+    role_services: dict[str, str]  # role -> host of its routing Service
+
+    def plan_inputs(self, model: ModelConfig, device_memory_bytes: int | None = None) -> PlanInputs:
+        """The planner inputs of this rank's group; `device_memory_bytes` replaces the planned
+        device size with the one the worker measured."""
+        p = self.plan
+        return PlanInputs(
+            model=model,
+            role=self.role,
+            gpu_memory_bytes=device_memory_bytes or p.device_memory_bytes,
+            pp_size=self.pp_size,
+            layer_split=p.layer_split,
+            tp_size=self.tp_size,
+            page_size=self.kv.page_size,
+            chunked_prefill_tokens=p.chunked_prefill_tokens,
+            max_running_requests=p.max_running_requests,
+            swa_ratio=self.kv.swa_ratio,
+            mem_fraction=p.mem_fraction,
+            speculative_draft_tokens=p.speculative_draft_tokens,
+            context_len=p.context_len,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RoleEndpoint:
+    service: str  # host whose endpoints are the ready serving ranks of the role
+    port: int
+    bootstrap_port: int
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    version: int
+    deployment: str
+    port: int
+    status_port: int
+    max_context_tokens: int
+    transfer: Transfer
+    roles: dict[str, RoleEndpoint]
+
+
+def planned_rank(rank: RankPlan) -> PlannedRank:
+    return PlannedRank(
+        layers=rank.layers,
+        draft_layers=rank.layout.draft_layer_ids,
+        full_tokens=rank.full_tokens,
+        swa_tokens=rank.swa_tokens,
+        max_running_requests=rank.max_running_requests,
+        max_context_tokens=rank.max_context_tokens,
+        weight_bytes=rank.weight_bytes,
+        kv_bytes=rank.capacity.kv_bytes,
+    )
+
+
+def build_rank_config(
+    spec: DeploymentSpec,
+    meta: DeploymentMeta,
+    memory: MemoryPlan,
+    role: WorkerRole,
+    pp_rank: int,
+    *,
+    peers_host_template: str,
+    role_services: Mapping[WorkerRole, str],
+    ports: WorkerPorts = DEFAULT_PORTS,
+) -> RankConfig:
+    plan = memory.role(role)
+    inputs = plan.inputs
+    return RankConfig(
+        version=RANK_CONFIG_VERSION,
+        deployment=meta.name,
+        namespace=meta.namespace,
+        role=role,
+        pp_rank=pp_rank,
+        pp_size=inputs.pp_size,
+        tp_size=inputs.tp_size,
+        serving_rank=pp_rank == SERVING_RANK,
+        model=ModelRef(
+            preset=spec.model.preset,
+            config_path=spec.model.config_path,
+            weights_path=spec.model.weights.path if spec.model.weights else None,
+        ),
+        max_context_tokens=spec.max_context_tokens,
+        kv=KVSettings(
+            page_size=inputs.resolved_page_size,
+            swa_ratio=inputs.swa_ratio,
+            transfer=spec.kv.transfer,
+        ),
+        plan=PlanSettings(
+            device_memory_bytes=inputs.gpu_memory_bytes,
+            cpu_mode=spec.gpu.cpu_mode,
+            mem_fraction=inputs.mem_fraction,
+            chunked_prefill_tokens=inputs.resolved_chunk_tokens,
+            max_running_requests=plan.max_running_requests,
+            speculative_draft_tokens=inputs.speculative_draft_tokens,
+            context_len=inputs.resolved_context_len,
+            layer_split=tuple(r.layers[1] - r.layers[0] for r in plan.ranks),
+        ),
+        planned=planned_rank(plan.ranks[pp_rank]),
+        ports=ports,
+        peers=Peers(host_template=peers_host_template, pp_size=inputs.pp_size),
+        role_services={r: role_services[r] for r in WORKER_ROLES},
+    )
+
+
+def build_router_config(
+    spec: DeploymentSpec,
+    meta: DeploymentMeta,
+    endpoints: Mapping[WorkerRole, RoleEndpoint],
+    *,
+    status_port: int = DEFAULT_PORTS.status,
+) -> RouterConfig:
+    return RouterConfig(
+        version=ROUTER_CONFIG_VERSION,
+        deployment=meta.name,
+        port=spec.router.port,
+        status_port=status_port,
+        max_context_tokens=spec.max_context_tokens,
+        transfer=spec.kv.transfer,
+        roles={r: endpoints[r] for r in WORKER_ROLES},
+    )
+
+
+def rank_config_to_dict(config: RankConfig) -> dict[str, Any]:
+    doc: dict[str, Any] = to_document(config)
+    return doc
+
+
+def router_config_to_dict(config: RouterConfig) -> dict[str, Any]:
+    doc: dict[str, Any] = to_document(config)
+    return doc
+
+
+def parse_rank_config(doc: object) -> RankConfig:
+    """Parse a rank-config document; raises DocumentError naming the first bad field."""
+    _check_version(doc, "rank_config", RANK_CONFIG_VERSION)
+    config = from_document(RankConfig, doc, "rank_config")
+    _check_rank(config)
+    return config
+
+
+def parse_router_config(doc: object) -> RouterConfig:
+    """Parse a router-config document; raises DocumentError naming the first bad field."""
+    _check_version(doc, "router_config", ROUTER_CONFIG_VERSION)
+    config = from_document(RouterConfig, doc, "router_config")
+    missing = sorted(set(WORKER_ROLES) - set(config.roles))
+    if missing:
+        raise DocumentError(f"router_config.roles: missing {', '.join(missing)}")
+    return config
+
+
+def _check_version(doc: object, name: str, version: int) -> None:
+    if isinstance(doc, Mapping) and doc.get("version") != version:
+        raise DocumentError(
+            f"{name}.version: this reader understands version {version}, got {doc.get('version')!r}"
+        )
+
+
+def _check_rank(c: RankConfig) -> None:
+    if not 0 <= c.pp_rank < c.pp_size:
+        raise DocumentError(f"rank_config.pp_rank: must be in [0, {c.pp_size}), got {c.pp_rank}")
+    if len(c.plan.layer_split) != c.pp_size:
+        raise DocumentError(
+            f"rank_config.plan.layer_split: has {len(c.plan.layer_split)} entries, "
+            f"pp_size is {c.pp_size}"
+        )
+    if c.serving_rank != (c.pp_rank == SERVING_RANK):
+        raise DocumentError(
+            f"rank_config.serving_rank: only PP rank {SERVING_RANK} serves, got "
+            f"serving_rank={c.serving_rank} for PP rank {c.pp_rank}"
+        )
+    if (c.model.preset is None) == (c.model.config_path is None):
+        raise DocumentError("rank_config.model: exactly one of preset and config_path")
+    missing = sorted(set(WORKER_ROLES) - set(c.role_services))
+    if missing:
+        raise DocumentError(f"rank_config.role_services: missing {', '.join(missing)}")

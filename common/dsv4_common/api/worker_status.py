@@ -1,0 +1,114 @@
+"""The worker's `/status` document (`GET http://<pod>:<status port>/status`), version 1.
+
+One builder (`build_worker_status`, used by the worker) and one parser (`parse_worker_status`,
+used by the operator and the router). Wire form, snake_case JSON:
+
+    {"version": 1, "role": "prefill", "pp_rank": 0,
+     "capacity": {"full_tokens": int, "swa_tokens": int, "max_running_requests": int,
+                  "max_context_tokens": int},
+     "kv_transfer": {"backend": "nixl" | null, "ready": bool, "layout_hash": str | null}}
+
+A document of another version, or one missing or mistyping a field, is refused with an error
+naming the field. Pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+from dsv4_common.api.documents import DocumentError, from_document, to_document
+from dsv4_common.api.names import Transfer
+
+WORKER_STATUS_VERSION: Final = 1
+StatusRole = Literal["colocated", "prefill", "decode"]
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """What a worker's pools realize (the planner's figures from the memory it measured)."""
+
+    full_tokens: int
+    swa_tokens: int
+    max_running_requests: int
+    max_context_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferState:
+    backend: Transfer | None = None  # None: no transfer engine (colocated, or not started)
+    ready: bool = False  # the handshake with the peer role succeeded
+    layout_hash: str | None = None  # hash of the KV transfer manifest both sides must share
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatusDoc:
+    """The wire schema (nested as on the wire)."""
+
+    version: int
+    role: StatusRole
+    pp_rank: int
+    capacity: Capacity
+    kv_transfer: KVTransferState = KVTransferState()
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    """A parsed status document, flat for its readers."""
+
+    role: StatusRole
+    pp_rank: int
+    full_tokens: int
+    swa_tokens: int
+    max_running_requests: int
+    max_context_tokens: int
+    kv_backend: Transfer | None = None
+    kv_ready: bool = False
+    kv_layout_hash: str | None = None
+
+
+def build_worker_status(status: WorkerStatus) -> dict[str, Any]:
+    """The JSON document a worker serves on /status."""
+    doc = WorkerStatusDoc(
+        version=WORKER_STATUS_VERSION,
+        role=status.role,
+        pp_rank=status.pp_rank,
+        capacity=Capacity(
+            full_tokens=status.full_tokens,
+            swa_tokens=status.swa_tokens,
+            max_running_requests=status.max_running_requests,
+            max_context_tokens=status.max_context_tokens,
+        ),
+        kv_transfer=KVTransferState(
+            backend=status.kv_backend, ready=status.kv_ready, layout_hash=status.kv_layout_hash
+        ),
+    )
+    result: dict[str, Any] = to_document(doc)
+    return result
+
+
+def parse_worker_status(doc: object) -> WorkerStatus:
+    """Parse a /status document; raises DocumentError naming the first bad field."""
+    if isinstance(doc, Mapping) and doc.get("version") != WORKER_STATUS_VERSION:
+        raise DocumentError(
+            f"status.version: this reader understands version {WORKER_STATUS_VERSION}, "
+            f"got {doc.get('version')!r}"
+        )
+    parsed = from_document(WorkerStatusDoc, doc, "status")
+    for name in ("pp_rank", *(f"capacity.{k}" for k in Capacity.__dataclass_fields__)):
+        value = parsed.pp_rank if name == "pp_rank" else getattr(parsed.capacity, name[9:])
+        if value < 0:
+            raise DocumentError(f"status.{name}: must be >= 0, got {value}")
+    c, kv = parsed.capacity, parsed.kv_transfer
+    return WorkerStatus(
+        role=parsed.role,
+        pp_rank=parsed.pp_rank,
+        full_tokens=c.full_tokens,
+        swa_tokens=c.swa_tokens,
+        max_running_requests=c.max_running_requests,
+        max_context_tokens=c.max_context_tokens,
+        kv_backend=kv.backend,
+        kv_ready=kv.ready,
+        kv_layout_hash=kv.layout_hash,
+    )

@@ -1,0 +1,150 @@
+"""Model configuration types (frozen) and their validation: the DeepSeek-V4 family and a
+generic hybrid-SWA family. Presets live in `presets.py`, HuggingFace loading in `hf.py`.
+
+Owns the shape facts the KV layout spec and the weight estimate need. Pure Python: no torch.
+NOTE: `compress_ratios` may be longer than `num_hidden_layers`; the tail entries belong to the
+MTP/NextN draft layers and are never target layers (`target_ratios` is the target slice).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+KVDtype = Literal["fp8_e4m3", "bf16", "fp32"]
+StateDtype = Literal["fp32", "bf16"]
+IndexerDtype = Literal["fp8", "fp4", "bf16"]
+
+DTYPE_BYTES: Mapping[str, int] = {
+    "fp32": 4,
+    "bf16": 2,
+    "fp16": 2,
+    "fp8_e4m3": 1,
+    "fp8": 1,
+    "uint8": 1,
+}
+ALLOWED_RATIOS = frozenset({0, 4, 16, 128})
+
+
+class ModelConfigError(ValueError):
+    """A model configuration is malformed; the message names the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class WeightShape:
+    """What the weight estimate needs. Bytes per parameter are per storage class."""
+
+    hidden_size: int
+    vocab_size: int
+    num_attention_heads: int
+    intermediate_size: int  # dense MLP width (first_k_dense layers; generic family: every layer)
+    num_dense_layers: int = 0  # DSV4: first_k_dense_replace; generic: ignored
+    num_routed_experts: int = 0
+    num_shared_experts: int = 0
+    moe_intermediate_size: int = 0
+    q_lora_rank: int = 0
+    o_lora_rank: int = 0
+    expert_bytes_per_param: float = 2.0  # DSV4 checkpoints: FP4 experts + block scales
+    dense_bytes_per_param: float = 2.0  # attention / dense MLP / shared experts
+    embedding_bytes_per_param: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class DSV4Config:
+    """DeepSeek-V4-style model: every layer keeps a raw window; ratio>0 layers also compress."""
+
+    name: str
+    num_hidden_layers: int
+    compress_ratios: tuple[int, ...]  # per layer; tail entries = MTP layers
+    num_nextn_predict_layers: int
+    window_tokens: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    index_head_dim: int
+    index_n_heads: int
+    index_topk: int
+    kv_dtype: KVDtype
+    indexer_dtype: IndexerDtype
+    state_dtype: StateDtype
+    weights: WeightShape
+    max_position_embeddings: int
+    sparse_ratio: int = 4  # the ratio whose layers use the lightning indexer + overlapped rings
+    # Byte alignment of one page of a KV component (FlashMLA-style fp8 pages use 576 B).
+    kv_page_align_bytes: int = 1
+    family: Literal["dsv4"] = field(default="dsv4", init=False)
+
+    def __post_init__(self) -> None:
+        _require(self.num_hidden_layers >= 1, "num_hidden_layers", "must be >= 1")
+        _require(self.num_nextn_predict_layers >= 0, "num_nextn_predict_layers", "must be >= 0")
+        n_ratios = len(self.compress_ratios)
+        lo, hi = self.num_hidden_layers, self.num_hidden_layers + self.num_nextn_predict_layers
+        _require(
+            lo <= n_ratios <= hi,
+            "compress_ratios",
+            f"has {n_ratios} entries; expected {lo} (target layers) up to {hi} (+ MTP layers)",
+        )
+        bad = sorted({r for r in self.compress_ratios if r not in ALLOWED_RATIOS})
+        _require(not bad, "compress_ratios", f"values {bad} not in {sorted(ALLOWED_RATIOS)}")
+        _require(
+            all(r == 0 for r in self.compress_ratios[self.num_hidden_layers :]),
+            "compress_ratios",
+            "MTP (tail) entries must be 0: draft layers keep only a window",
+        )
+        _require(self.window_tokens >= 1, "window_size", "must be >= 1")
+        _require(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", "must be even")
+        _require(self.index_head_dim >= 1, "index_head_dim", "must be >= 1")
+        _require(self.kv_page_align_bytes >= 1, "kv_page_align_bytes", "must be >= 1")
+
+    @property
+    def head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def target_ratios(self) -> tuple[int, ...]:
+        """Ratios of the target layers only (the MTP tail sliced off)."""
+        return self.compress_ratios[: self.num_hidden_layers]
+
+    @property
+    def nonzero_ratios(self) -> tuple[int, ...]:
+        return tuple(sorted({r for r in self.target_ratios if r}))
+
+    def draft_ratio(self, draft_index: int) -> int:
+        i = self.num_hidden_layers + draft_index
+        return self.compress_ratios[i] if i < len(self.compress_ratios) else 0
+
+
+@dataclass(frozen=True, slots=True)
+class HybridSWAConfig:
+    """Generic hybrid model: interleaved full-attention and sliding-window MHA/GQA layers."""
+
+    name: str
+    layer_types: tuple[Literal["full", "sliding"], ...]
+    window_tokens: int
+    num_key_value_heads: int
+    head_dim: int
+    v_head_dim: int
+    kv_dtype: KVDtype
+    weights: WeightShape
+    max_position_embeddings: int
+    num_nextn_predict_layers: int = 0
+    family: Literal["hybrid_swa"] = field(default="hybrid_swa", init=False)
+
+    def __post_init__(self) -> None:
+        _require(len(self.layer_types) >= 1, "layer_types", "must list at least one layer")
+        bad = sorted({t for t in self.layer_types if t not in ("full", "sliding")})
+        _require(not bad, "layer_types", f"values {bad} not in ['full', 'sliding']")
+        _require(self.window_tokens >= 1, "sliding_window", "must be >= 1")
+        _require(self.num_key_value_heads >= 1, "num_key_value_heads", "must be >= 1")
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return len(self.layer_types)
+
+
+ModelConfig = DSV4Config | HybridSWAConfig
+
+
+def _require(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise ModelConfigError(f"model config field '{field_name}' {message}")
