@@ -1,0 +1,12 @@
+"""Paths into the repository that tests read (on `pythonpath` via pyproject: `import repo_paths`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Final
+
+ROOT: Final = Path(__file__).resolve().parents[2]
+SAMPLES: Final = ROOT / "crds" / "samples"
+CRD_FILE: Final = ROOT / "crds" / "dsv4deployment.yaml"
+CHART: Final = ROOT / "charts" / "dsv4-operator"
+SHARED_EXAMPLES: Final = ROOT.parent / "shared" / "examples"
