@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 CLUSTER=${CLUSTER:-dsv4-e2e-gpu}
 NS=${NS:-dsv4-e2e}
 TAG=${TAG:-e2e}
-GPU_MEMORY_GIB=${GPU_MEMORY_GIB:-79.1}   # H100 80GB; H200: 131.3
+GPU_TYPE=${GPU_TYPE:-h100-80gb}   # spec.gpu.type: h100-80gb, h200, a100-80gb, a100-40gb
 scripts/tools.sh
 export PATH="$PWD/.tools/bin:$PATH"
 for tool in docker kind helm kubectl nvidia-smi; do
@@ -54,7 +54,7 @@ helm upgrade --install dsv4 charts/dsv4-operator -n dsv4-system --create-namespa
 kubectl create namespace "$NS" --dry-run=client -o yaml | kubectl apply -f -
 # The tiny model on one GPU per pod (TP=1): prefill PP=2, decode PP=1.
 sed -e 's/^  name: tiny$/  name: tiny-gpu/' \
-    -e "s/^    memoryGiB: 0$/    memoryGiB: $GPU_MEMORY_GIB/" \
+    -e "s/^    memoryGiB: 0$/    type: $GPU_TYPE/" \
     -e 's/^    perPod: 0$/    perPod: 1/' crds/samples/tiny-cpu.yaml | kubectl apply -n "$NS" -f -
 kubectl wait -n "$NS" dsv4/tiny-gpu --for=condition=Ready --timeout=900s
 kubectl get dsv4 -n "$NS" -o wide

@@ -1,23 +1,39 @@
-"""The `dsv4` command line. Parses arguments, calls pure functions, prints; no decisions here."""
+"""The `dsv4` command line. Parses arguments, calls pure functions, prints; no decisions here.
+
+`plan` is pure (this package); `render` imports the operator package, and only when run, so
+the command works in the operator image (no torch) and in the worker image alike. Every bad
+input exits 2 with a message naming the flag or field, never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from dsv4_common.core.layout import LayoutError
-from dsv4_common.core.model import ModelConfigError
+from dsv4_common.core.gpus import GPU_TYPE_NAMES, gpu_type
+from dsv4_common.core.model import ModelConfig, ModelConfigError
 from dsv4_common.core.presets import PRESETS, load_model_config
-from dsv4_common.plan.inputs import GIB, ROLES, PlanError, PlanInputs
+from dsv4_common.core.units import GIB
+from dsv4_common.plan.inputs import DEFAULT_MEM_FRACTION, ROLES, PlanError, PlanInputs
 from dsv4_common.plan.planner import plan
 from dsv4_common.plan.report import format_table, plan_to_dict
 
 
-def _bounded(kind: type[int] | type[float], minimum: float, *, inclusive: bool) -> Any:
-    """An argparse type: parse `kind` and require value >= minimum (or > when not inclusive)."""
+def _bounded(
+    kind: type[int] | type[float],
+    minimum: float,
+    *,
+    inclusive: bool,
+    maximum: float | None = None,
+) -> Any:
+    """An argparse type: parse `kind`, require a finite value >= minimum (> when not
+    inclusive) and <= maximum."""
     noun = "an integer" if kind is int else "a number"
     bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
 
@@ -26,16 +42,40 @@ def _bounded(kind: type[int] | type[float], minimum: float, *, inclusive: bool) 
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
         if not (value >= minimum if inclusive else value > minimum):
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value:g}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be <= {maximum:g}, got {value:g}")
         return value
 
     return parse
 
 
-_positive_int = _bounded(int, 1, inclusive=True)
-_non_negative_int = _bounded(int, 0, inclusive=True)
-_positive_float = _bounded(float, 0, inclusive=False)
+# Far above any device or deployment; low enough that byte arithmetic stays exact.
+MAX_GPU_MEMORY_GIB = 1 << 20
+MAX_COUNT = 1 << 40
+_positive_int = _bounded(int, 1, inclusive=True, maximum=MAX_COUNT)
+_non_negative_int = _bounded(int, 0, inclusive=True, maximum=MAX_COUNT)
+_gpu_memory_gib = _bounded(float, 0, inclusive=False, maximum=MAX_GPU_MEMORY_GIB)
+_fraction = _bounded(float, 0, inclusive=False, maximum=1)
+
+# PlanInputs fields -> the flag that sets them (errors name the flag).
+PLAN_FLAGS: dict[str, str] = {
+    "role": "--role",
+    "gpu_memory_bytes": "--gpu/--gpu-memory-gib",
+    "pp_size": "--pp",
+    "tp_size": "--tp",
+    "mem_fraction": "--mem-fraction",
+    "speculative_draft_tokens": "--speculative-draft-tokens",
+    "page_size": "--page-size",
+    "chunked_prefill_tokens": "--chunked-prefill-size",
+    "max_running_requests": "--max-running-requests",
+    "swa_ratio": "--swa-ratio",
+    "context_len": "--context-len",
+    "layer_split": "--layer-split",
+}
 
 
 def _layer_split(text: str) -> tuple[int, ...]:
@@ -61,21 +101,26 @@ def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--role", choices=ROLES, default="colocated")
     p.add_argument("--pp", type=_positive_int, default=1, help="pipeline-parallel size")
     p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size")
-    p.add_argument(
+    gpu = p.add_mutually_exclusive_group(required=True)
+    gpu.add_argument(
+        "--gpu",
+        choices=GPU_TYPE_NAMES,
+        help="device type: its memory as the device reports it (h200: 143,771 MiB = 140.4 GiB)",
+    )
+    gpu.add_argument(
         "--gpu-memory-gib",
-        type=_positive_float,
-        required=True,
-        help="memory per device in GiB (H200: 141 GB = 131.3 GiB)",
+        type=_gpu_memory_gib,
+        help="memory per device in GiB, for a device without a --gpu type",
     )
     p.add_argument(
         "--mem-fraction",
-        type=_positive_float,
-        default=0.9,
+        type=_fraction,
+        default=DEFAULT_MEM_FRACTION,
         help="fraction of device memory for weights + KV (rest: activations)",
     )
     p.add_argument(
         "--swa-ratio",
-        type=_positive_float,
+        type=_fraction,
         default=None,
         help="SWA tokens per full token; default: sized from what the role needs",
     )
@@ -133,12 +178,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _gpu_memory_bytes(args: argparse.Namespace) -> int:
+    if args.gpu is not None:
+        return gpu_type(args.gpu).memory_bytes
+    return int(args.gpu_memory_gib * GIB)
+
+
 def _run_plan(args: argparse.Namespace) -> int:
-    model = load_model_config(args.model)
-    inputs = PlanInputs(
+    try:
+        model = load_model_config(args.model)
+    except ModelConfigError as exc:
+        raise _Usage(f"--model: {exc}") from exc
+    try:
+        result = plan(_plan_inputs(args, model))
+    except PlanError as exc:
+        flag = PLAN_FLAGS.get(exc.input_name or "")
+        raise _Usage(f"{flag}: {exc}" if flag else str(exc)) from exc
+    _write(json.dumps(plan_to_dict(result), indent=2) if args.json else format_table(result))
+    return 0
+
+
+def _plan_inputs(args: argparse.Namespace, model: ModelConfig) -> PlanInputs:
+    return PlanInputs(
         model=model,
         role=args.role,
-        gpu_memory_bytes=int(args.gpu_memory_gib * GIB),
+        gpu_memory_bytes=_gpu_memory_bytes(args),
         pp_size=args.pp,
         layer_split=args.layer_split,
         tp_size=args.tp,
@@ -150,43 +214,57 @@ def _run_plan(args: argparse.Namespace) -> int:
         speculative_draft_tokens=args.speculative_draft_tokens,
         context_len=args.context_len,
     )
-    result = plan(inputs)
-    if args.json:
-        print(json.dumps(plan_to_dict(result), indent=2))
-    else:
-        print(format_table(result))
-    return 0
 
 
 def _run_render(args: argparse.Namespace) -> int:
-    # The only place the worker package reaches into the operator, and only when asked.
-    from pathlib import Path
-
+    try:
+        from dsv4_operator.render import render_file
+    except ImportError as exc:
+        raise _Usage(
+            f"needs the operator package ({exc}): pip install 'dsv4-serve[operator]'"
+        ) from exc
     import yaml
 
     from dsv4_common.api.deployment import MemoryPlanError
     from dsv4_common.api.spec import SpecError
-    from dsv4_operator.render import render_file
 
     try:
-        sys.stdout.write(render_file(Path(args.file), namespace=args.namespace))
-    except (SpecError, MemoryPlanError, OSError, yaml.YAMLError) as exc:
-        print(f"dsv4 render: error: {exc}", file=sys.stderr)
-        return 2
+        text = render_file(Path(args.file), namespace=args.namespace)
+    except (SpecError, MemoryPlanError, yaml.YAMLError) as exc:
+        raise _Usage(str(exc)) from exc
+    except OSError as exc:
+        raise _Usage(f"{args.file}: {exc.strerror or exc}") from exc
+    _write(text, newline=False)
     return 0
+
+
+class _Usage(Exception):
+    """A bad input: printed as `dsv4 <command>: error: ...`, exit code 2."""
+
+
+def _write(text: str, *, newline: bool = True) -> None:
+    sys.stdout.write(text + ("\n" if newline else ""))
+    sys.stdout.flush()
+
+
+# Exit code of a process killed by SIGPIPE, as shells report it (`yes | head -1`).
+EXIT_BROKEN_PIPE = 128 + 13
+
+COMMANDS = {"plan": _run_plan, "render": _run_render}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "plan":
-            return _run_plan(args)
-        if args.command == "render":
-            return _run_render(args)
-    except (PlanError, LayoutError, ModelConfigError) as exc:
+        return COMMANDS[args.command](args)
+    except _Usage as exc:
         print(f"dsv4 {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    raise AssertionError(f"unhandled command {args.command}")
+    except BrokenPipeError:
+        # The reader went away (`dsv4 plan --json | head -1`): stop quietly, as Unix tools do.
+        # Point stdout at /dev/null so the interpreter's final flush cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

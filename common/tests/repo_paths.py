@@ -1,4 +1,4 @@
-"""Paths into the repository that tests read (on `pythonpath` via pyproject: `import repo_paths`)."""
+"""Paths into the repository that tests read (`import repo_paths`: on pytest's pythonpath)."""
 
 from __future__ import annotations
 

@@ -35,8 +35,13 @@ PREDICATES: dict[tuple[str, str], Callable[[Any], bool]] = {
     ),
     (
         "spec",
-        "self.gpu.memoryGiB > 0.0 || (has(self.model.preset) && self.model.preset == 'tiny')",
-    ): lambda s: s["gpu"]["memoryGiB"] > 0 or s["model"].get("preset") == "tiny",
+        "has(self.gpu.type) || self.gpu.memoryGiB > 0.0 || (has(self.model.preset) "
+        "&& (self.model.preset == 'tiny' || self.model.preset == 'hybrid-tiny'))",
+    ): lambda s: (
+        "type" in s["gpu"]
+        or s["gpu"]["memoryGiB"] > 0
+        or s["model"].get("preset") in ("tiny", "hybrid-tiny")
+    ),
     (
         "spec",
         "self.prefill.tensorParallel == (self.gpu.perPod > 0 ? self.gpu.perPod : 1)",
@@ -48,11 +53,11 @@ PREDICATES: dict[tuple[str, str], Callable[[Any], bool]] = {
     ("spec.model", "has(self.preset) != has(self.configPath)"): lambda m: (
         ("preset" in m) != ("configPath" in m)
     ),
-    ("spec.gpu", "self.memoryGiB > 0.0 || self.perPod == 0"): lambda g: (
-        g["memoryGiB"] > 0 or g["perPod"] == 0
+    ("spec.gpu", "has(self.type) || self.memoryGiB > 0.0 || self.perPod == 0"): lambda g: (
+        "type" in g or g["memoryGiB"] > 0 or g["perPod"] == 0
     ),
-    ("spec.gpu", "self.memoryGiB == 0.0 || self.perPod > 0"): lambda g: (
-        g["memoryGiB"] == 0 or g["perPod"] > 0
+    ("spec.gpu", "(!has(self.type) && self.memoryGiB == 0.0) || self.perPod > 0"): lambda g: (
+        ("type" not in g and g["memoryGiB"] == 0) or g["perPod"] > 0
     ),
     ("spec.resources", "!has(self.limits) || !('nvidia.com/gpu' in self.limits)"): lambda r: (
         "nvidia.com/gpu" not in r.get("limits", {})

@@ -15,11 +15,12 @@ from dsv4_common.api.names import WORKER_ROLES, WorkerRole
 from dsv4_common.api.spec import DeploymentSpec
 from dsv4_common.core.model import ModelConfig, ModelConfigError
 from dsv4_common.core.presets import load_model_config
-from dsv4_common.plan.inputs import DEFAULT_MEM_FRACTION, GIB, PlanError, PlanInputs
+from dsv4_common.core.units import GIB
+from dsv4_common.plan.inputs import DEFAULT_MEM_FRACTION, PlanError, PlanInputs
 from dsv4_common.plan.planner import Plan, plan
 
-# CPU mode (gpu.memoryGiB 0, tiny model): each worker pod plans its pools as if it had a
-# device of this size. Worker pods get a memory limit above it (see manifests).
+# CPU mode (no gpu.type, gpu.memoryGiB 0, a CPU preset): each worker pod plans its pools as if
+# it had a device of this size. Worker pods get a memory limit above it (see manifests).
 CPU_MODE_MEMORY_BYTES: Final = 1 * GIB
 
 
@@ -67,7 +68,7 @@ class MemoryPlan:
             why = f"{role} PP rank {rank} holds at most {largest} full-KV tokens"
             fix = (
                 f"lower maxContextTokens to at most {largest}, or add memory per rank: more "
-                f"{role}.pipelineParallel, a larger gpu.memoryGiB or memFraction"
+                f"{role}.pipelineParallel, a larger GPU (gpu.type or gpu.memoryGiB) or memFraction"
             )
         return (
             f"maxContextTokens {self.requested_context_tokens} does not fit: {why}; the largest "
@@ -76,9 +77,8 @@ class MemoryPlan:
 
 
 def device_memory_bytes(spec: DeploymentSpec) -> int:
-    if spec.gpu.cpu_mode:
-        return CPU_MODE_MEMORY_BYTES
-    return int(spec.gpu.memory_gib * GIB)
+    memory = spec.gpu.memory_bytes
+    return CPU_MODE_MEMORY_BYTES if memory is None else memory
 
 
 def plan_inputs(spec: DeploymentSpec, role: WorkerRole, model: ModelConfig) -> PlanInputs:
@@ -115,6 +115,26 @@ def load_model(spec: DeploymentSpec) -> ModelConfig:
         raise MemoryPlanError(f"{field}: {exc}{hint}") from exc
 
 
+# PlanInputs fields -> the spec field that sets them ({role} filled in).
+_SPEC_FIELDS: Final[dict[str, str]] = {
+    "tp_size": "spec.{role}.tensorParallel",
+    "pp_size": "spec.{role}.pipelineParallel",
+    "max_running_requests": "spec.{role}.maxRunningRequests",
+    "chunked_prefill_tokens": "spec.{role}.chunkedPrefillTokens",
+    "page_size": "spec.kv.pageSize",
+    "swa_ratio": "spec.kv.swaRatio",
+    "mem_fraction": "spec.memFraction",
+    "speculative_draft_tokens": "spec.speculativeDraftTokens",
+    "context_len": "spec.maxContextTokens",
+    "gpu_memory_bytes": "spec.gpu",
+}
+
+
+def spec_field(role: WorkerRole, input_name: str | None) -> str:
+    """The spec field behind a planner input (`spec.<role>` when there is no single one)."""
+    return _SPEC_FIELDS.get(input_name or "", "spec.{role}").format(role=role)
+
+
 def plan_memory(spec: DeploymentSpec) -> MemoryPlan:
     """Plan both roles. Raises MemoryPlanError when a role cannot be planned at all."""
     model = load_model(spec)
@@ -123,7 +143,7 @@ def plan_memory(spec: DeploymentSpec) -> MemoryPlan:
         try:
             plans[role] = plan(plan_inputs(spec, role, model))
         except PlanError as exc:
-            raise MemoryPlanError(f"spec.{role}: {exc}") from exc
+            raise MemoryPlanError(f"{spec_field(role, exc.input_name)}: {exc}") from exc
     return MemoryPlan(
         requested_context_tokens=spec.max_context_tokens,
         model_context_tokens=model.max_position_embeddings,

@@ -29,6 +29,8 @@ from dsv4_common.api.names import (
     WorkerRole,
     name_error,
 )
+from dsv4_common.core.gpus import GPU_TYPE_NAMES, gpu_type
+from dsv4_common.core.units import GIB
 
 __all__ = ["DeploymentMeta", "DeploymentSpec", "SpecError", "parse_meta", "parse_spec"]
 
@@ -58,12 +60,21 @@ class ModelSpec:
 
 @dataclass(frozen=True, slots=True)
 class GpuSpec:
-    memory_gib: float = 0.0
+    type: str | None = None  # a named GPU type (its memory as the device reports it)
+    memory_gib: float = 0.0  # explicit memory per device; overrides the type's; 0 = unset
     per_pod: int = 0
 
     @property
     def cpu_mode(self) -> bool:
-        return self.memory_gib == 0
+        """No device: neither a type nor a memory size."""
+        return self.type is None and self.memory_gib == 0
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """Memory per device (None in CPU mode): memoryGiB when set, else the type's."""
+        if self.memory_gib > 0:
+            return int(self.memory_gib * GIB)
+        return gpu_type(self.type).memory_bytes if self.type is not None else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,9 +186,10 @@ def parse_spec(body: Mapping[str, Any]) -> DeploymentSpec:
     # Cross-field rules (the CRD's CEL rules say the same).
     if model is not None and gpu.cpu_mode and model.preset not in CPU_PRESETS:
         r.fail(
-            "spec.gpu.memoryGiB",
-            f"0 (CPU mode) runs only model.preset {sorted(CPU_PRESETS)}: set gpu.memoryGiB "
-            "and gpu.perPod for this model",
+            "spec.gpu.type",
+            f"required for this model: CPU mode (no gpu.type, gpu.memoryGiB 0) runs only model.preset "
+            f"{sorted(CPU_PRESETS)}: set gpu.type (or gpu.memoryGiB) and gpu.perPod for this "
+            "model",
         )
     expected_tp = gpu.per_pod if gpu.per_pod > 0 else 1
     for role, role_spec in roles.items():
@@ -231,16 +243,21 @@ def _model(r: FieldReader, raw: object) -> ModelSpec | None:
 
 def _gpu(r: FieldReader, raw: object) -> GpuSpec:
     g = r.obj(raw, "spec.gpu")
-    r.keys(g, "spec.gpu", {"memoryGiB", "perPod"})
+    r.keys(g, "spec.gpu", {"type", "memoryGiB", "perPod"})
+    kind = r.string(g, "type", "spec.gpu", enum=GPU_TYPE_NAMES)
     memory = r.number(g, "memoryGiB", "spec.gpu", 0.0, 1024.0)
     per_pod = r.integer(g, "perPod", "spec.gpu", 0, 0, 16)
     memory = 0.0 if memory is None else memory
     per_pod = 0 if per_pod is None else per_pod
-    if memory == 0 and per_pod != 0:
-        r.fail("spec.gpu.perPod", f"must be 0 in CPU mode (gpu.memoryGiB 0), got {per_pod}")
-    if memory > 0 and per_pod == 0:
-        r.fail("spec.gpu.perPod", "must be > 0 when gpu.memoryGiB > 0")
-    return GpuSpec(memory_gib=memory, per_pod=per_pod)
+    gpu = GpuSpec(type=kind, memory_gib=memory, per_pod=per_pod)
+    if gpu.cpu_mode and per_pod != 0:
+        r.fail(
+            "spec.gpu.perPod",
+            f"must be 0 in CPU mode (no gpu.type and gpu.memoryGiB 0), got {per_pod}",
+        )
+    if not gpu.cpu_mode and per_pod == 0:
+        r.fail("spec.gpu.perPod", "must be > 0 when gpu.type or gpu.memoryGiB is set")
+    return gpu
 
 
 def _kv(r: FieldReader, raw: object) -> KVSpec:

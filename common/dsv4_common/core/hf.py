@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from dsv4_common.core.model import (
+    MAX_LAYERS,
     DSV4Config,
     HybridSWAConfig,
+    LayerType,
     ModelConfig,
     ModelConfigError,
     WeightShape,
@@ -50,10 +52,12 @@ def _get(raw: Mapping[str, Any], key: str, default: Any = None) -> Any:
     return default
 
 
-def _int(raw: Mapping[str, Any], key: str, default: int | None = None) -> int:
+def _int(raw: Mapping[str, Any], key: str, default: int | None = None, minimum: int = 0) -> int:
     value = _get(raw, key, default)
     if not isinstance(value, int) or isinstance(value, bool):
         raise ModelConfigError(f"config.json field '{key}' must be an integer, got {value!r}")
+    if value < minimum:
+        raise ModelConfigError(f"config.json field '{key}' must be >= {minimum}, got {value}")
     return value
 
 
@@ -76,7 +80,9 @@ def _weights_from_hf(raw: Mapping[str, Any], quantized_experts: bool) -> WeightS
 
 def _dsv4_from_hf(raw: Mapping[str, Any], name: str) -> DSV4Config:
     ratios = _get(raw, "compress_ratios")
-    if not isinstance(ratios, list) or not all(isinstance(r, int) for r in ratios):
+    if not isinstance(ratios, list) or not all(
+        isinstance(r, int) and not isinstance(r, bool) for r in ratios
+    ):
         raise ModelConfigError("config.json field 'compress_ratios' must be a list of integers")
     kv_dtype = str(raw.get("kv_cache_dtype", "fp8_e4m3"))
     if kv_dtype not in ("fp8_e4m3", "bf16", "fp32"):
@@ -105,26 +111,59 @@ def _dsv4_from_hf(raw: Mapping[str, Any], name: str) -> DSV4Config:
 
 
 def _hybrid_from_hf(raw: Mapping[str, Any], name: str) -> HybridSWAConfig:
-    n_layers = _int(raw, "num_hidden_layers")
+    n_layers = _int(raw, "num_hidden_layers", minimum=1)
+    if n_layers > MAX_LAYERS:
+        raise ModelConfigError(
+            f"config.json field 'num_hidden_layers' must be <= {MAX_LAYERS}, got {n_layers}"
+        )
     if "layer_types" in raw:
-        types = raw["layer_types"]
-        if not isinstance(types, list):
-            raise ModelConfigError("config.json field 'layer_types' must be a list")
-        mapped = tuple("sliding" if "sliding" in str(t) else "full" for t in types)
+        mapped = _layer_types(raw["layer_types"], n_layers)
     else:
-        pattern = _int(raw, "sliding_window_pattern")  # every pattern-th layer is full
+        pattern = _int(raw, "sliding_window_pattern", minimum=1)  # every pattern-th layer is full
         mapped = tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(n_layers))
-    heads = _int(raw, "num_attention_heads")
-    head_dim = _int(raw, "head_dim", _int(raw, "hidden_size") // heads)
+    heads = _int(raw, "num_attention_heads", minimum=1)
+    if "head_dim" in raw:
+        head_dim = _int(raw, "head_dim", minimum=1)
+    else:
+        hidden = _int(raw, "hidden_size", minimum=1)
+        head_dim = hidden // heads
+        if head_dim < 1:
+            raise ModelConfigError(
+                f"config.json: hidden_size {hidden} / num_attention_heads {heads} gives a head "
+                "dimension of 0: set head_dim"
+            )
     return HybridSWAConfig(
         name=name,
-        layer_types=mapped,  # type: ignore[arg-type]
-        window_tokens=_int(raw, "sliding_window"),
-        num_key_value_heads=_int(raw, "num_key_value_heads", heads),
+        layer_types=mapped,
+        window_tokens=_int(raw, "sliding_window", minimum=1),
+        num_key_value_heads=_int(raw, "num_key_value_heads", heads, minimum=1),
         head_dim=head_dim,
         v_head_dim=head_dim,
         kv_dtype="bf16",
         weights=_weights_from_hf(raw, quantized_experts=False),
-        max_position_embeddings=_int(raw, "max_position_embeddings", 8192),
+        max_position_embeddings=_int(raw, "max_position_embeddings", 8192, minimum=1),
         num_nextn_predict_layers=_int(raw, "num_nextn_predict_layers", 0),
     )
+
+
+def _layer_types(types: object, n_layers: int) -> tuple[LayerType, ...]:
+    """HF `layer_types` ("sliding_attention", "full_attention", ...) -> "sliding" | "full"."""
+    if not isinstance(types, list):
+        raise ModelConfigError("config.json field 'layer_types' must be a list")
+    if len(types) != n_layers:
+        raise ModelConfigError(
+            f"config.json field 'layer_types' has {len(types)} entries but num_hidden_layers "
+            f"is {n_layers}"
+        )
+    mapped: list[LayerType] = []
+    for i, t in enumerate(types):
+        if isinstance(t, str) and "sliding" in t:
+            mapped.append("sliding")
+        elif isinstance(t, str) and "full" in t:
+            mapped.append("full")
+        else:
+            raise ModelConfigError(
+                f"config.json field 'layer_types[{i}]' must name sliding or full attention "
+                f"(e.g. 'sliding_attention', 'full_attention'), got {t!r}"
+            )
+    return tuple(mapped)

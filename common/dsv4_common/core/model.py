@@ -15,6 +15,7 @@ from typing import Literal
 KVDtype = Literal["fp8_e4m3", "bf16", "fp32"]
 StateDtype = Literal["fp32", "bf16"]
 IndexerDtype = Literal["fp8", "fp4", "bf16"]
+LayerType = Literal["full", "sliding"]
 
 DTYPE_BYTES: Mapping[str, int] = {
     "fp32": 4,
@@ -25,6 +26,11 @@ DTYPE_BYTES: Mapping[str, int] = {
     "uint8": 1,
 }
 ALLOWED_RATIOS = frozenset({0, 4, 16, 128})
+# Sanity bound on every count and dimension: far above any real model, low enough that the
+# planner's arithmetic (bytes = products of a few of these) stays exact and finite.
+MAX_DIM = 1 << 24
+MAX_LAYERS = 4096
+MAX_POSITIONS = 1 << 30
 
 
 class ModelConfigError(ValueError):
@@ -48,6 +54,26 @@ class WeightShape:
     expert_bytes_per_param: float = 2.0  # DSV4 checkpoints: FP4 experts + block scales
     dense_bytes_per_param: float = 2.0  # attention / dense MLP / shared experts
     embedding_bytes_per_param: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name, minimum in (
+            ("hidden_size", 1),
+            ("vocab_size", 1),
+            ("num_attention_heads", 1),
+            ("intermediate_size", 0),
+            ("num_dense_layers", 0),
+            ("num_routed_experts", 0),
+            ("num_shared_experts", 0),
+            ("moe_intermediate_size", 0),
+            ("q_lora_rank", 0),
+            ("o_lora_rank", 0),
+        ):
+            _require_int(name, getattr(self, name), minimum, MAX_DIM)
+        _require(
+            self.num_routed_experts == 0 or self.moe_intermediate_size >= 1,
+            "moe_intermediate_size",
+            f"must be >= 1 with {self.num_routed_experts} routed experts",
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +101,18 @@ class DSV4Config:
     family: Literal["dsv4"] = field(default="dsv4", init=False)
 
     def __post_init__(self) -> None:
-        _require(self.num_hidden_layers >= 1, "num_hidden_layers", "must be >= 1")
-        _require(self.num_nextn_predict_layers >= 0, "num_nextn_predict_layers", "must be >= 0")
+        _require_int("num_hidden_layers", self.num_hidden_layers, 1, MAX_LAYERS)
+        _require_int("num_nextn_predict_layers", self.num_nextn_predict_layers, 0, 16)
+        for name, minimum in (
+            ("qk_nope_head_dim", 1),
+            ("qk_rope_head_dim", 0),
+            ("index_head_dim", 1),
+            ("index_n_heads", 1),
+            ("index_topk", 1),
+        ):
+            _require_int(name, getattr(self, name), minimum, MAX_DIM)
+        _require_int("window_size", self.window_tokens, 1, MAX_DIM)
+        _require_int("max_position_embeddings", self.max_position_embeddings, 1, MAX_POSITIONS)
         n_ratios = len(self.compress_ratios)
         lo, hi = self.num_hidden_layers, self.num_hidden_layers + self.num_nextn_predict_layers
         _require(
@@ -91,10 +127,14 @@ class DSV4Config:
             "compress_ratios",
             "MTP (tail) entries must be 0: draft layers keep only a window",
         )
-        _require(self.window_tokens >= 1, "window_size", "must be >= 1")
         _require(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", "must be even")
-        _require(self.index_head_dim >= 1, "index_head_dim", "must be >= 1")
-        _require(self.kv_page_align_bytes >= 1, "kv_page_align_bytes", "must be >= 1")
+        _require_int("kv_page_align_bytes", self.kv_page_align_bytes, 1, MAX_DIM)
+        _require(
+            self.weights.num_dense_layers <= self.num_hidden_layers,
+            "first_k_dense_replace",
+            f"is {self.weights.num_dense_layers}, more than the "
+            f"{self.num_hidden_layers} layers (num_hidden_layers)",
+        )
 
     @property
     def head_dim(self) -> int:
@@ -119,7 +159,7 @@ class HybridSWAConfig:
     """Generic hybrid model: interleaved full-attention and sliding-window MHA/GQA layers."""
 
     name: str
-    layer_types: tuple[Literal["full", "sliding"], ...]
+    layer_types: tuple[LayerType, ...]
     window_tokens: int
     num_key_value_heads: int
     head_dim: int
@@ -132,10 +172,25 @@ class HybridSWAConfig:
 
     def __post_init__(self) -> None:
         _require(len(self.layer_types) >= 1, "layer_types", "must list at least one layer")
+        _require(
+            len(self.layer_types) <= MAX_LAYERS,
+            "num_hidden_layers",
+            f"must be <= {MAX_LAYERS}, got {len(self.layer_types)}",
+        )
         bad = sorted({t for t in self.layer_types if t not in ("full", "sliding")})
         _require(not bad, "layer_types", f"values {bad} not in ['full', 'sliding']")
-        _require(self.window_tokens >= 1, "sliding_window", "must be >= 1")
-        _require(self.num_key_value_heads >= 1, "num_key_value_heads", "must be >= 1")
+        _require_int("sliding_window", self.window_tokens, 1, MAX_DIM)
+        _require_int("num_key_value_heads", self.num_key_value_heads, 1, MAX_DIM)
+        _require_int("head_dim", self.head_dim, 1, MAX_DIM)
+        _require_int("v_head_dim", self.v_head_dim, 1, MAX_DIM)
+        _require_int("max_position_embeddings", self.max_position_embeddings, 1, MAX_POSITIONS)
+        _require_int("num_nextn_predict_layers", self.num_nextn_predict_layers, 0, 16)
+        heads = self.weights.num_attention_heads
+        _require(
+            heads % self.num_key_value_heads == 0,
+            "num_key_value_heads",
+            f"({self.num_key_value_heads}) must divide num_attention_heads ({heads})",
+        )
 
     @property
     def num_hidden_layers(self) -> int:
@@ -148,3 +203,13 @@ ModelConfig = DSV4Config | HybridSWAConfig
 def _require(ok: bool, field_name: str, message: str) -> None:
     if not ok:
         raise ModelConfigError(f"model config field '{field_name}' {message}")
+
+
+def _require_int(field_name: str, value: int, minimum: int, maximum: int) -> None:
+    _require(
+        isinstance(value, int) and not isinstance(value, bool),
+        field_name,
+        f"must be an integer, got {value!r}",
+    )
+    _require(value >= minimum, field_name, f"must be >= {minimum}, got {value}")
+    _require(value <= maximum, field_name, f"must be <= {maximum}, got {value}")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from dsv4_common.core.index_space import pages_for_tokens
 from dsv4_common.core.layout import IndexSpace, KVLayout
+from dsv4_common.core.units import format_bytes
 from dsv4_common.plan.inputs import PlanError, Role
 
 
@@ -89,8 +90,8 @@ def solve_rank(
     budget = available_bytes - fixed
     if budget <= 0:
         raise PlanError(
-            f"PP rank {pp_rank}: {max_running} request slots need {fixed / 2**20:.1f} MiB of "
-            f"request state, but only {available_bytes / 2**20:.1f} MiB is left for KV after "
+            f"PP rank {pp_rank}: {max_running} request slots need {format_bytes(fixed)} of "
+            f"request state, but only {format_bytes(available_bytes)} is left for KV after "
             "weights: lower max_running_requests, raise gpu memory / mem_fraction, or add PP ranks"
         )
     if swa_ratio is None:

@@ -9,7 +9,6 @@ from dsv4_common.core.model import DSV4Config, ModelConfig
 
 Role = Literal["colocated", "prefill", "decode"]
 ROLES: tuple[Role, ...] = ("colocated", "prefill", "decode")
-GIB = 1 << 30
 
 DEFAULT_MEM_FRACTION = 0.9
 # Auto max_running_requests: enough request slots that the full pool is used when the average
@@ -19,7 +18,14 @@ AUTO_MAX_RUNNING_CAP: dict[Role, int] = {"colocated": 1024, "decode": 1024, "pre
 
 
 class PlanError(ValueError):
-    """A deployment that cannot work; the message names the limit and the setting to change."""
+    """A deployment that cannot work; the message names the limit and the setting to change.
+
+    `input_name` is the PlanInputs field at fault when there is one (the CLI and the CR
+    parser translate it to their flag or spec field)."""
+
+    def __init__(self, message: str, input_name: str | None = None) -> None:
+        super().__init__(message)
+        self.input_name = input_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,40 +47,44 @@ class PlanInputs:
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
-            raise PlanError(f"role={self.role!r} must be one of {list(ROLES)}")
-        checks: list[tuple[bool, str]] = [
-            (self.gpu_memory_bytes > 0, f"gpu_memory={self.gpu_memory_bytes} B must be > 0"),
-            (self.pp_size >= 1, f"pp_size={self.pp_size} must be >= 1"),
-            (self.tp_size >= 1, f"tp_size={self.tp_size} must be >= 1"),
-            (0 < self.mem_fraction <= 1, f"mem_fraction={self.mem_fraction} must be in (0, 1]"),
-            (
-                self.speculative_draft_tokens >= 0,
-                f"speculative_draft_tokens={self.speculative_draft_tokens} must be >= 0",
-            ),
-            (
-                self.page_size is None or self.page_size >= 1,
-                f"page_size={self.page_size} must be >= 1",
-            ),
+            raise PlanError(f"role={self.role!r} must be one of {list(ROLES)}", "role")
+        checks: list[tuple[bool, str, str]] = [
+            (self.gpu_memory_bytes > 0, "gpu_memory_bytes", "must be > 0"),
+            (self.pp_size >= 1, "pp_size", "must be >= 1"),
+            (self.tp_size >= 1, "tp_size", "must be >= 1"),
+            (0 < self.mem_fraction <= 1, "mem_fraction", "must be in (0, 1]"),
+            (self.speculative_draft_tokens >= 0, "speculative_draft_tokens", "must be >= 0"),
+            (self.page_size is None or self.page_size >= 1, "page_size", "must be >= 1"),
             (
                 self.chunked_prefill_tokens is None or self.chunked_prefill_tokens >= 1,
-                f"chunked_prefill_tokens={self.chunked_prefill_tokens} must be >= 1",
+                "chunked_prefill_tokens",
+                "must be >= 1",
             ),
             (
                 self.max_running_requests is None or self.max_running_requests >= 1,
-                f"max_running_requests={self.max_running_requests} must be >= 1",
+                "max_running_requests",
+                "must be >= 1",
             ),
-            (
-                self.swa_ratio is None or 0 < self.swa_ratio <= 1,
-                f"swa_ratio={self.swa_ratio} must be in (0, 1]",
-            ),
-            (
-                self.context_len is None or self.context_len >= 1,
-                f"context_len={self.context_len} must be >= 1",
-            ),
+            (self.swa_ratio is None or 0 < self.swa_ratio <= 1, "swa_ratio", "must be in (0, 1]"),
+            (self.context_len is None or self.context_len >= 1, "context_len", "must be >= 1"),
         ]
-        for ok, message in checks:
+        for ok, name, message in checks:
             if not ok:
-                raise PlanError(message)
+                raise PlanError(f"{name}={getattr(self, name)} {message}", name)
+        model_context = self.model.max_position_embeddings
+        if self.context_len is not None and self.context_len > model_context:
+            raise PlanError(
+                f"context_len={self.context_len} exceeds the model's context of {model_context} "
+                "tokens (max_position_embeddings)",
+                "context_len",
+            )
+        heads = self.model.weights.num_attention_heads
+        if heads % self.tp_size:
+            raise PlanError(
+                f"tp_size={self.tp_size} must divide the model's {heads} attention heads "
+                f"(each tensor-parallel rank holds the same number of heads)",
+                "tp_size",
+            )
 
     @property
     def resolved_page_size(self) -> int:

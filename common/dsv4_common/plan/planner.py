@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from dsv4_common.core.index_space import pages_for_tokens
 from dsv4_common.core.layout import KVLayout, LayoutError, build_layout
+from dsv4_common.core.units import format_bytes
 from dsv4_common.plan.capacity import (
     RankCapacity,
     SwaNeed,
@@ -29,6 +30,8 @@ from dsv4_common.plan.inputs import (
     Role,
 )
 from dsv4_common.plan.weights import estimate_weight_bytes
+
+_LAYOUT_INPUTS = frozenset({"page_size", "speculative_draft_tokens"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,14 +105,20 @@ class Plan:
 def split_layers(num_layers: int, pp_size: int, split: tuple[int, ...] | None) -> list[range]:
     """Contiguous target-layer ranges per PP rank; the first `num_layers % pp` get one more."""
     if pp_size > num_layers:
-        raise PlanError(f"pp_size={pp_size} exceeds the model's {num_layers} target layers")
+        raise PlanError(
+            f"pp_size={pp_size} exceeds the model's {num_layers} target layers", "pp_size"
+        )
     if split is None:
         base, extra = divmod(num_layers, pp_size)
         split = tuple(base + (1 if i < extra else 0) for i in range(pp_size))
     if len(split) != pp_size:
-        raise PlanError(f"layer_split has {len(split)} entries but pp_size={pp_size}")
+        raise PlanError(
+            f"layer_split has {len(split)} entries but pp_size={pp_size}", "layer_split"
+        )
     if any(n < 1 for n in split):
-        raise PlanError(f"layer_split={list(split)}: every PP rank needs at least one layer")
+        raise PlanError(
+            f"layer_split={list(split)}: every PP rank needs at least one layer", "layer_split"
+        )
     if sum(split) != num_layers:
         raise PlanError(
             f"layer_split={list(split)} sums to {sum(split)}, the model has {num_layers} layers"
@@ -128,7 +137,8 @@ def plan(inputs: PlanInputs) -> Plan:
     try:
         full_layout = build_layout(model, page, draft, inputs.tp_size)
     except LayoutError as exc:
-        raise PlanError(str(exc)) from exc
+        setting = str(exc).split("=", 1)[0]  # layout errors open with the setting at fault
+        raise PlanError(str(exc), setting if setting in _LAYOUT_INPUTS else None) from exc
     ranges = split_layers(model.num_hidden_layers, inputs.pp_size, inputs.layer_split)
     if inputs.weight_bytes_per_rank is not None and len(inputs.weight_bytes_per_rank) != len(
         ranges
@@ -160,8 +170,8 @@ def plan(inputs: PlanInputs) -> Plan:
         available = usable - weights
         if available <= 0:
             raise PlanError(
-                f"PP rank {rank}: weights need {weights / 2**30:.1f} GiB per GPU but only "
-                f"{usable / 2**30:.1f} GiB is usable (gpu memory x mem_fraction "
+                f"PP rank {rank}: weights need {format_bytes(weights)} per GPU but only "
+                f"{format_bytes(usable)} is usable (gpu memory x mem_fraction "
                 f"{inputs.mem_fraction}); raise tp_size or pp_size"
             )
         need = swa_need(layout, inputs.role, inputs.resolved_chunk_tokens)

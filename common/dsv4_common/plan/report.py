@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dsv4_common.core.units import GIB, MIB, format_bytes
 from dsv4_common.plan.planner import Plan, RankPlan
-
-MIB = 1 << 20
-GIB = 1 << 30
 
 
 def rank_to_dict(r: RankPlan) -> dict[str, Any]:
@@ -59,10 +57,6 @@ def plan_to_dict(p: Plan) -> dict[str, Any]:
     }
 
 
-def _size(num_bytes: int) -> str:
-    return f"{num_bytes / GIB:.1f} GiB" if num_bytes >= GIB else f"{num_bytes / MIB:.1f} MiB"
-
-
 _COLUMNS = (
     ("rank", 4),
     ("layers", 9),
@@ -84,7 +78,7 @@ def format_table(p: Plan) -> str:
     head = (
         f"{i.model.name}  role={i.role}  PP={i.pp_size}  TP={i.tp_size}  "
         f"page={i.resolved_page_size}  draft={i.speculative_draft_tokens}  "
-        f"gpu={_size(i.gpu_memory_bytes)} x {i.mem_fraction}"
+        f"gpu={format_bytes(i.gpu_memory_bytes)} x {i.mem_fraction}"
     )
     lines = [head, "  ".join(name.rjust(width) for name, width in _COLUMNS)]
     for r in p.ranks:

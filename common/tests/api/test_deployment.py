@@ -16,7 +16,7 @@ from dsv4_common.api.deployment import (
 )
 from dsv4_common.api.spec import DeploymentSpec, parse_spec
 from dsv4_common.core.presets import load_model_config
-from dsv4_common.plan.inputs import GIB
+from dsv4_common.core.units import GIB
 from dsv4_common.plan.planner import plan
 
 
@@ -84,14 +84,24 @@ def test_context_beyond_the_model_is_reported_with_the_model_limit() -> None:
         (flash_tp8(10, 4096), "spec.prefill: PP rank 0: weights need"),
         (
             spec_of(model={"preset": "tiny"}, maxContextTokens=4096, kv={"pageSize": 3}),
-            "spec.prefill:",
+            "spec.kv.pageSize: page_size=3 must be divisible",
         ),
         (
             spec_of(model={"preset": "tiny"}, maxContextTokens=64, decode={"pipelineParallel": 16}),
-            "spec.decode: pp_size=16 exceeds",
+            "spec.decode.pipelineParallel: pp_size=16 exceeds",
+        ),
+        (
+            spec_of(
+                model={"preset": "tiny"},
+                maxContextTokens=64,
+                gpu={"type": "h100-80gb", "perPod": 16},
+                prefill={"tensorParallel": 16},
+                decode={"tensorParallel": 16},
+            ),
+            "spec.prefill.tensorParallel: tp_size=16 must divide the model's 4 attention heads",
         ),
     ],
-    ids=["weights-do-not-fit", "page-size-not-divisible", "more-pp-ranks-than-layers"],
+    ids=["weights-do-not-fit", "page-size-not-divisible", "more-pp-ranks-than-layers", "tp-16"],
 )
 def test_plan_errors_name_the_spec_field(spec: DeploymentSpec, field: str) -> None:
     with pytest.raises(MemoryPlanError) as info:

@@ -40,7 +40,7 @@ def test_minimal_spec_gets_the_crd_defaults() -> None:
     assert spec == DeploymentSpec(
         model=spec.model,
         max_context_tokens=4096,
-        gpu=GpuSpec(0.0, 0),
+        gpu=GpuSpec(type=None, memory_gib=0.0, per_pod=0),
         kv=KVSpec(page_size=None, swa_ratio=None, transfer="nixl"),
         prefill=RoleSpec(),
         decode=RoleSpec(),
@@ -141,7 +141,7 @@ ERRORS: list[tuple[str, dict[str, Any], str]] = [
     (
         "cpu mode big model",
         {"model": {"preset": "deepseek-v4-pro"}},
-        "spec.gpu.memoryGiB: 0 (CPU mode)",
+        "spec.gpu.type: required for this model: CPU mode",
     ),
     ("prefill tp mismatch", {**GPU, "decode": {"tensorParallel": 4}}, "spec.decode.tensorParallel"),
     ("tp on cpu", {"prefill": {"tensorParallel": 2}}, "spec.prefill.tensorParallel"),

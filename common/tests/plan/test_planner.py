@@ -9,14 +9,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4_common.core.presets import deepseek_v4_flash, deepseek_v4_pro, hybrid_tiny, tiny
-from dsv4_common.plan.inputs import GIB, PlanError, PlanInputs, Role
+from dsv4_common.core.units import GIB, MIB
+from dsv4_common.plan.inputs import PlanError, PlanInputs, Role
 from dsv4_common.plan.planner import plan, split_layers
 
-MIB = 1 << 20
-# tiny, page 16 (see worker/tests/core/test_layout.py for the unit arithmetic)
+# tiny, page 16 (see common/tests/core/test_layout.py for the unit arithmetic)
 TINY_BF = 1280  # bytes per full page, 6 layers
 TINY_BS = 24_576  # bytes per SWA page
 TINY_BQ = 8192  # bytes per request slot
+# tiny with a 16K context, so the full pool (not the model's 4K) binds in the hand-computed plans.
+TINY_16K = dataclasses.replace(tiny(), max_position_embeddings=16_384)
 # Pro, page 256
 PRO_BF = 30 * 37_440 + 31 * 1_728 + 30 * 8_448
 PRO_BS = 61 * 149_760 + 30 * (65_536 + 16_384)
@@ -25,7 +27,7 @@ PRO_BQ = 31 * 524_288
 
 def tiny_inputs(role: Role, **kw: object) -> PlanInputs:
     base: dict[str, object] = dict(
-        model=tiny(),
+        model=TINY_16K,
         role=role,
         gpu_memory_bytes=MIB,
         mem_fraction=1.0,
@@ -311,7 +313,10 @@ def test_pp_ranks_share_one_request_count() -> None:
             r"no draft layer",
         ),
         (lambda: tiny_inputs("decode", mem_fraction=1.5), r"mem_fraction=1.5 must be in"),
-        (lambda: tiny_inputs("decode", gpu_memory_bytes=20 * 1024), r"request slots need .* MiB"),
+        (
+            lambda: tiny_inputs("decode", gpu_memory_bytes=20 * 1024),
+            r"4 request slots need 65.2 KiB of request state, but only 20.0 KiB is left",
+        ),
         (
             lambda: tiny_inputs("decode", gpu_memory_bytes=70_000, max_running_requests=1),
             r"no memory left for even one full page",
