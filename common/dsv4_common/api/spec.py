@@ -187,9 +187,9 @@ def parse_spec(body: Mapping[str, Any]) -> DeploymentSpec:
     if model is not None and gpu.cpu_mode and model.preset not in CPU_PRESETS:
         r.fail(
             "spec.gpu.type",
-            f"required for this model: CPU mode (no gpu.type, gpu.memoryGiB 0) runs only model.preset "
-            f"{sorted(CPU_PRESETS)}: set gpu.type (or gpu.memoryGiB) and gpu.perPod for this "
-            "model",
+            f"required for this model: CPU mode (no gpu.type, gpu.memoryGiB 0) runs only "
+            f"model.preset {sorted(CPU_PRESETS)}: set gpu.type (or gpu.memoryGiB) and "
+            "gpu.perPod for this model",
         )
     expected_tp = gpu.per_pod if gpu.per_pod > 0 else 1
     for role, role_spec in roles.items():
@@ -222,7 +222,8 @@ def _model(r: FieldReader, raw: object) -> ModelSpec | None:
     r.keys(m, path, {"preset", "configPath", "weights"})
     preset = r.string(m, "preset", path, enum=MODEL_PRESETS)
     config_path = r.string(m, "configPath", path, min_length=2, max_length=1024, pattern=_ABS_PATH)
-    if ("preset" in m) == ("configPath" in m) and isinstance(raw, Mapping):
+    # A key holding null counts as unset (as the API server prunes nulls).
+    if (m.get("preset") is None) == (m.get("configPath") is None) and isinstance(raw, Mapping):
         r.fail(path, "exactly one of model.preset and model.configPath must be set")
     weights: WeightsSpec | None = None
     if "weights" in m:

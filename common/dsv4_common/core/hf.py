@@ -52,11 +52,15 @@ def _get(raw: Mapping[str, Any], key: str, default: Any = None) -> Any:
     return default
 
 
-def _int(raw: Mapping[str, Any], key: str, default: int | None = None, minimum: int = 0) -> int:
+def _int(
+    raw: Mapping[str, Any], key: str, default: int | None = None, minimum: int | None = None
+) -> int:
+    """An integer field; bounds are the config types' to check, except `minimum`, which guards
+    arithmetic done here before the config exists."""
     value = _get(raw, key, default)
     if not isinstance(value, int) or isinstance(value, bool):
         raise ModelConfigError(f"config.json field '{key}' must be an integer, got {value!r}")
-    if value < minimum:
+    if minimum is not None and value < minimum:
         raise ModelConfigError(f"config.json field '{key}' must be >= {minimum}, got {value}")
     return value
 

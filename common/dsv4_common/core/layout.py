@@ -1,9 +1,11 @@
 """The KV layout spec: every piece of KV state of a model, described once, as data.
 
+Owns `KVLayout`, the component table of each model family (`dsv4_rows`, `hybrid_rows`), the
+geometry checks that reject a layout the allocators cannot address, and `build_layout`.
 Everything else (capacity solver, pool buffers, budgets, PD manifest, PP slicing, offload)
 derives from `KVLayout`. Pure Python, no torch.
 
-A component's rows live in one of three index spaces:
+A component's rows live in one of three index spaces, fixed by its kind (`PLACEMENT`):
 
     FULL_PAGE : `rows_per_unit` rows per full page (compressed KV, indexer keys, full-attn KV)
     SWA_PAGE  : `rows_per_unit` rows per SWA page (window KV: one row per token; DSV4 CSA
@@ -16,9 +18,10 @@ NOTE: one unit (page or request slot) of one layer occupies `unit_bytes` bytes; 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import Final, NamedTuple
 
 from dsv4_common.core.model import DTYPE_BYTES, DSV4Config, HybridSWAConfig, ModelConfig
 
@@ -38,6 +41,17 @@ class ComponentKind(StrEnum):
     INDEXER_KEYS = "indexer_keys"  # lightning-indexer key per compressed row (CSA layers)
     PAGE_RING = "page_ring"  # compressor state ring, one per SWA page (CSA layers)
     REQUEST_RING = "request_ring"  # compressor state ring, one per request (HCA layers)
+
+
+# kind -> (index space of its rows, window-bounded: window eviction frees its units).
+PLACEMENT: Final[Mapping[ComponentKind, tuple[IndexSpace, bool]]] = {
+    ComponentKind.WINDOW_KV: (IndexSpace.SWA_PAGE, True),
+    ComponentKind.FULL_KV: (IndexSpace.FULL_PAGE, False),
+    ComponentKind.COMPRESSED_KV: (IndexSpace.FULL_PAGE, False),
+    ComponentKind.INDEXER_KEYS: (IndexSpace.FULL_PAGE, False),
+    ComponentKind.PAGE_RING: (IndexSpace.SWA_PAGE, True),
+    ComponentKind.REQUEST_RING: (IndexSpace.REQ_SLOT, False),
+}
 
 
 class LayoutError(ValueError):
@@ -132,67 +146,79 @@ class KVLayout:
         return self.bytes_per_swa_page / self.page_size
 
 
+class RowStorage(NamedTuple):
+    """How one row is stored: `elems` elements of `dtype` ("uint8" for packed fp8 rows)."""
+
+    dtype: str
+    elems: int
+
+
+@dataclass(frozen=True, slots=True)
+class ComponentRow:
+    """One line of a layout table: a component before its unit bytes are worked out."""
+
+    name: str
+    kind: ComponentKind  # also fixes the index space and window-boundedness (`PLACEMENT`)
+    layer_ids: tuple[int, ...]  # empty: the component does not exist for this model
+    ratio: int  # tokens per row
+    storage: RowStorage
+    rows_per_unit: int
+    align_bytes: int = 1  # a unit's bytes are rounded up to a multiple of this
+
+    def to_component(self) -> Component:
+        elem = DTYPE_BYTES[self.storage.dtype]
+        unit = _align_up(self.rows_per_unit * self.storage.elems * elem, self.align_bytes)
+        assert unit % elem == 0, (
+            f"{self.name}: aligned unit of {unit} B is not a whole number of {self.storage.dtype}"
+        )
+        space, window_bounded = PLACEMENT[self.kind]
+        return Component(
+            name=self.name,
+            kind=self.kind,
+            index_space=space,
+            layer_ids=self.layer_ids,
+            ratio=self.ratio,
+            dtype=self.storage.dtype,
+            row_elems=self.storage.elems,
+            rows_per_unit=self.rows_per_unit,
+            unit_bytes=unit,
+            window_bounded=window_bounded,
+        )
+
+
+def components_of(rows: Iterable[ComponentRow]) -> tuple[Component, ...]:
+    """The table's components, in table order; a row without layers yields none."""
+    return tuple(row.to_component() for row in rows if row.layer_ids)
+
+
 def _align_up(n: int, align: int) -> int:
     return -(-n // align) * align
-
-
-def _make(
-    name: str,
-    kind: ComponentKind,
-    space: IndexSpace,
-    layer_ids: Iterable[int],
-    *,
-    ratio: int,
-    dtype: str,
-    row_elems: int,
-    rows_per_unit: int,
-    window_bounded: bool,
-    align_bytes: int = 1,
-) -> Component | None:
-    ids = tuple(layer_ids)
-    if not ids:
-        return None
-    elem = DTYPE_BYTES[dtype]
-    unit = _align_up(rows_per_unit * row_elems * elem, max(align_bytes, 1))
-    assert unit % elem == 0, f"{name}: aligned unit of {unit} B is not a whole number of {dtype}"
-    return Component(
-        name=name,
-        kind=kind,
-        index_space=space,
-        layer_ids=ids,
-        ratio=ratio,
-        dtype=dtype,
-        row_elems=row_elems,
-        rows_per_unit=rows_per_unit,
-        unit_bytes=unit,
-        window_bounded=window_bounded,
-    )
 
 
 # ---------------------------------------------------------------------------------------------
 # DSV4
 
 
-def kv_row_storage(model: DSV4Config) -> tuple[str, int]:
-    """(dtype, elements) of one window/compressed KV row.
+def kv_row_storage(model: DSV4Config) -> RowStorage:
+    """One window/compressed KV row.
 
     fp8_e4m3 packs 448 B fp8 nope + 2 B x 64 bf16 rope + 7 scales (one per 64) + 1 pad = 584 B.
     """
     if model.kv_dtype == "fp8_e4m3":
         scales = -(-model.qk_nope_head_dim // 64)
         raw = model.qk_nope_head_dim + 2 * model.qk_rope_head_dim + scales
-        return "uint8", _align_up(raw, 8)
-    return model.kv_dtype, model.head_dim
+        return RowStorage("uint8", _align_up(raw, 8))
+    return RowStorage(model.kv_dtype, model.head_dim)
 
 
-def indexer_row_storage(model: DSV4Config) -> tuple[str, int]:
-    """(dtype, elements) of one indexer key row: fp8 128 B + fp32 scale = 132 B."""
+def indexer_row_storage(model: DSV4Config) -> RowStorage:
+    """One indexer key row: fp8 128 B + fp32 scale = 132 B."""
     d = model.index_head_dim
     if model.indexer_dtype == "fp8":
-        return "uint8", d + 4 * (-(-d // 128))
+        return RowStorage("uint8", d + 4 * (-(-d // 128)))
     if model.indexer_dtype == "fp4":
-        return "uint8", d // 2 + 4 * (-(-d // 128))
-    return "bf16", d
+        return RowStorage("uint8", d // 2 + 4 * (-(-d // 128)))
+    return RowStorage("bf16", d)
 
 
 def ring_rows(model: DSV4Config, ratio: int, speculative: bool) -> int:
@@ -207,7 +233,57 @@ def ring_draft_tolerance(model: DSV4Config, ratio: int, speculative: bool) -> in
     return ring_rows(model, ratio, speculative) - pending + 2
 
 
-def build_dsv4_layout(model: DSV4Config, page_size: int, draft_tokens: int = 0) -> KVLayout:
+def ring_name(model: DSV4Config, ratio: int) -> str:
+    """The ring component whose rows bound the draft tokens of ratio-r layers."""
+    return f"c{ratio}_attn_state" if ratio == model.sparse_ratio else f"c{ratio}_state"
+
+
+def dsv4_layer_ids(model: DSV4Config, speculative: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(every layer id, the draft layer ids): draft (MTP/NextN) layers follow the target ones,
+    and exist only with speculation."""
+    n = model.num_hidden_layers
+    draft = tuple(range(n, n + model.num_nextn_predict_layers)) if speculative else ()
+    return (*range(n), *draft), draft
+
+
+def dsv4_rows(model: DSV4Config, page_size: int, speculative: bool) -> tuple[ComponentRow, ...]:
+    """The DSV4 table: a window on every layer; per compression ratio r, its compressed KV,
+    then CSA (r == sparse_ratio): indexer keys + per-SWA-page rings, or HCA: a per-request ring.
+    Ring rows are per pending token: (kv, score) x (previous, current block) for CSA."""
+    kind = ComponentKind
+    kv, indexer = kv_row_storage(model), indexer_row_storage(model)
+    attn_state = RowStorage(model.state_dtype, 4 * model.head_dim)
+    indexer_state = RowStorage(model.state_dtype, 4 * model.index_head_dim)
+    hca_state = RowStorage(model.state_dtype, 2 * model.head_dim)
+    align = model.kv_page_align_bytes
+    all_ids, _ = dsv4_layer_ids(model, speculative)
+    # columns: name, kind, layer ids, ratio, row storage, rows per unit, unit alignment
+    rows = [ComponentRow("swa_kv", kind.WINDOW_KV, all_ids, 1, kv, page_size, align)]
+    for r in model.nonzero_ratios:
+        ids = tuple(i for i, ratio in enumerate(model.target_ratios) if ratio == r)
+        ring = ring_rows(model, r, speculative)
+        rows.append(ComponentRow(f"c{r}_kv", kind.COMPRESSED_KV, ids, r, kv, page_size // r, align))
+        if r == model.sparse_ratio:
+            rows += [
+                ComponentRow(f"c{r}_indexer", kind.INDEXER_KEYS, ids, r, indexer, page_size // r),
+                ComponentRow(f"c{r}_attn_state", kind.PAGE_RING, ids, 1, attn_state, ring),
+                ComponentRow(f"c{r}_indexer_state", kind.PAGE_RING, ids, 1, indexer_state, ring),
+            ]
+        else:
+            rows.append(ComponentRow(f"c{r}_state", kind.REQUEST_RING, ids, 1, hca_state, ring))
+    return tuple(rows)
+
+
+def dsv4_draft_tolerance(model: DSV4Config, speculative: bool) -> tuple[tuple[str, int], ...]:
+    """(ring component, most draft tokens it tolerates), one per compression ratio."""
+    return tuple(
+        (ring_name(model, r), ring_draft_tolerance(model, r, speculative))
+        for r in model.nonzero_ratios
+    )
+
+
+def check_dsv4_geometry(model: DSV4Config, page_size: int, draft_tokens: int) -> None:
+    """Raise LayoutError unless the DSV4 allocators can address this geometry."""
     _check_page_size(page_size, model.nonzero_ratios)
     spec = draft_tokens > 0
     if spec and model.num_nextn_predict_layers < 1:
@@ -215,130 +291,57 @@ def build_dsv4_layout(model: DSV4Config, page_size: int, draft_tokens: int = 0) 
             f"speculative_draft_tokens={draft_tokens} needs an MTP/NextN draft layer, "
             f"but {model.name} has num_nextn_predict_layers=0"
         )
-    n = model.num_hidden_layers
-    ratios = model.target_ratios
-    draft_ids = tuple(range(n, n + model.num_nextn_predict_layers)) if spec else ()
-    all_ids = tuple(range(n)) + draft_ids
-    kv_dtype, kv_elems = kv_row_storage(model)
-    idx_dtype, idx_elems = indexer_row_storage(model)
-    state = model.state_dtype
-    align = model.kv_page_align_bytes
-    comps: list[Component | None] = [
-        _make(
-            "swa_kv",
-            ComponentKind.WINDOW_KV,
-            IndexSpace.SWA_PAGE,
-            all_ids,
-            ratio=1,
-            dtype=kv_dtype,
-            row_elems=kv_elems,
-            rows_per_unit=page_size,
-            window_bounded=True,
-            align_bytes=align,
-        ),
-    ]
-    tolerance: list[tuple[str, int]] = []
-    for r in model.nonzero_ratios:
-        ids = tuple(i for i in range(n) if ratios[i] == r)
-        rows = ring_rows(model, r, spec)
-        comps.append(
-            _make(
-                f"c{r}_kv",
-                ComponentKind.COMPRESSED_KV,
-                IndexSpace.FULL_PAGE,
-                ids,
-                ratio=r,
-                dtype=kv_dtype,
-                row_elems=kv_elems,
-                rows_per_unit=page_size // r,
-                window_bounded=False,
-                align_bytes=align,
-            )
+    r = model.sparse_ratio
+    if r in model.nonzero_ratios and page_size % ring_rows(model, r, spec):
+        raise LayoutError(
+            f"page_size={page_size} must be a multiple of the c{r} compressor ring "
+            f"({ring_rows(model, r, spec)} rows): each SWA page owns one ring, "
+            "addressed by slot % ring"
         )
-        if r == model.sparse_ratio:
-            comps.append(
-                _make(
-                    f"c{r}_indexer",
-                    ComponentKind.INDEXER_KEYS,
-                    IndexSpace.FULL_PAGE,
-                    ids,
-                    ratio=r,
-                    dtype=idx_dtype,
-                    row_elems=idx_elems,
-                    rows_per_unit=page_size // r,
-                    window_bounded=False,
-                )
-            )
-            # (kv, score) x (previous, current) block: 2 x 2 x dim per pending token.
-            comps.append(
-                _make(
-                    f"c{r}_attn_state",
-                    ComponentKind.PAGE_RING,
-                    IndexSpace.SWA_PAGE,
-                    ids,
-                    ratio=1,
-                    dtype=state,
-                    row_elems=4 * model.head_dim,
-                    rows_per_unit=rows,
-                    window_bounded=True,
-                )
-            )
-            comps.append(
-                _make(
-                    f"c{r}_indexer_state",
-                    ComponentKind.PAGE_RING,
-                    IndexSpace.SWA_PAGE,
-                    ids,
-                    ratio=1,
-                    dtype=state,
-                    row_elems=4 * model.index_head_dim,
-                    rows_per_unit=rows,
-                    window_bounded=True,
-                )
-            )
-            tolerance.append((f"c{r}_attn_state", ring_draft_tolerance(model, r, spec)))
-        else:
-            comps.append(
-                _make(
-                    f"c{r}_state",
-                    ComponentKind.REQUEST_RING,
-                    IndexSpace.REQ_SLOT,
-                    ids,
-                    ratio=1,
-                    dtype=state,
-                    row_elems=2 * model.head_dim,
-                    rows_per_unit=rows,
-                    window_bounded=False,
-                )
-            )
-            tolerance.append((f"c{r}_state", ring_draft_tolerance(model, r, spec)))
-        if r == model.sparse_ratio and page_size % rows:
+    for r in model.nonzero_ratios:
+        allowed = ring_draft_tolerance(model, r, spec)
+        if draft_tokens > allowed:
             raise LayoutError(
-                f"page_size={page_size} must be a multiple of the c{r} compressor ring "
-                f"({rows} rows): each SWA page owns one ring, addressed by slot % ring"
+                f"speculative_draft_tokens={draft_tokens} exceeds what the {ring_name(model, r)} "
+                f"ring ({ring_rows(model, r, spec)} rows) tolerates: at most {allowed} draft tokens"
             )
-    layout = KVLayout(
+
+
+def build_dsv4_layout(model: DSV4Config, page_size: int, draft_tokens: int = 0) -> KVLayout:
+    check_dsv4_geometry(model, page_size, draft_tokens)
+    spec = draft_tokens > 0
+    all_ids, draft_ids = dsv4_layer_ids(model, spec)
+    return KVLayout(
         model_name=model.name,
         page_size=page_size,
         window_tokens=model.window_tokens,
         draft_tokens=draft_tokens,
-        components=tuple(c for c in comps if c is not None),
+        components=components_of(dsv4_rows(model, page_size, spec)),
         layer_ids=all_ids,
         draft_layer_ids=draft_ids,
-        draft_tolerance=tuple(tolerance),
+        draft_tolerance=dsv4_draft_tolerance(model, spec),
     )
-    for name, allowed in layout.draft_tolerance:
-        if draft_tokens > allowed:
-            rows = layout.component(name).rows_per_unit
-            raise LayoutError(
-                f"speculative_draft_tokens={draft_tokens} exceeds what the {name} ring "
-                f"({rows} rows) tolerates: at most {allowed} draft tokens"
-            )
-    return layout
 
 
 # ---------------------------------------------------------------------------------------------
 # Generic hybrid SWA (Gemma / MiMo style)
+
+
+def hybrid_rows(
+    model: HybridSWAConfig, page_size: int, tp_size: int = 1
+) -> tuple[ComponentRow, ...]:
+    """The hybrid table: full KV on "full" layers, window KV on "sliding" layers; KV heads
+    shard by TP, at least one per rank."""
+    kv_heads = max(1, model.num_key_value_heads // tp_size)
+    kv = RowStorage(model.kv_dtype, kv_heads * (model.head_dim + model.v_head_dim))
+    types = model.layer_types
+    full_ids = tuple(i for i, t in enumerate(types) if t == "full")
+    swa_ids = tuple(i for i, t in enumerate(types) if t == "sliding")
+    # columns: name, kind, layer ids, ratio, row storage, rows per unit
+    return (
+        ComponentRow("full_kv", ComponentKind.FULL_KV, full_ids, 1, kv, page_size),
+        ComponentRow("swa_kv", ComponentKind.WINDOW_KV, swa_ids, 1, kv, page_size),
+    )
 
 
 def build_hybrid_layout(
@@ -349,40 +352,12 @@ def build_hybrid_layout(
         raise LayoutError(
             f"speculative_draft_tokens={draft_tokens}: the hybrid-SWA family has no draft layer"
         )
-    kv_heads = max(1, model.num_key_value_heads // tp_size)  # heads shard by TP, at least one
-    elems = kv_heads * (model.head_dim + model.v_head_dim)
-    full_ids = [i for i, t in enumerate(model.layer_types) if t == "full"]
-    swa_ids = [i for i, t in enumerate(model.layer_types) if t == "sliding"]
-    comps = [
-        _make(
-            "full_kv",
-            ComponentKind.FULL_KV,
-            IndexSpace.FULL_PAGE,
-            full_ids,
-            ratio=1,
-            dtype=model.kv_dtype,
-            row_elems=elems,
-            rows_per_unit=page_size,
-            window_bounded=False,
-        ),
-        _make(
-            "swa_kv",
-            ComponentKind.WINDOW_KV,
-            IndexSpace.SWA_PAGE,
-            swa_ids,
-            ratio=1,
-            dtype=model.kv_dtype,
-            row_elems=elems,
-            rows_per_unit=page_size,
-            window_bounded=True,
-        ),
-    ]
     return KVLayout(
         model_name=model.name,
         page_size=page_size,
         window_tokens=model.window_tokens,
         draft_tokens=0,
-        components=tuple(c for c in comps if c is not None),
+        components=components_of(hybrid_rows(model, page_size, tp_size)),
         layer_ids=tuple(range(model.num_hidden_layers)),
         draft_layer_ids=(),
         draft_tolerance=(),

@@ -121,7 +121,8 @@ def split_layers(num_layers: int, pp_size: int, split: tuple[int, ...] | None) -
         )
     if sum(split) != num_layers:
         raise PlanError(
-            f"layer_split={list(split)} sums to {sum(split)}, the model has {num_layers} layers"
+            f"layer_split={list(split)} sums to {sum(split)}, the model has {num_layers} layers",
+            "layer_split",
         )
     ranges, start = [], 0
     for n in split:

@@ -1,8 +1,10 @@
-"""The KV layout spec: hand-computed bytes for every preset, PP slicing, fail-fast geometry."""
+"""The KV layout spec: hand-computed bytes for every preset, PP slicing, fail-fast geometry,
+and every layout pinned as it was before layout.py became a table."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 
 import pytest
@@ -11,10 +13,13 @@ from hypothesis import strategies as st
 
 from dsv4_common.core import index_space as ix
 from dsv4_common.core.layout import IndexSpace, LayoutError, build_layout
+from dsv4_common.core.model import ModelConfig
 from dsv4_common.core.presets import (
+    PRESETS,
     deepseek_v4_flash,
     deepseek_v4_pro,
     hybrid_tiny,
+    load_model_config,
     tiny,
 )
 
@@ -180,3 +185,127 @@ def test_page_state_rows_stay_inside_their_swa_page_ring(page: int, offset: int,
     slot = ix.swa_slot_at(ix.SwaPage(page), offset, 256)
     row = ix.page_state_row(slot, 256, ring)
     assert page * ring <= row < (page + 1) * ring
+
+
+# -- pinned layouts ----------------------------------------------------------------------------
+# Computed from layout.py before it was rewritten as a table; a layout changed on purpose must
+# update these pins in the same commit.
+
+_FLASH_C4, _FLASH_C128 = tuple(range(2, 43, 2)), tuple(range(3, 42, 2))
+_PRO_C4, _PRO_C128 = tuple(range(2, 61, 2)), (0, 1, *range(3, 60, 2))
+_TINY_C4, _TINY_C16 = (1, 3, 5), (2, 4)
+
+# (preset, page size, draft tokens) -> [(component, unit bytes, layer ids)], in layout order.
+PINNED_COMPONENTS: dict[tuple[str, int, int], list[tuple[str, int, tuple[int, ...]]]] = {
+    ("deepseek-v4-flash", 256, 0): [
+        ("swa_kv", 149_760, tuple(range(43))),
+        ("c4_kv", 37_440, _FLASH_C4),
+        ("c4_indexer", 8_448, _FLASH_C4),
+        ("c4_attn_state", 65_536, _FLASH_C4),
+        ("c4_indexer_state", 16_384, _FLASH_C4),
+        ("c128_kv", 1_728, _FLASH_C128),
+        ("c128_state", 524_288, _FLASH_C128),
+    ],
+    ("deepseek-v4-flash", 256, 1): [
+        ("swa_kv", 149_760, tuple(range(44))),
+        ("c4_kv", 37_440, _FLASH_C4),
+        ("c4_indexer", 8_448, _FLASH_C4),
+        ("c4_attn_state", 131_072, _FLASH_C4),
+        ("c4_indexer_state", 32_768, _FLASH_C4),
+        ("c128_kv", 1_728, _FLASH_C128),
+        ("c128_state", 1_048_576, _FLASH_C128),
+    ],
+    ("deepseek-v4-pro", 256, 0): [
+        ("swa_kv", 149_760, tuple(range(61))),
+        ("c4_kv", 37_440, _PRO_C4),
+        ("c4_indexer", 8_448, _PRO_C4),
+        ("c4_attn_state", 65_536, _PRO_C4),
+        ("c4_indexer_state", 16_384, _PRO_C4),
+        ("c128_kv", 1_728, _PRO_C128),
+        ("c128_state", 524_288, _PRO_C128),
+    ],
+    ("deepseek-v4-pro", 256, 1): [
+        ("swa_kv", 149_760, tuple(range(62))),
+        ("c4_kv", 37_440, _PRO_C4),
+        ("c4_indexer", 8_448, _PRO_C4),
+        ("c4_attn_state", 131_072, _PRO_C4),
+        ("c4_indexer_state", 32_768, _PRO_C4),
+        ("c128_kv", 1_728, _PRO_C128),
+        ("c128_state", 1_048_576, _PRO_C128),
+    ],
+    ("hybrid-tiny", 16, 0): [
+        ("full_kv", 2_048, (3, 7)),
+        ("swa_kv", 2_048, (0, 1, 2, 4, 5, 6)),
+    ],
+    ("tiny", 16, 0): [
+        ("swa_kv", 1_024, tuple(range(6))),
+        ("c4_kv", 256, _TINY_C4),
+        ("c4_indexer", 128, _TINY_C4),
+        ("c4_attn_state", 4_096, _TINY_C4),
+        ("c4_indexer_state", 2_048, _TINY_C4),
+        ("c16_kv", 64, _TINY_C16),
+        ("c16_state", 4_096, _TINY_C16),
+    ],
+    ("tiny", 16, 1): [
+        ("swa_kv", 1_024, tuple(range(7))),
+        ("c4_kv", 256, _TINY_C4),
+        ("c4_indexer", 128, _TINY_C4),
+        ("c4_attn_state", 8_192, _TINY_C4),
+        ("c4_indexer_state", 4_096, _TINY_C4),
+        ("c16_kv", 64, _TINY_C16),
+        ("c16_state", 8_192, _TINY_C16),
+    ],
+}
+
+
+@pytest.mark.parametrize(("preset", "page", "draft"), sorted(PINNED_COMPONENTS))
+def test_every_preset_layout_equals_its_pinned_component_list(
+    preset: str, page: int, draft: int
+) -> None:
+    layout = build_layout(load_model_config(preset), page, draft)
+    got = [(c.name, c.unit_bytes, c.layer_ids) for c in layout.components]
+    assert got == PINNED_COMPONENTS[(preset, page, draft)]
+
+
+def _pin_models() -> dict[str, ModelConfig]:
+    """Every preset plus DSV4 variants that reach every branch and every geometry error."""
+    models = {name: load_model_config(name) for name in sorted(PRESETS)}
+    swap = dataclasses.replace
+    models["tiny-no-mtp"] = swap(
+        tiny(), num_nextn_predict_layers=0, compress_ratios=(0, 4, 16, 4, 16, 4)
+    )
+    models["tiny-all-c4"] = swap(tiny(), compress_ratios=(0, 4, 4, 4, 4, 4, 0))
+    models["tiny-no-c4"] = swap(tiny(), compress_ratios=(0, 16, 128, 0, 16, 128, 0))
+    models["tiny-sparse-16"] = swap(tiny(), sparse_ratio=16)
+    models["tiny-fp8"] = swap(
+        tiny(), kv_dtype="fp8_e4m3", indexer_dtype="fp8", kv_page_align_bytes=96
+    )
+    models["tiny-fp4-idx"] = swap(
+        tiny(), indexer_dtype="fp4", state_dtype="bf16", kv_page_align_bytes=48
+    )
+    models["tiny-fp32"] = swap(tiny(), kv_dtype="fp32")
+    return models
+
+
+def _outcome(model: ModelConfig, page: int, draft: int, tp: int) -> str:
+    try:
+        return repr(build_layout(model, page, draft, tp))
+    except LayoutError as err:
+        return f"LayoutError: {err}"
+
+
+# sha256 over the repr (every field of every component) or the error message of 2,310 builds.
+PINNED_LAYOUTS_SHA256 = "c6b1f2efbf1ef7575e1ed5dd99225a7eb8fe5f8e038181747c6fa34ab7d21226"
+
+
+def test_every_layout_and_geometry_error_is_byte_identical_to_the_pinned_digest() -> None:
+    models = _pin_models()
+    grid = itertools.product(
+        sorted(models),
+        (0, 8, 12, 16, 24, 32, 64, 128, 256, 512),
+        (-1, 0, 1, 2, 3, 10, 11),
+        (1, 2, 8),
+    )
+    lines = [f"{n} {p} {d} {t}: " + _outcome(models[n], p, d, t) for n, p, d, t in grid]
+    assert len(lines) == 2_310
+    assert hashlib.sha256("\n".join(lines).encode()).hexdigest() == PINNED_LAYOUTS_SHA256

@@ -1,0 +1,172 @@
+"""The versioned documents of the contract: rank config, router config, worker /status. One
+builder and one parser each; round trips are exact, every bad field is named, and the wire
+format does not depend on `dsv4 plan --json`."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import yaml
+from repo_paths import SAMPLES
+
+from dsv4_common.api import rank_config as rc
+from dsv4_common.api.deployment import plan_memory
+from dsv4_common.api.documents import DocumentError
+from dsv4_common.api.names import WORKER_ROLES
+from dsv4_common.api.spec import parse_meta, parse_spec
+from dsv4_common.api.worker_status import WorkerStatus, build_worker_status, parse_worker_status
+from dsv4_common.core.presets import load_model_config
+from dsv4_common.plan import report
+from dsv4_common.plan.planner import plan
+
+
+def tiny_configs() -> list[rc.RankConfig]:
+    body = yaml.safe_load((SAMPLES / "tiny-cpu.yaml").read_text())
+    spec, meta = parse_spec(body), parse_meta(body, "ns")
+    memory = plan_memory(spec)
+    return [
+        rc.build_rank_config(
+            spec,
+            meta,
+            memory,
+            role,
+            rank,
+            peers_host_template="{group}-{rank}.local",
+            role_services={r: f"{r}.local" for r in WORKER_ROLES},
+        )
+        for role in WORKER_ROLES
+        for rank in range(spec.role(role).pipeline_parallel)
+    ]
+
+
+def wire(doc: Any) -> Any:
+    return json.loads(json.dumps(doc))
+
+
+def test_rank_config_round_trips_through_json() -> None:
+    configs = tiny_configs()
+    assert [(c.role, c.pp_rank) for c in configs] == [("prefill", 0), ("prefill", 1), ("decode", 0)]
+    for config in configs:
+        assert rc.parse_rank_config(wire(rc.rank_config_to_dict(config))) == config
+
+
+def test_a_worker_replans_exactly_what_the_operator_planned() -> None:
+    """The rank config carries every planner input: re-solving gives the same rank plan."""
+    for config in tiny_configs():
+        model = load_model_config(config.model.source)
+        replanned = plan(config.plan_inputs(model)).ranks[config.pp_rank]
+        assert rc.planned_rank(replanned) == config.planned
+
+
+def test_wire_format_does_not_follow_the_plan_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = [wire(rc.rank_config_to_dict(c)) for c in tiny_configs()]
+    monkeypatch.setattr(report, "rank_to_dict", lambda r: {"changed": True})
+    monkeypatch.setattr(report, "plan_to_dict", lambda p: {"changed": True})
+    assert [wire(rc.rank_config_to_dict(c)) for c in tiny_configs()] == before
+
+
+def test_rank_config_wire_keys_are_the_v1_schema() -> None:
+    doc = rc.rank_config_to_dict(tiny_configs()[0])
+    assert set(doc) == {
+        "version", "deployment", "namespace", "role", "pp_rank", "pp_size", "tp_size",
+        "serving_rank", "model", "max_context_tokens", "kv", "plan", "planned", "ports",
+        "peers", "role_services",
+    }  # fmt: skip
+    assert doc["version"] == 1 and doc["plan"]["layer_split"] == [3, 3]
+    assert doc["ports"] == {"http": 8080, "status": 8081, "pp": 8082, "kv": 8083}
+
+
+def _with(doc: dict[str, Any], path: str, value: object) -> dict[str, Any]:
+    out = wire(doc)
+    *parents, last = path.split(".")
+    target = out
+    for key in parents:
+        target = target[key]
+    if value is KeyError:
+        del target[last]
+    else:
+        target[last] = value
+    return out
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "needle"),
+    [
+        ("version", 2, "rank_config.version: this reader understands version 1, got 2"),
+        ("version", KeyError, "rank_config.version: this reader understands version 1"),
+        ("plan.layer_split", KeyError, "rank_config.plan.layer_split: required"),
+        ("plan.layer_split", [3], "rank_config.plan.layer_split: has 1 entries, pp_size is 2"),
+        ("pp_rank", 2, "rank_config.pp_rank: must be in [0, 2), got 2"),
+        ("pp_rank", "0", "rank_config.pp_rank: must be an integer, got '0'"),
+        ("role", "router", "rank_config.role: must be one of"),
+        ("kv.transfer", "tcp", "rank_config.kv.transfer: must be one of"),
+        ("kv.swa_ratio", "auto", "rank_config.kv.swa_ratio"),
+        ("serving_rank", True, "rank_config.serving_rank: only PP rank 0 serves"),
+        ("serving_rank", 1, "rank_config.serving_rank: must be true or false"),
+        ("planned.layers", [0], "rank_config.planned.layers: must have 2 items"),
+        ("model.config_path", "/m/config.json", "rank_config.model: exactly one of preset"),
+        ("role_services", {"prefill": "p"}, "rank_config.role_services: missing decode"),
+        ("plan.mem_fraction", float("nan"), "rank_config.plan.mem_fraction: must be finite"),
+    ],
+)
+def test_rank_config_errors_name_the_field(path: str, value: object, needle: str) -> None:
+    doc = rc.rank_config_to_dict(tiny_configs()[1])  # prefill PP rank 1
+    with pytest.raises(DocumentError) as info:
+        rc.parse_rank_config(_with(doc, path, value))
+    assert needle in str(info.value)
+
+
+def test_router_config_round_trips_and_needs_both_roles() -> None:
+    body = yaml.safe_load((SAMPLES / "tiny-cpu.yaml").read_text())
+    spec, meta = parse_spec(body), parse_meta(body)
+    endpoints = {r: rc.RoleEndpoint(f"{r}.svc", 8080, 8083) for r in WORKER_ROLES}
+    config = rc.build_router_config(spec, meta, endpoints)
+    doc = wire(rc.router_config_to_dict(config))
+    assert rc.parse_router_config(doc) == config
+    del doc["roles"]["decode"]
+    with pytest.raises(DocumentError, match=r"router_config.roles: missing decode"):
+        rc.parse_router_config(doc)
+
+
+STATUS = WorkerStatus(
+    role="decode",
+    pp_rank=0,
+    full_tokens=8192,
+    swa_tokens=1024,
+    max_running_requests=16,
+    max_context_tokens=4096,
+    kv_backend="nixl",
+    kv_ready=True,
+    kv_layout_hash="abc",
+)
+
+
+def test_worker_status_round_trips() -> None:
+    doc = wire(build_worker_status(STATUS))
+    assert doc["version"] == 1 and doc["capacity"]["full_tokens"] == 8192
+    assert parse_worker_status(doc) == STATUS
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "needle"),
+    [
+        ("version", 0, "status.version: this reader understands version 1, got 0"),
+        ("capacity.full_tokens", -1, "status.capacity.full_tokens: must be >= 0, got -1"),
+        ("capacity.swa_tokens", 1.5, "status.capacity.swa_tokens: must be an integer"),
+        ("kv_transfer.backend", "tcp", "status.kv_transfer.backend"),
+        ("pp_rank", KeyError, "status.pp_rank: required"),
+        ("capacity", None, "status.capacity: must be an object, got null"),
+    ],
+)
+def test_worker_status_errors_name_the_field(path: str, value: object, needle: str) -> None:
+    with pytest.raises(DocumentError) as info:
+        parse_worker_status(_with(build_worker_status(STATUS), path, value))
+    assert needle in str(info.value)
+
+
+def test_worker_status_without_kv_transfer_means_not_ready() -> None:
+    doc = _with(build_worker_status(STATUS), "kv_transfer", KeyError)
+    parsed = parse_worker_status(doc)
+    assert (parsed.kv_backend, parsed.kv_ready, parsed.kv_layout_hash) == (None, False, None)
