@@ -16,7 +16,7 @@ from dsv4_common.api.deployment import (
 )
 from dsv4_common.api.spec import DeploymentSpec, parse_spec
 from dsv4_common.core.presets import load_model_config
-from dsv4_common.core.units import GIB
+from dsv4_common.core.units import GIB, MIB
 from dsv4_common.plan.planner import plan
 
 
@@ -44,13 +44,37 @@ def test_cpu_mode_plans_each_role_with_the_fixed_cpu_budget() -> None:
 
 
 def test_role_plans_are_exactly_what_the_planner_gives_the_workers() -> None:
-    spec = flash_tp8(79.1, 131072)
+    spec = flash_tp8(79.6, 131072)
     memory = plan_memory(spec)
     model = load_model_config("deepseek-v4-flash")
     for role in ("prefill", "decode"):
         inputs = plan_inputs(spec, role, model)
-        assert inputs.gpu_memory_bytes == int(79.1 * GIB) and inputs.tp_size == 8
+        assert inputs.gpu_memory_bytes == int(79.6 * GIB) and inputs.tp_size == 8
         assert memory.role(role) == plan(inputs)
+
+
+@pytest.mark.parametrize(
+    ("gpu", "memory_bytes"),
+    [
+        ({"type": "h200", "perPod": 8}, 143_771 * MIB),
+        ({"type": "h100-80gb", "perPod": 8}, 81_559 * MIB),
+        ({"type": "h200", "memoryGiB": 120, "perPod": 8}, 120 * GIB),  # explicit override
+        ({"memoryGiB": 60.5, "perPod": 8}, int(60.5 * GIB)),  # a device without a type
+    ],
+)
+def test_gpu_memory_comes_from_the_type_unless_overridden(
+    gpu: dict[str, object], memory_bytes: int
+) -> None:
+    spec = spec_of(
+        model={"preset": "deepseek-v4-flash"},
+        maxContextTokens=4096,
+        gpu=gpu,
+        prefill={"tensorParallel": 8},
+        decode={"tensorParallel": 8},
+    )
+    assert plan_inputs(spec, "decode", load_model_config("deepseek-v4-flash")).gpu_memory_bytes == (
+        memory_bytes
+    )
 
 
 def test_context_that_does_not_fit_reports_the_largest_that_does() -> None:

@@ -24,7 +24,7 @@ BASE: dict[str, Any] = {
     "metadata": {"name": "tiny"},
     "spec": {"model": {"preset": "tiny"}, "maxContextTokens": 4096},
 }
-GPU = {"gpu": {"memoryGiB": 79.1, "perPod": 8}, "prefill": {"tensorParallel": 8}}
+GPU = {"gpu": {"type": "h100-80gb", "perPod": 8}, "prefill": {"tensorParallel": 8}}
 GPU_BOTH = {**GPU, "decode": {"tensorParallel": 8}}
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from dsv4_common.cli import main
 
-PRO_H200 = ["--model", "deepseek-v4-pro", "--tp", "8", "--gpu-memory-gib", "131.3"]
+PRO_H200 = ["--model", "deepseek-v4-pro", "--tp", "8", "--gpu", "h200"]
 
 
 def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -74,7 +74,7 @@ def test_table_marks_the_bottleneck(capsys: pytest.CaptureFixture[str]) -> None:
             ["--model", "tiny", "--gpu-memory-gib", "1", "--role", "decode", "--swa-ratio", "1e-6"],
             "cannot hold even one request's window",
         ),
-        (["--model", "deepseek-v4-pro", "--gpu-memory-gib", "131.3"], "weights need"),
+        (["--model", "deepseek-v4-pro", "--gpu", "h200"], "weights need"),
         (
             ["--model", "tiny", "--gpu-memory-gib", "1", "--speculative-draft-tokens", "20"],
             "speculative_draft_tokens=20 exceeds",

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dsv4_common.core.gpus import GPU_TYPES
 from dsv4_common.core.presets import deepseek_v4_flash, deepseek_v4_pro, hybrid_tiny, tiny
 from dsv4_common.core.units import GIB, MIB
 from dsv4_common.plan.inputs import PlanError, PlanInputs, Role
@@ -19,6 +20,7 @@ TINY_BS = 24_576  # bytes per SWA page
 TINY_BQ = 8192  # bytes per request slot
 # tiny with a 16K context, so the full pool (not the model's 4K) binds in the hand-computed plans.
 TINY_16K = dataclasses.replace(tiny(), max_position_embeddings=16_384)
+H200 = GPU_TYPES["h200"].memory_bytes
 # Pro, page 256
 PRO_BF = 30 * 37_440 + 31 * 1_728 + 30 * 8_448
 PRO_BS = 61 * 149_760 + 30 * (65_536 + 16_384)
@@ -84,7 +86,7 @@ def test_tiny_prefill_pp2_hand_computed_and_bottleneck() -> None:
 
 
 def test_pro_decode_pp1_hand_computed() -> None:
-    gpu = 141_000_000_000  # H200: 141 GB
+    gpu = H200  # 143,771 MiB, as nvidia-smi reports it
     weights = 100 * GIB
     p = plan(
         PlanInputs(
@@ -103,7 +105,7 @@ def test_pro_decode_pp1_hand_computed() -> None:
     fixed = PRO_BF + PRO_BS + PRO_BQ * 65
     full_pages = (available - fixed - swa_pages * PRO_BS) // PRO_BF
     assert (r.capacity.swa_pages, r.capacity.full_pages) == (swa_pages, full_pages)
-    assert full_pages == 11_867
+    assert full_pages == 18_005
     assert r.layout.bytes_per_full_token == pytest.approx(5586.75)
     assert r.max_context_tokens == min(1_048_576, full_pages * 256)
 
@@ -114,7 +116,7 @@ def test_flash_pp4_ranks_price_only_their_layers(role: Role) -> None:
         PlanInputs(
             model=deepseek_v4_flash(),
             role=role,
-            gpu_memory_bytes=80 * GIB,
+            gpu_memory_bytes=GPU_TYPES["h100-80gb"].memory_bytes,
             tp_size=4,
             pp_size=4,
             max_running_requests=32,
@@ -275,7 +277,7 @@ def test_pp_ranks_share_one_request_count() -> None:
             lambda: PlanInputs(
                 model=deepseek_v4_pro(),
                 role="decode",
-                gpu_memory_bytes=141 * GIB,
+                gpu_memory_bytes=H200,
                 tp_size=8,
                 speculative_draft_tokens=11,
             ),
@@ -286,7 +288,7 @@ def test_pp_ranks_share_one_request_count() -> None:
             r"pp_size=7 exceeds the model's 6 target layers",
         ),
         (
-            lambda: PlanInputs(model=deepseek_v4_pro(), role="decode", gpu_memory_bytes=141 * GIB),
+            lambda: PlanInputs(model=deepseek_v4_pro(), role="decode", gpu_memory_bytes=H200),
             r"weights need .* GiB per GPU .*raise tp_size or pp_size",
         ),
         (
