@@ -11,6 +11,7 @@ One planner, three consumers (operator, worker, local runner). Steps:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from dsv4_common.core.index_space import pages_for_tokens
 from dsv4_common.core.layout import KVLayout, LayoutError, build_layout
@@ -74,6 +75,17 @@ class RankPlan:
         """Units (pages or request slots) per layer of every component, reserved unit 0 included."""
         units = self.capacity.units
         return {c.name: units[c.index_space] for c in self.layout.components}
+
+
+class _Stage(NamedTuple):
+    """One PP rank after steps 1-2: its layers, KV layout and what is left for KV."""
+
+    rank: int
+    layers: range
+    layout: KVLayout
+    weight_bytes: int
+    available_bytes: int
+    need: SwaNeed
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +165,7 @@ def plan(inputs: PlanInputs) -> Plan:
     last = len(ranges) - 1
 
     # Steps 1-2: per-rank layouts, weights, what is left for KV.
-    staged: list[tuple[int, range, KVLayout, int, int, SwaNeed]] = []
+    staged: list[_Stage] = []
     for rank, layers in enumerate(ranges):
         owned = list(layers) + (list(full_layout.draft_layer_ids) if rank == last else [])
         layout = full_layout.select(owned)
@@ -176,7 +188,7 @@ def plan(inputs: PlanInputs) -> Plan:
                 f"{inputs.mem_fraction}); raise tp_size or pp_size"
             )
         need = swa_need(layout, inputs.role, inputs.resolved_chunk_tokens)
-        staged.append((rank, layers, layout, weights, available, need))
+        staged.append(_Stage(rank, layers, layout, weights, available, need))
 
     # Step 3: one request count for the whole PP group (every rank holds every request).
     if inputs.max_running_requests is not None:
@@ -185,36 +197,36 @@ def plan(inputs: PlanInputs) -> Plan:
         tokens = min(DEFAULT_TOKENS_PER_REQUEST, context_len)
         max_running = min(
             auto_max_running(
-                layout,
-                available_bytes=available,
-                need=need,
+                stage.layout,
+                available_bytes=stage.available_bytes,
+                need=stage.need,
                 tokens_per_request=tokens,
                 cap=AUTO_MAX_RUNNING_CAP[inputs.role],
             )
-            for _, _, layout, _, available, need in staged
+            for stage in staged
         )
 
     # Step 4: solve every rank with the common request count.
     max_full_pages = pages_for_tokens(context_len, page) * max_running
     ranks = tuple(
         RankPlan(
-            pp_rank=rank,
-            layers=(layers.start, layers.stop),
-            layout=layout,
-            weight_bytes=weights,
-            available_bytes=available,
+            pp_rank=stage.rank,
+            layers=(stage.layers.start, stage.layers.stop),
+            layout=stage.layout,
+            weight_bytes=stage.weight_bytes,
+            available_bytes=stage.available_bytes,
             capacity=solve_rank(
-                layout,
-                pp_rank=rank,
-                available_bytes=available,
+                stage.layout,
+                pp_rank=stage.rank,
+                available_bytes=stage.available_bytes,
                 max_running=max_running,
-                need=need,
+                need=stage.need,
                 swa_ratio=inputs.swa_ratio,
                 max_full_pages=max_full_pages,
             ),
-            swa_need=need,
+            swa_need=stage.need,
             context_len=context_len,
         )
-        for rank, layers, layout, weights, available, need in staged
+        for stage in staged
     )
     return Plan(inputs=inputs, ranks=ranks)
