@@ -9,12 +9,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from repo_paths import TOOLS_BIN
 
 
 def kubectl_path() -> str | None:
-    local = ROOT / ".tools" / "bin" / "kubectl"
+    local = TOOLS_BIN / "kubectl"
     return str(local) if local.exists() else shutil.which("kubectl")
 
 

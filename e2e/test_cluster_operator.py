@@ -23,16 +23,15 @@ from urllib.parse import urlparse
 
 import pytest
 import yaml
+from repo_paths import SAMPLES, TOOLS_BIN
 
 pytestmark = pytest.mark.cluster
 
-ROOT = Path(__file__).resolve().parents[1]
-SAMPLES = ROOT / "crds" / "samples"
 TIMEOUT_S = int(os.environ.get("DSV4_E2E_TIMEOUT_S", "900"))
 
 
 def kubectl_path() -> str | None:
-    local = ROOT / ".tools" / "bin" / "kubectl"
+    local = TOOLS_BIN / "kubectl"
     return str(local) if local.exists() else shutil.which("kubectl")
 
 

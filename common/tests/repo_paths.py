@@ -10,3 +10,4 @@ SAMPLES: Final = ROOT / "crds" / "samples"
 CRD_FILE: Final = ROOT / "crds" / "dsv4deployment.yaml"
 CHART: Final = ROOT / "charts" / "dsv4-operator"
 SHARED_EXAMPLES: Final = ROOT.parent / "shared" / "examples"
+TOOLS_BIN: Final = ROOT / ".tools" / "bin"  # helm and kubectl (scripts/tools.sh)

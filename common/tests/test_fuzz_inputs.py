@@ -18,6 +18,7 @@ from dsv4_common.api.spec import SpecError, parse_spec
 from dsv4_common.cli import main
 from dsv4_common.core.hf import from_hf_config
 from dsv4_common.core.model import ModelConfigError
+from dsv4_common.core.units import GIB
 from dsv4_common.plan.inputs import PlanError, PlanInputs
 from dsv4_common.plan.planner import plan
 
@@ -72,7 +73,7 @@ def test_config_json_ends_in_a_plan_or_a_named_error(
             PlanInputs(
                 model=model,
                 role="decode",
-                gpu_memory_bytes=int(memory_gib * 2**30),
+                gpu_memory_bytes=int(memory_gib * GIB),
                 tp_size=tp,
                 pp_size=pp,
             )

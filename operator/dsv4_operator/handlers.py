@@ -1,26 +1,26 @@
 """kopf glue: create, update, resume, a periodic timer and events of watched children all run
 the one reconcile; errors are mapped to kopf's retry semantics here and nowhere else. No
-decisions in this module.
+decisions in this module, and no state: what handlers share (the API client, the worker probe,
+the configuration, the reconcile gate) lives in kopf's memo, filled by `settings.on_startup`.
 
 Events of the worker pods (one failed, restarted, became ready) and of the router Deployment
 (its readiness gates Ready) trigger a reconcile of the owning DSV4Deployment at once instead of
-at the next timer tick. They are coalesced like a work queue: while one event-triggered
-reconcile of a deployment waits for its lock, further events of that deployment are dropped,
-since the waiting reconcile reads the CR and the children afresh.
+at the next timer tick, coalesced by the gate (`gate.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Final, cast
 
 import kopf
 
 from dsv4_operator import labels as L
 from dsv4_operator.config import OperatorConfig
+from dsv4_operator.gate import ReconcileGate, deployment_key
 from dsv4_operator.kube import Kube, KubeError
 from dsv4_operator.observe import WorkerProbe
 from dsv4_operator.reconcile import ReconcileResult, reconcile
@@ -28,45 +28,40 @@ from dsv4_operator.reconcile import ReconcileResult, reconcile
 RECONCILE_INTERVAL_S: Final = 15.0  # level-based safety net: pod failures, worker reports
 RETRY_DELAY_S: Final = 10.0
 
-# Timers, change handlers and child events of one deployment may run concurrently (all in kopf's
-# thread pool); one reconcile per deployment ("namespace/name") at a time.
-_locks: dict[str, threading.Lock] = {}
-_locks_guard = threading.Lock()
-_queued: set[str] = set()  # deployments with an event-triggered reconcile waiting for the lock
+AnyLogger = logging.Logger | logging.LoggerAdapter[Any]
 
 
-def _lock_for(key: str) -> threading.Lock:
-    with _locks_guard:
-        return _locks.setdefault(key, threading.Lock())
+@dataclass(frozen=True, slots=True)
+class Deps:
+    """What every handler uses, as `settings.on_startup` put it in kopf's memo."""
+
+    kube: Kube
+    probe: WorkerProbe
+    config: OperatorConfig
+    gate: ReconcileGate
+
+    @classmethod
+    def from_memo(cls, memo: kopf.Memo) -> Deps:
+        return cls(memo["kube"], memo["probe"], memo["config"], memo["gate"])
 
 
-def _key(namespace: str, name: str) -> str:
-    return f"{namespace}/{name}"
-
-
-def _body_key(body: Mapping[str, Any]) -> str:
+def run_reconcile(body: Mapping[str, Any], deps: Deps, logger: AnyLogger) -> ReconcileResult:
+    """Reconcile under the deployment's lock and translate the outcome for kopf
+    (PermanentError / TemporaryError)."""
     meta = body.get("metadata", {})
-    return _key(meta.get("namespace", ""), meta.get("name", ""))
+    key = deployment_key(meta.get("namespace", ""), meta.get("name", ""))
+    with deps.gate.lock(key):
+        return _reconcile(body, deps, logger)
 
 
-def run_reconcile(
-    body: Mapping[str, Any],
-    kube: Kube,
-    probe: WorkerProbe,
-    config: OperatorConfig,
-    logger: logging.Logger | logging.LoggerAdapter[Any],
-    *,
-    locked: bool = False,
-) -> ReconcileResult:
-    """Reconcile and translate the outcome for kopf (PermanentError / TemporaryError).
-    `locked`: the caller already holds this deployment's lock."""
-    with contextlib.nullcontext() if locked else _lock_for(_body_key(body)):
-        try:
-            result = reconcile(body, kube, probe, config=config)
-        except KubeError as exc:
-            if exc.retryable:
-                raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
-            raise
+def _reconcile(body: Mapping[str, Any], deps: Deps, logger: AnyLogger) -> ReconcileResult:
+    """`run_reconcile` for a caller that holds the deployment's lock."""
+    try:
+        result = reconcile(body, deps.kube, deps.probe, config=deps.config)
+    except KubeError as exc:
+        if exc.retryable:
+            raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
+        raise
     for key in result.applied:
         logger.info("applied %s %s", key[1], key[2])
     for key in result.pruned:
@@ -82,31 +77,25 @@ def run_reconcile(
     return result
 
 
-def _deps(memo: kopf.Memo) -> tuple[Kube, WorkerProbe, OperatorConfig]:
-    return memo["kube"], memo["probe"], memo["config"]
-
-
 @kopf.on.create(L.GROUP, L.VERSION, L.PLURAL)
 @kopf.on.update(L.GROUP, L.VERSION, L.PLURAL)
 @kopf.on.resume(L.GROUP, L.VERSION, L.PLURAL)
 def on_change(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-    run_reconcile(body, *_deps(memo), logger)
+    run_reconcile(body, Deps.from_memo(memo), logger)
 
 
 @kopf.timer(L.GROUP, L.VERSION, L.PLURAL, interval=RECONCILE_INTERVAL_S, initial_delay=5.0)
 def on_timer(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     # A permanent problem is already in status and was raised by the change handler.
     with contextlib.suppress(kopf.PermanentError):
-        run_reconcile(body, *_deps(memo), logger)
+        run_reconcile(body, Deps.from_memo(memo), logger)
 
 
 def reconcile_owner(
     namespace: str,
     name: str,
-    kube: Kube,
-    probe: WorkerProbe,
-    config: OperatorConfig,
-    logger: logging.Logger | logging.LoggerAdapter[Any],
+    deps: Deps,
+    logger: AnyLogger,
     warn: Callable[[Mapping[str, Any], str, str], None] | None = None,
 ) -> ReconcileResult | None:
     """Reconcile the DSV4Deployment `namespace/name` because a watched child (a worker pod, the
@@ -114,21 +103,16 @@ def reconcile_owner(
     waiting, or the CR is gone or going. `warn(cr_body, reason, message)` is told of each group
     restarted (kopf does not post the loggers of event handlers as Kubernetes Events, so the
     caller posts them)."""
-    key = _key(namespace, name)
-    with _locks_guard:
-        if key in _queued:
+    with deps.gate.event_turn(deployment_key(namespace, name)) as turn:
+        if not turn:
             return None
-        _queued.add(key)
-    with _lock_for(key):
-        with _locks_guard:
-            _queued.discard(key)
         # Read inside the lock: the freshest spec and status, never a body older than the last
         # reconcile's writes.
-        body = kube.get(L.API_VERSION, L.KIND, namespace, name)
+        body = deps.kube.get(L.API_VERSION, L.KIND, namespace, name)
         if body is None or body.get("metadata", {}).get("deletionTimestamp"):
             return None
         try:
-            result = run_reconcile(body, kube, probe, config, logger, locked=True)
+            result = _reconcile(body, deps, logger)
         except kopf.PermanentError:  # already in status (PlanValid=False)
             return None
     if warn is not None:
@@ -157,6 +141,5 @@ def on_child_event(
     **_: Any,
 ) -> None:
     if namespace:
-        reconcile_owner(
-            namespace, labels[L.DEPLOYMENT_LABEL], *_deps(memo), logger, warn=_post_warning
-        )
+        deps = Deps.from_memo(memo)
+        reconcile_owner(namespace, labels[L.DEPLOYMENT_LABEL], deps, logger, warn=_post_warning)

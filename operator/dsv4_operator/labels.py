@@ -132,6 +132,26 @@ def group_labels(name: str, role: WorkerRole, replica: int) -> dict[str, str]:
     }
 
 
+# Pod selectors. NOTE: a workload's selector is immutable: each keeps to labels that never change.
+def component_selector(name: str, component: Component) -> dict[str, str]:
+    """The pods of one component (the workers, the router) of a deployment."""
+    return {DEPLOYMENT_LABEL: name, APP_COMPONENT: component}
+
+
+def role_selector(name: str, role: WorkerRole) -> dict[str, str]:
+    return {**component_selector(name, "worker"), ROLE_LABEL: role}
+
+
+def serving_selector(name: str, role: WorkerRole) -> dict[str, str]:
+    """The serving rank (PP rank 0) of each of a role's groups: what routing selects."""
+    return {**role_selector(name, role), POD_INDEX_LABEL: str(SERVING_RANK)}
+
+
+def group_selector(name: str, group: str) -> dict[str, str]:
+    """The pods of one PP group (`group_name`)."""
+    return {DEPLOYMENT_LABEL: name, GROUP_LABEL: group}
+
+
 def selector_string(labels: dict[str, str]) -> str:
     """`k=v,k=v` in key order (the form list calls take)."""
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
@@ -144,6 +164,5 @@ def prune_selector(name: str) -> str:
 
 
 def worker_selector(name: str) -> str:
-    return selector_string(
-        {APP_MANAGED_BY: MANAGED_BY_VALUE, DEPLOYMENT_LABEL: name, APP_COMPONENT: "worker"}
-    )
+    """The worker pods the operator observes (only pods of its own StatefulSets)."""
+    return selector_string({APP_MANAGED_BY: MANAGED_BY_VALUE, **component_selector(name, "worker")})

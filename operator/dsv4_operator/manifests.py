@@ -35,6 +35,22 @@ def object_meta(meta: DeploymentMeta, name: str, labels: dict[str, str]) -> Obj:
     return out
 
 
+def group_meta(meta: DeploymentMeta, role: L.WorkerRole, replica: int) -> Obj:
+    """Metadata of a PP group's StatefulSet and headless Service (they share the name)."""
+    group = L.group_name(meta.name, role, replica)
+    return object_meta(meta, group, L.group_labels(meta.name, role, replica))
+
+
+def role_meta(meta: DeploymentMeta, role: L.WorkerRole) -> Obj:
+    """Metadata of a role's routing Service and PodDisruptionBudget (they share the name)."""
+    return object_meta(meta, L.role_service_name(meta.name, role), L.role_labels(meta.name, role))
+
+
+def router_meta(meta: DeploymentMeta) -> Obj:
+    """Metadata of the router's Deployment and Service (they share the name)."""
+    return object_meta(meta, L.router_name(meta.name), L.component_labels(meta.name, "router"))
+
+
 def _ports(names: tuple[str, ...]) -> list[Obj]:
     return [{"name": n, "port": WORKER_PORTS[n], "targetPort": n, "protocol": "TCP"} for n in names]
 
@@ -65,11 +81,11 @@ def build_group_service(meta: DeploymentMeta, role: L.WorkerRole, replica: int) 
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": object_meta(meta, group, L.group_labels(meta.name, role, replica)),
+        "metadata": group_meta(meta, role, replica),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
-            "selector": {L.DEPLOYMENT_LABEL: meta.name, L.GROUP_LABEL: group},
+            "selector": L.group_selector(meta.name, group),
             "ports": _ports(("pp", "kv", "status")),
         },
     }
@@ -81,18 +97,11 @@ def build_role_service(meta: DeploymentMeta, role: L.WorkerRole) -> Obj:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": object_meta(
-            meta, L.role_service_name(meta.name, role), L.role_labels(meta.name, role)
-        ),
+        "metadata": role_meta(meta, role),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": False,
-            "selector": {
-                L.DEPLOYMENT_LABEL: meta.name,
-                L.APP_COMPONENT: "worker",
-                L.ROLE_LABEL: role,
-                L.POD_INDEX_LABEL: str(L.SERVING_RANK),
-            },
+            "selector": L.serving_selector(meta.name, role),
             "ports": _ports(("http", "kv")),
         },
     }
@@ -102,12 +111,10 @@ def build_router_service(meta: DeploymentMeta, port: int) -> Obj:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": object_meta(
-            meta, L.router_name(meta.name), L.component_labels(meta.name, "router")
-        ),
+        "metadata": router_meta(meta),
         "spec": {
             "type": "ClusterIP",
-            "selector": {L.DEPLOYMENT_LABEL: meta.name, L.APP_COMPONENT: "router"},
+            "selector": L.component_selector(meta.name, "router"),
             "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
         },
     }
@@ -119,18 +126,10 @@ def build_pdb(meta: DeploymentMeta, role: L.WorkerRole) -> Obj:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": object_meta(
-            meta, L.role_service_name(meta.name, role), L.role_labels(meta.name, role)
-        ),
+        "metadata": role_meta(meta, role),
         "spec": {
             "maxUnavailable": 1,
-            "selector": {
-                "matchLabels": {
-                    L.DEPLOYMENT_LABEL: meta.name,
-                    L.APP_COMPONENT: "worker",
-                    L.ROLE_LABEL: role,
-                }
-            },
+            "selector": {"matchLabels": L.role_selector(meta.name, role)},
         },
     }
 
@@ -139,8 +138,8 @@ def build_network_policy(meta: DeploymentMeta) -> Obj:
     """Worker ingress: peer workers of this deployment on any port (PP activations and KV
     transfer; UCX/NIXL data paths use ephemeral ports), the router on the serving port, and the
     operator on the status port. Everything else is denied."""
-    workers = {L.DEPLOYMENT_LABEL: meta.name, L.APP_COMPONENT: "worker"}
-    router = {L.DEPLOYMENT_LABEL: meta.name, L.APP_COMPONENT: "router"}
+    workers = L.component_selector(meta.name, "worker")
+    router = L.component_selector(meta.name, "router")
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",

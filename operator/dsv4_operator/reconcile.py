@@ -7,7 +7,7 @@ call the same function. Writes happen only where the cluster differs from the pl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -17,7 +17,7 @@ from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec, SpecError, pars
 from dsv4_operator import labels as L
 from dsv4_operator.config import DEFAULT_CONFIG, OperatorConfig
 from dsv4_operator.diff import needs_apply, status_patch
-from dsv4_operator.groups import GroupAction, group_states, plan_group_actions
+from dsv4_operator.groups import GroupAction, GroupState, group_states, plan_group_actions
 from dsv4_operator.kube import Kube
 from dsv4_operator.objects import MANAGED_KINDS, DesiredState, ObjKey, build_desired_state
 from dsv4_operator.observe import Observed, WorkerProbe, parse_reports, pod_state
@@ -67,7 +67,13 @@ def reconcile(
         spec: DeploymentSpec | None,
         memory: MemoryPlan | None,
         observed: Observed,
-        **extra: Any,
+        *,
+        groups: Sequence[GroupState] = (),
+        applied: tuple[ObjKey, ...] = (),
+        pruned: tuple[ObjKey, ...] = (),
+        group_actions: tuple[GroupAction, ...] = (),
+        problem: Problem | None = None,
+        permanent: bool = False,
     ) -> ReconcileResult:
         status = summarize(
             spec,
@@ -75,16 +81,24 @@ def reconcile(
             observed,
             meta.generation,
             meta=meta,
-            groups=extra.pop("groups", ()),
-            actions=extra.get("group_actions", ()),
-            problem=extra.get("problem"),
+            groups=groups,
+            actions=group_actions,
+            problem=problem,
             previous=previous,
             now=now(),
         )
         patch = status_patch(previous, status, STATUS_KEYS)
         if patch is not None:
             kube.patch_status(meta.namespace, meta.name, patch)
-        return ReconcileResult(status=status, status_written=patch is not None, **extra)
+        return ReconcileResult(
+            status=status,
+            status_written=patch is not None,
+            applied=applied,
+            pruned=pruned,
+            group_actions=group_actions,
+            problem=problem,
+            permanent=permanent,
+        )
 
     # Steps 1-3.
     try:
@@ -122,7 +136,7 @@ def reconcile(
     groups = group_states(spec, meta.name, desired.template_hashes, observed.pods)
     actions = plan_group_actions(groups)
     for action in actions:
-        selector = L.selector_string({L.DEPLOYMENT_LABEL: meta.name, L.GROUP_LABEL: action.group})
+        selector = L.selector_string(L.group_selector(meta.name, action.group))
         kube.delete_pods(meta.namespace, selector)
     if actions:
         observed = _observe(kube, probe, meta)

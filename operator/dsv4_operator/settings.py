@@ -1,5 +1,6 @@
 """Operator start-up: kopf settings (timeouts, storage of kopf's own records, peering for HA)
-and the shared dependencies handlers use (API client, worker probe, configuration from env).
+and the shared dependencies handlers use, kept in kopf's memo (API client, worker probe,
+configuration from env, the reconcile gate).
 
 Environment (set by the Helm chart):
   DSV4_WORKER_IMAGE   default worker image when a CR sets no spec.image
@@ -18,6 +19,7 @@ import kopf
 
 from dsv4_operator import labels as L
 from dsv4_operator.config import OperatorConfig
+from dsv4_operator.gate import ReconcileGate
 from dsv4_operator.kube_api import ApiKube
 from dsv4_operator.probe import HttpWorkerProbe
 
@@ -59,3 +61,4 @@ def on_startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> No
     memo["kube"] = ApiKube.from_environment(REQUEST_TIMEOUT_S)
     memo["probe"] = HttpWorkerProbe()
     memo["config"] = OperatorConfig.from_env(env)
+    memo["gate"] = ReconcileGate()

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Final
 
+from dsv4_common.api.names import GPU_RESOURCE
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec
 from dsv4_operator import labels as L
-from dsv4_operator.manifests import Obj, object_meta
+from dsv4_operator.manifests import Obj, group_meta, router_meta
 from dsv4_operator.workerconfig import CONFIG_DIR, STATUS_PORT, WORKER_PORTS
 
 RUN_AS_USER: Final = 10001  # the images' non-root user (Dockerfile.worker)
@@ -69,7 +70,7 @@ def worker_resources(spec: DeploymentSpec) -> Obj:
     requests.update(dict(spec.resources.requests))
     limits.update(dict(spec.resources.limits))
     if not spec.gpu.cpu_mode:
-        limits["nvidia.com/gpu"] = str(spec.gpu.per_pod)
+        limits[GPU_RESOURCE] = str(spec.gpu.per_pod)
     out: Obj = {}
     if requests:
         out["requests"] = requests
@@ -117,9 +118,7 @@ def _pod_spec(meta: DeploymentMeta, spec: DeploymentSpec, container: Obj, *, gpu
         "volumes": volumes,
     }
     if gpu:
-        pod["tolerations"] = [
-            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
-        ]
+        pod["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
     return pod
 
 
@@ -172,14 +171,13 @@ def build_group_statefulset(
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": object_meta(meta, group, L.group_labels(meta.name, role, replica)),
+        "metadata": group_meta(meta, role, replica),
         "spec": {
             "replicas": spec.role(role).pipeline_parallel,
             "serviceName": group,
             "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "OnDelete"},
-            # NOTE: selectors are immutable; keep them to the two labels that never change.
-            "selector": {"matchLabels": {L.DEPLOYMENT_LABEL: meta.name, L.GROUP_LABEL: group}},
+            "selector": {"matchLabels": L.group_selector(meta.name, group)},
             "template": template,
         },
     }
@@ -220,12 +218,10 @@ def build_router_deployment(meta: DeploymentMeta, spec: DeploymentSpec, template
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": object_meta(
-            meta, L.router_name(meta.name), L.component_labels(meta.name, "router")
-        ),
+        "metadata": router_meta(meta),
         "spec": {
             "replicas": spec.router.replicas,
-            "selector": {"matchLabels": {L.DEPLOYMENT_LABEL: meta.name, L.APP_COMPONENT: "router"}},
+            "selector": {"matchLabels": L.component_selector(meta.name, "router")},
             "strategy": {
                 "type": "RollingUpdate",
                 "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},

@@ -10,8 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from repo_paths import ROOT, TOOLS_BIN
 
 
 def stages(dockerfile: Path) -> dict[str, list[str]]:
@@ -82,10 +81,10 @@ def test_dockerignore_keeps_the_context_small() -> None:
 def test_tools_script_is_a_fast_no_op_when_done() -> None:
     script = ROOT / "scripts" / "tools.sh"
     assert os.access(script, os.X_OK)
-    if not (ROOT / ".tools" / "bin" / "helm").exists():
+    if not (TOOLS_BIN / "helm").exists():
         pytest.skip("tools not installed yet: run scripts/tools.sh")
     start = time.monotonic()
     subprocess.run([str(script)], check=True, capture_output=True, timeout=60)
     assert time.monotonic() - start < 5
     for tool in ("helm", "kubectl"):
-        assert os.access(ROOT / ".tools" / "bin" / tool, os.X_OK)
+        assert os.access(TOOLS_BIN / tool, os.X_OK)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import crd_support as S
 import kubernetes_validate
 import pytest
 import yaml
-from chart_support import CHART, K8S_VERSIONS, helm, needs_helm, render
+from repo_paths import CRD_FILE
+from support import crd_support as S
+from support.chart_support import CHART, K8S_VERSIONS, helm, needs_helm, render
 
 # Value sets the chart must render cleanly with.
 VALUE_SETS: dict[str, list[str]] = {
@@ -47,7 +48,7 @@ def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 
 
 def test_chart_crd_is_a_byte_identical_copy() -> None:
-    top = S.CRD_FILE.read_bytes()
+    top = CRD_FILE.read_bytes()
     assert (CHART / "crds" / "dsv4deployment.yaml").read_bytes() == top, (
         "copy crds/dsv4deployment.yaml to charts/dsv4-operator/crds/"
     )
@@ -295,7 +296,7 @@ def test_managed_crds_render_the_same_schema_and_survive_uninstall() -> None:
         "clusterkopfpeerings.zalando.org",
         "kopfpeerings.zalando.org",
     }
-    source = S.load_yaml(S.CRD_FILE)
+    source = S.load_yaml(CRD_FILE)
     ours = crds["dsv4deployments.serving.dsv4.io"]
     assert ours["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     # Same spec, same types (helm's fromYaml/toYaml must not turn ints into floats).

@@ -1,6 +1,6 @@
 """Each CEL rule of the CRD, restated as a Python predicate; both must agree on every sample.
 
-The CEL side runs through the interpreter in crd_support.py (our subset, CEL typing);
+The CEL side runs through the interpreter in support/crd_support.py (our subset, CEL typing);
 the Python side is the intent written independently. A new rule without a predicate fails
 `test_every_rule_has_a_predicate`. Not checked here: the API server's CEL compiler and cost
 estimator (only a real cluster runs those: e2e/).
@@ -12,8 +12,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import crd_support as S
 import pytest
+from support import crd_support as S
+
+from dsv4_common.api.names import GPU_RESOURCE
 
 SCHEMA: dict[str, Any] = S.crd_schema()
 
@@ -59,11 +61,11 @@ PREDICATES: dict[tuple[str, str], Callable[[Any], bool]] = {
     ("spec.gpu", "(!has(self.type) && self.memoryGiB == 0.0) || self.perPod > 0"): lambda g: (
         ("type" not in g and g["memoryGiB"] == 0) or g["perPod"] > 0
     ),
-    ("spec.resources", "!has(self.limits) || !('nvidia.com/gpu' in self.limits)"): lambda r: (
-        "nvidia.com/gpu" not in r.get("limits", {})
+    ("spec.resources", f"!has(self.limits) || !('{GPU_RESOURCE}' in self.limits)"): lambda r: (
+        GPU_RESOURCE not in r.get("limits", {})
     ),
-    ("spec.resources", "!has(self.requests) || !('nvidia.com/gpu' in self.requests)"): lambda r: (
-        "nvidia.com/gpu" not in r.get("requests", {})
+    ("spec.resources", f"!has(self.requests) || !('{GPU_RESOURCE}' in self.requests)"): lambda r: (
+        GPU_RESOURCE not in r.get("requests", {})
     ),
 }
 

@@ -1,6 +1,6 @@
 """The DSV4Deployment CRD: structural, valid samples accepted, invalid ones rejected by field.
 
-Validation here is offline (crd_support.py): OpenAPI via jsonschema, unknown fields, and
+Validation here is offline (support/crd_support.py): OpenAPI via jsonschema, unknown fields, and
 our CEL rules through a small interpreter. The API server's own CEL compiler and cost limits are
 only exercised by e2e/ on a real cluster.
 """
@@ -11,11 +11,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-import crd_support as S
 import kubernetes_validate
 import pytest
+from repo_paths import CRD_FILE, SAMPLES
+from support import crd_support as S
 
-CRD: dict[str, Any] = S.load_yaml(S.CRD_FILE)
+CRD: dict[str, Any] = S.load_yaml(CRD_FILE)
 SCHEMA: dict[str, Any] = S.crd_schema(CRD)
 K8S_VERSIONS = ("1.30", "1.37")
 
@@ -164,9 +165,9 @@ EXAMPLE_CHOICES = {"spec.prefill.pipelineParallel": 2}
 
 def test_defaults_match_the_design_example() -> None:
     example = (
-        S.load_yaml(S.EXAMPLE) if S.EXAMPLE.exists() else S.load_yaml(S.SAMPLES / "tiny-cpu.yaml")
+        S.load_yaml(S.EXAMPLE) if S.EXAMPLE.exists() else S.load_yaml(SAMPLES / "tiny-cpu.yaml")
     )
-    minimal = S.load_yaml(S.SAMPLES / "tiny-minimal.yaml")
+    minimal = S.load_yaml(SAMPLES / "tiny-minimal.yaml")
     defaulted = _leaves(S.apply_defaults(SCHEMA, minimal))
     given = _leaves(minimal)
     example_leaves = _leaves(example)
@@ -186,7 +187,7 @@ def test_defaults_match_the_design_example() -> None:
 def test_tiny_cpu_sample_is_the_design_example() -> None:
     if not S.EXAMPLE.exists():
         pytest.skip(f"{S.EXAMPLE} not present (../shared beside the clone)")
-    example, sample = S.load_yaml(S.EXAMPLE), S.load_yaml(S.SAMPLES / "tiny-cpu.yaml")
+    example, sample = S.load_yaml(S.EXAMPLE), S.load_yaml(SAMPLES / "tiny-cpu.yaml")
     assert sample["spec"] == example["spec"]
     assert S.validate_cr(example, SCHEMA) == []
 

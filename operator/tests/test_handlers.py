@@ -11,14 +11,20 @@ from typing import Any
 import kopf
 import pytest
 
-from dsv4_operator import handlers
 from dsv4_operator import labels as L
+from dsv4_operator import settings
 from dsv4_operator.config import OperatorConfig
-from dsv4_operator.handlers import reconcile_owner, run_reconcile
+from dsv4_operator.gate import ReconcileGate
+from dsv4_operator.handlers import Deps, reconcile_owner, run_reconcile
 from dsv4_operator.kube import KubeError
 from dsv4_operator.settings import configure
 
 LOG = logging.getLogger("test")
+
+
+def deps(kube: Any, probe: Any, gate: ReconcileGate | None = None) -> Deps:
+    """What settings.on_startup puts in kopf's memo, with a gate of this test's own."""
+    return Deps(kube, probe, OperatorConfig(), gate or ReconcileGate())
 
 
 class ConflictingKube:
@@ -32,7 +38,7 @@ class ConflictingKube:
 def test_api_conflict_is_a_temporary_error(cluster: tuple[Any, Any]) -> None:
     kube, probe = cluster
     with pytest.raises(kopf.TemporaryError):
-        run_reconcile(kube.cr, ConflictingKube(), probe, OperatorConfig(), LOG)
+        run_reconcile(kube.cr, deps(ConflictingKube(), probe), LOG)
 
 
 def test_invalid_spec_is_a_permanent_error_after_status_is_written(
@@ -40,7 +46,7 @@ def test_invalid_spec_is_a_permanent_error_after_status_is_written(
 ) -> None:
     kube, probe = make_cluster(maxContextTokens=0)
     with pytest.raises(kopf.PermanentError, match=r"spec\.maxContextTokens"):
-        run_reconcile(kube.cr, kube, probe, OperatorConfig(), LOG)
+        run_reconcile(kube.cr, deps(kube, probe), LOG)
     assert kube.writes == [("patch_status", "tiny")]
 
 
@@ -48,7 +54,7 @@ def test_context_too_long_is_reported_not_raised(
     make_cluster: Callable[..., tuple[Any, Any]],
 ) -> None:
     kube, probe = make_cluster(maxContextTokens=8192)
-    result = run_reconcile(kube.cr, kube, probe, OperatorConfig(), LOG)
+    result = run_reconcile(kube.cr, deps(kube, probe), LOG)
     assert result.problem is not None and result.problem.reason == "ContextTooLong"
 
 
@@ -65,10 +71,10 @@ def test_settings_from_environment(env: dict[str, str], standalone: bool) -> Non
 
 
 def _ready_cluster(kube: Any, probe: Any) -> None:
-    run_reconcile(kube.cr, kube, probe, OperatorConfig(), LOG)
+    run_reconcile(kube.cr, deps(kube, probe), LOG)
     kube.run_controllers()
     probe.report_planned(kube)
-    run_reconcile(kube.cr, kube, probe, OperatorConfig(), LOG)
+    run_reconcile(kube.cr, deps(kube, probe), LOG)
 
 
 def test_a_pod_event_restarts_the_broken_group_at_once(cluster: tuple[Any, Any]) -> None:
@@ -82,9 +88,7 @@ def test_a_pod_event_restarts_the_broken_group_at_once(cluster: tuple[Any, Any])
     result = reconcile_owner(
         "ns",
         "tiny",
-        kube,
-        probe,
-        OperatorConfig(),
+        deps(kube, probe),
         LOG,
         warn=lambda body, reason, msg: warnings.append((body["metadata"]["uid"], reason, msg)),
     )
@@ -92,9 +96,8 @@ def test_a_pod_event_restarts_the_broken_group_at_once(cluster: tuple[Any, Any])
     # Posted as a Warning Event on the CR (kopf's event-handler logger posts nothing).
     assert [w[:2] for w in warnings] == [("cr-uid-1", "PodRestarted")]
     assert group in warnings[0][2]
-    assert ("delete_pods", f"{L.DEPLOYMENT_LABEL}=tiny,{L.GROUP_LABEL}={group}") in (
-        kube.writes_since(mark)
-    )
+    selector = L.selector_string(L.group_selector("tiny", group))
+    assert ("delete_pods", selector) in kube.writes_since(mark)
 
 
 def test_a_pod_event_reads_the_current_cr(cluster: tuple[Any, Any]) -> None:
@@ -102,7 +105,7 @@ def test_a_pod_event_reads_the_current_cr(cluster: tuple[Any, Any]) -> None:
     kube, probe = cluster
     _ready_cluster(kube, probe)
     kube.cr["metadata"]["generation"] = 2
-    result = reconcile_owner("ns", "tiny", kube, probe, OperatorConfig(), LOG)
+    result = reconcile_owner("ns", "tiny", deps(kube, probe), LOG)
     assert result is not None and result.status["observedGeneration"] == 2
 
 
@@ -115,7 +118,7 @@ def test_a_pod_event_of_a_gone_or_deleting_cr_does_nothing(
         kube.cr_deleted = True
     else:
         kube.cr["metadata"]["deletionTimestamp"] = "2026-11-21T00:00:00Z"
-    assert reconcile_owner("ns", "tiny", kube, probe, OperatorConfig(), LOG) is None
+    assert reconcile_owner("ns", "tiny", deps(kube, probe), LOG) is None
     assert kube.writes == []
 
 
@@ -123,7 +126,7 @@ def test_a_pod_event_of_an_invalid_cr_leaves_the_error_in_status(
     make_cluster: Callable[..., tuple[Any, Any]],
 ) -> None:
     kube, probe = make_cluster(maxContextTokens=0)
-    assert reconcile_owner("ns", "tiny", kube, probe, OperatorConfig(), LOG) is None
+    assert reconcile_owner("ns", "tiny", deps(kube, probe), LOG) is None
     assert kube.writes == [("patch_status", "tiny")]
     assert any(
         c["type"] == "PlanValid" and c["status"] == "False" for c in kube.cr["status"]["conditions"]
@@ -133,22 +136,32 @@ def test_a_pod_event_of_an_invalid_cr_leaves_the_error_in_status(
 def test_pod_events_coalesce_while_a_reconcile_waits(cluster: tuple[Any, Any]) -> None:
     """A burst of pod events costs one reconcile per lock release, not one per event."""
     kube, probe = cluster
-    lock = handlers._lock_for("ns/tiny")
+    gate = ReconcileGate()
     results: list[Any] = []
-    with lock:  # a reconcile of this deployment is running
+    with gate.lock("ns/tiny"):  # a reconcile of this deployment is running
         waiting = threading.Thread(
             target=lambda: results.append(
-                reconcile_owner("ns", "tiny", kube, probe, OperatorConfig(), LOG)
+                reconcile_owner("ns", "tiny", deps(kube, probe, gate), LOG)
             )
         )
         waiting.start()
         deadline = time.monotonic() + 10
-        while "ns/tiny" not in handlers._queued and time.monotonic() < deadline:
+        while not gate.waiting("ns/tiny") and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert "ns/tiny" in handlers._queued
+        assert gate.waiting("ns/tiny")
         for _ in range(5):  # further events are folded into the waiting reconcile
-            assert reconcile_owner("ns", "tiny", kube, probe, OperatorConfig(), LOG) is None
+            assert reconcile_owner("ns", "tiny", deps(kube, probe, gate), LOG) is None
         assert kube.writes == []
     waiting.join(timeout=10)
     assert len(results) == 1 and results[0] is not None and results[0].applied
-    assert "ns/tiny" not in handlers._queued
+    assert not gate.waiting("ns/tiny")
+
+
+def test_each_operator_start_has_its_own_gate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No reconcile state outlives a kopf run: start-up puts a fresh gate in the memo."""
+    monkeypatch.setattr(settings.ApiKube, "from_environment", lambda _timeout: object())
+    memos = [kopf.Memo(), kopf.Memo()]
+    for memo in memos:
+        settings.on_startup(settings=kopf.OperatorSettings(), memo=memo)
+    gates = [Deps.from_memo(memo).gate for memo in memos]
+    assert all(isinstance(g, ReconcileGate) for g in gates) and gates[0] is not gates[1]

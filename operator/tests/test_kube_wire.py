@@ -11,12 +11,12 @@ from typing import Any
 import kubernetes
 import pytest
 import yaml
-from fake_apiserver import FakeApiServer, load_crd
+from repo_paths import CRD_FILE, SAMPLES
+from support.fake_apiserver import FakeApiServer, load_crd
 
 from dsv4_operator import labels as L
 from dsv4_operator.kube_api import ApiKube, KubeError
 
-ROOT = Path(__file__).resolve().parents[2]
 NS = "default"
 CR_PATH = f"/apis/{L.GROUP}/{L.VERSION}/namespaces/{NS}/{L.PLURAL}"
 
@@ -25,7 +25,7 @@ CR_PATH = f"/apis/{L.GROUP}/{L.VERSION}/namespaces/{NS}/{L.PLURAL}"
 def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeApiServer]:
     # The DynamicClient caches discovery in tempfile.gettempdir(): keep it per test.
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    crd = load_crd(ROOT / "crds" / "dsv4deployment.yaml")
+    crd = load_crd(CRD_FILE)
     with FakeApiServer([crd], namespaces=[NS, "other"]) as srv:
         yield srv
 
@@ -134,8 +134,8 @@ def test_delete_pods_is_one_deletecollection_with_the_group_selector(
     server: FakeApiServer, kube: ApiKube
 ) -> None:
     for name, group in [("g0-0", "tiny-prefill-0"), ("g0-1", "tiny-prefill-0"), ("g1-0", "x")]:
-        server.create(pod(name, {L.DEPLOYMENT_LABEL: "tiny", L.GROUP_LABEL: group}))
-    selector = L.selector_string({L.DEPLOYMENT_LABEL: "tiny", L.GROUP_LABEL: "tiny-prefill-0"})
+        server.create(pod(name, L.group_selector("tiny", group)))
+    selector = L.selector_string(L.group_selector("tiny", "tiny-prefill-0"))
     kube.delete_pods(NS, selector)
     (request,) = server.requests_to("DELETE")
     assert request.path == f"/api/v1/namespaces/{NS}/pods"
@@ -146,7 +146,7 @@ def test_delete_pods_is_one_deletecollection_with_the_group_selector(
 def test_patch_status_merge_patches_the_status_subresource_only(
     server: FakeApiServer, kube: ApiKube
 ) -> None:
-    cr = yaml.safe_load((ROOT / "crds" / "samples" / "tiny-cpu.yaml").read_text())
+    cr = yaml.safe_load((SAMPLES / "tiny-cpu.yaml").read_text())
     cr["metadata"]["namespace"] = NS
     created = server.create(cr)
     kube.patch_status(NS, "tiny", {"observedGeneration": 1, "endpoint": "http://x"})

@@ -13,7 +13,7 @@ import kubernetes_validate
 import pytest
 
 from dsv4_common.api.deployment import plan_memory
-from dsv4_common.api.names import NAME_PATTERN
+from dsv4_common.api.names import GPU_RESOURCE, NAME_PATTERN
 from dsv4_common.api.rank_config import parse_rank_config, planned_rank
 from dsv4_common.api.spec import parse_meta, parse_spec
 from dsv4_operator import labels as L
@@ -156,15 +156,14 @@ def test_gpu_requests_come_from_gpu_per_pod(make_body: Callable[..., Body]) -> N
     cpu = desired(make_body("tiny-cpu.yaml"))
     for pod, c in _containers(gpu):
         if c["name"] == "worker":
-            assert c["resources"]["limits"]["nvidia.com/gpu"] == "4"
+            assert c["resources"]["limits"][GPU_RESOURCE] == "4"
             assert c["resources"]["requests"] == {"cpu": "16", "memory": "200Gi"}
-            assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
-                "tolerations"
-            ]
+            toleration = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+            assert toleration in pod["tolerations"]
         else:
-            assert "nvidia.com/gpu" not in json.dumps(c["resources"])
+            assert GPU_RESOURCE not in json.dumps(c["resources"])
     for pod, c in _containers(cpu):
-        assert "nvidia.com/gpu" not in json.dumps(c["resources"]) and "tolerations" not in pod
+        assert GPU_RESOURCE not in json.dumps(c["resources"]) and "tolerations" not in pod
 
 
 def test_weights_volume_is_mounted_read_only(make_body: Callable[..., Body]) -> None:

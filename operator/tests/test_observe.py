@@ -9,26 +9,15 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from status_servers import HANG, StatusServers
+from contract_samples import DECODE_STATUS
+from support.status_servers import HANG, StatusServers
 
-from dsv4_common.api.worker_status import WorkerStatus, build_worker_status
+from dsv4_common.api.worker_status import build_worker_status
 from dsv4_operator import labels as L
 from dsv4_operator.observe import PodState, parse_report, parse_reports, pod_state
 from dsv4_operator.probe import HttpWorkerProbe
 
-GOOD: dict[str, Any] = build_worker_status(
-    WorkerStatus(
-        role="decode",
-        pp_rank=1,
-        full_tokens=8192,
-        swa_tokens=1024,
-        max_running_requests=16,
-        max_context_tokens=4096,
-        kv_backend="nixl",
-        kv_ready=True,
-        kv_layout_hash="abc123",
-    )
-)
+GOOD: dict[str, Any] = build_worker_status(DECODE_STATUS)
 
 
 def _without(path: tuple[str, ...]) -> dict[str, Any]:

@@ -23,12 +23,12 @@ from typing import Any, TypeVar
 
 import pytest
 import yaml
-from chart_support import CHART, needs_helm, render
-from fake_apiserver import FakeApiServer, load_crd
+from repo_paths import CRD_FILE, SAMPLES
+from support.chart_support import CHART, needs_helm, render
+from support.fake_apiserver import FakeApiServer, load_crd
 
 from dsv4_operator import labels as L
 
-ROOT = Path(__file__).resolve().parents[2]
 NS = "default"
 T = TypeVar("T")
 
@@ -135,7 +135,7 @@ def _wait_healthy(liveness_port: int) -> None:
 
 
 def _create_cr(server: FakeApiServer, name: str) -> None:
-    cr = yaml.safe_load((ROOT / "crds" / "samples" / "tiny-cpu.yaml").read_text())
+    cr = yaml.safe_load((SAMPLES / "tiny-cpu.yaml").read_text())
     cr["metadata"].update({"namespace": NS, "name": name})
     server.create(cr)
 
@@ -152,7 +152,7 @@ def _planned(server: FakeApiServer, name: str) -> Callable[[], dict[str, Any] | 
 
 @pytest.fixture
 def server() -> Iterator[FakeApiServer]:
-    api = FakeApiServer([load_crd(ROOT / "crds" / "dsv4deployment.yaml")]).start()
+    api = FakeApiServer([load_crd(CRD_FILE)]).start()
     try:
         yield api
     finally:
@@ -196,7 +196,7 @@ def test_two_replicas_peer_and_the_standby_takes_over(tmp_path: Path) -> None:
     (peering,) = [o for o in objects if o["kind"] == "KopfPeering"]
     assert peering["metadata"]["namespace"] == NS
     crds = list(yaml.safe_load_all((CHART / "crds" / "kopf-peering.yaml").read_text()))
-    server = FakeApiServer([load_crd(ROOT / "crds" / "dsv4deployment.yaml"), *crds]).start()
+    server = FakeApiServer([load_crd(CRD_FILE), *crds]).start()
     container = _operator_container(*HA_VALUES)
     kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
     ops: list[OperatorProcess] = []

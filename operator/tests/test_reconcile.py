@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from support.expected import SERVING_CONDITIONS
+
 from dsv4_operator import labels as L
 from dsv4_operator.config import OperatorConfig
 from dsv4_operator.reconcile import ReconcileResult, reconcile
@@ -62,14 +64,7 @@ def test_ready_when_every_role_router_and_kv_transfer_are_up(cluster: tuple[Any,
     kube, probe = cluster
     serving(kube, probe)
     status = kube.cr["status"]
-    assert {t: c["status"] for t, c in conditions(kube).items()} == {
-        "Ready": "True",
-        "Progressing": "False",
-        "Degraded": "False",
-        "PlanValid": "True",
-        "ContextFits": "True",
-        "KVTransferReady": "True",
-    }
+    assert {t: c["status"] for t, c in conditions(kube).items()} == SERVING_CONDITIONS
     assert status["roles"]["prefill"] == {"replicas": 1, "readyReplicas": 1, "ready": "1/1"}
     assert status["endpoint"] == "http://tiny-router.ns.svc:8000"
     assert status["maxContextTokens"] == 4096 and status["observedGeneration"] == 1
@@ -170,7 +165,7 @@ def test_a_failed_pod_restarts_its_whole_pp_group_only(cluster: tuple[Any, Any])
     assert [(a.group, a.reason) for a in result.group_actions] == [
         ("tiny-prefill-0", "PodRestarted")
     ]
-    selector = L.selector_string({L.GROUP_LABEL: "tiny-prefill-0", L.DEPLOYMENT_LABEL: "tiny"})
+    selector = L.selector_string(L.group_selector("tiny", "tiny-prefill-0"))
     assert kube.writes_since(mark) == [("delete_pods", selector), ("patch_status", "tiny")]
     pods = set(kube.of_kind("Pod"))
     assert "tiny-prefill-0-0" not in pods and "tiny-prefill-0-1" not in pods

@@ -9,14 +9,13 @@ from typing import Any
 
 import pytest
 import yaml
+from repo_paths import SAMPLES
 
 from dsv4_common.api.deployment import plan_memory
 from dsv4_common.api.spec import SpecError, parse_meta, parse_spec
 from dsv4_common.cli import main
 from dsv4_operator.objects import build_desired_state
 from dsv4_operator.render import render, render_file
-
-SAMPLES = Path(__file__).resolve().parents[2] / "crds" / "samples"
 
 
 def test_render_stream_is_the_desired_state(make_body: Callable[..., dict[str, Any]]) -> None:

@@ -6,25 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import crd_support  # conftest puts this folder on sys.path
 import pytest
 import yaml
+from support import crd_support as S
 
 from dsv4_common.api.spec import SpecError, parse_spec
 
-TESTS = Path(__file__).resolve().parent
-SAMPLES = TESTS.parents[1] / "crds" / "samples"
-
-
-VALID = sorted(SAMPLES.glob("*.yaml"))
-INVALID = sorted((SAMPLES / "invalid").glob("*.yaml"))
-
-
-def _expect(path: Path) -> str:
-    for line in path.read_text().splitlines():
-        if line.startswith("# expect:"):
-            return line.split(":", 1)[1].strip()
-    raise AssertionError(f"{path.name} has no '# expect:' line")
+VALID = S.valid_samples()
+INVALID = S.invalid_samples()
 
 
 def test_there_are_samples_of_both_kinds() -> None:
@@ -34,7 +23,7 @@ def test_there_are_samples_of_both_kinds() -> None:
 @pytest.mark.parametrize("path", VALID, ids=[p.name for p in VALID])
 def test_valid_sample_parses_with_the_crd_defaults(path: Path) -> None:
     body = yaml.safe_load(path.read_text())
-    defaulted = crd_support.apply_defaults(crd_support.crd_schema(), body)
+    defaulted = S.apply_defaults(S.crd_schema(), body)
     assert parse_spec(body) == parse_spec(defaulted)
 
 
@@ -42,5 +31,5 @@ def test_valid_sample_parses_with_the_crd_defaults(path: Path) -> None:
 def test_invalid_sample_is_rejected_naming_the_field(path: Path) -> None:
     with pytest.raises(SpecError) as info:
         parse_spec(yaml.safe_load(path.read_text()))
-    field = _expect(path)
+    field = S.expected_path(path)
     assert any(e.startswith(field) for e in info.value.errors), info.value.errors

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
+from contract_samples import DECODE_STATUS
 from repo_paths import SAMPLES
 
 from dsv4_common.api import rank_config as rc
@@ -16,7 +17,7 @@ from dsv4_common.api.deployment import plan_memory
 from dsv4_common.api.documents import DocumentError
 from dsv4_common.api.names import WORKER_ROLES
 from dsv4_common.api.spec import parse_meta, parse_spec
-from dsv4_common.api.worker_status import WorkerStatus, build_worker_status, parse_worker_status
+from dsv4_common.api.worker_status import build_worker_status, parse_worker_status
 from dsv4_common.core.presets import load_model_config
 from dsv4_common.plan import report
 from dsv4_common.plan.planner import plan
@@ -130,17 +131,7 @@ def test_router_config_round_trips_and_needs_both_roles() -> None:
         rc.parse_router_config(doc)
 
 
-STATUS = WorkerStatus(
-    role="decode",
-    pp_rank=0,
-    full_tokens=8192,
-    swa_tokens=1024,
-    max_running_requests=16,
-    max_context_tokens=4096,
-    kv_backend="nixl",
-    kv_ready=True,
-    kv_layout_hash="abc",
-)
+STATUS = DECODE_STATUS
 
 
 def test_worker_status_round_trips() -> None:

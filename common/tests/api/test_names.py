@@ -12,7 +12,7 @@ from repo_paths import CRD_FILE
 from dsv4_common.api import names
 from dsv4_common.core.gpus import GPU_TYPE_NAMES, GPU_TYPES
 from dsv4_common.core.presets import PRESETS
-from dsv4_common.core.units import MIB
+from dsv4_common.core.units import GIB, MIB
 
 
 def spec_schema() -> dict[str, Any]:
@@ -71,4 +71,4 @@ def test_gpu_types_carry_the_memory_the_device_reports() -> None:
     assert GPU_TYPES["h100-80gb"].memory_bytes == 81_559 * MIB
     assert GPU_TYPES["h200"].memory_bytes == 143_771 * MIB
     # The marketing size (141e9 bytes = 131.3 GiB) under-plans an H200 by about 9 GiB.
-    assert (GPU_TYPES["h200"].memory_bytes - 141e9) / 2**30 == pytest.approx(9.09, abs=0.01)
+    assert (GPU_TYPES["h200"].memory_bytes - 141e9) / GIB == pytest.approx(9.09, abs=0.01)

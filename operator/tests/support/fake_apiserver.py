@@ -24,7 +24,8 @@ apiVersion/kind (kubernetes/kubernetes#3030), items of custom resources do; erro
 fields this manager applied before but no longer applies (no conflict detection; `force` is
 only recorded). Admission hooks (defaulting, validation) can be installed per resource.
 
-For tests: `requests` logs every request (method, path, query, content type, parsed body);
+For tests: `requests` logs every request (method, path, query, content type, parsed body, and
+the response code: 0 while in flight, set in the same hold of the lock as the request's effect);
 `fail_next` makes the next matching request fail with a given code; the object helpers
 (`create`, `get`, `list`, `set_status`, `delete`) act as a controller or kubelet would
 (and show up in watches); `write_kubeconfig` points a client at the server.
@@ -408,6 +409,12 @@ class _Watch:
 
 
 @dataclass
+class _WatchTarget:
+    rtype: ResourceType
+    namespace: str | None
+
+
+@dataclass
 class _Stored:
     rtype: ResourceType
     obj: Obj
@@ -555,9 +562,11 @@ class FakeApiServer:
 
     def requests_to(self, method: str | None = None, path: str | None = None) -> list[Request]:
         """Logged requests with this method whose path contains `path`."""
+        with self._lock:
+            logged = list(self.requests)
         return [
             r
-            for r in list(self.requests)
+            for r in logged
             if (method is None or r.method == method.upper()) and (path is None or path in r.path)
         ]
 
@@ -890,6 +899,9 @@ class FakeApiServer:
 
     # --- HTTP ------------------------------------------------------------------------------
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        """Log the request, then serve it. A request other than a watch is served, and its log
+        entry completed with the response code, in one hold of the lock: whoever sees what it
+        did (through the object helpers or another request) also sees it logged as done."""
         raw = await request.read()
         ctype = request.headers.get("Content-Type")
         query = {k: v for k, v in request.query.items()}
@@ -900,27 +912,38 @@ class FakeApiServer:
             except (ValueError, yaml.YAMLError):
                 body = raw.decode("utf-8", "replace")
         logged = Request(request.method, request.path, query, ctype, body)
-        self.requests.append(logged)
+        with self._lock:
+            self.requests.append(logged)
+            try:
+                self._inject_failure(request.method, request.path)
+                served = self._respond(request, query, ctype, body)
+            except ApiError as exc:
+                served = exc.response()
+            if isinstance(served, web.StreamResponse):
+                logged.code = served.status
+                return served
         try:
-            with self._lock:
-                for failure in self._failures:
-                    if (
-                        failure.times > 0
-                        and (failure.method in (None, request.method))
-                        and (failure.path is None or failure.path in request.path)
-                    ):
-                        failure.times -= 1
-                        raise ApiError(failure.code, failure.message, failure.reason)
-                self._failures = [f for f in self._failures if f.times > 0]
-            response = await self._route(request, query, ctype, body)
+            response = await self._watch(request, served.rtype, served.namespace, query)
         except ApiError as exc:
             response = exc.response()
-        logged.code = response.status
+        logged.code = response.status  # a watch is logged as done when its stream ends
         return response
 
-    async def _route(
+    def _inject_failure(self, method: str, path: str) -> None:
+        for failure in self._failures:
+            if (
+                failure.times > 0
+                and (failure.method in (None, method))
+                and (failure.path is None or failure.path in path)
+            ):
+                failure.times -= 1
+                raise ApiError(failure.code, failure.message, failure.reason)
+        self._failures = [f for f in self._failures if f.times > 0]
+
+    def _respond(
         self, request: web.Request, query: dict[str, str], ctype: str | None, body: Any
-    ) -> web.StreamResponse:
+    ) -> web.StreamResponse | _WatchTarget:
+        """The response to a request (call with the lock held), or what a watch streams."""
         parts = [p for p in request.path.split("/") if p]
         if parts == ["version"]:
             return web.json_response(
@@ -957,47 +980,42 @@ class FakeApiServer:
             query.get("fieldManager") or request.headers.get("User-Agent", "unknown").split("/")[0]
         )
         if method == "GET" and name is None and query.get("watch") in ("true", "1"):
-            return await self._watch(request, rtype, namespace, query)
-        with self._lock:
-            if method == "GET":
-                if name is None:
-                    return web.json_response(self._list_response(rtype, namespace, query))
-                return web.json_response(self._require(rtype, namespace or "", name))
-            if method == "POST" and name is None:
-                if not isinstance(body, dict):
-                    raise ApiError(400, "the request body must be an object")
-                ns = namespace or "" if rtype.namespaced else ""
-                created = self._create(rtype, ns, body, keep_status=False, manager=manager)
-                return web.json_response(created, status=201)
-            if method == "PUT" and name is not None:
-                if not isinstance(body, dict):
-                    raise ApiError(400, "the request body must be an object")
-                live = self._require(rtype, namespace or "", name)
-                rv = (body.get("metadata") or {}).get("resourceVersion")
-                return web.json_response(
-                    self._update(rtype, live, body, sub, manager, precondition_rv=rv)
-                )
-            if method == "PATCH" and name is not None:
-                existed = self._key(rtype, namespace, name) in self._objects
-                patched = self._patch(
-                    rtype, namespace or "", name, sub, query, ctype, body, manager
-                )
-                return web.json_response(patched, status=200 if existed else 201)
-            if method == "DELETE" and name is not None:
-                options = body if isinstance(body, dict) else {}
-                policy = options.get("propagationPolicy") or query.get("propagationPolicy", "")
-                return web.json_response(self._delete(rtype, namespace or "", name, policy))
-            if method == "DELETE" and name is None:
-                matching = self._select(rtype, namespace, None, query.get("labelSelector", ""))
-                keys = [
-                    (o["metadata"].get("namespace", ""), o["metadata"]["name"]) for o in matching
-                ]
-                gone = [
-                    self._delete(rtype, ns, obj_name, "")
-                    for ns, obj_name in keys
-                    if self._key(rtype, ns, obj_name) in self._objects
-                ]
-                return web.json_response(self._as_list(rtype, gone))
+            return _WatchTarget(rtype, namespace)
+        if method == "GET":
+            if name is None:
+                return web.json_response(self._list_response(rtype, namespace, query))
+            return web.json_response(self._require(rtype, namespace or "", name))
+        if method == "POST" and name is None:
+            if not isinstance(body, dict):
+                raise ApiError(400, "the request body must be an object")
+            ns = namespace or "" if rtype.namespaced else ""
+            created = self._create(rtype, ns, body, keep_status=False, manager=manager)
+            return web.json_response(created, status=201)
+        if method == "PUT" and name is not None:
+            if not isinstance(body, dict):
+                raise ApiError(400, "the request body must be an object")
+            live = self._require(rtype, namespace or "", name)
+            rv = (body.get("metadata") or {}).get("resourceVersion")
+            return web.json_response(
+                self._update(rtype, live, body, sub, manager, precondition_rv=rv)
+            )
+        if method == "PATCH" and name is not None:
+            existed = self._key(rtype, namespace, name) in self._objects
+            patched = self._patch(rtype, namespace or "", name, sub, query, ctype, body, manager)
+            return web.json_response(patched, status=200 if existed else 201)
+        if method == "DELETE" and name is not None:
+            options = body if isinstance(body, dict) else {}
+            policy = options.get("propagationPolicy") or query.get("propagationPolicy", "")
+            return web.json_response(self._delete(rtype, namespace or "", name, policy))
+        if method == "DELETE" and name is None:
+            matching = self._select(rtype, namespace, None, query.get("labelSelector", ""))
+            keys = [(o["metadata"].get("namespace", ""), o["metadata"]["name"]) for o in matching]
+            gone = [
+                self._delete(rtype, ns, obj_name, "")
+                for ns, obj_name in keys
+                if self._key(rtype, ns, obj_name) in self._objects
+            ]
+            return web.json_response(self._as_list(rtype, gone))
         raise ApiError(405, f"{method} is not supported on {request.path}")
 
     def _patch(

@@ -7,12 +7,11 @@ from __future__ import annotations
 import subprocess
 from typing import Any
 
-import crd_support as S
 import pytest
 import yaml
+from repo_paths import CHART, TOOLS_BIN
 
-CHART = S.ROOT / "charts" / "dsv4-operator"
-HELM = S.ROOT / ".tools" / "bin" / "helm"
+HELM = TOOLS_BIN / "helm"
 K8S_VERSIONS = ("1.30", "1.37")
 needs_helm = pytest.mark.skipif(
     not HELM.exists(), reason=f"{HELM} missing: run scripts/tools.sh (CI always does)"

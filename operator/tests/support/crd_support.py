@@ -1,4 +1,5 @@
-"""Offline stand-in for the API server's CRD checks, shared by test_crd_*.py and test_chart_*.py.
+"""Offline stand-in for the API server's CRD checks, shared by test_crd_*.py, test_chart_*.py,
+test_samples.py and the live tests (`admit`, the admission hook of the fake API server).
 
 What it does, as the API server would: structural defaulting, OpenAPI validation (jsonschema
 Draft 4, the dialect closest to the CRD's OpenAPI v3 subset, plus `x-kubernetes-int-or-string`),
@@ -24,11 +25,10 @@ from typing import Any
 
 import jsonschema
 import yaml
+from repo_paths import CRD_FILE, SAMPLES, SHARED_EXAMPLES
+from support.fake_apiserver import AdmissionError
 
-ROOT = Path(__file__).resolve().parents[2]
-CRD_FILE = ROOT / "crds" / "dsv4deployment.yaml"
-SAMPLES = ROOT / "crds" / "samples"
-EXAMPLE = ROOT.parent / "shared" / "examples" / "dsv4deployment-tiny.yaml"
+EXAMPLE = SHARED_EXAMPLES / "dsv4deployment-tiny.yaml"  # the design's example CR
 
 Schema = dict[str, Any]
 
@@ -110,6 +110,24 @@ def unknown_fields(schema: Schema, value: Any, path: str = "") -> list[str]:
         for i, item in enumerate(value):
             out.extend(unknown_fields(schema["items"], item, f"{path}[{i}]"))
     return [p.lstrip(".") for p in out]
+
+
+def prune_unknown(schema: Schema, value: Any, path: str = "") -> Any:
+    """The value without the fields `unknown_fields` lists (what the API server stores)."""
+    if schema.get("x-kubernetes-preserve-unknown-fields") or path == ".metadata":
+        return value
+    if isinstance(value, dict) and schema.get("type") == "object":
+        out = {}
+        for key, item in value.items():
+            sub = _prop_schema(schema, key)
+            if path == "" and key in ("apiVersion", "kind", "metadata"):
+                out[key] = item
+            elif sub is not None:
+                out[key] = prune_unknown(sub, item, f"{path}.{key}")
+        return out
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [prune_unknown(schema["items"], item, f"{path}[]") for item in value]
+    return value
 
 
 def to_cel(schema: Schema, value: Any) -> Any:
@@ -209,6 +227,17 @@ def validate_cr(obj: dict[str, Any], schema: Schema | None = None) -> list[str]:
     errors += [f"{p}: unknown field" for p in unknown_fields(schema, obj)]
     errors += cel_errors(schema, obj)
     return errors
+
+
+def admit(obj: dict[str, Any], schema: Schema | None = None) -> dict[str, Any]:
+    """The API server's part for the CRD, as an admission hook of the fake API server:
+    default, prune unknown fields, then validate (schema and CEL rules) or refuse."""
+    schema = schema if schema is not None else crd_schema()
+    obj = prune_unknown(schema, apply_defaults(schema, obj))
+    errors = schema_errors(schema, obj) + cel_errors(schema, obj)
+    if errors:
+        raise AdmissionError(errors)
+    return obj
 
 
 # ---------------------------------------------------------------------------------------------
