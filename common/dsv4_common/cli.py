@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4_common.core.gpus import GPU_TYPE_NAMES, gpu_type
+from dsv4_common.core.layout import REQUEST_STATES
 from dsv4_common.core.model import ModelConfig, ModelConfigError
 from dsv4_common.core.presets import PRESETS, load_model_config
 from dsv4_common.core.units import GIB
@@ -75,6 +76,7 @@ PLAN_FLAGS: dict[str, str] = {
     "swa_ratio": "--swa-ratio",
     "context_len": "--context-len",
     "layer_split": "--layer-split",
+    "request_state": "--request-state",
 }
 
 
@@ -155,6 +157,13 @@ def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         default=None,
         help="target layers per PP rank, e.g. 16,15,15,15 (default: even)",
     )
+    p.add_argument(
+        "--request-state",
+        choices=REQUEST_STATES,
+        default="ring",
+        help="DSV4 HCA compressor state per request: a ring of the block's tokens (ring) or "
+        "3 exact streaming rows (online)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -213,6 +222,7 @@ def _plan_inputs(args: argparse.Namespace, model: ModelConfig) -> PlanInputs:
         mem_fraction=args.mem_fraction,
         speculative_draft_tokens=args.speculative_draft_tokens,
         context_len=args.context_len,
+        request_state=args.request_state,
     )
 
 

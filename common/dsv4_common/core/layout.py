@@ -21,11 +21,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import Final, NamedTuple
+from typing import Final, Literal, NamedTuple
 
 from dsv4_common.core.model import DTYPE_BYTES, DSV4Config, HybridSWAConfig, ModelConfig
 
 LAYOUT_VERSION = 1
+RequestState = Literal["ring", "online"]
+REQUEST_STATES: tuple[RequestState, ...] = ("ring", "online")
+ONLINE_STATE_ROWS = 3  # running max, running sum, weighted kv (per channel)
 
 
 class IndexSpace(StrEnum):
@@ -41,6 +44,7 @@ class ComponentKind(StrEnum):
     INDEXER_KEYS = "indexer_keys"  # lightning-indexer key per compressed row (CSA layers)
     PAGE_RING = "page_ring"  # compressor state ring, one per SWA page (CSA layers)
     REQUEST_RING = "request_ring"  # compressor state ring, one per request (HCA layers)
+    REQUEST_ONLINE = "request_online"  # streaming compressor state, one per request (HCA)
 
 
 # kind -> (index space of its rows, window-bounded: window eviction frees its units).
@@ -51,6 +55,7 @@ PLACEMENT: Final[Mapping[ComponentKind, tuple[IndexSpace, bool]]] = {
     ComponentKind.INDEXER_KEYS: (IndexSpace.FULL_PAGE, False),
     ComponentKind.PAGE_RING: (IndexSpace.SWA_PAGE, True),
     ComponentKind.REQUEST_RING: (IndexSpace.REQ_SLOT, False),
+    ComponentKind.REQUEST_ONLINE: (IndexSpace.REQ_SLOT, False),
 }
 
 
@@ -96,6 +101,7 @@ class KVLayout:
     layer_ids: tuple[int, ...]  # every layer this layout covers (target + draft)
     draft_layer_ids: tuple[int, ...]  # the MTP/NextN draft layers among `layer_ids`
     draft_tolerance: tuple[tuple[str, int], ...]  # (ring component, max draft tokens it allows)
+    request_state: RequestState = "ring"  # the form of the HCA compressors' state
     version: int = LAYOUT_VERSION
 
     def select(self, layer_ids: Iterable[int]) -> KVLayout:
@@ -246,15 +252,19 @@ def dsv4_layer_ids(model: DSV4Config, speculative: bool) -> tuple[tuple[int, ...
     return (*range(n), *draft), draft
 
 
-def dsv4_rows(model: DSV4Config, page_size: int, speculative: bool) -> tuple[ComponentRow, ...]:
+def dsv4_rows(
+    model: DSV4Config, page_size: int, speculative: bool, request_state: RequestState = "ring"
+) -> tuple[ComponentRow, ...]:
     """The DSV4 table: a window on every layer; per compression ratio r, its compressed KV,
-    then CSA (r == sparse_ratio): indexer keys + per-SWA-page rings, or HCA: a per-request ring.
-    Ring rows are per pending token: (kv, score) x (previous, current block) for CSA."""
+    then CSA (r == sparse_ratio): indexer keys + per-SWA-page rings, or HCA: a per-request
+    state, a ring of the block's pending (kv, score) rows or, online, 3 rows (running max,
+    running sum, weighted kv). CSA ring rows: (kv, score) x (previous, current block)."""
     kind = ComponentKind
     kv, indexer = kv_row_storage(model), indexer_row_storage(model)
     attn_state = RowStorage(model.state_dtype, 4 * model.head_dim)
     indexer_state = RowStorage(model.state_dtype, 4 * model.index_head_dim)
     hca_state = RowStorage(model.state_dtype, 2 * model.head_dim)
+    online_state = RowStorage(model.state_dtype, model.head_dim)
     align = model.kv_page_align_bytes
     all_ids, _ = dsv4_layer_ids(model, speculative)
     # columns: name, kind, layer ids, ratio, row storage, rows per unit, unit alignment
@@ -269,6 +279,12 @@ def dsv4_rows(model: DSV4Config, page_size: int, speculative: bool) -> tuple[Com
                 ComponentRow(f"c{r}_attn_state", kind.PAGE_RING, ids, 1, attn_state, ring),
                 ComponentRow(f"c{r}_indexer_state", kind.PAGE_RING, ids, 1, indexer_state, ring),
             ]
+        elif request_state == "online":
+            rows.append(
+                ComponentRow(
+                    f"c{r}_state", kind.REQUEST_ONLINE, ids, 1, online_state, ONLINE_STATE_ROWS
+                )
+            )
         else:
             rows.append(ComponentRow(f"c{r}_state", kind.REQUEST_RING, ids, 1, hca_state, ring))
     return tuple(rows)
@@ -307,8 +323,15 @@ def check_dsv4_geometry(model: DSV4Config, page_size: int, draft_tokens: int) ->
             )
 
 
-def build_dsv4_layout(model: DSV4Config, page_size: int, draft_tokens: int = 0) -> KVLayout:
+def build_dsv4_layout(
+    model: DSV4Config, page_size: int, draft_tokens: int = 0, request_state: RequestState = "ring"
+) -> KVLayout:
     check_dsv4_geometry(model, page_size, draft_tokens)
+    if request_state == "online" and draft_tokens > 0:
+        raise LayoutError(
+            f"request_state=online with speculative_draft_tokens={draft_tokens}: a streaming "
+            "compressor state cannot roll back rejected draft tokens; use request_state=ring"
+        )
     spec = draft_tokens > 0
     all_ids, draft_ids = dsv4_layer_ids(model, spec)
     return KVLayout(
@@ -316,10 +339,11 @@ def build_dsv4_layout(model: DSV4Config, page_size: int, draft_tokens: int = 0) 
         page_size=page_size,
         window_tokens=model.window_tokens,
         draft_tokens=draft_tokens,
-        components=components_of(dsv4_rows(model, page_size, spec)),
+        components=components_of(dsv4_rows(model, page_size, spec, request_state)),
         layer_ids=all_ids,
         draft_layer_ids=draft_ids,
         draft_tolerance=dsv4_draft_tolerance(model, spec),
+        request_state=request_state,
     )
 
 
@@ -365,13 +389,20 @@ def build_hybrid_layout(
 
 
 def build_layout(
-    model: ModelConfig, page_size: int, draft_tokens: int = 0, tp_size: int = 1
+    model: ModelConfig,
+    page_size: int,
+    draft_tokens: int = 0,
+    tp_size: int = 1,
+    request_state: RequestState = "ring",
 ) -> KVLayout:
-    """The one entry point: the full-model layout (select() a PP stage from it)."""
+    """The one entry point: the full-model layout (select() a PP stage from it).
+    `request_state` picks the HCA compressors' state form (DSV4 only)."""
     if draft_tokens < 0:
         raise LayoutError(f"speculative_draft_tokens={draft_tokens} must be >= 0")
+    if request_state not in REQUEST_STATES:
+        raise LayoutError(f"request_state={request_state!r} must be one of {list(REQUEST_STATES)}")
     if isinstance(model, DSV4Config):
-        return build_dsv4_layout(model, page_size, draft_tokens)
+        return build_dsv4_layout(model, page_size, draft_tokens, request_state)
     return build_hybrid_layout(model, page_size, draft_tokens, tp_size)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from dsv4_common.core.layout import RequestState
 from dsv4_common.core.model import DSV4Config, ModelConfig
 
 Role = Literal["colocated", "prefill", "decode"]
@@ -44,6 +45,7 @@ class PlanInputs:
     speculative_draft_tokens: int = 0
     context_len: int | None = None  # None = the model's max_position_embeddings
     weight_bytes_per_rank: tuple[int, ...] | None = None  # measured/overridden; None = estimate
+    request_state: RequestState = "ring"  # HCA compressor state: a ring, or 3 online rows
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

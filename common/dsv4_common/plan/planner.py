@@ -32,7 +32,7 @@ from dsv4_common.plan.inputs import (
 )
 from dsv4_common.plan.weights import estimate_weight_bytes
 
-_LAYOUT_INPUTS = frozenset({"page_size", "speculative_draft_tokens"})
+_LAYOUT_INPUTS = frozenset({"page_size", "speculative_draft_tokens", "request_state"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +148,7 @@ def plan(inputs: PlanInputs) -> Plan:
     page = inputs.resolved_page_size
     draft = inputs.speculative_draft_tokens
     try:
-        full_layout = build_layout(model, page, draft, inputs.tp_size)
+        full_layout = build_layout(model, page, draft, inputs.tp_size, inputs.request_state)
     except LayoutError as exc:
         setting = str(exc).split("=", 1)[0]  # layout errors open with the setting at fault
         raise PlanError(str(exc), setting if setting in _LAYOUT_INPUTS else None) from exc

@@ -1,0 +1,91 @@
+"""The DSV4 compressors: each block of `ratio` tokens becomes one KV row (a per-channel softmax
+over the block's scores, weighting the tokens' kv), normalised and rotated.
+
+Per-token state rows are what the layout's rings hold, score bias already added:
+
+    overlapped (ratio == sparse ratio, CSA):  [kv_prev | kv_curr | score_prev | score_curr]  4 x dim
+    plain (HCA):                              [kv | score]                                    2 x dim
+
+An overlapped row b mixes the `_prev` halves of block b-1's tokens with the `_curr` halves of
+block b's (block 0 has no previous block). The online form of a plain compressor keeps
+[running max | running sum | weighted kv] (3 rows of `dim`) instead of the block's tokens:
+exact, one row per request instead of `ratio`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from dsv4_worker.model.ops import COMPRESS_ROPE_THETA, rms_norm, rope
+
+ONLINE_ROWS = 3  # running max, running sum, weighted kv
+
+
+def token_states(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    params: Mapping[str, torch.Tensor],
+    prefix: str,
+    ratio: int,
+    overlap: bool,
+) -> torch.Tensor:
+    """State rows [T, 4*dim or 2*dim] for hidden states `x` [T, H] at `positions` [T]."""
+    kv = F.linear(x, params[f"{prefix}.kv_proj.weight"])
+    score = F.linear(x, params[f"{prefix}.score_proj.weight"])
+    bias = params[f"{prefix}.position_bias"]
+    slot = positions % ratio
+    if overlap:
+        dim = kv.shape[-1] // 2
+        score = score + torch.cat([bias[0][slot], bias[1][slot]], dim=-1)
+        return torch.cat([kv[:, :dim], kv[:, dim:], score[:, :dim], score[:, dim:]], dim=-1)
+    return torch.cat([kv, score + bias[slot]], dim=-1)
+
+
+def pool_block(prev: torch.Tensor | None, curr: torch.Tensor, overlap: bool) -> torch.Tensor:
+    """The pooled (not yet normalised) row of one block from its tokens' state rows
+    [ratio, width] (and the previous block's, for an overlapped compressor)."""
+    if overlap:
+        dim = curr.shape[-1] // 4
+        kv, score = curr[:, dim : 2 * dim], curr[:, 3 * dim :]
+        if prev is not None:
+            kv = torch.cat([prev[:, :dim], kv])
+            score = torch.cat([prev[:, 2 * dim : 3 * dim], score])
+    else:
+        dim = curr.shape[-1] // 2
+        kv, score = curr[:, :dim], curr[:, dim:]
+    weights = torch.softmax(score, dim=0)
+    return (weights * kv).sum(dim=0)
+
+
+def finish_rows(
+    pooled: torch.Tensor,
+    blocks: torch.Tensor,
+    ratio: int,
+    norm_weight: torch.Tensor,
+    rope_dims: int,
+) -> torch.Tensor:
+    """Normalise and rotate pooled rows [N, dim] of blocks `blocks` [N] (a compressed row sits
+    at its block's first position)."""
+    return rope(rms_norm(pooled, norm_weight), blocks * ratio, rope_dims, COMPRESS_ROPE_THETA)
+
+
+def online_update(state: torch.Tensor | None, token: torch.Tensor) -> torch.Tensor:
+    """Fold one token's [kv | score] row into an online state [3, dim] (None: a new block)."""
+    dim = token.shape[-1] // 2
+    kv, score = token[:dim], token[dim:]
+    if state is None:
+        return torch.stack([score, torch.ones_like(score), kv])
+    running_max, running_sum, acc = state
+    new_max = torch.maximum(running_max, score)
+    old_scale, new_scale = torch.exp(running_max - new_max), torch.exp(score - new_max)
+    return torch.stack(
+        [new_max, running_sum * old_scale + new_scale, acc * old_scale + new_scale * kv]
+    )
+
+
+def online_pooled(state: torch.Tensor) -> torch.Tensor:
+    """The pooled row an online state holds at its block's end."""
+    return state[2] / state[1]

@@ -1,0 +1,64 @@
+"""Tensor primitives of the reference models: RMS norm, rotary embedding, SwiGLU, and the
+rounding a value takes when it is stored in a KV pool. One code path for CPU and CUDA.
+
+NOTE: the models compute in float64 and round every value that is stored (window KV,
+compressed KV, indexer keys, compressor state) to its pool dtype the moment it is produced, in
+the paged engine and the naive oracle alike. float64 makes the forward batch-invariant in
+practice: different batch shapes change results far below the pools' float32/bf16 precision,
+so the paged engine reads back exactly the values the oracle computes.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import torch
+import torch.nn.functional as F
+
+COMPUTE: Final = torch.float64
+EPS: Final = 1e-6
+ROPE_THETA: Final = 10_000.0  # token positions
+COMPRESS_ROPE_THETA: Final = 160_000.0  # compressed rows (the public DSV4 config's value)
+
+STORAGE_DTYPES: Final[dict[str, torch.dtype]] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * weight
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, rope_dims: int, theta: float) -> torch.Tensor:
+    """Rotate the last `rope_dims` channels of `x` [..., T, ..., D] by `positions` [T]
+    (rotate-half form). `x`'s second-to-last axis may be heads: positions broadcast over it."""
+    if rope_dims == 0:
+        return x
+    half = rope_dims // 2
+    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=x.dtype) / half)
+    angles = positions.to(x.dtype)[:, None] * inv_freq[None, :]  # [T, half]
+    while angles.dim() < x.dim():
+        angles = angles.unsqueeze(-2)  # broadcast over head axes between T and D
+    cos, sin = angles.cos(), angles.sin()
+    head, rot = x[..., : x.shape[-1] - rope_dims], x[..., x.shape[-1] - rope_dims :]
+    a, b = rot[..., :half], rot[..., half:]
+    return torch.cat([head, a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+def swiglu(
+    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+def stored(x: torch.Tensor, dtype_name: str) -> torch.Tensor:
+    """`x` as it reads back from a pool of `dtype_name`."""
+    dtype = STORAGE_DTYPES.get(dtype_name)
+    if dtype is None:
+        raise NotImplementedError(
+            f"the reference model stores {sorted(STORAGE_DTYPES)} rows, not {dtype_name!r} "
+            "(fp8 packing needs the GPU kernels)"
+        )
+    return x.to(dtype).to(COMPUTE)

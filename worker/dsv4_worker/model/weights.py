@@ -1,0 +1,185 @@
+"""Parameters of the reference models: names and shapes from the model config, seeded random
+initialization, and safetensors save/load. Never downloads anything.
+
+Names follow the HuggingFace DeepSeek layout where one exists (`model.embed_tokens`,
+`model.layers.{i}.self_attn.q_a_proj`, `mlp.gate_proj`, `lm_head`, ...). The DSV4-specific
+parts are ours, documented here because no public checkpoint index was at hand:
+
+    model.layers.{i}.self_attn.kv_proj / kv_norm            single latent KV head (K == V)
+    model.layers.{i}.self_attn.o_a_proj / o_b_proj          low-rank output (o_lora_rank)
+    model.layers.{i}.self_attn.compressor.{kv_proj, score_proj, position_bias, norm}
+    model.layers.{i}.self_attn.indexer.{q_proj, weights_proj}  (ratio == sparse_ratio layers)
+    model.layers.{i}.self_attn.indexer.compressor.{kv_proj, score_proj, position_bias, norm}
+
+An overlapped compressor (ratio == sparse_ratio) projects two halves per token (the previous
+and the current block's view), so its projections are 2x wide and its bias is [2, ratio, dim].
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from dsv4_common.core.model import DSV4Config, HybridSWAConfig, ModelConfig
+from dsv4_worker.model.ops import COMPUTE
+
+Shapes = dict[str, tuple[int, ...]]
+NORM_SUFFIXES = ("norm.weight", "layernorm.weight")
+
+
+def _compressor_shapes(prefix: str, hidden: int, dim: int, ratio: int, overlap: bool) -> Shapes:
+    halves = 2 if overlap else 1
+    bias: tuple[int, ...] = (2, ratio, dim) if overlap else (ratio, dim)
+    return {
+        f"{prefix}.kv_proj.weight": (halves * dim, hidden),
+        f"{prefix}.score_proj.weight": (halves * dim, hidden),
+        f"{prefix}.position_bias": bias,
+        f"{prefix}.norm.weight": (dim,),
+    }
+
+
+def _dsv4_layer_shapes(m: DSV4Config, i: int) -> Shapes:
+    w = m.weights
+    h, d, heads = w.hidden_size, m.head_dim, w.num_attention_heads
+    p = f"model.layers.{i}"
+    a = f"{p}.self_attn"
+    shapes: Shapes = {
+        f"{p}.input_layernorm.weight": (h,),
+        f"{p}.post_attention_layernorm.weight": (h,),
+        f"{a}.kv_proj.weight": (d, h),
+        f"{a}.kv_norm.weight": (d,),
+    }
+    if w.q_lora_rank:
+        shapes |= {
+            f"{a}.q_a_proj.weight": (w.q_lora_rank, h),
+            f"{a}.q_a_layernorm.weight": (w.q_lora_rank,),
+            f"{a}.q_b_proj.weight": (heads * d, w.q_lora_rank),
+        }
+    else:
+        shapes[f"{a}.q_proj.weight"] = (heads * d, h)
+    if w.o_lora_rank:
+        shapes |= {
+            f"{a}.o_a_proj.weight": (w.o_lora_rank, heads * d),
+            f"{a}.o_b_proj.weight": (h, w.o_lora_rank),
+        }
+    else:
+        shapes[f"{a}.o_proj.weight"] = (h, heads * d)
+    ratio = m.compress_ratios[i] if i < len(m.compress_ratios) else 0
+    if ratio:
+        sparse = ratio == m.sparse_ratio
+        shapes |= _compressor_shapes(f"{a}.compressor", h, d, ratio, overlap=sparse)
+        if sparse:
+            idx = f"{a}.indexer"
+            shapes |= {
+                f"{idx}.q_proj.weight": (m.index_n_heads * m.index_head_dim, h),
+                f"{idx}.weights_proj.weight": (m.index_n_heads, h),
+            }
+            shapes |= _compressor_shapes(
+                f"{idx}.compressor", h, m.index_head_dim, ratio, overlap=True
+            )
+    shapes |= _ffn_shapes(p, h, w.intermediate_size)
+    return shapes
+
+
+def _hybrid_layer_shapes(m: HybridSWAConfig, i: int) -> Shapes:
+    w = m.weights
+    h, heads, kvh = w.hidden_size, w.num_attention_heads, m.num_key_value_heads
+    p = f"model.layers.{i}"
+    a = f"{p}.self_attn"
+    return {
+        f"{p}.input_layernorm.weight": (h,),
+        f"{p}.post_attention_layernorm.weight": (h,),
+        f"{a}.q_proj.weight": (heads * m.head_dim, h),
+        f"{a}.k_proj.weight": (kvh * m.head_dim, h),
+        f"{a}.v_proj.weight": (kvh * m.v_head_dim, h),
+        f"{a}.o_proj.weight": (h, heads * m.v_head_dim),
+        **_ffn_shapes(p, h, w.intermediate_size),
+    }
+
+
+def _ffn_shapes(prefix: str, hidden: int, inter: int) -> Shapes:
+    if inter < 1:
+        raise NotImplementedError(
+            "the reference model runs dense FFN layers only (intermediate_size >= 1)"
+        )
+    return {
+        f"{prefix}.mlp.gate_proj.weight": (inter, hidden),
+        f"{prefix}.mlp.up_proj.weight": (inter, hidden),
+        f"{prefix}.mlp.down_proj.weight": (hidden, inter),
+    }
+
+
+def param_shapes(model: ModelConfig) -> Shapes:
+    """Every parameter of the model's target layers (no MTP draft layer yet)."""
+    w = model.weights
+    shapes: Shapes = {
+        "model.embed_tokens.weight": (w.vocab_size, w.hidden_size),
+        "model.norm.weight": (w.hidden_size,),
+        "lm_head.weight": (w.vocab_size, w.hidden_size),
+    }
+    for i in range(model.num_hidden_layers):
+        if isinstance(model, DSV4Config):
+            shapes |= _dsv4_layer_shapes(model, i)
+        else:
+            shapes |= _hybrid_layer_shapes(model, i)
+    return shapes
+
+
+def init_weights(
+    model: ModelConfig, seed: int, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Seeded random weights, float32 values held as float64 (the compute dtype), identical on
+    every device (drawn on the CPU)."""
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in sorted(param_shapes(model).items()):
+        if name.endswith(NORM_SUFFIXES):
+            value = torch.ones(shape)
+        elif name.endswith("position_bias"):
+            value = torch.randn(shape, generator=gen) * 0.5
+        elif name == "model.embed_tokens.weight":
+            value = torch.randn(shape, generator=gen)
+        else:
+            # lm_head gets a wide spread so greedy choices are never near-ties.
+            gain = 4.0 if name == "lm_head.weight" else 1.0
+            value = torch.randn(shape, generator=gen) * (gain / math.sqrt(shape[-1]))
+        out[name] = value.to(device=device, dtype=COMPUTE)
+    return out
+
+
+class WeightsError(ValueError):
+    """A checkpoint that does not match the model; the message names the tensor."""
+
+
+def check_weights(model: ModelConfig, weights: Mapping[str, torch.Tensor]) -> None:
+    shapes = param_shapes(model)
+    missing = sorted(set(shapes) - set(weights))
+    unexpected = sorted(set(weights) - set(shapes))
+    if missing or unexpected:
+        raise WeightsError(
+            f"checkpoint does not match {model.name}: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    for name, shape in shapes.items():
+        if tuple(weights[name].shape) != shape:
+            raise WeightsError(f"{name}: shape {tuple(weights[name].shape)}, expected {shape}")
+
+
+def save_weights(path: Path, weights: Mapping[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().to(torch.float32).contiguous().cpu() for k, v in weights.items()}
+    save_file(tensors, str(path))
+
+
+def load_weights(
+    path: Path, model: ModelConfig, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    weights = {k: v.to(COMPUTE) for k, v in load_file(str(path), device=str(device)).items()}
+    check_weights(model, weights)
+    return weights

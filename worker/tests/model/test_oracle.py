@@ -1,0 +1,138 @@
+"""The reference models' naive forward (the oracle): causality, the DSV4 attention pattern,
+online c128 state == ring state, seeded weights and safetensors round trips."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4_common.core.model import ModelConfig
+from dsv4_common.core.presets import hybrid_tiny, tiny
+from dsv4_worker.model import compressor as C
+from dsv4_worker.model.oracle import compressed_rows, oracle_greedy, oracle_logits
+from dsv4_worker.model.weights import (
+    WeightsError,
+    init_weights,
+    load_weights,
+    param_shapes,
+    save_weights,
+)
+
+MODELS = [tiny(), hybrid_tiny()]
+IDS = [((7 * i) % 250) + 3 for i in range(70)]
+
+
+@pytest.mark.parametrize("model", MODELS, ids=lambda m: m.name)
+def test_a_position_never_sees_later_tokens(model: ModelConfig) -> None:
+    """Also batch invariance: the same prefix gives the same logits in a longer batch."""
+    p = init_weights(model, seed=1)
+    full = oracle_logits(model, p, IDS)
+    # Past 36 tokens tiny's CSA layers hold more compressed rows than the indexer's top-k.
+    for cut in range(1, len(IDS), 5):
+        assert torch.allclose(oracle_logits(model, p, IDS[:cut]), full[:cut], atol=1e-9)
+
+
+@pytest.mark.parametrize("model", MODELS, ids=lambda m: m.name)
+def test_changing_an_early_token_changes_later_logits(model: ModelConfig) -> None:
+    """Information flows past the window: through compressed rows (DSV4) or full layers."""
+    p = init_weights(model, seed=1)
+    changed = [IDS[0] + 1, *IDS[1:]]
+    base, other = oracle_logits(model, p, IDS), oracle_logits(model, p, changed)
+    far = model.window_tokens * 4
+    assert not torch.allclose(base[far:], other[far:], atol=1e-4)
+
+
+def test_dsv4_window_only_model_forgets_what_left_the_window() -> None:
+    """With every compress ratio 0, a token outside every layer's window cannot matter."""
+    import dataclasses
+
+    model = dataclasses.replace(tiny(), compress_ratios=(0,) * 7)
+    p = init_weights(model, seed=2)
+    changed = [IDS[0] + 1, *IDS[1:]]
+    reach = model.num_hidden_layers * (model.window_tokens - 1)  # receptive field of the stack
+    base, other = oracle_logits(model, p, IDS), oracle_logits(model, p, changed)
+    assert torch.equal(base[reach + 1 :], other[reach + 1 :])
+    assert not torch.allclose(base[:reach], other[:reach])
+
+
+@pytest.mark.parametrize("length", [16, 47, 64, 70])  # on a c16 block boundary and mid-block
+def test_online_c16_state_equals_the_ring(length: int) -> None:
+    model = tiny()
+    p = init_weights(model, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(length, model.weights.hidden_size, generator=gen, dtype=torch.float64)
+    pos = torch.arange(length)
+    for layer in (2, 4):  # the ratio-16 (HCA) layers of tiny
+        ring = compressed_rows(model, p, layer, x, pos, request_state="ring")
+        online = compressed_rows(model, p, layer, x, pos, request_state="online")
+        assert ring.shape == (length // 16, model.head_dim)
+        assert torch.allclose(ring, online, atol=1e-2)  # both rounded to bf16 rows
+    prompt = IDS[:length]
+    assert oracle_greedy(model, p, prompt, 12) == oracle_greedy(
+        model, p, prompt, 12, request_state="online"
+    )
+
+
+def test_online_pooling_is_the_block_softmax_before_rounding() -> None:
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randn(16, 2 * 32, generator=gen, dtype=torch.float64) * 3
+    state = None
+    for token in tokens:
+        state = C.online_update(state, token)
+    assert state is not None
+    assert torch.allclose(C.online_pooled(state), C.pool_block(None, tokens, False), atol=1e-12)
+
+
+def test_the_overlapped_compressor_mixes_the_previous_block() -> None:
+    gen = torch.Generator().manual_seed(6)
+    prev, curr = torch.randn(4, 4 * 8, generator=gen), torch.randn(4, 4 * 8, generator=gen)
+    with_prev, alone = C.pool_block(prev, curr, True), C.pool_block(None, curr, True)
+    assert not torch.allclose(with_prev, alone)
+    # Only the previous block's `_prev` halves matter: changing its `_curr` halves does not.
+    prev2 = prev.clone()
+    prev2[:, 8:16] += 5
+    prev2[:, 24:32] += 5
+    assert torch.equal(C.pool_block(prev2, curr, True), with_prev)
+
+
+def test_seeded_weights_are_reproducible_and_seed_dependent() -> None:
+    a, b, c = init_weights(tiny(), 7), init_weights(tiny(), 7), init_weights(tiny(), 8)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["lm_head.weight"], c["lm_head.weight"])
+    assert {k: tuple(v.shape) for k, v in a.items()} == param_shapes(tiny())
+
+
+@pytest.mark.parametrize("model", MODELS, ids=lambda m: m.name)
+def test_safetensors_round_trip_gives_the_same_tokens(model: ModelConfig, tmp_path: Path) -> None:
+    p = init_weights(model, seed=9)
+    path = tmp_path / "model.safetensors"
+    save_weights(path, p)
+    loaded = load_weights(path, model)
+    assert oracle_greedy(model, loaded, IDS[:20], 8) == oracle_greedy(model, p, IDS[:20], 8)
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(tmp_path: Path) -> None:
+    path = tmp_path / "model.safetensors"
+    save_weights(path, init_weights(hybrid_tiny(), seed=1))
+    with pytest.raises(WeightsError, match="does not match tiny"):
+        load_weights(path, tiny())
+    p = init_weights(tiny(), seed=1)
+    p["lm_head.weight"] = p["lm_head.weight"][:, :10]
+    save_weights(path, p)
+    with pytest.raises(WeightsError, match=r"lm_head.weight: shape \(256, 10\)"):
+        load_weights(path, tiny())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("model", MODELS, ids=lambda m: m.name)
+def test_cuda_oracle_equals_cpu(model: ModelConfig) -> None:
+    cpu = init_weights(model, seed=11)
+    gpu = init_weights(model, seed=11, device="cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    assert torch.allclose(
+        oracle_logits(model, gpu, IDS).cpu(), oracle_logits(model, cpu, IDS), atol=1e-3
+    )
+    assert oracle_greedy(model, gpu, IDS[:30], 10) == oracle_greedy(model, cpu, IDS[:30], 10)
