@@ -3,8 +3,8 @@ over the block's scores, weighting the tokens' kv), normalised and rotated.
 
 Per-token state rows are what the layout's rings hold, score bias already added:
 
-    overlapped (ratio == sparse ratio, CSA):  [kv_prev | kv_curr | score_prev | score_curr]  4 x dim
-    plain (HCA):                              [kv | score]                                    2 x dim
+    overlapped (CSA, ratio == sparse ratio): [kv_prev | kv_curr | score_prev | score_curr]  4 dim
+    plain (HCA):                             [kv | score]                                    2 dim
 
 An overlapped row b mixes the `_prev` halves of block b-1's tokens with the `_curr` halves of
 block b's (block 0 has no previous block). The online form of a plain compressor keeps

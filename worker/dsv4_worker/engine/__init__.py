@@ -1,0 +1,1 @@
+"""The engine: the paged forward over the KV pools, batches and sampling."""

@@ -1,0 +1,355 @@
+"""The paged forward: prefill chunks and decode steps of many requests in one batch, reading and
+writing every piece of KV state only through the pools and page tables of `dsv4_worker.mem`.
+
+Where each component lives (P = page size, r = compression ratio, R = ring rows):
+
+    window KV (swa_kv)        SWA slot   full_to_swa[page_table[req, t // P]] * P + t % P
+    full KV (hybrid full_kv)  full slot  page_table[req, t // P] * P + t % P
+    compressed KV, indexer    full page  page_table[req, b*r // P] * (P // r) + (b*r % P) // r
+    CSA rings (per SWA page)  SWA page   full_to_swa[page_table[req, t // P]] * R + t % R
+    HCA ring (per request)    req slot   req * R + t % R        (online form: req * 3 + row)
+
+The caller has already grown the requests' page tables by this batch's tokens (`extend` /
+`decode`); this module only moves bytes. Per layer, every token's state is written first, then
+the compressed rows its block completes, then attention reads what the oracle would see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dsv4_common.core.layout import IndexSpace
+from dsv4_common.core.model import DSV4Config, HybridSWAConfig, ModelConfig
+from dsv4_worker.mem.memory import KVMemory
+from dsv4_worker.model import compressor as C
+from dsv4_worker.model import layers as L
+from dsv4_worker.model.layers import Params
+from dsv4_worker.model.ops import COMPUTE, rms_norm, stored
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One request's tokens in a forward batch: positions [start, start + len(token_ids))."""
+
+    slot: int  # request slot
+    start: int
+    token_ids: tuple[int, ...]
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+class PagedModel:
+    """The reference model over one stage's KV memory (every layer: PP arrives later)."""
+
+    def __init__(self, model: ModelConfig, params: Params, memory: KVMemory) -> None:
+        if memory.pool is None:
+            raise ValueError("the paged model needs KV memory with buffers")
+        self.model = model
+        self.p = params
+        self.memory = memory
+        self.pool = memory.pool
+        self.page = memory.config.page_size
+        self.device = memory.device
+        if isinstance(model, DSV4Config):
+            sparse = model.sparse_ratio
+            if sparse in model.nonzero_ratios and model.window_tokens < 2 * sparse:
+                raise ValueError(
+                    f"window {model.window_tokens} < 2 x ratio {sparse}: the overlapped "
+                    "compressor reads the previous block from an SWA page the window released"
+                )
+
+    # -- addressing ------------------------------------------------------------------------------
+
+    def _full_pages(self, slots: Tensor, positions: Tensor) -> Tensor:
+        return self.memory.pages.page_table[slots, positions // self.page]
+
+    def _swa_pages(self, slots: Tensor, positions: Tensor) -> Tensor:
+        pages = self.memory.pages.full_to_swa[self._full_pages(slots, positions)]
+        assert bool((pages > 0).all()), "a token outside the retained window was addressed"
+        return pages
+
+    def _rows(self, name: str, layer: int) -> Tensor:
+        """One layer of a component as [units * rows_per_unit, row_elems] (a view)."""
+        view = self.pool.layer(name, layer)
+        return view.view(-1, view.shape[-1])
+
+    def _compressed_index(self, slots: Tensor, blocks: Tensor, ratio: int) -> Tensor:
+        first = blocks * ratio
+        per_page = self.page // ratio
+        return self._full_pages(slots, first) * per_page + (first % self.page) // ratio
+
+    def _ring_index(self, name: str, slots: Tensor, positions: Tensor) -> Tensor:
+        c = self.memory.layout.component(name)
+        ring = c.rows_per_unit
+        if c.index_space is IndexSpace.SWA_PAGE:
+            return self._swa_pages(slots, positions) * ring + positions % ring
+        return slots * ring + positions % ring
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    def forward(self, segments: Sequence[Segment]) -> Tensor:
+        """Logits [len(segments), vocab] at each segment's last token."""
+        dev = self.device
+        ids = torch.tensor([t for s in segments for t in s.token_ids], dtype=torch.long, device=dev)
+        positions = torch.cat([torch.arange(s.start, s.end, device=dev) for s in segments]).to(
+            torch.long
+        )
+        slots = torch.cat(
+            [
+                torch.full((len(s.token_ids),), s.slot, dtype=torch.long, device=dev)
+                for s in segments
+            ]
+        )
+        bounds = _bounds([len(s.token_ids) for s in segments])
+        h = L.embed(self.p, ids)
+        for layer in range(self.model.num_hidden_layers):
+            x = rms_norm(h, self.p[f"model.layers.{layer}.input_layernorm.weight"])
+            if isinstance(self.model, DSV4Config):
+                h = h + self._dsv4_attention(
+                    self.model, layer, x, positions, slots, segments, bounds
+                )
+            else:
+                h = h + self._hybrid_attention(
+                    self.model, layer, x, positions, slots, segments, bounds
+                )
+            h = L.ffn(h, self.p, layer)
+        last = torch.tensor([hi - 1 for _, hi in bounds], device=dev)
+        return L.logits(self.p, h[last])
+
+    # -- DSV4 ------------------------------------------------------------------------------------
+
+    def _dsv4_attention(
+        self,
+        m: DSV4Config,
+        layer: int,
+        x: Tensor,
+        positions: Tensor,
+        slots: Tensor,
+        segments: Sequence[Segment],
+        bounds: list[tuple[int, int]],
+    ) -> Tensor:
+        q, kv = L.dsv4_query_kv(m, self.p, layer, x, positions)
+        window = self._rows("swa_kv", layer)
+        swa_slots = self._swa_pages(slots, positions) * self.page + positions % self.page
+        window[swa_slots] = kv.to(window.dtype)
+        ratio = m.compress_ratios[layer]
+        if ratio:
+            self._compress(m, layer, x, positions, slots, segments, bounds, ratio, indexer=False)
+            if ratio == m.sparse_ratio:
+                self._compress(m, layer, x, positions, slots, segments, bounds, ratio, indexer=True)
+        out = []
+        for seg, (lo, hi) in zip(segments, bounds, strict=True):
+            out.append(self._dsv4_segment_attention(m, layer, seg, x[lo:hi], q[lo:hi]))
+        return L.dsv4_output(self.p, layer, torch.cat(out))
+
+    def _dsv4_segment_attention(
+        self, m: DSV4Config, layer: int, seg: Segment, x: Tensor, q: Tensor
+    ) -> Tensor:
+        dev = self.device
+        pos = torch.arange(seg.start, seg.end, device=dev)
+        first = max(0, seg.start - m.window_tokens + 1)
+        key_pos = torch.arange(first, seg.end, device=dev)
+        slot = torch.full_like(key_pos, seg.slot)
+        swa = self._swa_pages(slot, key_pos) * self.page + key_pos % self.page
+        keys = self._rows("swa_kv", layer)[swa].to(COMPUTE)
+        diff = pos[:, None] - key_pos[None, :]
+        mask = (diff >= 0) & (diff < m.window_tokens)
+        ratio = m.compress_ratios[layer]
+        num_blocks = seg.end // ratio if ratio else 0
+        if num_blocks:
+            blocks = torch.arange(num_blocks, device=dev)
+            bslot = torch.full_like(blocks, seg.slot)
+            index = self._compressed_index(bslot, blocks, ratio)
+            rows = self._rows(f"c{ratio}_kv", layer)[index].to(COMPUTE)
+            available = (blocks[None, :] + 1) * ratio - 1 <= pos[:, None]
+            if ratio == m.sparse_ratio:
+                ikeys = self._rows(f"c{ratio}_indexer", layer)[index].to(COMPUTE)
+                iq, iw = L.indexer_query(m, self.p, layer, x)
+                available = L.top_k_mask(L.indexer_scores(iq, iw, ikeys), available, m.index_topk)
+            keys = torch.cat([keys, rows])
+            mask = torch.cat([mask, available], dim=1)
+        k = keys[None, :, None, :]
+        return L.masked_attention(q, k, k, mask)
+
+    def _compress(
+        self,
+        m: DSV4Config,
+        layer: int,
+        x: Tensor,
+        positions: Tensor,
+        slots: Tensor,
+        segments: Sequence[Segment],
+        bounds: list[tuple[int, int]],
+        ratio: int,
+        *,
+        indexer: bool,
+    ) -> None:
+        """Write this batch's token states, then every compressed row a block completes."""
+        overlap = ratio == m.sparse_ratio
+        attn = "self_attn" + (".indexer" if indexer else "")
+        prefix = f"model.layers.{layer}.{attn}.compressor"
+        state_name = (
+            f"c{ratio}_indexer_state"
+            if indexer
+            else (f"c{ratio}_attn_state" if overlap else f"c{ratio}_state")
+        )
+        states = stored(C.token_states(x, positions, self.p, prefix, ratio, overlap), m.state_dtype)
+        ring = self._rows(state_name, layer)
+        online = self.memory.layout.request_state == "online" and not overlap
+        done_pos: list[int] = []
+        done_slot: list[int] = []
+        pooled: list[Tensor] = []
+        if online:
+            done_pos, done_slot, pooled = self._online(m, ring, states, positions, slots, ratio)
+        else:
+            for seg, (lo, _) in zip(segments, bounds, strict=True):
+                for end in range(_first_block_end(seg.start, ratio), seg.end, ratio):
+                    b = end // ratio
+                    block_pos = range(b * ratio, (b + 1) * ratio)
+                    curr = self._block_states(state_name, ring, states, seg, lo, block_pos)
+                    prev = None
+                    if overlap and b > 0:
+                        prev_pos = range((b - 1) * ratio, b * ratio)
+                        prev = self._block_states(state_name, ring, states, seg, lo, prev_pos)
+                    pooled.append(C.pool_block(prev, curr, overlap))
+                    done_pos.append(b)
+                    done_slot.append(seg.slot)
+            self._write_ring(state_name, ring, states, positions, slots, segments, bounds)
+        if not pooled:
+            return
+        blocks = torch.tensor(done_pos, device=self.device)
+        rows = C.finish_rows(
+            torch.stack(pooled),
+            blocks,
+            ratio,
+            self.p[f"{prefix}.norm.weight"],
+            0 if indexer else m.qk_rope_head_dim,
+        )
+        target_name = f"c{ratio}_indexer" if indexer else f"c{ratio}_kv"
+        target = self._rows(target_name, layer)
+        index = self._compressed_index(torch.tensor(done_slot, device=self.device), blocks, ratio)
+        target[index] = rows.to(target.dtype)
+
+    def _block_states(
+        self,
+        name: str,
+        ring: Tensor,
+        states: Tensor,
+        seg: Segment,
+        lo: int,
+        block_pos: range,
+    ) -> Tensor:
+        """State rows of a block's tokens in position order: this batch's from `states`, older
+        ones from the ring (read before this batch writes it)."""
+        rows = []
+        for pos in block_pos:
+            if pos >= seg.start:
+                rows.append(states[lo + pos - seg.start])
+            else:
+                index = self._ring_index(name, torch.tensor([seg.slot]), torch.tensor([pos]))
+                rows.append(ring[index[0]].to(COMPUTE))
+        return torch.stack(rows)
+
+    def _write_ring(
+        self,
+        name: str,
+        ring: Tensor,
+        states: Tensor,
+        positions: Tensor,
+        slots: Tensor,
+        segments: Sequence[Segment],
+        bounds: list[tuple[int, int]],
+    ) -> None:
+        """Write token states in position order, R tokens at a time (R consecutive positions
+        of a request never share a ring row; different requests never share a ring), so the
+        last writer of every row is its latest token."""
+        stride = self.memory.layout.component(name).rows_per_unit
+        longest = max(hi - lo for lo, hi in bounds)
+        for k in range(0, longest, stride):
+            pick = torch.cat(
+                [
+                    torch.arange(lo + k, min(hi, lo + k + stride), device=self.device)
+                    for lo, hi in bounds
+                    if lo + k < hi
+                ]
+            )
+            index = self._ring_index(name, slots[pick], positions[pick])
+            ring[index] = states[pick].to(ring.dtype)
+
+    def _online(
+        self,
+        m: DSV4Config,
+        ring: Tensor,
+        states: Tensor,
+        positions: Tensor,
+        slots: Tensor,
+        ratio: int,
+    ) -> tuple[list[int], list[int], list[Tensor]]:
+        """Fold tokens into their requests' online states in position order; returns the
+        blocks completed (block, slot, pooled row)."""
+        done_pos: list[int] = []
+        done_slot: list[int] = []
+        pooled: list[Tensor] = []
+        for i in range(len(positions)):  # in batch order == position order per request
+            slot, pos = int(slots[i]), int(positions[i])
+            rows = ring[slot * C.ONLINE_ROWS : (slot + 1) * C.ONLINE_ROWS]
+            prior = None if pos % ratio == 0 else rows.to(COMPUTE)
+            state = stored(C.online_update(prior, states[i]), m.state_dtype)
+            rows.copy_(state.to(ring.dtype))
+            if pos % ratio == ratio - 1:
+                done_pos.append(pos // ratio)
+                done_slot.append(slot)
+                pooled.append(C.online_pooled(state))
+        return done_pos, done_slot, pooled
+
+    # -- generic hybrid --------------------------------------------------------------------------
+
+    def _hybrid_attention(
+        self,
+        m: HybridSWAConfig,
+        layer: int,
+        x: Tensor,
+        positions: Tensor,
+        slots: Tensor,
+        segments: Sequence[Segment],
+        bounds: list[tuple[int, int]],
+    ) -> Tensor:
+        q, kv = L.hybrid_query_kv(m, self.p, layer, x, positions)
+        sliding = m.layer_types[layer] == "sliding"
+        name = "swa_kv" if sliding else "full_kv"
+        rows = self._rows(name, layer)
+        rows[self._kv_index(sliding, slots, positions)] = kv.to(rows.dtype)
+        out = []
+        for seg, (lo, hi) in zip(segments, bounds, strict=True):
+            pos = torch.arange(seg.start, seg.end, device=self.device)
+            first = max(0, seg.start - m.window_tokens + 1) if sliding else 0
+            key_pos = torch.arange(first, seg.end, device=self.device)
+            index = self._kv_index(sliding, torch.full_like(key_pos, seg.slot), key_pos)
+            keys, values = L.hybrid_split_kv(m, rows[index].to(COMPUTE))
+            diff = pos[:, None] - key_pos[None, :]
+            mask = (diff >= 0) & ((diff < m.window_tokens) if sliding else True)
+            out.append(L.masked_attention(q[lo:hi], keys[None], values[None], mask))
+        return L.hybrid_output(self.p, layer, torch.cat(out))
+
+    def _kv_index(self, sliding: bool, slots: Tensor, positions: Tensor) -> Tensor:
+        pages = self._swa_pages(slots, positions) if sliding else self._full_pages(slots, positions)
+        return pages * self.page + positions % self.page
+
+
+def _bounds(lengths: Sequence[int]) -> list[tuple[int, int]]:
+    out, lo = [], 0
+    for n in lengths:
+        out.append((lo, lo + n))
+        lo += n
+    return out
+
+
+def _first_block_end(start: int, ratio: int) -> int:
+    """The first position >= start that ends a block."""
+    return start + (ratio - 1 - start % ratio)
