@@ -1,6 +1,9 @@
-"""Typed errors of the KV memory layer: callers map them to wait / reject / crash decisions."""
+"""Typed errors of the KV memory layer: callers map them to wait / reject / crash decisions,
+and `Verdict`, the answer of a `can_x()` query (the error `x()` would raise, as a value)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 class KVMemoryError(RuntimeError):
@@ -25,5 +28,21 @@ class OwnershipError(KVMemoryError):
     """A double free, a free by a non-owner, a stale mapping or an operation on a closed slot."""
 
 
+class InvalidArgument(KVMemoryError, ValueError):
+    """An argument outside the contract (type, dtype, device, shape, range, a negative count);
+    nothing was changed. Also a ValueError, which these checks raised before they were typed."""
+
+
 class IntegrityError(KVMemoryError):
     """`check_integrity()` found an inconsistency (a bug in this package or memory corruption)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """Truthy iff the paired command would succeed with the same arguments; otherwise `refusal`
+    is the error it would raise (OutOfPages: wait or retract; RequestTooLong: reject)."""
+
+    refusal: KVMemoryError | None = None
+
+    def __bool__(self) -> bool:
+        return self.refusal is None

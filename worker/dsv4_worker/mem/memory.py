@@ -13,7 +13,8 @@ from dsv4_common.core.layout import KVLayout
 from dsv4_common.plan.capacity import units_per_space
 from dsv4_common.plan.planner import RankPlan
 from dsv4_worker.mem.alloc_config import AllocatorConfig
-from dsv4_worker.mem.errors import IntegrityError
+from dsv4_worker.mem.args import check_range, int64_vector, resolve_device
+from dsv4_worker.mem.errors import IntegrityError, KVMemoryError
 from dsv4_worker.mem.kv_allocator import KVAllocator
 from dsv4_worker.mem.pool import KVPool
 from dsv4_worker.mem.req_slots import ReqSlotAllocator
@@ -33,7 +34,7 @@ class KVMemory:
             raise ValueError(f"layout page {layout.page_size} != allocator {config.page_size}")
         self.layout = layout
         self.config = config
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         units = units_per_space(
             config.num_full_pages, config.num_swa_pages, config.num_request_slots
         )
@@ -56,11 +57,18 @@ class KVMemory:
     def open(self, num_requests: int) -> Tensor:
         """Allocate and open `num_requests` request slots (state cleared); all or nothing."""
         slots = self.req_slots.alloc(num_requests)
-        self.pages.open(slots)
+        try:
+            self.pages.open(slots)
+        except KVMemoryError:
+            self.req_slots.free(slots)
+            raise
         return slots
 
     def free(self, slots: Tensor) -> None:
-        """End requests: free their pages, then their slots."""
+        """End requests: free their pages, then their slots; all or nothing."""
+        slots = int64_vector(slots, "free: slots", self.device)
+        check_range(slots, 1, self.config.num_request_slots, "free: request slots")
+        self.req_slots.check_owned(slots)  # so the second free cannot fail after the first
         self.pages.free(slots)
         self.req_slots.free(slots)
 

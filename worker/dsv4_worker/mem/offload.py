@@ -7,9 +7,9 @@ What is saved, per index space of the layout:
                 with the sparse SWA mask (which page columns had an SWA page)
     REQ_SLOT  : its request slot's state (HCA compressor rings)
 
-NOTE: offload copies first and frees only after every copy succeeded; reload allocates (all or
-nothing) before writing, and reproduces the same SWA mask, so the restored request is
-byte-identical in every component.
+NOTE: offload copies first and frees only after every copy succeeded; reload checks the snapshot
+against this memory's layout, allocates (all or nothing), then writes, and reproduces the same
+SWA mask, so the restored request is byte-identical in every component.
 """
 
 from __future__ import annotations
@@ -20,7 +20,12 @@ import torch
 from torch import Tensor
 
 from dsv4_common.core.layout import IndexSpace
-from dsv4_worker.mem.errors import IntegrityError, KVMemoryError
+from dsv4_worker.mem.errors import (
+    IntegrityError,
+    InvalidArgument,
+    KVMemoryError,
+    RequestTooLong,
+)
 from dsv4_worker.mem.memory import KVMemory
 
 
@@ -71,6 +76,7 @@ def reload_request(mem: KVMemory, snapshot: OffloadedRequest) -> int:
     """Allocate a fresh slot and pages shaped like the snapshot, write it back; returns the slot."""
     if mem.pool is None:
         raise KVMemoryError("reload needs a KVMemory with buffers")
+    _check_snapshot(mem, snapshot)
     slots = mem.open(1)
     dev = mem.device
     try:
@@ -89,3 +95,32 @@ def reload_request(mem: KVMemory, snapshot: OffloadedRequest) -> int:
     for c in mem.layout.components:
         mem.pool.buffer(c.name).index_copy_(1, units[c.index_space], snapshot.data[c.name].to(dev))
     return slot
+
+
+def _check_snapshot(mem: KVMemory, snapshot: OffloadedRequest) -> None:
+    """Raise InvalidArgument unless `snapshot` fits this memory's layout and buffers exactly
+    (a snapshot taken from another layout must fail before anything is allocated)."""
+    assert mem.pool is not None
+    n, start, page = snapshot.num_tokens, snapshot.swa_start_tokens, mem.config.page_size
+    if n < 0:
+        raise InvalidArgument(f"reload: num_tokens={n} must be >= 0")
+    if n > mem.config.max_tokens_per_request:
+        raise RequestTooLong(f"reload: {n} tokens exceed {mem.config.max_tokens_per_request}")
+    num_pages = -(-n // page)
+    want_mask = torch.arange(num_pages) >= start // page
+    mask = snapshot.swa_mask
+    if mask.dtype != torch.bool or mask.device.type != "cpu" or not torch.equal(mask, want_mask):
+        raise InvalidArgument(f"reload: swa_mask does not match swa_start_tokens={start}")
+    if set(snapshot.data) != {c.name for c in mem.layout.components}:
+        raise InvalidArgument("reload: the snapshot's components differ from the layout's")
+    units = {
+        IndexSpace.FULL_PAGE: num_pages,
+        IndexSpace.SWA_PAGE: int(mask.sum()),
+        IndexSpace.REQ_SLOT: 1,
+    }
+    for c in mem.layout.components:
+        buf, data = mem.pool.buffer(c.name), snapshot.data[c.name]
+        shape = (buf.shape[0], units[c.index_space], *buf.shape[2:])
+        if tuple(data.shape) != shape or data.dtype != buf.dtype:
+            got = f"{tuple(data.shape)} {data.dtype}"
+            raise InvalidArgument(f"reload: {c.name} is {got}, expected {shape} {buf.dtype}")

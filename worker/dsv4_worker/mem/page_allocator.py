@@ -5,6 +5,8 @@
 
 NOTE: `alloc` and `free` are all-or-nothing: every check runs before the first write.
 Owners are opaque positive ints (a request slot for full pages, a full page for SWA pages).
+NOTE: `alloc`, `free` and `check_owned` take any integer dtype; `pop`, `claim`, `unclaim` and
+`release_claimed` are the unchecked hot paths for callers that already hold valid int64 units.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dsv4_worker.mem.args import check_same_shape, int64_vector, resolve_device
 from dsv4_worker.mem.errors import IntegrityError, OutOfPages, OwnershipError
 from dsv4_worker.mem.usage import PoolUsage
 
@@ -22,7 +25,7 @@ class PageAllocator:
             raise ValueError(f"{name}: num_pages={num_pages} must be >= 0")
         self.name = name
         self.num_pages = num_pages
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         # Free units, popped from the end: a fresh allocator hands out low numbers first.
         self._stack = torch.arange(num_pages, 0, -1, dtype=torch.int64, device=self.device)
         self._top = num_pages
@@ -44,7 +47,8 @@ class PageAllocator:
         return num_pages <= self._top
 
     def alloc(self, owners: Tensor) -> Tensor:
-        """One unit per entry of `owners` (int64, all > 0); returns the units, same order."""
+        """One unit per entry of `owners` (all > 0, unchecked); returns the units, same order."""
+        owners = int64_vector(owners, f"{self.name}: alloc owners", self.device)
         # clone: later frees overwrite this region of the stack.
         return self.pop(owners).clone()
 
@@ -60,16 +64,28 @@ class PageAllocator:
 
     def free(self, pages: Tensor, owners: Tensor) -> None:
         """Return `pages`, each of which must be owned by the matching entry of `owners`."""
-        if pages.numel() and (int(pages.min()) < 1 or int(pages.max()) > self.num_pages):
-            raise OwnershipError(f"{self.name}: free of units outside 1..{self.num_pages}")
-        if owners.numel() and int(owners.min()) < 1:
-            raise OwnershipError(f"{self.name}: owners must be >= 1")
+        pages, owners = self._checked("free", pages, owners)
         self.claim(pages, owners)
         self.release_claimed(pages)
 
     def check_owned(self, pages: Tensor, owners: Tensor) -> None:
         """Raise unless `free(pages, owners)` would succeed; changes nothing either way."""
+        pages, owners = self._checked("check_owned", pages, owners)
         self.unclaim(pages, self.claim(pages, owners))
+
+    def _checked(self, op: str, pages: Tensor, owners: Tensor) -> tuple[Tensor, Tensor]:
+        """(pages, owners) as int64 vectors, pages in 1..num_pages and owners >= 1."""
+        pages = int64_vector(pages, f"{self.name}: {op} pages", self.device)
+        owners = int64_vector(owners, f"{self.name}: {op} owners", self.device)
+        check_same_shape(f"{self.name}: {op}", pages, owners)
+        if pages.numel() == 0:
+            return pages, owners
+        lo, hi, owner_lo = torch.stack([pages.min(), pages.max(), owners.min()]).tolist()
+        if lo < 1 or hi > self.num_pages:
+            raise OwnershipError(f"{self.name}: {op} of units outside 1..{self.num_pages}")
+        if owner_lo < 1:
+            raise OwnershipError(f"{self.name}: owners must be >= 1")
+        return pages, owners
 
     def claim(self, pages: Tensor, owners: Tensor) -> Tensor:
         """First half of a free: raise unless every page is owned by its owner and appears once

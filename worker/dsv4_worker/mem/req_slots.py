@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from dsv4_common.core.layout import IndexSpace
+from dsv4_worker.mem.args import check_range, int64_vector, int_arg
 from dsv4_worker.mem.errors import OutOfPages
 from dsv4_worker.mem.page_allocator import PageAllocator
 from dsv4_worker.mem.pool import KVPool
@@ -38,10 +39,14 @@ class ReqSlotAllocator:
         return self._slots.usage()
 
     def in_use(self, slots: Tensor) -> Tensor:
-        return self._slots.owner[slots] != 0
+        """Per slot (0..num_slots, any integer dtype): allocated?"""
+        slots = int64_vector(slots, "req_slots.in_use: slots", self._slots.device)
+        check_range(slots, 0, self.num_slots, "req_slots.in_use: slots")
+        return self._slots.owner.index_select(0, slots) != 0
 
     def alloc(self, num_slots: int) -> Tensor:
         """`num_slots` fresh slots with their request-scoped state zeroed; all or nothing."""
+        num_slots = int_arg(num_slots, "req_slots.alloc: num_slots", 0)
         if num_slots > self._slots.num_free:
             raise OutOfPages("req_slots", num_slots, self._slots.num_free)
         owners = torch.full((num_slots,), _SLOT_OWNER, dtype=torch.int64, device=self._slots.device)
@@ -51,7 +56,13 @@ class ReqSlotAllocator:
         return slots
 
     def free(self, slots: Tensor) -> None:
+        slots = int64_vector(slots, "req_slots.free: slots", self._slots.device)
         self._slots.free(slots, torch.full_like(slots, _SLOT_OWNER))
+
+    def check_owned(self, slots: Tensor) -> None:
+        """Raise unless `free(slots)` would succeed; changes nothing either way."""
+        slots = int64_vector(slots, "req_slots.check_owned: slots", self._slots.device)
+        self._slots.check_owned(slots, torch.full_like(slots, _SLOT_OWNER))
 
     def check_integrity(self) -> None:
         self._slots.check_integrity()

@@ -22,6 +22,7 @@ def small_memory(
     max_pages: int = 8,
     draft_tokens: int = 0,
     with_buffers: bool = True,
+    device: str = "cpu",
 ) -> KVMemory:
     layout = build_layout(load_model_config(preset), page_size, draft_tokens)
     config = AllocatorConfig(
@@ -33,7 +34,7 @@ def small_memory(
         window_tokens=layout.window_tokens,
         draft_tokens=layout.draft_tokens,
     )
-    return KVMemory(layout, config, with_buffers=with_buffers)
+    return KVMemory(layout, config, device, with_buffers=with_buffers)
 
 
 def t(*values: int) -> Tensor:

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mem_helpers import small_memory
 
-from dsv4_common.core.layout import build_layout
-from dsv4_common.core.presets import load_model_config
-from dsv4_worker.mem.alloc_config import AllocatorConfig
 from dsv4_worker.mem.errors import OutOfPages
 from dsv4_worker.mem.memory import KVMemory
 from dsv4_worker.mem.offload import offload_request, reload_request
@@ -16,19 +14,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-
-
-def _memory(preset: str, device: str) -> KVMemory:
-    layout = build_layout(load_model_config(preset), 16, 0)
-    config = AllocatorConfig(
-        page_size=16,
-        num_full_pages=64,
-        num_swa_pages=24,
-        num_request_slots=6,
-        max_pages_per_request=16,
-        window_tokens=layout.window_tokens,
-    )
-    return KVMemory(layout, config, device)
 
 
 def _script(mem: KVMemory) -> list[torch.Tensor]:
@@ -75,7 +60,9 @@ def _script(mem: KVMemory) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("preset", ["tiny", "hybrid-tiny"])
 def test_cuda_matches_cpu_decision_for_decision_and_byte_for_byte(preset: str) -> None:
-    cpu, cuda = _script(_memory(preset, "cpu")), _script(_memory(preset, "cuda"))
+    sizes = dict(full_pages=64, swa_pages=24, slots=6, max_pages=16)
+    cpu = _script(small_memory(preset, device="cpu", **sizes))
+    cuda = _script(small_memory(preset, device="cuda", **sizes))
     assert len(cpu) == len(cuda)
     for i, (x, y) in enumerate(zip(cpu, cuda, strict=True)):
         assert torch.equal(x, y), f"step {i} differs"

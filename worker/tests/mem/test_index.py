@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from dsv4_common.core import index_space as scalar
 from dsv4_worker.mem import index as vec
+from dsv4_worker.mem.page_math import PageMath
 
 PAGES = st.sampled_from([4, 16, 64, 256])
 RATIOS = st.sampled_from([1, 4, 16])
@@ -76,3 +77,16 @@ def test_full_to_swa_slots_maps_through_page_and_keeps_none() -> None:
     full_slots = torch.tensor([4, 7, 8, 13, 0])
     got = vec.full_to_swa_slots(full_slots, mapping, page)
     assert got.tolist() == [12, 15, 0, 5, 0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=VALUES, page=st.sampled_from([1, 4, 12, 16, 100, 256]))
+def test_page_math_matches_the_index_conversions(values: list[int], page: int) -> None:
+    """Shifts (power-of-two pages) and divisions (other pages) give the same answers."""
+    x = torch.tensor(values, dtype=torch.int64)
+    math = PageMath(page)
+    assert torch.equal(math.div(x), vec.full_page_of(x, page))
+    assert torch.equal(math.mod(x), x % page)
+    assert torch.equal(math.start(x), vec.full_slot_at(x, torch.zeros_like(x), page))
+    assert torch.equal(math.floor(x), vec.floor_to_page(x, page))
+    assert torch.equal(math.pages_for(x), vec.pages_for_tokens(x, page))

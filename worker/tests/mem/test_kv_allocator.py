@@ -7,7 +7,7 @@ import torch
 from mem_helpers import allocator_state, same_state, small_memory, t
 
 from dsv4_worker.mem.alloc_config import AllocatorConfig
-from dsv4_worker.mem.errors import OutOfPages, OwnershipError, RequestTooLong
+from dsv4_worker.mem.errors import InvalidArgument, OutOfPages, OwnershipError, RequestTooLong
 from dsv4_worker.mem.kv_allocator import KVAllocator
 
 P = 16  # tiny's page; window 8
@@ -164,7 +164,7 @@ def test_failed_batch_allocations_change_nothing() -> None:
         (lambda: a.extend(s, t(40, 40, 0)), OutOfPages, "full"),
         (lambda: a.decode(s[:2]), OutOfPages, "swa"),  # two rollovers, one SWA page
         (lambda: a.extend(s, t(200, 0, 0)), RequestTooLong, None),
-        (lambda: a.extend(s, t(1, -1, 0)), ValueError, None),
+        (lambda: a.extend(s, t(1, -1, 0)), InvalidArgument, None),
     ]
     for op, exc, pool in cases:
         with pytest.raises(exc) as err:
@@ -181,9 +181,9 @@ def test_failed_tail_preallocation_changes_nothing() -> None:
     before = allocator_state(a)
     with pytest.raises(OutOfPages):
         a.alloc_tail(s, t(50, 50))  # 4 + 4 full pages fit, 2 + 2 tail SWA pages do not
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidArgument):
         a.alloc_sparse(s, t(40, 40), t(16, 8))  # swa start not page-aligned
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidArgument):
         a.alloc_sparse(s, t(50, 50), t(16, 48))  # an in-window page would get no SWA page
     with pytest.raises(RequestTooLong):
         a.alloc_tail(s, t(40, 200))

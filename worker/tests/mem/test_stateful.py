@@ -6,6 +6,7 @@ window invariant. Failed allocations must change nothing; the end frees everythi
 
 from __future__ import annotations
 
+import re
 from typing import ClassVar
 
 import pytest
@@ -22,7 +23,7 @@ from mem_helpers import (
     small_memory,
 )
 
-from dsv4_worker.mem.errors import OutOfPages, OwnershipError, RequestTooLong
+from dsv4_worker.mem.errors import InvalidArgument, OutOfPages, OwnershipError, RequestTooLong
 from dsv4_worker.mem.offload import offload_request, reload_request
 
 SETTINGS = settings(
@@ -115,6 +116,8 @@ class MemoryMachine(RuleBasedStateMachine):
         )
         fits = fits and pages <= self.a.full.num_free and pages <= self.a.swa.num_free
         used = self._used()
+        verdict = self.a.can_extend(torch.tensor(slots), torch.tensor(new))
+        assert bool(verdict) == fits
         out: list[torch.Tensor] = []
         ok = self._try(lambda: out.append(self.a.extend(torch.tensor(slots), torch.tensor(new))))
         assert ok == fits
@@ -134,6 +137,8 @@ class MemoryMachine(RuleBasedStateMachine):
             n < self.mem.config.max_tokens_per_request for n in starts
         )
         used = self._used()
+        verdict = self.a.can_decode(torch.tensor(slots))
+        assert bool(verdict) == fits
         out: list[torch.Tensor] = []
         ok = self._try(lambda: out.append(self.a.decode(torch.tensor(slots))))
         assert ok == fits
@@ -227,6 +232,30 @@ class MemoryMachine(RuleBasedStateMachine):
         for op in (self.a.free, self.a.decode, self.a.evict_window):
             with pytest.raises(OwnershipError):
                 op(torch.tensor(closed[:1]))
+        assert same_state(before, memory_state(self.mem))
+
+    @rule(data=st.data())
+    def queries_refuse_what_the_commands_refuse(self, data: st.DataObject) -> None:
+        """Closed, reserved, out-of-range or repeated slots: the query says why, the command
+        raises exactly that, and nothing changes."""
+        limit = self.mem.config.num_request_slots
+        slots = data.draw(st.lists(st.integers(-1, limit + 1), min_size=1, max_size=3))
+        if all(s in self.lens for s in slots) and len(set(slots)) == len(slots):
+            return  # in contract: the extend / decode rules cover it
+        before = memory_state(self.mem)
+        s = torch.tensor(slots)
+        for query, command in (
+            (lambda: self.a.can_decode(s), lambda: self.a.decode(s)),
+            (
+                lambda: self.a.can_extend(s, torch.ones_like(s)),
+                lambda: self.a.extend(s, torch.ones_like(s)),
+            ),
+        ):
+            refusal = query().refusal
+            # A full request is refused for its length before a repeat of its slot is seen.
+            assert isinstance(refusal, (InvalidArgument, OwnershipError, RequestTooLong))
+            with pytest.raises(type(refusal), match=re.escape(str(refusal))):
+                command()
         assert same_state(before, memory_state(self.mem))
 
     # -- invariants ------------------------------------------------------------------------------
