@@ -1,0 +1,1 @@
+"""Scheduling decisions, pure (no tensors): resource arithmetic, admission, the step plan."""

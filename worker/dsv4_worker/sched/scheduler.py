@@ -1,0 +1,226 @@
+"""One scheduling decision, pure: from the requests' views and the pools' free units to a step
+plan (who decodes, who is retracted, resumed, admitted, which prefill chunks run). No tensors;
+the engine loop carries the plan out.
+
+Order of a step:
+  1. decode every running request; when the pools cannot give each one its next token, retract
+     the newest first (CPU offload) until they can
+  2. reserve decode headroom for the survivors (remaining tokens x the new-token ratio) and the
+     rest of every admitted prompt
+  3. continue chunked prefills, then resume retracted requests, then admit waiting ones, in
+     arrival order under one token budget. A request that fits later waits and blocks the ones
+     behind it (so the head of the queue never starves); a chunk that can never fit the SWA
+     pool shrinks; a request that can never fit is rejected at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from dsv4_common.core.index_space import pages_for_tokens
+from dsv4_worker.sched.budget import (
+    NOTHING,
+    Admission,
+    Capacity,
+    Fit,
+    Need,
+    admit,
+    decode_need,
+    extend_need,
+)
+
+
+class Phase(StrEnum):
+    WAITING = "waiting"  # never ran
+    PREFILL = "prefill"  # has a slot, prompt partly computed
+    DECODE = "decode"  # prompt computed, generating
+    RETRACTED = "retracted"  # offloaded to CPU, waits to resume
+
+
+@dataclass(frozen=True, slots=True)
+class ReqView:
+    rid: int  # arrival order: smaller = older
+    phase: Phase
+    prompt_len: int
+    max_new_tokens: int
+    num_tokens: int = 0  # tokens whose KV is in the pools (or in the snapshot)
+    generated: int = 0
+    held: Need = NOTHING  # units it holds now (none when waiting or retracted)
+    resume: Need = NOTHING  # units a resume allocates (retracted only)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    page_size: int
+    chunk_tokens: int  # prefill tokens per step
+    max_tokens_per_request: int
+    clip_new_tokens: int = 4096  # decode headroom is estimated over at most this many tokens
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    decodes: tuple[int, ...] = ()
+    retracts: tuple[int, ...] = ()
+    resumes: tuple[int, ...] = ()
+    admits: tuple[int, ...] = ()  # waiting requests that get a slot (their first chunk below)
+    chunks: tuple[tuple[int, int], ...] = ()  # (rid, tokens) of prefill this step
+    rejects: tuple[tuple[int, str], ...] = ()
+
+    @property
+    def idle(self) -> bool:
+        return not (self.decodes or self.chunks or self.resumes or self.retracts or self.rejects)
+
+
+@dataclass(slots=True)
+class _Pass:
+    """Mutable bookkeeping of one planning pass."""
+
+    free: Capacity
+    total: Capacity
+    reserved: dict[int, Need] = field(default_factory=dict)
+
+    def reserved_except(self, rid: int) -> Need:
+        out = Need()
+        for other, need in self.reserved.items():
+            if other != rid:
+                out = out + need
+        return out
+
+
+def never_fits(view: ReqView, config: SchedulerConfig, total: Capacity) -> str | None:
+    """Why a request can never run here, or None."""
+    longest = view.prompt_len + view.max_new_tokens
+    if longest > config.max_tokens_per_request:
+        return (
+            f"prompt ({view.prompt_len} tokens) + max_tokens ({view.max_new_tokens}) exceeds the "
+            f"maximum context of {config.max_tokens_per_request} tokens"
+        )
+    pages = pages_for_tokens(longest, config.page_size)
+    if pages > total.full_pages:
+        return f"needs {pages} full KV pages, the pool has {total.full_pages}"
+    if total.request_slots < 1:
+        return "the worker has no request slots"
+    return None
+
+
+def plan_step(
+    views: Sequence[ReqView],
+    free: Capacity,
+    total: Capacity,
+    config: SchedulerConfig,
+    new_token_ratio: float,
+) -> StepPlan:
+    p = _Pass(free=free, total=total)
+    rejects: list[tuple[int, str]] = []
+
+    # 1. Decode; retract the newest until every survivor gets its next token.
+    running = sorted((v for v in views if v.phase is Phase.DECODE), key=lambda v: v.rid)
+    retracts: list[int] = []
+    while running:
+        need = Need()
+        for v in running:
+            need = need + decode_need(v.num_tokens, config.page_size)
+        if p.free.covers(need):
+            p.free = p.free.minus(need)
+            break
+        # NOTE: a request alone always gets its next token: admission refused any request
+        # whose prompt + max_tokens exceed the pools, and the planner sized the SWA pool.
+        victim = running.pop()  # the newest
+        retracts.append(victim.rid)
+        p.free = p.free.minus(Need(-victim.held.full_pages, -victim.held.swa_pages, -1))
+    decodes = tuple(v.rid for v in running)
+
+    # 2. Headroom: future decode tokens of the survivors, the rest of each admitted prompt.
+    for v in running:
+        left = min(v.max_new_tokens - v.generated, config.clip_new_tokens)
+        future = int(left * new_token_ratio)
+        pages = pages_for_tokens(v.num_tokens + future, config.page_size) - pages_for_tokens(
+            v.num_tokens + 1, config.page_size
+        )
+        p.reserved[v.rid] = Need(max(pages, 0))
+    for v in views:
+        if v.phase is Phase.PREFILL:
+            p.reserved[v.rid] = _prompt_rest(v, v.num_tokens, config)
+
+    # 3. Prefill in arrival order under one token budget.
+    budget = config.chunk_tokens
+    chunks: list[tuple[int, int]] = []
+    resumes: list[int] = []
+    admits: list[int] = []
+    retracted = set(retracts)
+    queue = sorted(
+        (v for v in views if v.phase is not Phase.DECODE and v.rid not in retracted),
+        key=lambda v: (_queue_rank(v.phase), v.rid),
+    )
+    for v in queue:
+        if budget <= 0:
+            break
+        if v.phase is Phase.RETRACTED:
+            verdict = admit(
+                v.resume + Need(request_slots=1), p.free, p.total, p.reserved_except(v.rid)
+            )
+            if verdict.fit is Fit.NEVER:
+                rejects.append((v.rid, f"cannot resume: {verdict.reason}"))
+                continue
+            if verdict.fit is Fit.LATER:
+                break
+            resumes.append(v.rid)
+            p.free = p.free.minus(v.resume + Need(request_slots=1))
+            continue
+        if v.phase is Phase.WAITING and (why := never_fits(v, config, p.total)) is not None:
+            rejects.append((v.rid, why))
+            continue
+        tokens, verdict = _chunk(v, budget, p, config)
+        if verdict.fit is Fit.NEVER:
+            rejects.append((v.rid, verdict.reason))
+            continue
+        if verdict.fit is Fit.LATER:
+            break
+        need = extend_need(v.num_tokens, tokens, config.page_size)
+        if v.phase is Phase.WAITING:
+            admits.append(v.rid)
+            need = need + Need(request_slots=1)
+        p.free = p.free.minus(need)
+        p.reserved[v.rid] = _prompt_rest(v, v.num_tokens + tokens, config)
+        chunks.append((v.rid, tokens))
+        budget -= tokens
+    return StepPlan(
+        decodes=decodes,
+        retracts=tuple(retracts),
+        resumes=tuple(resumes),
+        admits=tuple(admits),
+        chunks=tuple(chunks),
+        rejects=tuple(rejects),
+    )
+
+
+def _queue_rank(phase: Phase) -> int:
+    return {Phase.PREFILL: 0, Phase.RETRACTED: 1, Phase.WAITING: 2}[phase]
+
+
+def _prompt_rest(v: ReqView, computed: int, config: SchedulerConfig) -> Need:
+    """Full pages the rest of the prompt and its first decode token will take."""
+    rest = pages_for_tokens(v.prompt_len + 1, config.page_size) - pages_for_tokens(
+        computed, config.page_size
+    )
+    return Need(max(rest, 0))
+
+
+def _chunk(v: ReqView, budget: int, p: _Pass, config: SchedulerConfig) -> tuple[int, Admission]:
+    """The next prefill chunk of `v` and whether it fits. The whole prompt's full pages must be
+    available (they are reserved from now on); the chunk's SWA pages too. A chunk larger than
+    the SWA pool itself shrinks (permanent shortage); a transient shortage waits."""
+    page = config.page_size
+    tokens = min(budget, v.prompt_len - v.num_tokens)
+    slot = Need(request_slots=1) if v.phase is Phase.WAITING else Need()
+    whole = _prompt_rest(v, v.num_tokens, config)
+    while True:
+        swa = extend_need(v.num_tokens, tokens, page).swa_pages
+        need = Need(whole.full_pages, swa) + slot
+        verdict = admit(need, p.free, p.total, p.reserved_except(v.rid))
+        if verdict.fit is not Fit.NEVER or swa <= 1 or whole.full_pages > p.total.full_pages:
+            return tokens, verdict
+        # Permanent SWA shortfall: shrink the chunk to what the whole pool can hold.
+        tokens = max(1, min(tokens - 1, (p.total.swa_pages - 1) * page - v.num_tokens % page))
