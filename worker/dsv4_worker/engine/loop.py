@@ -21,7 +21,7 @@ from dsv4_common.core.index_space import pages_for_tokens
 from dsv4_worker.engine.paged import PagedModel, Segment
 from dsv4_worker.engine.sampler import SamplingParams, make_generator, sample
 from dsv4_worker.mem.offload import OffloadedRequest, offload_request, reload_request
-from dsv4_worker.sched.budget import Capacity, Need
+from dsv4_worker.sched.budget import NOTHING, Capacity, Need
 from dsv4_worker.sched.scheduler import Phase, ReqView, SchedulerConfig, StepPlan, plan_step
 
 FinishReason = Literal["stop", "length", "error", "abort"]
@@ -90,7 +90,7 @@ class Engine:
         self.steps += 1
         finished: list[Request] = []
         plan = plan_step(
-            [self._view(r) for r in self.requests.values()],
+            self._views(),
             self._free(),
             self.total,
             self.config,
@@ -100,8 +100,14 @@ class Engine:
         segments, sample_at = self._grow(plan)
         if segments:
             logits = self.paged.forward(segments)
+            greedy = logits.argmax(dim=-1).tolist()  # one sync for every greedy request
             for i, req in sample_at:
-                self._accept(req, sample(logits[i], req.params, req.generator), finished)
+                token = (
+                    greedy[i]
+                    if req.generator is None
+                    else sample(logits[i], req.params, req.generator)
+                )
+                self._accept(req, token, finished)
         self.mem.pages.evict_window()
         if plan.retracts:
             self.new_token_ratio = RATIO_MAX
@@ -200,22 +206,33 @@ class Engine:
         free = {u.pool: u.free for u in self.mem.usage()}
         return Capacity(free["full"], free["swa"], free["req_slots"])
 
-    def _view(self, req: Request) -> ReqView:
-        held = Need()
-        resume = Need()
-        if req.slot is not None:
-            full, swa = self.mem.pages.request_pages(req.slot)
-            held = Need(int(full.numel()), int((swa > 0).sum()), 1)
-        if req.snapshot is not None:
-            pages = pages_for_tokens(req.snapshot.num_tokens, self.config.page_size)
-            resume = Need(pages, int(req.snapshot.swa_mask.sum()))
-        return ReqView(
-            rid=req.rid,
-            phase=req.phase,
-            prompt_len=len(req.prompt),
-            max_new_tokens=req.params.max_new_tokens,
-            num_tokens=req.num_tokens,
-            generated=len(req.output),
-            held=held,
-            resume=resume,
-        )
+    def _views(self) -> list[ReqView]:
+        """Every unfinished request as the scheduler sees it. Pages held follow from the page
+        table's invariant (columns below ceil(n/P) have a full page; those at or past
+        swa_start/P also an SWA page): two host reads for the whole batch."""
+        page = self.config.page_size
+        pages = self.mem.pages
+        num_tokens = pages.num_tokens.tolist()
+        swa_start = pages.swa_start_tokens.tolist()
+        views = []
+        for req in self.requests.values():
+            held = resume = NOTHING
+            if req.slot is not None:
+                full = pages_for_tokens(num_tokens[req.slot], page)
+                held = Need(full, max(0, full - swa_start[req.slot] // page), 1)
+            if req.snapshot is not None:
+                full = pages_for_tokens(req.snapshot.num_tokens, page)
+                resume = Need(full, int(req.snapshot.swa_mask.sum()))
+            views.append(
+                ReqView(
+                    rid=req.rid,
+                    phase=req.phase,
+                    prompt_len=len(req.prompt),
+                    max_new_tokens=req.params.max_new_tokens,
+                    num_tokens=req.num_tokens,
+                    generated=len(req.output),
+                    held=held,
+                    resume=resume,
+                )
+            )
+        return views

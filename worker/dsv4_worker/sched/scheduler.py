@@ -27,7 +27,6 @@ from dsv4_worker.sched.budget import (
     Fit,
     Need,
     admit,
-    decode_need,
     extend_need,
 )
 
@@ -119,9 +118,8 @@ def plan_step(
     running = sorted((v for v in views if v.phase is Phase.DECODE), key=lambda v: v.rid)
     retracts: list[int] = []
     while running:
-        need = Need()
-        for v in running:
-            need = need + decode_need(v.num_tokens, config.page_size)
+        rollovers = sum(1 for v in running if v.num_tokens % config.page_size == 0)
+        need = Need(rollovers, rollovers)  # == the sum of decode_need over `running`
         if p.free.covers(need):
             p.free = p.free.minus(need)
             break

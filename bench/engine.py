@@ -1,0 +1,104 @@
+"""Scheduler + allocator overhead per decode step, the model replaced by a no-op (prints a
+table; not a test).
+
+    .venv/bin/python bench/engine.py [--device cpu|cuda] [--steps N] [--rounds R]
+
+`running` requests decode together (tiny's layout, page 16); each cell is the median over
+`--rounds` rounds of the median step time of `--steps` steps, the best round in brackets.
+What is timed: plan_step over every request's view, the allocator's decode (with its page
+rollovers), sampling bookkeeping and window eviction: everything the engine does besides the
+forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+
+from dsv4_common.core.layout import build_layout
+from dsv4_common.core.presets import tiny
+from dsv4_worker.engine.loop import Engine
+from dsv4_worker.engine.paged import Segment
+from dsv4_worker.engine.sampler import SamplingParams
+from dsv4_worker.mem.alloc_config import AllocatorConfig
+from dsv4_worker.mem.memory import KVMemory
+from dsv4_worker.sched.scheduler import SchedulerConfig
+
+PAGE = 16
+PROMPT_TOKENS = 16
+
+
+class NoOpModel:
+    """Stands in for PagedModel: logits that always pick token 1, no tensors touched."""
+
+    def __init__(self, memory: KVMemory, vocab: int) -> None:
+        self.memory = memory
+        self.vocab = vocab
+
+    def forward(self, segments: Sequence[Segment]) -> torch.Tensor:
+        logits = torch.zeros(len(segments), self.vocab, device=self.memory.device)
+        logits[:, 1] = 1.0
+        return logits
+
+
+def build(running: int, steps: int, device: torch.device) -> Engine:
+    model = tiny()
+    tokens = PROMPT_TOKENS + steps + 8
+    pages = running * (-(-tokens // PAGE) + 1) + 8
+    config = AllocatorConfig(
+        page_size=PAGE,
+        num_full_pages=pages,
+        num_swa_pages=running * 3 + 8,
+        num_request_slots=running,
+        max_pages_per_request=-(-tokens // PAGE) + 1,
+        window_tokens=model.window_tokens,
+    )
+    memory = KVMemory(build_layout(model, PAGE), config, device, with_buffers=False)
+    sched = SchedulerConfig(
+        page_size=PAGE,
+        chunk_tokens=running * PROMPT_TOKENS,
+        max_tokens_per_request=config.max_tokens_per_request,
+    )
+    return Engine(NoOpModel(memory, model.weights.vocab_size), sched)  # type: ignore[arg-type]
+
+
+def round_median_ms(running: int, steps: int, device: torch.device) -> float:
+    eng = build(running, steps, device)
+    for _ in range(running):
+        eng.submit([2] * PROMPT_TOKENS, SamplingParams(max_new_tokens=steps + 4))
+    eng.step()  # the prefill of every request
+    times = []
+    for _ in range(steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        eng.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter_ns() - t0) / 1e6)
+    assert len(eng.requests) == running, "every request must still be decoding"
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--running", type=int, nargs="*", default=[1, 64, 1024])
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    device = torch.device(args.device)
+    print(f"engine step overhead (no-op model), device={device}, page={PAGE}, torch threads 1")
+    print(f"{'running':>8}  {'ms/step (median of rounds)':>27}  {'best round':>10}")
+    for running in args.running:
+        rounds = [round_median_ms(running, args.steps, device) for _ in range(args.rounds)]
+        print(f"{running:>8}  {statistics.median(rounds):>27.3f}  {min(rounds):>10.3f}")
+
+
+if __name__ == "__main__":
+    main()
