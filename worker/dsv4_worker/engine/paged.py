@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -42,6 +43,16 @@ class Segment:
     @property
     def end(self) -> int:
         return self.start + len(self.token_ids)
+
+
+class _Batch(NamedTuple):
+    """The flattened tokens of one forward: position and request slot per token, and each
+    segment's [lo, hi) range among them."""
+
+    positions: Tensor
+    slots: Tensor
+    segments: Sequence[Segment]
+    bounds: list[tuple[int, int]]
 
 
 class PagedModel:
@@ -107,17 +118,14 @@ class PagedModel:
             ]
         )
         bounds = _bounds([len(s.token_ids) for s in segments])
+        batch = _Batch(positions, slots, segments, bounds)
         h = L.embed(self.p, ids)
         for layer in range(self.model.num_hidden_layers):
             x = rms_norm(h, self.p[f"model.layers.{layer}.input_layernorm.weight"])
             if isinstance(self.model, DSV4Config):
-                h = h + self._dsv4_attention(
-                    self.model, layer, x, positions, slots, segments, bounds
-                )
+                h = h + self._dsv4_attention(self.model, layer, x, batch)
             else:
-                h = h + self._hybrid_attention(
-                    self.model, layer, x, positions, slots, segments, bounds
-                )
+                h = h + self._hybrid_attention(self.model, layer, x, batch)
             h = L.ffn(h, self.p, layer)
         last = torch.tensor([hi - 1 for _, hi in bounds], device=dev)
         return L.logits(self.p, h[last])
@@ -129,22 +137,20 @@ class PagedModel:
         m: DSV4Config,
         layer: int,
         x: Tensor,
-        positions: Tensor,
-        slots: Tensor,
-        segments: Sequence[Segment],
-        bounds: list[tuple[int, int]],
+        batch: _Batch,
     ) -> Tensor:
+        positions, slots = batch.positions, batch.slots
         q, kv = L.dsv4_query_kv(m, self.p, layer, x, positions)
         window = self._rows("swa_kv", layer)
         swa_slots = self._swa_pages(slots, positions) * self.page + positions % self.page
         window[swa_slots] = kv.to(window.dtype)
         ratio = m.compress_ratios[layer]
         if ratio:
-            self._compress(m, layer, x, positions, slots, segments, bounds, ratio, indexer=False)
+            self._compress(m, layer, x, batch, ratio, indexer=False)
             if ratio == m.sparse_ratio:
-                self._compress(m, layer, x, positions, slots, segments, bounds, ratio, indexer=True)
+                self._compress(m, layer, x, batch, ratio, indexer=True)
         out = []
-        for seg, (lo, hi) in zip(segments, bounds, strict=True):
+        for seg, (lo, hi) in zip(batch.segments, batch.bounds, strict=True):
             out.append(self._dsv4_segment_attention(m, layer, seg, x[lo:hi], q[lo:hi]))
         return L.dsv4_output(self.p, layer, torch.cat(out))
 
@@ -182,15 +188,13 @@ class PagedModel:
         m: DSV4Config,
         layer: int,
         x: Tensor,
-        positions: Tensor,
-        slots: Tensor,
-        segments: Sequence[Segment],
-        bounds: list[tuple[int, int]],
+        batch: _Batch,
         ratio: int,
         *,
         indexer: bool,
     ) -> None:
         """Write this batch's token states, then every compressed row a block completes."""
+        positions, slots, segments, bounds = batch
         overlap = ratio == m.sparse_ratio
         attn = "self_attn" + (".indexer" if indexer else "")
         prefix = f"model.layers.{layer}.{attn}.compressor"
@@ -220,7 +224,7 @@ class PagedModel:
                     pooled.append(C.pool_block(prev, curr, overlap))
                     done_pos.append(b)
                     done_slot.append(seg.slot)
-            self._write_ring(state_name, ring, states, positions, slots, segments, bounds)
+            self._write_ring(state_name, ring, states, batch)
         if not pooled:
             return
         blocks = torch.tensor(done_pos, device=self.device)
@@ -261,14 +265,12 @@ class PagedModel:
         name: str,
         ring: Tensor,
         states: Tensor,
-        positions: Tensor,
-        slots: Tensor,
-        segments: Sequence[Segment],
-        bounds: list[tuple[int, int]],
+        batch: _Batch,
     ) -> None:
         """Write token states in position order, R tokens at a time (R consecutive positions
         of a request never share a ring row; different requests never share a ring), so the
         last writer of every row is its latest token."""
+        positions, slots, _, bounds = batch
         stride = self.memory.layout.component(name).rows_per_unit
         longest = max(hi - lo for lo, hi in bounds)
         for k in range(0, longest, stride):
@@ -315,11 +317,9 @@ class PagedModel:
         m: HybridSWAConfig,
         layer: int,
         x: Tensor,
-        positions: Tensor,
-        slots: Tensor,
-        segments: Sequence[Segment],
-        bounds: list[tuple[int, int]],
+        batch: _Batch,
     ) -> Tensor:
+        positions, slots, segments, bounds = batch
         q, kv = L.hybrid_query_kv(m, self.p, layer, x, positions)
         sliding = m.layer_types[layer] == "sliding"
         name = "swa_kv" if sliding else "full_kv"
