@@ -179,11 +179,42 @@ def _add_render_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     p.add_argument("--namespace", "-n", default=None, help="namespace when the file has none")
 
 
+def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run a worker: the OpenAI-compatible API over the paged engine",
+        description="Serve a model. Quick form: dsv4 serve --model tiny (colocated, one "
+        "process). Deployed form: dsv4 serve --role R --config-dir DIR (PD roles arrive with "
+        "PD disaggregation).",
+    )
+    p.add_argument("--model", default="tiny", help="preset or a HuggingFace config.json path")
+    p.add_argument("--role", choices=(*ROLES, "router"), default="colocated")
+    p.add_argument("--config-dir", default=None, help="the rank config the operator renders")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=_bounded(int, 1, inclusive=True, maximum=65535), default=8000)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--weights", default=None, help="a .safetensors file (default: seeded random)")
+    p.add_argument("--seed", type=_non_negative_int, default=0, help="seed of random weights")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: bytes, for tiny)")
+    p.add_argument(
+        "--gpu-memory-gib",
+        type=_gpu_memory_gib,
+        default=None,
+        help="memory to plan with (default: the device's; 1 GiB on CPU)",
+    )
+    p.add_argument("--page-size", type=_positive_int, default=None)
+    p.add_argument("--chunked-prefill-size", type=_positive_int, default=None)
+    p.add_argument("--max-running-requests", type=_positive_int, default=None)
+    p.add_argument("--context-len", type=_positive_int, default=None)
+    p.add_argument("--request-state", choices=REQUEST_STATES, default="ring")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv4", description="dsv4-serve command line")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_plan_parser(sub)
     _add_render_parser(sub)
+    _add_serve_parser(sub)
     return parser
 
 
@@ -260,7 +291,16 @@ def _write(text: str, *, newline: bool = True) -> None:
 # Exit code of a process killed by SIGPIPE, as shells report it (`yes | head -1`).
 EXIT_BROKEN_PIPE = 128 + 13
 
-COMMANDS = {"plan": _run_plan, "render": _run_render}
+
+def _run_serve(args: argparse.Namespace) -> int:
+    try:
+        from dsv4_worker.serve import run
+    except ImportError as exc:
+        raise _Usage(f"needs the worker package ({exc}): pip install 'dsv4-serve[worker]'") from exc
+    return run(args)
+
+
+COMMANDS = {"plan": _run_plan, "render": _run_render, "serve": _run_serve}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,1 @@
+"""The worker's HTTP API: request parsing, the app, metrics."""

@@ -1,0 +1,259 @@
+"""The worker's HTTP API (aiohttp): OpenAI-compatible completions and chat completions
+(streaming over SSE), models, health, readiness, the `/status` document and `/metrics`.
+
+Errors: a malformed body or a bad field -> 400 naming the field; a full queue -> 503 with
+Retry-After; a client that disconnects (also mid-stream) aborts its request, whose pages the
+engine frees at its next turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from dsv4_common.api.worker_status import WorkerStatus, build_worker_status
+from dsv4_worker.server.metrics import Metrics
+from dsv4_worker.server.protocol import (
+    CompletionRequest,
+    RequestError,
+    parse_chat,
+    parse_completion,
+)
+from dsv4_worker.server.runner import Done, EngineRunner, Handle, Token
+from dsv4_worker.server.tokenizer import StreamDecoder, Tokenizer, find_stop, stop_holdback
+
+RETRY_AFTER_S = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ServeInfo:
+    model_name: str
+    vocab_size: int
+    max_context_tokens: int
+    status: WorkerStatus  # realized capacity (what /status reports)
+
+
+Parser = Callable[..., CompletionRequest]
+
+
+def build_app(runner: EngineRunner, tok: Tokenizer, info: ServeInfo) -> web.Application:
+    metrics = Metrics(runner.snapshot)
+    app = web.Application(client_max_size=8 * 1024 * 1024)
+
+    def error(status: int, message: str, field: str = "", retry: bool = False) -> web.Response:
+        body = {"error": {"message": message, "type": "invalid_request_error", "param": field}}
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if retry else None
+        return web.json_response(body, status=status, headers=headers)
+
+    async def read_json(request: web.Request) -> Any:
+        try:
+            return json.loads(await request.read())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise RequestError("", f"body is not valid JSON ({exc})") from exc
+
+    def completion_handler(
+        parse: Parser, chat: bool
+    ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            try:
+                req = parse(
+                    await read_json(request),
+                    tok,
+                    vocab_size=info.vocab_size,
+                    max_context_tokens=info.max_context_tokens,
+                )
+            except RequestError as exc:
+                return error(400, str(exc), exc.field)
+            if not runner.alive:
+                return error(503, "the engine is not running", retry=True)
+            if runner.overloaded():
+                return error(503, "too many requests waiting; retry later", retry=True)
+            metrics.prompt_tokens.inc(len(req.prompt_ids))
+            handle = runner.submit(req.prompt_ids, req.params, asyncio.get_running_loop())
+            try:
+                if req.stream:
+                    return await _stream(request, runner, handle, req, tok, info, metrics, chat)
+                return await _complete(runner, handle, req, tok, info, metrics, chat)
+            except (asyncio.CancelledError, ConnectionResetError):
+                runner.abort(handle)  # the client went away: free its pages now
+                raise
+
+        return handle
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": info.model_name, "object": "model"}]}
+        )
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def ready(_: web.Request) -> web.Response:
+        if runner.alive:
+            return web.Response(text="ready")
+        return web.Response(status=503, text="engine not running")
+
+    async def status(_: web.Request) -> web.Response:
+        return web.json_response(build_worker_status(info.status))
+
+    async def metrics_page(_: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(), content_type="text/plain")
+
+    app.router.add_post("/v1/completions", completion_handler(parse_completion, chat=False))
+    app.router.add_post("/v1/chat/completions", completion_handler(parse_chat, chat=True))
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/live", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/status", status)
+    app.router.add_get("/metrics", metrics_page)
+    return app
+
+
+class _Output:
+    """One request's tokens and text. Stop strings cut the text; while streaming, text that
+    could still become a stop string (or half a UTF-8 character) is held back."""
+
+    def __init__(self, tok: Tokenizer, req: CompletionRequest) -> None:
+        self.decoder = StreamDecoder(tok)
+        self.req = req
+        self.full = ""  # everything decoded so far
+        self.text = ""  # what the client has been given (or will be, at the end)
+        self.token_ids: list[int] = []
+        self.stopped = False
+
+    def push(self, token_id: int) -> str:
+        """The new text this token releases."""
+        self.token_ids.append(token_id)
+        self.full += self.decoder.push(token_id)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """The rest of the text at the end of the request."""
+        self.full += self.decoder.flush()
+        return self._release(final=True)
+
+    def _release(self, *, final: bool) -> str:
+        if self.stopped:
+            return ""
+        cut = find_stop(self.full, self.req.stop_strings) if self.req.stop_strings else None
+        if cut is not None:
+            self.stopped = True
+            end = cut
+        elif final:
+            end = len(self.full)
+        else:
+            end = len(self.full) - stop_holdback(self.full, self.req.stop_strings)
+        piece = self.full[len(self.text) : max(end, len(self.text))]
+        self.text += piece
+        return piece
+
+
+def _choice(
+    out: _Output, reason: str | None, chat: bool, delta: str | None = None
+) -> dict[str, Any]:
+    text = out.text if delta is None else delta
+    choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
+    if chat:
+        key = "message" if delta is None else "delta"
+        choice[key] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    if out.req.return_token_ids and delta is None:
+        choice["token_ids"] = out.token_ids
+    return choice
+
+
+def _envelope(handle: Handle, info: ServeInfo, chat: bool, stream: bool) -> dict[str, Any]:
+    kind = "chat.completion" if chat else "text_completion"
+    return {
+        "id": f"cmpl-{handle.rid}",
+        "object": f"{kind}.chunk" if stream and chat else kind,
+        "created": int(time.time()),
+        "model": info.model_name,
+    }
+
+
+async def _events(runner: EngineRunner, handle: Handle, out: _Output, metrics: Metrics) -> Any:
+    """Yields (new text, finish reason or None) per event; stops at Done or a stop string."""
+    last_s = None
+    while True:
+        event = await handle.events.get()
+        if isinstance(event, Done):
+            metrics.requests.labels(event.reason).inc()
+            metrics.e2e.observe(time.monotonic() - handle.submitted_s)
+            yield out.finish(), event.reason, event.error
+            return
+        assert isinstance(event, Token)
+        metrics.generation_tokens.inc()
+        if last_s is None:
+            metrics.ttft.observe(event.at_s - handle.submitted_s)
+        else:
+            metrics.itl.observe(event.at_s - last_s)
+        last_s = event.at_s
+        piece = out.push(event.token_id)
+        if out.stopped:
+            runner.abort(handle)
+            yield piece, "stop", None
+            return
+        yield piece, None, None
+
+
+async def _complete(
+    runner: EngineRunner,
+    handle: Handle,
+    req: CompletionRequest,
+    tok: Tokenizer,
+    info: ServeInfo,
+    metrics: Metrics,
+    chat: bool,
+) -> web.Response:
+    out = _Output(tok, req)
+    reason, err = "length", None
+    async for _, finish, error in _events(runner, handle, out, metrics):
+        if finish is not None:
+            reason, err = finish, error
+    if reason == "error":
+        return web.json_response({"error": {"message": err or "failed"}}, status=500)
+    body = _envelope(handle, info, chat, stream=False)
+    body["choices"] = [_choice(out, reason, chat)]
+    body["usage"] = {
+        "prompt_tokens": len(req.prompt_ids),
+        "completion_tokens": len(out.token_ids),
+        "total_tokens": len(req.prompt_ids) + len(out.token_ids),
+    }
+    return web.json_response(body)
+
+
+async def _stream(
+    request: web.Request,
+    runner: EngineRunner,
+    handle: Handle,
+    req: CompletionRequest,
+    tok: Tokenizer,
+    info: ServeInfo,
+    metrics: Metrics,
+    chat: bool,
+) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+    out = _Output(tok, req)
+    async for piece, finish, error in _events(runner, handle, out, metrics):
+        chunk = _envelope(handle, info, chat, stream=True)
+        chunk["choices"] = [_choice(out, finish, chat, delta=piece)]
+        if req.return_token_ids and finish is not None:
+            chunk["choices"][0]["token_ids"] = out.token_ids
+        if error:
+            chunk["error"] = {"message": error}
+        await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp

@@ -1,0 +1,68 @@
+"""Prometheus metrics of one worker, in a registry of its own (no process globals).
+
+Pool gauges are read from the runner's latest snapshot at scrape time; counters and latency
+histograms are fed by the request handlers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from dsv4_worker.server.runner import Snapshot
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class _PoolCollector(Collector):
+    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        snap = self.snapshot()
+        used = GaugeMetricFamily("dsv4_kv_used_pages", "Units in use per pool", labels=["pool"])
+        total = GaugeMetricFamily("dsv4_kv_total_pages", "Usable units per pool", labels=["pool"])
+        for u in snap.usage:
+            used.add_metric([u.pool], u.used)
+            total.add_metric([u.pool], u.total)
+        yield used
+        yield total
+        for name, value in (
+            ("running", snap.running),
+            ("waiting", snap.waiting),
+            ("retracted", snap.retracted),
+        ):
+            yield GaugeMetricFamily(f"dsv4_requests_{name}", f"Requests {name}", value=value)
+
+
+class Metrics:
+    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_PoolCollector(snapshot))
+        r = self.registry
+        self.prompt_tokens = Counter("dsv4_prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter("dsv4_generation_tokens", "Generated tokens", registry=r)
+        self.requests = Counter(
+            "dsv4_requests_finished", "Finished requests", ["reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "dsv4_time_to_first_token_seconds", "TTFT", buckets=LATENCY_BUCKETS_S, registry=r
+        )
+        self.itl = Histogram(
+            "dsv4_inter_token_latency_seconds",
+            "Time between tokens",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "dsv4_e2e_request_latency_seconds",
+            "Request latency",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,174 @@
+"""EngineRunner: the engine loop on its own thread, fed and drained through thread-safe hand-offs.
+
+The HTTP side never touches the engine: it submits (prompt, params) and gets a `Handle` whose
+asyncio queue receives `Token` and `Done` events; `abort(rid)` ends a request (its pages are
+freed at the runner's next turn). After every step the runner publishes a `Snapshot` of pool
+usage and queue lengths for `/metrics` and `/status`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from dsv4_worker.engine.loop import Engine, Request
+from dsv4_worker.engine.sampler import SamplingParams
+from dsv4_worker.mem.usage import PoolUsage
+from dsv4_worker.sched.scheduler import Phase
+
+IDLE_WAIT_S = 0.05  # how long the idle runner blocks waiting for work
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    token_id: int
+    at_s: float  # time.monotonic() when sampled
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    reason: str  # stop | length | error | abort
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Handle:
+    rid: int  # the runner's id (the engine's own id is internal)
+    events: asyncio.Queue[Token | Done]
+    submitted_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    usage: tuple[PoolUsage, ...] = ()
+    running: int = 0
+    waiting: int = 0
+    retracted: int = 0
+    steps: int = 0
+
+
+@dataclass(slots=True)
+class _Submit:
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    handle: Handle
+    loop: asyncio.AbstractEventLoop
+
+
+class EngineRunner:
+    def __init__(self, engine: Engine, max_waiting: int = 256) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._inbox: queue.SimpleQueue[_Submit | int | None] = queue.SimpleQueue()
+        # engine rid -> (handle, its event loop, tokens sent); handle rid -> engine rid
+        self._listeners: dict[int, tuple[Handle, asyncio.AbstractEventLoop, int]] = {}
+        self._engine_rids: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._snapshot = Snapshot(usage=engine.mem.usage())
+        self._thread = threading.Thread(target=self._run, name="dsv4-engine", daemon=True)
+        self._next_rid = 0
+        self.error: BaseException | None = None
+
+    # -- any thread ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._inbox.put(None)
+        self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def snapshot(self) -> Snapshot:
+        with self._lock:
+            return self._snapshot
+
+    def overloaded(self) -> bool:
+        return self.snapshot().waiting >= self.max_waiting
+
+    def submit(
+        self, prompt: tuple[int, ...], params: SamplingParams, loop: asyncio.AbstractEventLoop
+    ) -> Handle:
+        with self._lock:
+            rid = self._next_rid
+            self._next_rid += 1
+        handle = Handle(rid, asyncio.Queue(), time.monotonic())
+        self._inbox.put(_Submit(prompt, params, handle, loop))
+        return handle
+
+    def abort(self, handle: Handle) -> None:
+        """End the request at the runner's next turn (after its submission, FIFO)."""
+        self._inbox.put(handle.rid)
+
+    # -- the engine thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                if not self._drain(block=self.engine.idle):
+                    return
+                self._publish(self.engine.step() if not self.engine.idle else [])
+        except BaseException as exc:  # surface to /ready; fail every waiting client
+            self.error = exc
+            for handle, loop, _ in self._listeners.values():
+                loop.call_soon_threadsafe(handle.events.put_nowait, Done("error", repr(exc)))
+            raise
+
+    def _drain(self, *, block: bool) -> bool:
+        """Take every queued command; False on stop."""
+        while True:
+            try:
+                item = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+            block = False
+            if item is None:
+                return False
+            if isinstance(item, int):
+                self._abort(item)
+                continue
+            req = self.engine.submit(item.prompt, item.params)
+            self._listeners[req.rid] = (item.handle, item.loop, 0)
+            self._engine_rids[item.handle.rid] = req.rid
+
+    def _abort(self, handle_rid: int) -> None:
+        rid = self._engine_rids.pop(handle_rid, None)
+        if rid is None or rid not in self._listeners:
+            return  # already finished
+        handle, loop, _ = self._listeners.pop(rid)
+        self.engine.abort(rid)
+        loop.call_soon_threadsafe(handle.events.put_nowait, Done("abort"))
+
+    def _publish(self, finished: list[Request]) -> None:
+        now = time.monotonic()
+        done = {r.rid: r for r in finished}
+        reqs = {**self.engine.requests, **done}
+        for rid, (handle, loop, sent) in list(self._listeners.items()):
+            req = reqs.get(rid)
+            if req is None:
+                continue
+            for token in req.output[sent:]:
+                loop.call_soon_threadsafe(handle.events.put_nowait, Token(token, now))
+            self._listeners[rid] = (handle, loop, len(req.output))
+            if req.finished:
+                loop.call_soon_threadsafe(
+                    handle.events.put_nowait, Done(str(req.finish_reason), req.error)
+                )
+                del self._listeners[rid]
+                self._engine_rids.pop(handle.rid, None)
+        phases = [r.phase for r in self.engine.requests.values()]
+        snap = Snapshot(
+            usage=self.engine.mem.usage(),
+            running=sum(p in (Phase.PREFILL, Phase.DECODE) for p in phases),
+            waiting=sum(p is Phase.WAITING for p in phases),
+            retracted=sum(p is Phase.RETRACTED for p in phases),
+            steps=self.engine.steps,
+        )
+        with self._lock:
+            self._snapshot = snap
