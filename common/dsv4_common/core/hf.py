@@ -66,15 +66,17 @@ def _int(
 
 
 def _weights_from_hf(raw: Mapping[str, Any], quantized_experts: bool) -> WeightShape:
+    routed = _int(raw, "n_routed_experts", 0)
     return WeightShape(
         hidden_size=_int(raw, "hidden_size"),
         vocab_size=_int(raw, "vocab_size"),
         num_attention_heads=_int(raw, "num_attention_heads"),
         intermediate_size=_int(raw, "intermediate_size", 0),
         num_dense_layers=_int(raw, "first_k_dense_replace", 0),
-        num_routed_experts=_int(raw, "n_routed_experts", 0),
+        num_routed_experts=routed,
         num_shared_experts=_int(raw, "n_shared_experts", 0),
         moe_intermediate_size=_int(raw, "moe_intermediate_size", 0),
+        num_experts_per_token=_int(raw, "num_experts_per_tok", min(8, routed) if routed else 8),
         q_lora_rank=_int(raw, "q_lora_rank", 0),
         o_lora_rank=_int(raw, "o_lora_rank", 0),
         expert_bytes_per_param=(0.5 + 1 / 32) if quantized_experts else 2.0,

@@ -49,6 +49,7 @@ class WeightShape:
     num_routed_experts: int = 0
     num_shared_experts: int = 0
     moe_intermediate_size: int = 0
+    num_experts_per_token: int = 8  # routed experts each token uses (top-k of the router)
     q_lora_rank: int = 0
     o_lora_rank: int = 0
     expert_bytes_per_param: float = 2.0  # DSV4 checkpoints: FP4 experts + block scales
@@ -65,10 +66,17 @@ class WeightShape:
             ("num_routed_experts", 0),
             ("num_shared_experts", 0),
             ("moe_intermediate_size", 0),
+            ("num_experts_per_token", 1),
             ("q_lora_rank", 0),
             ("o_lora_rank", 0),
         ):
             _require_int(name, getattr(self, name), minimum, MAX_DIM)
+        _require(
+            self.num_routed_experts == 0 or self.num_experts_per_token <= self.num_routed_experts,
+            "num_experts_per_tok",
+            f"({self.num_experts_per_token}) must be <= n_routed_experts "
+            f"({self.num_routed_experts})",
+        )
         _require(
             self.num_routed_experts == 0 or self.moe_intermediate_size >= 1,
             "moe_intermediate_size",

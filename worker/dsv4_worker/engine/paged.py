@@ -126,7 +126,7 @@ class PagedModel:
                 h = h + self._dsv4_attention(self.model, layer, x, batch)
             else:
                 h = h + self._hybrid_attention(self.model, layer, x, batch)
-            h = L.ffn(h, self.p, layer)
+            h = L.ffn(h, self.p, layer, self.model.weights.num_experts_per_token)
         last = torch.tensor([hi - 1 for _, hi in bounds], device=dev)
         return L.logits(self.p, h[last])
 

@@ -18,16 +18,39 @@ from dsv4_worker.model.ops import ROPE_THETA, rms_norm, rope, stored, swiglu
 Params = Mapping[str, torch.Tensor]
 
 
-def ffn(h: torch.Tensor, p: Params, layer: int) -> torch.Tensor:
-    """Post-attention half of a block: h + FFN(norm(h))."""
+def ffn(h: torch.Tensor, p: Params, layer: int, experts_per_token: int) -> torch.Tensor:
+    """Post-attention half of a block: h + FFN(norm(h)), dense or MoE (as the weights say)."""
     pre = f"model.layers.{layer}"
     x = rms_norm(h, p[f"{pre}.post_attention_layernorm.weight"])
-    return h + swiglu(
+    if f"{pre}.mlp.gate.weight" in p:
+        return h + moe(x, p, f"{pre}.mlp", experts_per_token)
+    return h + _expert(x, p, f"{pre}.mlp")
+
+
+def _expert(x: torch.Tensor, p: Params, prefix: str) -> torch.Tensor:
+    return swiglu(
         x,
-        p[f"{pre}.mlp.gate_proj.weight"],
-        p[f"{pre}.mlp.up_proj.weight"],
-        p[f"{pre}.mlp.down_proj.weight"],
+        p[f"{prefix}.gate_proj.weight"],
+        p[f"{prefix}.up_proj.weight"],
+        p[f"{prefix}.down_proj.weight"],
     )
+
+
+def moe(x: torch.Tensor, p: Params, prefix: str, experts_per_token: int) -> torch.Tensor:
+    """Routed experts (softmax router, top-k renormalised, ties to the lower expert) plus the
+    shared experts. Every expert runs on every token and unrouted ones get weight 0: wasteful,
+    but per-token results do not depend on the batch (the reference's point)."""
+    router = torch.softmax(F.linear(x, p[f"{prefix}.gate.weight"]), dim=-1)
+    num_experts = router.shape[-1]
+    top = torch.sort(router, dim=-1, descending=True, stable=True).indices[:, :experts_per_token]
+    weights = torch.zeros_like(router).scatter_(-1, top, router.gather(-1, top))
+    weights = weights / weights.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for e in range(num_experts):
+        out = out + weights[:, e : e + 1] * _expert(x, p, f"{prefix}.experts.{e}")
+    if f"{prefix}.shared_experts.gate_proj.weight" in p:
+        out = out + _expert(x, p, f"{prefix}.shared_experts")
+    return out
 
 
 def embed(p: Params, token_ids: torch.Tensor) -> torch.Tensor:

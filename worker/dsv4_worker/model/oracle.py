@@ -134,7 +134,7 @@ def oracle_logits(
             h = h + _dsv4_attention(model, p, layer, x, positions, request_state)
         else:
             h = h + _hybrid_attention(model, p, layer, x, positions)
-        h = L.ffn(h, p, layer)
+        h = L.ffn(h, p, layer, model.weights.num_experts_per_token)
     return L.logits(p, h)
 
 

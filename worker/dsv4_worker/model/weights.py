@@ -80,7 +80,12 @@ def _dsv4_layer_shapes(m: DSV4Config, i: int) -> Shapes:
             shapes |= _compressor_shapes(
                 f"{idx}.compressor", h, m.index_head_dim, ratio, overlap=True
             )
-    shapes |= _ffn_shapes(p, h, w.intermediate_size)
+    if w.num_routed_experts and i >= w.num_dense_layers:
+        shapes |= _moe_shapes(
+            p, h, w.num_routed_experts, w.num_shared_experts, w.moe_intermediate_size
+        )
+    else:
+        shapes |= _ffn_shapes(f"{p}.mlp", h, w.intermediate_size)
     return shapes
 
 
@@ -96,20 +101,30 @@ def _hybrid_layer_shapes(m: HybridSWAConfig, i: int) -> Shapes:
         f"{a}.k_proj.weight": (kvh * m.head_dim, h),
         f"{a}.v_proj.weight": (kvh * m.v_head_dim, h),
         f"{a}.o_proj.weight": (h, heads * m.v_head_dim),
-        **_ffn_shapes(p, h, w.intermediate_size),
+        **_ffn_shapes(f"{p}.mlp", h, w.intermediate_size),
     }
 
 
 def _ffn_shapes(prefix: str, hidden: int, inter: int) -> Shapes:
     if inter < 1:
         raise NotImplementedError(
-            "the reference model runs dense FFN layers only (intermediate_size >= 1)"
+            "a dense FFN layer needs intermediate_size >= 1 (or MoE layers: n_routed_experts)"
         )
     return {
-        f"{prefix}.mlp.gate_proj.weight": (inter, hidden),
-        f"{prefix}.mlp.up_proj.weight": (inter, hidden),
-        f"{prefix}.mlp.down_proj.weight": (hidden, inter),
+        f"{prefix}.gate_proj.weight": (inter, hidden),
+        f"{prefix}.up_proj.weight": (inter, hidden),
+        f"{prefix}.down_proj.weight": (hidden, inter),
     }
+
+
+def _moe_shapes(prefix: str, hidden: int, routed: int, shared: int, inter: int) -> Shapes:
+    """A router, `routed` experts and `shared` experts merged into one wider FFN."""
+    shapes: Shapes = {f"{prefix}.mlp.gate.weight": (routed, hidden)}
+    for e in range(routed):
+        shapes |= _ffn_shapes(f"{prefix}.mlp.experts.{e}", hidden, inter)
+    if shared:
+        shapes |= _ffn_shapes(f"{prefix}.mlp.shared_experts", hidden, shared * inter)
+    return shapes
 
 
 def param_shapes(model: ModelConfig) -> Shapes:

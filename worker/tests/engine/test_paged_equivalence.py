@@ -108,3 +108,20 @@ def test_online_c16_state_paged_equals_the_oracle() -> None:
     prompts = [prompt(47, 5), prompt(64, 6)]
     got = generate(pm, prompts, 9, 12)
     assert got == [oracle_greedy(tiny(), pm.p, p, 12, request_state="online") for p in prompts]
+
+
+def test_moe_model_paged_equals_the_oracle() -> None:
+    import dataclasses
+
+    weights = dataclasses.replace(
+        tiny().weights,
+        num_dense_layers=2,
+        num_routed_experts=4,
+        num_shared_experts=1,
+        moe_intermediate_size=32,
+        num_experts_per_token=2,
+    )
+    model = dataclasses.replace(tiny(), weights=weights)
+    pm = make(model, 16)
+    prompts = [prompt(37, 7), prompt(12, 8)]
+    assert generate(pm, prompts, 10, 8) == [oracle_greedy(model, pm.p, p, 8) for p in prompts]

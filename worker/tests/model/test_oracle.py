@@ -136,3 +136,39 @@ def test_cuda_oracle_equals_cpu(model: ModelConfig) -> None:
         oracle_logits(model, gpu, IDS).cpu(), oracle_logits(model, cpu, IDS), atol=1e-3
     )
     assert oracle_greedy(model, gpu, IDS[:30], 10) == oracle_greedy(model, cpu, IDS[:30], 10)
+
+
+def tiny_moe(experts_per_token: int = 2) -> ModelConfig:
+    """tiny with two dense layers, then MoE: 4 routed experts (top-2) + 1 shared."""
+    import dataclasses
+
+    weights = dataclasses.replace(
+        tiny().weights,
+        num_dense_layers=2,
+        num_routed_experts=4,
+        num_shared_experts=1,
+        moe_intermediate_size=32,
+        num_experts_per_token=experts_per_token,
+    )
+    return dataclasses.replace(tiny(), weights=weights)
+
+
+def test_moe_layers_route_each_token_to_k_experts() -> None:
+    model = tiny_moe()
+    p = init_weights(model, seed=12)
+    assert "model.layers.1.mlp.gate_proj.weight" in p  # dense below num_dense_layers
+    assert "model.layers.2.mlp.experts.3.down_proj.weight" in p
+    assert "model.layers.2.mlp.shared_experts.up_proj.weight" in p
+    assert "model.layers.2.mlp.gate_proj.weight" not in p
+    base = oracle_logits(model, p, IDS[:40])
+    p_top4 = init_weights(tiny_moe(4), seed=12)
+    assert not torch.allclose(oracle_logits(tiny_moe(4), p_top4, IDS[:40]), base)
+    for cut in (5, 23):  # batch invariance holds through the router too
+        assert torch.allclose(oracle_logits(model, p, IDS[:cut]), base[:cut], atol=1e-9)
+
+
+def test_more_experts_per_token_than_experts_is_refused() -> None:
+    from dsv4_common.core.model import ModelConfigError
+
+    with pytest.raises(ModelConfigError, match="num_experts_per_tok"):
+        tiny_moe(5)
