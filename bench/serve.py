@@ -1,0 +1,122 @@
+"""`dsv4 serve` through HTTP on loopback: generated tokens/s and time to first token at 1 and
+32 concurrent streaming clients (prints a table; not a test).
+
+    .venv/bin/python bench/serve.py [--device cpu|cuda] [--rounds R] [--max-tokens N]
+
+Each client sends `--requests` streaming completions one after another (a 64-byte prompt,
+`--max-tokens` greedy tokens). tokens/s = all generated tokens / wall time of the round; TTFT =
+time from sending a request to its first streamed event. Medians over `--rounds` rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+PROMPT = "The quick brown fox jumps over the lazy dog; DSV4 serves it. " * 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_ready(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("the server exited")
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            c.request("GET", "/ready")
+            if c.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("the server did not become ready")
+
+
+def _one(port: int, max_tokens: int) -> tuple[float, int]:
+    """(TTFT seconds, tokens) of one streaming request."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "stream": True, "return_token_ids": True}
+    t0 = time.perf_counter()
+    c.request("POST", "/v1/completions", body=json.dumps(body).encode())
+    resp = c.getresponse()
+    ttft, tokens = None, 0
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        if ttft is None:
+            ttft = time.perf_counter() - t0
+        choice = json.loads(line[6:])["choices"][0]
+        if choice.get("finish_reason"):
+            tokens = len(choice.get("token_ids", []))
+    c.close()
+    return (ttft or 0.0), tokens
+
+
+def _round(port: int, clients: int, requests: int, max_tokens: int) -> tuple[float, float]:
+    """(tokens/s, median TTFT ms) of one round."""
+    ttfts: list[float] = []
+    tokens = [0]
+    lock = threading.Lock()
+
+    def client() -> None:
+        for _ in range(requests):
+            ttft, n = _one(port, max_tokens)
+            with lock:
+                ttfts.append(ttft)
+                tokens[0] += n
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return tokens[0] / wall, statistics.median(ttfts) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=2, help="requests per client per round")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--clients", type=int, nargs="*", default=[1, 32])
+    args = parser.parse_args()
+    port = _free_port()
+    cmd = [sys.executable, "-m", "dsv4_common.cli", "serve", "--model", "tiny"]
+    cmd += ["--port", str(port), "--device", args.device, "--gpu-memory-gib", "0.25"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_ready(port, proc)
+        _round(port, 1, 1, 4)  # warm-up
+        print(f"dsv4 serve tiny over HTTP, device={args.device}, {args.max_tokens} tokens/request")
+        print(f"{'clients':>8}  {'tokens/s':>9}  {'TTFT ms (median)':>17}")
+        for clients in args.clients:
+            runs = [
+                _round(port, clients, args.requests, args.max_tokens) for _ in range(args.rounds)
+            ]
+            tps = statistics.median(r[0] for r in runs)
+            ttft = statistics.median(r[1] for r in runs)
+            print(f"{clients:>8}  {tps:>9.1f}  {ttft:>17.1f}")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()
