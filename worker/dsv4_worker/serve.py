@@ -1,95 +1,178 @@
 """`dsv4 serve`: build the engine for one role and serve its HTTP API.
 
-Quick form (colocated, this process only): `dsv4 serve --model tiny [--port P] [--device cpu]`.
-Deployed form: `dsv4 serve --role R --config-dir DIR` reads the rank config the operator
-renders; the prefill, decode and router roles arrive with PD disaggregation and exit 2 until
-then, saying so.
+Quick form (colocated, everything on one port): `dsv4 serve --model tiny [--port P]`.
+Deployed form: `dsv4 serve --role R --config-dir DIR` reads `{R}-rank-{DSV4_PP_RANK}.json`
+(the rank config), serves the API on its `ports.http` and `/live`, `/ready`, `/status`,
+`/metrics` on `ports.status`, and sizes the pools with the planner from the weights it
+actually loaded (planned vs realized capacity is what `/status` lets the operator compare).
+The prefill, decode and router roles arrive with PD disaggregation; until then they exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
+import json
 import logging
+import os
+import signal
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from aiohttp import web
 
+from dsv4_common.api.documents import DocumentError
+from dsv4_common.api.rank_config import RankConfig, parse_rank_config
 from dsv4_common.api.worker_status import WorkerStatus
-from dsv4_common.core.model import DSV4Config, ModelConfig
+from dsv4_common.core.model import DSV4Config, ModelConfig, ModelConfigError
 from dsv4_common.core.presets import load_model_config
 from dsv4_common.core.units import GIB
-from dsv4_common.plan.inputs import PlanInputs
+from dsv4_common.plan.inputs import PlanError, PlanInputs
 from dsv4_common.plan.planner import Plan, plan
 from dsv4_worker.engine.loop import Engine
 from dsv4_worker.engine.paged import PagedModel
 from dsv4_worker.mem.memory import KVMemory
-from dsv4_worker.model.weights import init_weights, load_weights
+from dsv4_worker.model.weights import WeightsError, init_weights, load_weights
 from dsv4_worker.sched.scheduler import SchedulerConfig
-from dsv4_worker.server.app import ServeInfo, build_app
+from dsv4_worker.server.app import ServeInfo, build_app, build_status_app
+from dsv4_worker.server.metrics import Metrics
 from dsv4_worker.server.runner import EngineRunner
 from dsv4_worker.server.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
 CPU_MEMORY_GIB = 1.0  # what a CPU worker plans with when no device size is given
+PD_ROLES = ("prefill", "decode", "router")
+WEIGHTS_FILE = "model.safetensors"
 
 
 class ServeError(Exception):
-    """A bad serve argument or environment; the message names the flag (exit 2)."""
+    """A bad serve argument, config or environment; the message names it (exit 2)."""
 
 
-def _plan(args: argparse.Namespace, model: ModelConfig, device: torch.device) -> Plan:
+@dataclass(frozen=True, slots=True)
+class Built:
+    runner: EngineRunner
+    sites: tuple[tuple[web.Application, str, int], ...]  # (app, host, port)
+
+
+def realized_plan(
+    inputs: PlanInputs, weight_bytes: int, device_memory_bytes: int | None = None
+) -> Plan:
+    """The planner over what this worker measured: the weights it loaded (and the device's
+    memory when it has one), every other input as planned. Pure."""
+    measured = dataclasses.replace(inputs, weight_bytes_per_rank=(weight_bytes,))
+    if device_memory_bytes is not None:
+        measured = dataclasses.replace(measured, gpu_memory_bytes=device_memory_bytes)
+    return plan(measured)
+
+
+def _device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ServeError("--device cuda: no CUDA device is available")
+    return device
+
+
+def _check_model(model: ModelConfig, source: str) -> None:
+    if isinstance(model, DSV4Config) and model.kv_dtype not in ("bf16", "fp32", "fp16"):
+        raise ServeError(
+            f"model {source}: the reference engine stores bf16/fp32 KV rows, this model uses "
+            f"{model.kv_dtype} (fp8 pages need the GPU kernels)"
+        )
+
+
+def _weights(
+    model: ModelConfig, path: str | None, seed: int, device: torch.device
+) -> Mapping[str, torch.Tensor]:
+    if path is None:
+        return init_weights(model, seed=seed, device=device)
+    file = Path(path)
+    if file.is_dir():
+        file = file / WEIGHTS_FILE
+    try:
+        return load_weights(file, model, device)
+    except (OSError, WeightsError) as exc:
+        raise ServeError(f"weights {file}: {exc}") from exc
+
+
+def _device_memory(device: torch.device) -> int | None:
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+
+def _quick_inputs(args: argparse.Namespace, model: ModelConfig, device: torch.device) -> PlanInputs:
+    memory = _device_memory(device)
     if args.gpu_memory_gib is not None:
         memory = int(args.gpu_memory_gib * GIB)
-    elif device.type == "cuda":
-        memory = torch.cuda.get_device_properties(device).total_memory
-    else:
-        memory = int(CPU_MEMORY_GIB * GIB)
-    inputs = PlanInputs(
+    return PlanInputs(
         model=model,
         role="colocated",
-        gpu_memory_bytes=memory,
+        gpu_memory_bytes=memory or int(CPU_MEMORY_GIB * GIB),
         page_size=args.page_size,
         chunked_prefill_tokens=args.chunked_prefill_size,
         max_running_requests=args.max_running_requests,
         context_len=args.context_len,
         request_state=args.request_state,
     )
-    return plan(inputs)
 
 
-def build(args: argparse.Namespace) -> tuple[web.Application, EngineRunner]:
-    if args.config_dir is not None or args.role != "colocated":
+def read_rank_config(config_dir: Path, role: str, pp_rank: int) -> RankConfig:
+    path = config_dir / f"{role}-rank-{pp_rank}.json"
+    try:
+        config = parse_rank_config(json.loads(path.read_text()))
+    except OSError as exc:
+        raise ServeError(f"--config-dir: cannot read {path} ({exc.strerror or exc})") from exc
+    except (json.JSONDecodeError, DocumentError) as exc:
+        raise ServeError(f"{path}: {exc}") from exc
+    if config.role != role or config.pp_rank != pp_rank:
         raise ServeError(
-            f"--role {args.role}: only the colocated quick form runs yet; prefill, decode and "
-            "router (and --config-dir) arrive with PD disaggregation"
+            f"{path}: holds role {config.role} PP rank {config.pp_rank}, not --role {role} "
+            f"PP rank {pp_rank}"
         )
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ServeError("--device cuda: no CUDA device is available")
-    model = load_model_config(args.model)
-    if isinstance(model, DSV4Config) and model.kv_dtype not in ("bf16", "fp32", "fp16"):
+    return config
+
+
+def build(args: argparse.Namespace) -> Built:
+    if args.role in PD_ROLES:
         raise ServeError(
-            f"--model {args.model}: the reference engine stores bf16/fp32 KV rows, this model "
-            f"uses {model.kv_dtype} (fp8 pages need the GPU kernels)"
+            f"--role {args.role}: arrives with PD disaggregation; run --role colocated (the "
+            "quick form: dsv4 serve --model tiny) until then"
         )
-    group = _plan(args, model, device)
+    device = _device(args.device)
+    config: RankConfig | None = None
+    if args.config_dir is not None:
+        pp_rank = int(os.environ.get("DSV4_PP_RANK", "0") or 0)
+        config = read_rank_config(Path(args.config_dir), args.role, pp_rank)
+        if config.pp_size != 1:
+            raise ServeError(f"rank config: pp_size {config.pp_size}: PP stages arrive later")
+    source = config.model.source if config else args.model
+    try:
+        model = load_model_config(source)
+    except ModelConfigError as exc:
+        raise ServeError(f"model: {exc}") from exc
+    _check_model(model, source)
+    weights_path = config.model.weights_path if config else args.weights
+    params = _weights(model, weights_path, args.seed, device)
+    weight_bytes = sum(t.numel() * t.element_size() for t in params.values())
+    try:
+        if config is not None:
+            group = realized_plan(config.plan_inputs(model), weight_bytes, _device_memory(device))
+        else:
+            group = realized_plan(_quick_inputs(args, model, device), weight_bytes)
+    except PlanError as exc:
+        raise ServeError(f"plan: {exc}") from exc
     rank = group.ranks[0]
-    if args.weights is not None:
-        params = load_weights(Path(args.weights), model, device)
-    else:
-        params = init_weights(model, seed=args.seed, device=device)
     memory = KVMemory.from_rank_plan(rank, device)
     sched = SchedulerConfig(
         page_size=rank.page_size,
         chunk_tokens=group.inputs.resolved_chunk_tokens,
         max_tokens_per_request=memory.config.max_tokens_per_request,
     )
-    engine = Engine(PagedModel(model, params, memory), sched)
-    runner = EngineRunner(engine)
-    tok = load_tokenizer(args.tokenizer, model.weights.vocab_size)
+    runner = EngineRunner(Engine(PagedModel(model, params, memory), sched))
     status = WorkerStatus(
         role="colocated",
         pp_rank=0,
@@ -104,26 +187,46 @@ def build(args: argparse.Namespace) -> tuple[web.Application, EngineRunner]:
         max_context_tokens=min(rank.max_context_tokens, memory.config.max_tokens_per_request),
         status=status,
     )
-    app = build_app(runner, tok, info)
+    try:
+        tok = load_tokenizer(args.tokenizer, model.weights.vocab_size)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise ServeError(f"--tokenizer: {exc}") from exc
+    metrics = Metrics(runner.snapshot)
+    app = build_app(runner, tok, info, metrics)
+    host = args.host or ("0.0.0.0" if config else "127.0.0.1")
+    if config is None:
+        return Built(runner, ((app, host, args.port),))
+    status_app = build_status_app(runner, info, metrics)
+    return Built(runner, ((app, host, config.ports.http), (status_app, host, config.ports.status)))
 
-    async def on_startup(_: web.Application) -> None:
-        runner.start()
 
-    async def on_cleanup(_: web.Application) -> None:
-        runner.stop()
-
-    app.on_startup.append(on_startup)
-    app.on_cleanup.append(on_cleanup)
-    return app, runner
+async def _serve(built: Built) -> None:
+    runners = []
+    built.runner.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        for app, host, port in built.sites:
+            app_runner = web.AppRunner(app, access_log=None)
+            await app_runner.setup()
+            await web.TCPSite(app_runner, host, port).start()
+            runners.append(app_runner)
+            print(f"dsv4 serve: listening on http://{host}:{port}", flush=True)
+        await stop.wait()
+    finally:
+        for app_runner in runners:
+            await app_runner.cleanup()
+        built.runner.stop()
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
-        app, _ = build(args)
+        built = build(args)
     except ServeError as exc:
         print(f"dsv4 serve: error: {exc}", file=sys.stderr)
         return 2
-    print(f"dsv4 serve: {args.model} on http://{args.host}:{args.port}", flush=True)
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    asyncio.run(_serve(built))
     return 0

@@ -42,8 +42,11 @@ class ServeInfo:
 Parser = Callable[..., CompletionRequest]
 
 
-def build_app(runner: EngineRunner, tok: Tokenizer, info: ServeInfo) -> web.Application:
-    metrics = Metrics(runner.snapshot)
+def build_app(
+    runner: EngineRunner, tok: Tokenizer, info: ServeInfo, metrics: Metrics | None = None
+) -> web.Application:
+    """The API with the probes on the same port (the quick form)."""
+    metrics = metrics or Metrics(runner.snapshot)
     app = web.Application(client_max_size=8 * 1024 * 1024)
 
     def error(status: int, message: str, field: str = "", retry: bool = False) -> web.Response:
@@ -91,6 +94,23 @@ def build_app(runner: EngineRunner, tok: Tokenizer, info: ServeInfo) -> web.Appl
             {"object": "list", "data": [{"id": info.model_name, "object": "model"}]}
         )
 
+    app.router.add_post("/v1/completions", completion_handler(parse_completion, chat=False))
+    app.router.add_post("/v1/chat/completions", completion_handler(parse_chat, chat=True))
+    app.router.add_get("/v1/models", models)
+    _add_probes(app, runner, info, metrics)
+    return app
+
+
+def build_status_app(runner: EngineRunner, info: ServeInfo, metrics: Metrics) -> web.Application:
+    """The probes alone, for the status port of a deployed worker."""
+    app = web.Application()
+    _add_probes(app, runner, info, metrics)
+    return app
+
+
+def _add_probes(
+    app: web.Application, runner: EngineRunner, info: ServeInfo, metrics: Metrics
+) -> None:
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="ok")
 
@@ -105,15 +125,11 @@ def build_app(runner: EngineRunner, tok: Tokenizer, info: ServeInfo) -> web.Appl
     async def metrics_page(_: web.Request) -> web.Response:
         return web.Response(body=metrics.render(), content_type="text/plain")
 
-    app.router.add_post("/v1/completions", completion_handler(parse_completion, chat=False))
-    app.router.add_post("/v1/chat/completions", completion_handler(parse_chat, chat=True))
-    app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/live", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/status", status)
     app.router.add_get("/metrics", metrics_page)
-    return app
 
 
 class _Output:

@@ -15,37 +15,21 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from serve_support import free_port, wait_ready
 
 from dsv4_common.api.worker_status import parse_worker_status
 from dsv4_common.core.presets import tiny
 from dsv4_worker.model.oracle import oracle_greedy
 from dsv4_worker.model.weights import init_weights
 
-START_TIMEOUT_S = 120.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 class Server:
     def __init__(self) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         cmd = [sys.executable, "-m", "dsv4_common.cli", "serve", "--model", "tiny"]
         cmd += ["--port", str(self.port), "--gpu-memory-gib", "0.05", "--seed", "3"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert self.proc.poll() is None, self.proc.stdout.read().decode()  # type: ignore[union-attr]
-            try:
-                if self.get("/ready")[0] == 200:
-                    return
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "the server did not become ready"
-            time.sleep(0.1)
+        wait_ready(self.proc, self.port)
 
     def conn(self) -> http.client.HTTPConnection:
         return http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
