@@ -190,7 +190,11 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--model", default="tiny", help="preset or a HuggingFace config.json path")
     p.add_argument("--role", choices=(*ROLES, "router"), default="colocated")
     p.add_argument("--config-dir", default=None, help="the rank config the operator renders")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument(
+        "--host",
+        default=None,
+        help="address to listen on (default: 127.0.0.1; 0.0.0.0 with --config-dir)",
+    )
     p.add_argument("--port", type=_bounded(int, 1, inclusive=True, maximum=65535), default=8000)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--weights", default=None, help="a .safetensors file (default: seeded random)")
