@@ -256,7 +256,8 @@ class PagedModel:
             if pos >= seg.start:
                 rows.append(states[lo + pos - seg.start])
             else:
-                index = self._ring_index(name, torch.tensor([seg.slot]), torch.tensor([pos]))
+                one = torch.tensor([seg.slot, pos], device=self.device)
+                index = self._ring_index(name, one[:1], one[1:])
                 rows.append(ring[index[0]].to(COMPUTE))
         return torch.stack(rows)
 

@@ -39,6 +39,7 @@ def generate(
 ) -> list[list[int]]:
     """Chunked prefill of every prompt in one batch per step, then greedy decode together."""
     mem = pm.memory
+    dev = mem.device
     slots = mem.open(len(prompts)).tolist()
     done = [0] * len(prompts)
     out: list[list[int]] = [[] for _ in prompts]
@@ -48,7 +49,9 @@ def generate(
         for i, p in enumerate(prompts):
             if done[i] < len(p):
                 n = min(chunk, len(p) - done[i])
-                mem.pages.extend(torch.tensor([slots[i]]), torch.tensor([n]))
+                mem.pages.extend(
+                    torch.tensor([slots[i]], device=dev), torch.tensor([n], device=dev)
+                )
                 segs.append(Segment(slots[i], done[i], tuple(p[done[i] : done[i] + n])))
                 idx.append(i)
                 done[i] += n
@@ -60,7 +63,7 @@ def generate(
                 out[i].append(int(logits[j].argmax()))
         mem.pages.evict_window()
     for _ in range(new - 1):
-        mem.pages.decode(torch.tensor(slots))
+        mem.pages.decode(torch.tensor(slots, device=dev))
         segs = [
             Segment(slots[i], len(seqs[i]) + len(out[i]) - 1, (out[i][-1],))
             for i in range(len(prompts))
@@ -69,7 +72,7 @@ def generate(
         for i in range(len(prompts)):
             out[i].append(int(logits[i].argmax()))
         mem.pages.evict_window()
-    mem.free(torch.tensor(slots))
+    mem.free(torch.tensor(slots, device=dev))
     mem.check_integrity()
     assert all(u.used == 0 for u in mem.usage()), mem.usage()
     return out
@@ -125,3 +128,23 @@ def test_moe_model_paged_equals_the_oracle() -> None:
     pm = make(model, 16)
     prompts = [prompt(37, 7), prompt(12, 8)]
     assert generate(pm, prompts, 10, 8) == [oracle_greedy(model, pm.p, p, 8) for p in prompts]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("model", [tiny(), hybrid_tiny()], ids=lambda m: m.name)
+def test_cuda_paged_equals_the_cpu_oracle(model: ModelConfig) -> None:
+    rank = plan(
+        PlanInputs(
+            model=model,
+            role="colocated",
+            gpu_memory_bytes=64 * MIB,
+            page_size=16,
+            max_running_requests=8,
+        )
+    ).ranks[0]
+    params = init_weights(model, seed=21, device="cuda")
+    pm = PagedModel(model, params, KVMemory.from_rank_plan(rank, "cuda"))
+    prompts = [prompt(45, 9), prompt(8, 10)]
+    cpu = init_weights(model, seed=21)
+    assert generate(pm, prompts, 12, 10) == [oracle_greedy(model, cpu, p, 10) for p in prompts]
