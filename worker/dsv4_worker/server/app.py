@@ -80,9 +80,10 @@ def build_app(
             metrics.prompt_tokens.inc(len(req.prompt_ids))
             handle = runner.submit(req.prompt_ids, req.params, asyncio.get_running_loop())
             try:
+                call = _Call(runner, handle, req, tok, info, metrics, chat)
                 if req.stream:
-                    return await _stream(request, runner, handle, req, tok, info, metrics, chat)
-                return await _complete(runner, handle, req, tok, info, metrics, chat)
+                    return await _stream(request, call)
+                return await _complete(call)
             except (asyncio.CancelledError, ConnectionResetError):
                 runner.abort(handle)  # the client went away: free its pages now
                 raise
@@ -221,16 +222,29 @@ async def _events(runner: EngineRunner, handle: Handle, out: _Output, metrics: M
         yield piece, None, None
 
 
-async def _complete(
-    runner: EngineRunner,
-    handle: Handle,
-    req: CompletionRequest,
-    tok: Tokenizer,
-    info: ServeInfo,
-    metrics: Metrics,
-    chat: bool,
-) -> web.Response:
-    out = _Output(tok, req)
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """One accepted completion request and what answering it needs."""
+
+    runner: EngineRunner
+    handle: Handle
+    req: CompletionRequest
+    tok: Tokenizer
+    info: ServeInfo
+    metrics: Metrics
+    chat: bool
+
+
+async def _complete(call: _Call) -> web.Response:
+    runner, handle, req, info, metrics, chat = (
+        call.runner,
+        call.handle,
+        call.req,
+        call.info,
+        call.metrics,
+        call.chat,
+    )
+    out = _Output(call.tok, req)
     reason, err = "length", None
     async for _, finish, error in _events(runner, handle, out, metrics):
         if finish is not None:
@@ -247,16 +261,16 @@ async def _complete(
     return web.json_response(body)
 
 
-async def _stream(
-    request: web.Request,
-    runner: EngineRunner,
-    handle: Handle,
-    req: CompletionRequest,
-    tok: Tokenizer,
-    info: ServeInfo,
-    metrics: Metrics,
-    chat: bool,
-) -> web.StreamResponse:
+async def _stream(request: web.Request, call: _Call) -> web.StreamResponse:
+    runner, handle, req, tok, info, metrics, chat = (
+        call.runner,
+        call.handle,
+        call.req,
+        call.tok,
+        call.info,
+        call.metrics,
+        call.chat,
+    )
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
