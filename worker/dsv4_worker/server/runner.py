@@ -133,7 +133,13 @@ class EngineRunner:
             if isinstance(item, int):
                 self._abort(item)
                 continue
-            req = self.engine.submit(item.prompt, item.params)
+            try:
+                req = self.engine.submit(item.prompt, item.params)
+            except ValueError as exc:  # refused before it ran: tell the client, keep serving
+                item.loop.call_soon_threadsafe(
+                    item.handle.events.put_nowait, Done("error", str(exc))
+                )
+                continue
             self._listeners[req.rid] = (item.handle, item.loop, 0)
             self._engine_rids[item.handle.rid] = req.rid
 
