@@ -60,6 +60,7 @@ class Engine:
         self._rids = itertools.count()
         self.new_token_ratio = RATIO_MAX
         self.steps = 0
+        self.waits: dict[str, int] = {}  # why the head of the queue waited -> steps
         totals = {u.pool: u.total for u in self.mem.usage()}
         self.total = Capacity(totals["full"], totals["swa"], totals["req_slots"])
 
@@ -97,6 +98,9 @@ class Engine:
             self.new_token_ratio,
         )
         self._apply_admin(plan, finished)
+        if plan.waiting is not None:
+            why = plan.waiting[1]
+            self.waits[why] = self.waits.get(why, 0) + 1
         segments, sample_at = self._grow(plan)
         if segments:
             logits = self.paged.forward(segments)

@@ -66,6 +66,7 @@ class StepPlan:
     admits: tuple[int, ...] = ()  # waiting requests that get a slot (their first chunk below)
     chunks: tuple[tuple[int, int], ...] = ()  # (rid, tokens) of prefill this step
     rejects: tuple[tuple[int, str], ...] = ()
+    waiting: tuple[int, str] | None = None  # the head of the queue that must wait, and why
 
     @property
     def idle(self) -> bool:
@@ -147,6 +148,7 @@ def plan_step(
     chunks: list[tuple[int, int]] = []
     resumes: list[int] = []
     admits: list[int] = []
+    waiting: tuple[int, str] | None = None
     retracted = set(retracts)
     queue = sorted(
         (v for v in views if v.phase is not Phase.DECODE and v.rid not in retracted),
@@ -163,6 +165,7 @@ def plan_step(
                 rejects.append((v.rid, f"cannot resume: {verdict.reason}"))
                 continue
             if verdict.fit is Fit.LATER:
+                waiting = (v.rid, verdict.reason)
                 break
             resumes.append(v.rid)
             p.free = p.free.minus(v.resume + Need(request_slots=1))
@@ -175,6 +178,7 @@ def plan_step(
             rejects.append((v.rid, verdict.reason))
             continue
         if verdict.fit is Fit.LATER:
+            waiting = (v.rid, verdict.reason)
             break
         need = extend_need(v.num_tokens, tokens, config.page_size)
         if v.phase is Phase.WAITING:
@@ -191,6 +195,7 @@ def plan_step(
         admits=tuple(admits),
         chunks=tuple(chunks),
         rejects=tuple(rejects),
+        waiting=waiting,
     )
 
 

@@ -104,6 +104,9 @@ def test_swa_pressure_defers_chunks_and_still_matches() -> None:
     # 4 SWA pages: one request's window plus a chunk at a time.
     eng = engine(model, full_pages=40, swa_pages=4, slots=3, chunk=32)
     assert run(eng, prompts, new) == expected(model, prompts, new)
+    # Chunks really waited for SWA pages (and only for those).
+    swa_waits = {why: n for why, n in eng.waits.items() if "SWA pages" in why}
+    assert swa_waits and sum(swa_waits.values()) >= 1, eng.waits
 
 
 def test_a_request_that_can_never_fit_is_rejected_at_once() -> None:
