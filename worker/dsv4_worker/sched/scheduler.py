@@ -130,6 +130,9 @@ def plan_step(
         retracts.append(victim.rid)
         p.free = p.free.minus(Need(-victim.held.full_pages, -victim.held.swa_pages, -1))
     decodes = tuple(v.rid for v in running)
+    queue = [v for v in views if v.phase is not Phase.DECODE]
+    if not queue:  # nobody to admit: headroom and prefill would change nothing
+        return StepPlan(decodes=decodes, retracts=tuple(retracts))
 
     # 2. Headroom: future decode tokens of the survivors, the rest of each admitted prompt.
     for v in running:
@@ -151,7 +154,7 @@ def plan_step(
     waiting: tuple[int, str] | None = None
     retracted = set(retracts)
     queue = sorted(
-        (v for v in views if v.phase is not Phase.DECODE and v.rid not in retracted),
+        (v for v in queue if v.rid not in retracted),
         key=lambda v: (_queue_rank(v.phase), v.rid),
     )
     for v in queue:
