@@ -126,18 +126,30 @@ def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         default=None,
         help="SWA tokens per full token; default: sized from what the role needs",
     )
+    _add_sizing_args(p)
+    p.add_argument(
+        "--speculative-draft-tokens",
+        type=_non_negative_int,
+        default=0,
+        help="MTP draft tokens per step (0 = no speculative decoding)",
+    )
+    p.add_argument(
+        "--layer-split",
+        type=_layer_split,
+        default=None,
+        help="target layers per PP rank, e.g. 16,15,15,15 (default: even)",
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _add_sizing_args(p: argparse.ArgumentParser) -> None:
+    """The planner inputs `plan` and `serve` both take."""
     p.add_argument("--max-running-requests", type=_positive_int, default=None)
     p.add_argument(
         "--chunked-prefill-size",
         type=_positive_int,
         default=None,
         help="prefill chunk in tokens (default: 32 pages)",
-    )
-    p.add_argument(
-        "--speculative-draft-tokens",
-        type=_non_negative_int,
-        default=0,
-        help="MTP draft tokens per step (0 = no speculative decoding)",
     )
     p.add_argument(
         "--page-size",
@@ -152,19 +164,12 @@ def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="cap on context length (default: the model's max_position_embeddings)",
     )
     p.add_argument(
-        "--layer-split",
-        type=_layer_split,
-        default=None,
-        help="target layers per PP rank, e.g. 16,15,15,15 (default: even)",
-    )
-    p.add_argument(
         "--request-state",
         choices=REQUEST_STATES,
         default="ring",
         help="DSV4 HCA compressor state per request: a ring of the block's tokens (ring) or "
         "3 exact streaming rows (online)",
     )
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
 def _add_render_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -206,11 +211,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=None,
         help="memory to plan with (default: the device's; 1 GiB on CPU)",
     )
-    p.add_argument("--page-size", type=_positive_int, default=None)
-    p.add_argument("--chunked-prefill-size", type=_positive_int, default=None)
-    p.add_argument("--max-running-requests", type=_positive_int, default=None)
-    p.add_argument("--context-len", type=_positive_int, default=None)
-    p.add_argument("--request-state", choices=REQUEST_STATES, default="ring")
+    _add_sizing_args(p)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,15 +10,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from mem_helpers import small_memory
 
-from dsv4_common.core.layout import build_layout
 from dsv4_common.core.model import ModelConfig
 from dsv4_common.core.presets import hybrid_tiny, tiny
 from dsv4_worker.engine.loop import Engine
 from dsv4_worker.engine.paged import PagedModel
 from dsv4_worker.engine.sampler import SamplingParams
-from dsv4_worker.mem.alloc_config import AllocatorConfig
-from dsv4_worker.mem.memory import KVMemory
 from dsv4_worker.model.oracle import oracle_greedy
 from dsv4_worker.model.weights import init_weights
 from dsv4_worker.sched.scheduler import SchedulerConfig
@@ -35,17 +33,18 @@ def engine(
     chunk: int = 24,
     page: int = 16,
 ) -> Engine:
-    config = AllocatorConfig(
+    memory = small_memory(
+        model.name,
         page_size=page,
-        num_full_pages=full_pages,
-        num_swa_pages=swa_pages,
-        num_request_slots=slots,
-        max_pages_per_request=full_pages,
-        window_tokens=model.window_tokens,
+        full_pages=full_pages,
+        swa_pages=swa_pages,
+        slots=slots,
+        max_pages=full_pages,
     )
-    memory = KVMemory(build_layout(model, page), config)
     sched = SchedulerConfig(
-        page_size=page, chunk_tokens=chunk, max_tokens_per_request=config.max_tokens_per_request
+        page_size=page,
+        chunk_tokens=chunk,
+        max_tokens_per_request=memory.config.max_tokens_per_request,
     )
     return Engine(PagedModel(model, WEIGHTS[model.name], memory), sched)
 

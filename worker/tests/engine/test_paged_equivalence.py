@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from model_helpers import tiny_moe
 
 from dsv4_common.core.model import ModelConfig
 from dsv4_common.core.presets import hybrid_tiny, tiny
@@ -114,17 +115,7 @@ def test_online_c16_state_paged_equals_the_oracle() -> None:
 
 
 def test_moe_model_paged_equals_the_oracle() -> None:
-    import dataclasses
-
-    weights = dataclasses.replace(
-        tiny().weights,
-        num_dense_layers=2,
-        num_routed_experts=4,
-        num_shared_experts=1,
-        moe_intermediate_size=32,
-        num_experts_per_token=2,
-    )
-    model = dataclasses.replace(tiny(), weights=weights)
+    model = tiny_moe()
     pm = make(model, 16)
     prompts = [prompt(37, 7), prompt(12, 8)]
     assert generate(pm, prompts, 10, 8) == [oracle_greedy(model, pm.p, p, 8) for p in prompts]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_helpers import tiny_moe
 
 from dsv4_common.core.model import ModelConfig
 from dsv4_common.core.presets import hybrid_tiny, tiny
@@ -136,21 +137,6 @@ def test_cuda_oracle_equals_cpu(model: ModelConfig) -> None:
         oracle_logits(model, gpu, IDS).cpu(), oracle_logits(model, cpu, IDS), atol=1e-3
     )
     assert oracle_greedy(model, gpu, IDS[:30], 10) == oracle_greedy(model, cpu, IDS[:30], 10)
-
-
-def tiny_moe(experts_per_token: int = 2) -> ModelConfig:
-    """tiny with two dense layers, then MoE: 4 routed experts (top-2) + 1 shared."""
-    import dataclasses
-
-    weights = dataclasses.replace(
-        tiny().weights,
-        num_dense_layers=2,
-        num_routed_experts=4,
-        num_shared_experts=1,
-        moe_intermediate_size=32,
-        num_experts_per_token=experts_per_token,
-    )
-    return dataclasses.replace(tiny(), weights=weights)
 
 
 def test_moe_layers_route_each_token_to_k_experts() -> None:

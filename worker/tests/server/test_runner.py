@@ -6,13 +6,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-from dsv4_common.core.layout import build_layout
+from mem_helpers import small_memory
+
 from dsv4_common.core.presets import tiny
 from dsv4_worker.engine.loop import Engine
 from dsv4_worker.engine.paged import PagedModel
 from dsv4_worker.engine.sampler import SamplingParams
-from dsv4_worker.mem.alloc_config import AllocatorConfig
-from dsv4_worker.mem.memory import KVMemory
 from dsv4_worker.model.weights import init_weights
 from dsv4_worker.sched.scheduler import SchedulerConfig
 from dsv4_worker.server.runner import Done, EngineRunner, Token
@@ -20,15 +19,7 @@ from dsv4_worker.server.runner import Done, EngineRunner, Token
 
 def runner() -> EngineRunner:
     model = tiny()
-    config = AllocatorConfig(
-        page_size=16,
-        num_full_pages=64,
-        num_swa_pages=32,
-        num_request_slots=4,
-        max_pages_per_request=64,
-        window_tokens=model.window_tokens,
-    )
-    memory = KVMemory(build_layout(model, 16), config)
+    memory = small_memory("tiny", full_pages=64, swa_pages=32, slots=4, max_pages=64)
     sched = SchedulerConfig(page_size=16, chunk_tokens=64, max_tokens_per_request=1024)
     return EngineRunner(Engine(PagedModel(model, init_weights(model, seed=1), memory), sched))
 
