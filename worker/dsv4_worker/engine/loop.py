@@ -20,6 +20,7 @@ import torch
 from dsv4_common.core.index_space import pages_for_tokens
 from dsv4_worker.engine.paged import PagedModel, Segment
 from dsv4_worker.engine.sampler import SamplingParams, make_generator, sample
+from dsv4_worker.mem.errors import KVMemoryError
 from dsv4_worker.mem.offload import OffloadedRequest, offload_request, reload_request
 from dsv4_worker.sched.budget import NOTHING, Capacity, Need
 from dsv4_worker.sched.scheduler import Phase, ReqView, SchedulerConfig, StepPlan, plan_step
@@ -162,9 +163,12 @@ class Engine:
         decoders = [self.requests[rid] for rid in plan.decodes]
         if decoders:
             slots = torch.tensor([r.slot for r in decoders], dtype=torch.int64, device=dev)
-            verdict = self.mem.pages.can_decode(slots)
-            assert verdict, f"the scheduler planned a decode the allocator refuses: {verdict}"
-            self.mem.pages.decode(slots)
+            try:  # the command checks before it writes: no separate can_decode pass
+                self.mem.pages.decode(slots)
+            except KVMemoryError as exc:
+                raise AssertionError(
+                    f"the scheduler planned a decode the allocator refuses: {exc}"
+                ) from exc
             for req in decoders:
                 assert req.slot is not None
                 sample_at.append((len(segments), req))
@@ -175,9 +179,12 @@ class Engine:
             assert req.slot is not None
             slot = torch.tensor([req.slot], dtype=torch.int64, device=dev)
             count = torch.tensor([tokens], dtype=torch.int64, device=dev)
-            verdict = self.mem.pages.can_extend(slot, count)
-            assert verdict, f"the scheduler planned a chunk the allocator refuses: {verdict}"
-            self.mem.pages.extend(slot, count)
+            try:
+                self.mem.pages.extend(slot, count)
+            except KVMemoryError as exc:
+                raise AssertionError(
+                    f"the scheduler planned a chunk the allocator refuses: {exc}"
+                ) from exc
             start = req.num_tokens
             segments.append(Segment(req.slot, start, req.prompt[start : start + tokens]))
             req.num_tokens += tokens
