@@ -61,6 +61,7 @@ _positive_int = _bounded(int, 1, inclusive=True, maximum=MAX_COUNT)
 _non_negative_int = _bounded(int, 0, inclusive=True, maximum=MAX_COUNT)
 _gpu_memory_gib = _bounded(float, 0, inclusive=False, maximum=MAX_GPU_MEMORY_GIB)
 _fraction = _bounded(float, 0, inclusive=False, maximum=1)
+_positive_float = _bounded(float, 0, inclusive=False, maximum=MAX_COUNT)
 
 # PlanInputs fields -> the flag that sets them (errors name the flag).
 PLAN_FLAGS: dict[str, str] = {
@@ -189,8 +190,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "serve",
         help="run a worker: the OpenAI-compatible API over the paged engine",
         description="Serve a model. Quick form: dsv4 serve --model tiny (colocated, one "
-        "process). Deployed form: dsv4 serve --role R --config-dir DIR (PD roles arrive with "
-        "PD disaggregation).",
+        "process; --role prefill|decode|router for a hand-made PD deployment). Deployed form: "
+        "dsv4 serve --role R --config-dir DIR (the rank or router config the operator or "
+        "dsv4 up renders).",
     )
     p.add_argument("--model", default="tiny", help="preset or a HuggingFace config.json path")
     p.add_argument("--role", choices=(*ROLES, "router"), default="colocated")
@@ -212,6 +214,32 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="memory to plan with (default: the device's; 1 GiB on CPU)",
     )
     _add_sizing_args(p)
+    pd = p.add_argument_group("PD disaggregation (quick form)")
+    pd.add_argument(
+        "--transfer",
+        choices=("nixl", "zmq"),
+        default="nixl",
+        help="KV transfer backend of prefill and decode (default: nixl)",
+    )
+    pd.add_argument(
+        "--kv-port",
+        type=_bounded(int, 0, inclusive=True, maximum=65535),
+        default=0,
+        help="prefill: port of the KV control socket decode workers connect to (0: any free)",
+    )
+    pd.add_argument(
+        "--prefill",
+        default=None,
+        metavar="HOST:PORT",
+        help="decode: the prefill KV control address used when a request names none",
+    )
+    pd.add_argument(
+        "--instance",
+        action="append",
+        default=[],
+        metavar="ROLE=HOST:HTTP:STATUS:KV",
+        help="router: a prefill or decode instance (repeat for each)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -220,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_parser(sub)
     _add_render_parser(sub)
     _add_serve_parser(sub)
+    _add_up_parser(sub)
     return parser
 
 
@@ -298,6 +327,12 @@ EXIT_BROKEN_PIPE = 128 + 13
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    if args.role == "router":  # the router never imports torch
+        try:
+            from dsv4_router.serve import run as run_router
+        except ImportError as exc:
+            raise _Usage(f"needs the router package ({exc}): pip install dsv4-serve") from exc
+        return run_router(args)
     try:
         from dsv4_worker.serve import run
     except ImportError as exc:
@@ -305,7 +340,51 @@ def _run_serve(args: argparse.Namespace) -> int:
     return run(args)
 
 
-COMMANDS = {"plan": _run_plan, "render": _run_render, "serve": _run_serve}
+def _add_up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "up",
+        help="run a DSV4Deployment as local processes (router, prefill, decode) on 127.0.0.1",
+        description="Plan a DSV4Deployment with the shared planner, render the same rank "
+        "configs the operator would, start one process per replica and PP rank on "
+        "127.0.0.1, wait until every one is ready, print the router URL, and stop them all "
+        "on Ctrl-C / SIGTERM.",
+    )
+    p.add_argument("file", help="YAML file holding one DSV4Deployment")
+    p.add_argument(
+        "--port",
+        type=_bounded(int, 0, inclusive=True, maximum=65535),
+        default=None,
+        help="router port (default: the CR's spec.router.port)",
+    )
+    p.add_argument(
+        "--timeout-s",
+        type=_positive_float,
+        default=300.0,
+        help="how long to wait for every process to be ready",
+    )
+    p.add_argument(
+        "--workdir",
+        default=None,
+        help="where configs and logs go (default: a fresh temporary directory)",
+    )
+    p.add_argument(
+        "--request",
+        default=None,
+        metavar="PROMPT",
+        help="once ready, send one completion with this prompt, print it and stop",
+    )
+    p.add_argument("--max-tokens", type=_positive_int, default=16, help="with --request")
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    try:
+        from dsv4_local.up import run as run_up
+    except ImportError as exc:
+        raise _Usage(f"needs the local launcher package ({exc}): pip install dsv4-serve") from exc
+    return run_up(args)
+
+
+COMMANDS = {"plan": _run_plan, "render": _run_render, "serve": _run_serve, "up": _run_up}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,11 +1,14 @@
 """`dsv4 serve`: build the engine for one role and serve its HTTP API.
 
-Quick form (colocated, everything on one port): `dsv4 serve --model tiny [--port P]`.
+Quick form (everything on one port): `dsv4 serve --model tiny [--port P]` (colocated), or
+`--role prefill [--kv-port K]` / `--role decode [--prefill HOST:K]` for a hand-made PD pair.
 Deployed form: `dsv4 serve --role R --config-dir DIR` reads `{R}-rank-{DSV4_PP_RANK}.json`
 (the rank config), serves the API on its `ports.http` and `/live`, `/ready`, `/status`,
 `/metrics` on `ports.status`, and sizes the pools with the planner from the weights it
 actually loaded (planned vs realized capacity is what `/status` lets the operator compare).
-The prefill, decode and router roles arrive with PD disaggregation; until then they exit 2.
+A prefill worker also binds its KV control socket (`ports.kv`); a decode worker connects to
+prefill instances there (the router names one per request). The router role is
+`dsv4_router` (no torch); the CLI dispatches it before this module is imported.
 """
 
 from __future__ import annotations
@@ -17,15 +20,18 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import zmq
 from aiohttp import web
 
 from dsv4_common.api.documents import DocumentError
+from dsv4_common.api.manifest import manifest_hash, manifest_of
 from dsv4_common.api.rank_config import RankConfig, parse_rank_config
 from dsv4_common.api.worker_status import WorkerStatus
 from dsv4_common.core.model import DSV4Config, ModelConfig, ModelConfigError
@@ -37,8 +43,11 @@ from dsv4_worker.engine.loop import Engine
 from dsv4_worker.engine.paged import PagedModel
 from dsv4_worker.mem.memory import KVMemory
 from dsv4_worker.model.weights import WeightsError, init_weights, load_weights
+from dsv4_worker.pd.decode import DecodeAgent
+from dsv4_worker.pd.prefill import PrefillAgent
+from dsv4_worker.pd.transfer import Region, TransferError, make_initiator, make_target
 from dsv4_worker.sched.scheduler import SchedulerConfig
-from dsv4_worker.server.app import ServeInfo, build_app, build_status_app
+from dsv4_worker.server.app import KVState, ServeInfo, build_app, build_status_app
 from dsv4_worker.server.metrics import Metrics
 from dsv4_worker.server.runner import EngineRunner
 from dsv4_worker.server.tokenizer import load_tokenizer
@@ -46,8 +55,8 @@ from dsv4_worker.server.tokenizer import load_tokenizer
 log = logging.getLogger(__name__)
 
 CPU_MEMORY_GIB = 1.0  # what a CPU worker plans with when no device size is given
-PD_ROLES = ("prefill", "decode", "router")
 WEIGHTS_FILE = "model.safetensors"
+TRANSFER_TIMEOUT_S = 60.0  # a PD request whose prefill has not delivered by then fails
 
 
 class ServeError(Exception):
@@ -58,6 +67,7 @@ class ServeError(Exception):
 class Built:
     runner: EngineRunner
     sites: tuple[tuple[web.Application, str, int], ...]  # (app, host, port)
+    agent: PrefillAgent | DecodeAgent | None = None
 
 
 def realized_plan(
@@ -110,7 +120,7 @@ def _quick_inputs(args: argparse.Namespace, model: ModelConfig, device: torch.de
         memory = int(args.gpu_memory_gib * GIB)
     return PlanInputs(
         model=model,
-        role="colocated",
+        role=args.role,
         gpu_memory_bytes=memory or int(CPU_MEMORY_GIB * GIB),
         page_size=args.page_size,
         chunked_prefill_tokens=args.chunked_prefill_size,
@@ -136,12 +146,25 @@ def read_rank_config(config_dir: Path, role: str, pp_rank: int) -> RankConfig:
     return config
 
 
+def _transfer_backend(args: argparse.Namespace, config: RankConfig | None) -> str:
+    backend = config.kv.transfer if config else args.transfer
+    if backend not in ("nixl", "zmq"):
+        where = "rank config kv.transfer" if config else "--transfer"
+        raise ServeError(f"{where}: {backend} is not available in this worker; use nixl or zmq")
+    return str(backend)
+
+
+def _advertise_host(host: str) -> str:
+    """The address peers reach this worker at (the pod IP in Kubernetes)."""
+    env = os.environ.get("DSV4_ADVERTISE_HOST") or os.environ.get("POD_IP")
+    if env:
+        return env
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    return socket.gethostbyname(socket.gethostname())
+
+
 def build(args: argparse.Namespace) -> Built:
-    if args.role in PD_ROLES:
-        raise ServeError(
-            f"--role {args.role}: arrives with PD disaggregation; run --role colocated (the "
-            "quick form: dsv4 serve --model tiny) until then"
-        )
     device = _device(args.device)
     config: RankConfig | None = None
     if args.config_dir is not None:
@@ -149,6 +172,8 @@ def build(args: argparse.Namespace) -> Built:
         config = read_rank_config(Path(args.config_dir), args.role, pp_rank)
         if config.pp_size != 1:
             raise ServeError(f"rank config: pp_size {config.pp_size}: PP stages arrive later")
+    role = args.role
+    backend = _transfer_backend(args, config) if role != "colocated" else None
     source = config.model.source if config else args.model
     try:
         model = load_model_config(source)
@@ -171,38 +196,102 @@ def build(args: argparse.Namespace) -> Built:
         page_size=rank.page_size,
         chunk_tokens=group.inputs.resolved_chunk_tokens,
         max_tokens_per_request=memory.config.max_tokens_per_request,
+        retained_tokens=memory.config.retained_tokens,
     )
-    runner = EngineRunner(Engine(PagedModel(model, params, memory), sched))
+    engine = Engine(PagedModel(model, params, memory), sched)
+    host = args.host or ("0.0.0.0" if config else "127.0.0.1")
+    agent, kv_state, runner = _pd_agent(args, config, engine, memory, backend, host)
     status = WorkerStatus(
-        role="colocated",
+        role=role,
         pp_rank=0,
         full_tokens=rank.full_tokens,
         swa_tokens=rank.swa_tokens,
         max_running_requests=rank.max_running_requests,
         max_context_tokens=rank.max_context_tokens,
+        kv_backend=backend,  # type: ignore[arg-type]
     )
     info = ServeInfo(
         model_name=model.name,
         vocab_size=model.weights.vocab_size,
         max_context_tokens=min(rank.max_context_tokens, memory.config.max_tokens_per_request),
         status=status,
+        page_size=rank.page_size,
+        kv_state=kv_state,
     )
     try:
         tok = load_tokenizer(args.tokenizer, model.weights.vocab_size)
     except (OSError, ValueError, RuntimeError) as exc:
         raise ServeError(f"--tokenizer: {exc}") from exc
     metrics = Metrics(runner.snapshot)
-    app = build_app(runner, tok, info, metrics)
-    host = args.host or ("0.0.0.0" if config else "127.0.0.1")
+    # A prefill worker takes requests from decode workers only: its HTTP side is the probes.
+    app = build_status_app(runner, info, metrics) if role == "prefill" else None
+    app = app or build_app(runner, tok, info, metrics)
     if config is None:
-        return Built(runner, ((app, host, args.port),))
+        return Built(runner, ((app, host, args.port),), agent)
     status_app = build_status_app(runner, info, metrics)
-    return Built(runner, ((app, host, config.ports.http), (status_app, host, config.ports.status)))
+    return Built(
+        runner, ((app, host, config.ports.http), (status_app, host, config.ports.status)), agent
+    )
+
+
+def _pd_agent(
+    args: argparse.Namespace,
+    config: RankConfig | None,
+    engine: Engine,
+    memory: KVMemory,
+    backend: str | None,
+    host: str,
+) -> tuple[PrefillAgent | DecodeAgent | None, Callable[[], KVState] | None, EngineRunner]:
+    """The role's PD agent (none when colocated), its live /status view, and the runner."""
+    if backend is None:
+        return None, None, EngineRunner(engine)
+    assert memory.pool is not None
+    pool = memory.pool
+    manifest = manifest_of(memory.layout, {str(k): v for k, v in pool.units.items()})
+    digest = manifest_hash(manifest)
+    regions = [Region(c.name, pool.buffer(c.name)) for c in memory.layout.components]
+    advertise = _advertise_host(host)
+    try:
+        if args.role == "prefill":
+            initiator = make_initiator(backend, name=f"prefill-{os.getpid()}")
+            initiator.register(regions)
+            kv_port = config.ports.kv if config else args.kv_port
+            runner = EngineRunner(engine)
+            prefill = PrefillAgent(
+                engine, runner.call, initiator, manifest, f"tcp://{host}:{kv_port}"
+            )
+            runner.after_step = prefill.after_step
+            endpoint = f"{advertise}:{prefill.port}"
+            print(f"dsv4 serve: KV control on {endpoint} ({backend})", flush=True)
+            return (
+                prefill,
+                lambda: KVState(prefill.ready, digest, endpoint),
+                runner,
+            )
+        target = make_target(backend, host=advertise)
+        target.register(regions)
+    except (TransferError, zmq.ZMQError) as exc:
+        raise ServeError(f"kv transfer ({backend}): {exc}") from exc
+    runner = EngineRunner(engine)
+    default = args.prefill
+    if default is None and config is not None:
+        default = f"{config.role_services['prefill']}:{config.ports.kv}"
+    decode = DecodeAgent(
+        engine,
+        runner.call,
+        target,
+        manifest,
+        default_prefill=default,
+        transfer_timeout_s=TRANSFER_TIMEOUT_S,
+    )
+    return decode, lambda: KVState(decode.kv_status()[0], digest, None), runner
 
 
 async def _serve(built: Built) -> None:
     runners = []
     built.runner.start()
+    if built.agent is not None:
+        built.agent.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -219,6 +308,8 @@ async def _serve(built: Built) -> None:
         for app_runner in runners:
             await app_runner.cleanup()
         built.runner.stop()
+        if built.agent is not None:
+            built.agent.stop()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -145,10 +145,24 @@ class RankConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class Instance:
+    """One serving rank the router may pick, by address (`dsv4 up`: loopback ports)."""
+
+    host: str
+    http_port: int
+    status_port: int
+    kv_port: int
+
+
+@dataclass(frozen=True, slots=True)
 class RoleEndpoint:
     service: str  # host whose endpoints are the ready serving ranks of the role
     port: int
     bootstrap_port: int
+    # Fixed instances; empty: every address `service` resolves to is one (a headless Service
+    # lists the ready serving ranks), at `port`, the router config's `status_port`, and
+    # `bootstrap_port`.
+    instances: tuple[Instance, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,14 @@ used by the operator and the router). Wire form, snake_case JSON:
     {"version": 1, "role": "prefill", "pp_rank": 0,
      "capacity": {"full_tokens": int, "swa_tokens": int, "max_running_requests": int,
                   "max_context_tokens": int},
-     "kv_transfer": {"backend": "nixl" | null, "ready": bool, "layout_hash": str | null}}
+     "kv_transfer": {"backend": "nixl" | null, "ready": bool, "layout_hash": str | null,
+                     "endpoint": "host:port" | null},
+     "load": {"free_full_tokens": int, "free_swa_tokens": int, "free_request_slots": int,
+              "running": int, "waiting": int, "accepting": bool}}
+
+`capacity` is what the pools realize (fixed at start); `load` is what is free now (the router
+picks instances by it). `kv_transfer.endpoint` is a prefill's KV control address (decode
+workers connect there); `ready` turns true once a manifest handshake with a peer succeeded.
 
 A document of another version, or one missing or mistyping a field, is refused with an error
 naming the field. Pure.
@@ -40,6 +47,19 @@ class KVTransferState:
     backend: Transfer | None = None  # None: no transfer engine (colocated, or not started)
     ready: bool = False  # the handshake with the peer role succeeded
     layout_hash: str | None = None  # hash of the KV transfer manifest both sides must share
+    endpoint: str | None = None  # "host:port" of a prefill's KV control socket
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """What is free now; the defaults describe an idle worker that reports nothing."""
+
+    free_full_tokens: int = 0
+    free_swa_tokens: int = 0
+    free_request_slots: int = 0
+    running: int = 0
+    waiting: int = 0
+    accepting: bool = False  # its queue has room for another request
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +71,7 @@ class WorkerStatusDoc:
     pp_rank: int
     capacity: Capacity
     kv_transfer: KVTransferState = KVTransferState()
+    load: Load = Load()
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +87,8 @@ class WorkerStatus:
     kv_backend: Transfer | None = None
     kv_ready: bool = False
     kv_layout_hash: str | None = None
+    kv_endpoint: str | None = None
+    load: Load = Load()
 
 
 def build_worker_status(status: WorkerStatus) -> dict[str, Any]:
@@ -81,8 +104,12 @@ def build_worker_status(status: WorkerStatus) -> dict[str, Any]:
             max_context_tokens=status.max_context_tokens,
         ),
         kv_transfer=KVTransferState(
-            backend=status.kv_backend, ready=status.kv_ready, layout_hash=status.kv_layout_hash
+            backend=status.kv_backend,
+            ready=status.kv_ready,
+            layout_hash=status.kv_layout_hash,
+            endpoint=status.kv_endpoint,
         ),
+        load=status.load,
     )
     result: dict[str, Any] = to_document(doc)
     return result
@@ -96,8 +123,16 @@ def parse_worker_status(doc: object) -> WorkerStatus:
             f"got {doc.get('version')!r}"
         )
     parsed = from_document(WorkerStatusDoc, doc, "status")
-    for name in ("pp_rank", *(f"capacity.{k}" for k in Capacity.__dataclass_fields__)):
-        value = parsed.pp_rank if name == "pp_rank" else getattr(parsed.capacity, name[9:])
+    counts = {
+        "pp_rank": parsed.pp_rank,
+        **{f"capacity.{k}": getattr(parsed.capacity, k) for k in Capacity.__dataclass_fields__},
+        **{
+            f"load.{k}": getattr(parsed.load, k)
+            for k in Load.__dataclass_fields__
+            if k != "accepting"
+        },
+    }
+    for name, value in counts.items():
         if value < 0:
             raise DocumentError(f"status.{name}: must be >= 0, got {value}")
     c, kv = parsed.capacity, parsed.kv_transfer
@@ -111,4 +146,6 @@ def parse_worker_status(doc: object) -> WorkerStatus:
         kv_backend=kv.backend,
         kv_ready=kv.ready,
         kv_layout_hash=kv.layout_hash,
+        kv_endpoint=kv.endpoint,
+        load=parsed.load,
     )

@@ -75,3 +75,16 @@ def pages_for_tokens(num_tokens: int, page_size: int) -> int:
 
 def floor_to_page(num_tokens: int, page_size: int) -> int:
     return num_tokens // page_size * page_size
+
+
+def window_floor(num_tokens: int, page_size: int, retained_tokens: int) -> int:
+    """Page-aligned token count below which a request needs no SWA row any more (scalar form
+    of `KVAllocator.window_floor`): tokens in [n - retained, n) keep their SWA rows."""
+    return floor_to_page(max(0, num_tokens - retained_tokens), page_size)
+
+
+def tail_pages(num_tokens: int, page_size: int, retained_tokens: int) -> int:
+    """SWA pages of the page-floored window tail [window_floor(n), n): what PD decode
+    preallocates for a prompt of n tokens (never the whole prompt)."""
+    start = window_floor(num_tokens, page_size, retained_tokens) // page_size
+    return pages_for_tokens(num_tokens, page_size) - start

@@ -5,13 +5,22 @@ runs the paged forward, samples, finishes requests and frees their pages.
              rejects / retracts (CPU offload) / resumes (reload) / admits (open a slot)
              decode and extend the page tables, run one batch, sample, finish, evict the window
 
-NOTE: every pool is back to zero used units once every request has finished; `check_integrity`
-runs whenever the engine goes idle.
+PD disaggregation uses the same loop. A prefill worker submits with `keep_pages=True`: a
+finished request keeps its pages (in `held`) until the transfer is done and `release` frees
+them. A decode worker sets `on_prealloc`: requests start in PREALLOC, the scheduler
+preallocates them (full pages for the prompt, SWA for the window tail), the hook tells the
+prefill side where to write, and `complete_transfer` turns them into decoders with the first
+token. A request aborted while its KV may still be landing keeps its pages until the prefill
+side confirms (`on_cancel`, then `release`/`fail_transfer`).
+
+NOTE: every pool is back to zero used units once every request has finished and every held
+request was released; `check_integrity` runs whenever the engine goes idle.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -46,18 +55,35 @@ class Request:
     error: str | None = None
     generator: torch.Generator | None = None
     retractions: int = 0
+    keep_pages: bool = False  # PD prefill: keep the pages after finishing, until release()
+    prefill: str | None = None  # PD decode: the prefill instance that computes the prompt
+    retryable: bool = False  # failed before its first token for a reason another pair may not hit
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
+Hook = Callable[["Request"], None]
+
+
 class Engine:
-    def __init__(self, paged: PagedModel, config: SchedulerConfig) -> None:
+    def __init__(
+        self,
+        paged: PagedModel,
+        config: SchedulerConfig,
+        *,
+        on_prealloc: Hook | None = None,
+        on_cancel: Hook | None = None,
+    ) -> None:
         self.paged = paged
         self.mem = paged.memory
         self.config = config
+        self.on_prealloc = on_prealloc  # set: a PD decode engine
+        self.on_cancel = on_cancel
         self.requests: dict[int, Request] = {}  # unfinished, by rid
+        self.held: dict[int, Request] = {}  # finished but holding pages until release()
+        self._finished_between: list[Request] = []  # finished outside step()
         self._rids = itertools.count()
         self.new_token_ratio = RATIO_MAX
         self.steps = 0
@@ -67,23 +93,83 @@ class Engine:
 
     # -- requests --------------------------------------------------------------------------------
 
-    def submit(self, prompt: tuple[int, ...] | list[int], params: SamplingParams) -> Request:
+    def submit(
+        self,
+        prompt: tuple[int, ...] | list[int],
+        params: SamplingParams,
+        *,
+        keep_pages: bool = False,
+        prefill: str | None = None,
+    ) -> Request:
         if not prompt:
             raise ValueError("prompt: must hold at least one token")
-        req = Request(next(self._rids), tuple(prompt), params)
+        req = Request(next(self._rids), tuple(prompt), params, keep_pages=keep_pages)
+        if self.on_prealloc is not None:
+            req.phase, req.prefill = Phase.PREALLOC, prefill
         req.generator = make_generator(params, self.mem.device)
         self.requests[req.rid] = req
         return req
 
     def abort(self, rid: int) -> None:
-        """End a request at once (a client went away): its pages are freed now."""
+        """End a request at once (a client went away): its pages are freed now, except while
+        its KV may still be landing (PD decode): then they are held until `release`."""
         req = self.requests.get(rid)
-        if req is not None:
-            self._finish(req, "abort")
+        if req is None:
+            self.release(rid)  # a held request: the caller gives up waiting for its transfer
+            return
+        if req.phase is Phase.TRANSFER and self.on_cancel is not None:
+            req.finish_reason = "abort"
+            del self.requests[rid]
+            self.held[rid] = req
+            self.on_cancel(req)
+            return
+        self._finish(req, "abort")
+
+    def release(self, rid: int) -> None:
+        """Free the pages of a held request (its transfer finished, failed or was cancelled)."""
+        req = self.held.pop(rid, None)
+        if req is not None and req.slot is not None:
+            self.mem.free(torch.tensor([req.slot], dtype=torch.int64, device=self.mem.device))
+            req.slot = None
+
+    def complete_transfer(
+        self, rid: int, first_token: int, generator_state: torch.Tensor | None = None
+    ) -> None:
+        """PD decode: the prompt's KV and state have landed; `first_token` was sampled by the
+        prefill side (with the generator state it left behind). The request decodes next."""
+        req = self.requests.get(rid)
+        if req is None or req.phase is not Phase.TRANSFER:
+            self.release(rid)  # cancelled while in flight: its pages are safe to free now
+            return
+        req.phase = Phase.DECODE
+        if generator_state is not None and req.generator is not None:
+            req.generator.set_state(generator_state)
+        self._accept(req, first_token, self._finished_between)
+
+    def fail_transfer(self, rid: int, why: str) -> None:
+        """PD decode: the prefill side failed or timed out; the request ends with an error."""
+        req = self.requests.get(rid)
+        if req is None:
+            self.release(rid)
+            return
+        req.error, req.retryable = why, True
+        self._finish(req, "error")
+        self._finished_between.append(req)
+
+    def take_finished(self) -> list[Request]:
+        """Requests finished outside `step` (transfers completed or failed) since the last
+        call."""
+        out, self._finished_between = self._finished_between, []
+        return out
 
     @property
     def idle(self) -> bool:
         return not self.requests
+
+    @property
+    def has_work(self) -> bool:
+        """A step would do something (requests only waiting for their KV to land do not)."""
+        return any(r.phase is not Phase.TRANSFER for r in self.requests.values())
 
     # -- one step --------------------------------------------------------------------------------
 
@@ -153,6 +239,24 @@ class Engine:
             req = self.requests[rid]
             req.slot = int(self.mem.open(1)[0])
             req.phase = Phase.PREFILL
+        for rid in plan.preallocs:
+            self._prealloc(self.requests[rid])
+
+    def _prealloc(self, req: Request) -> None:
+        """Open a slot with full pages for the whole prompt and SWA pages for its window tail
+        only, then tell the prefill side where to write (the hook)."""
+        assert self.on_prealloc is not None
+        slots = self.mem.open(1)
+        n = torch.tensor([len(req.prompt)], dtype=torch.int64, device=self.mem.device)
+        try:
+            self.mem.pages.alloc_tail(slots, n)
+        except KVMemoryError as exc:
+            self.mem.free(slots)
+            raise AssertionError(
+                f"the scheduler planned a preallocation the allocator refuses: {exc}"
+            ) from exc
+        req.slot, req.num_tokens, req.phase = int(slots[0]), len(req.prompt), Phase.TRANSFER
+        self.on_prealloc(req)
 
     def _grow(self, plan: StepPlan) -> tuple[list[Segment], list[tuple[int, Request]]]:
         """Grow the page tables by this step's tokens; the batch's segments and which segment
@@ -204,7 +308,9 @@ class Engine:
         finished.append(req)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
-        if req.slot is not None:
+        if req.keep_pages and reason in ("stop", "length"):
+            self.held[req.rid] = req
+        elif req.slot is not None:
             self.mem.free(torch.tensor([req.slot], dtype=torch.int64, device=self.mem.device))
             req.slot = None
         req.snapshot = None

@@ -3,6 +3,8 @@ plan (who decodes, who is retracted, resumed, admitted, which prefill chunks run
 the engine loop carries the plan out.
 
 Order of a step:
+  0. (PD decode) preallocate arriving requests under the same admission function: full pages
+     for the whole prompt, SWA pages only for its page-floored window tail, a request slot
   1. decode every running request; when the pools cannot give each one its next token, retract
      the newest first (CPU offload) until they can
   2. reserve decode headroom for the survivors (remaining tokens x the new-token ratio) and the
@@ -19,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from dsv4_common.core.index_space import pages_for_tokens
+from dsv4_common.core.index_space import pages_for_tokens, tail_pages
 from dsv4_worker.sched.budget import (
     NOTHING,
     Admission,
@@ -36,6 +38,8 @@ class Phase(StrEnum):
     PREFILL = "prefill"  # has a slot, prompt partly computed
     DECODE = "decode"  # prompt computed, generating
     RETRACTED = "retracted"  # offloaded to CPU, waits to resume
+    PREALLOC = "prealloc"  # PD decode: waits for its preallocation (prefill runs elsewhere)
+    TRANSFER = "transfer"  # PD decode: preallocated, its KV and state are arriving
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +60,7 @@ class SchedulerConfig:
     chunk_tokens: int  # prefill tokens per step
     max_tokens_per_request: int
     clip_new_tokens: int = 4096  # decode headroom is estimated over at most this many tokens
+    retained_tokens: int = 0  # window + draft tokens: what a PD decode preallocates SWA for
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,13 +69,21 @@ class StepPlan:
     retracts: tuple[int, ...] = ()
     resumes: tuple[int, ...] = ()
     admits: tuple[int, ...] = ()  # waiting requests that get a slot (their first chunk below)
+    preallocs: tuple[int, ...] = ()  # PD decode: requests whose pages are preallocated now
     chunks: tuple[tuple[int, int], ...] = ()  # (rid, tokens) of prefill this step
     rejects: tuple[tuple[int, str], ...] = ()
     waiting: tuple[int, str] | None = None  # the head of the queue that must wait, and why
 
     @property
     def idle(self) -> bool:
-        return not (self.decodes or self.chunks or self.resumes or self.retracts or self.rejects)
+        return not (
+            self.decodes
+            or self.chunks
+            or self.resumes
+            or self.retracts
+            or self.rejects
+            or self.preallocs
+        )
 
 
 @dataclass(slots=True)
@@ -105,6 +118,15 @@ def never_fits(view: ReqView, config: SchedulerConfig, total: Capacity) -> str |
     return None
 
 
+def prealloc_need(view: ReqView, config: SchedulerConfig) -> Need:
+    """PD decode preallocation of a prompt (ref. #24036/#24857): full pages for all of it, SWA
+    pages only for the page-floored window tail (`KVAllocator.alloc_tail`), one request slot."""
+    n, page = view.prompt_len, config.page_size
+    return Need(
+        pages_for_tokens(n, page), tail_pages(n, page, config.retained_tokens), request_slots=1
+    )
+
+
 def plan_step(
     views: Sequence[ReqView],
     free: Capacity,
@@ -130,18 +152,15 @@ def plan_step(
         retracts.append(victim.rid)
         p.free = p.free.minus(Need(-victim.held.full_pages, -victim.held.swa_pages, -1))
     decodes = tuple(v.rid for v in running)
-    queue = [v for v in views if v.phase is not Phase.DECODE]
+    queue = [v for v in views if v.phase not in (Phase.DECODE, Phase.TRANSFER)]
     if not queue:  # nobody to admit: headroom and prefill would change nothing
         return StepPlan(decodes=decodes, retracts=tuple(retracts))
 
-    # 2. Headroom: future decode tokens of the survivors, the rest of each admitted prompt.
-    for v in running:
-        left = min(v.max_new_tokens - v.generated, config.clip_new_tokens)
-        future = int(left * new_token_ratio)
-        pages = pages_for_tokens(v.num_tokens + future, config.page_size) - pages_for_tokens(
-            v.num_tokens + 1, config.page_size
-        )
-        p.reserved[v.rid] = Need(max(pages, 0))
+    # 2. Headroom: future decode tokens of the survivors (and of requests whose KV is arriving:
+    # they decode next), the rest of each admitted prompt.
+    arriving = [v for v in views if v.phase is Phase.TRANSFER]
+    for v in (*running, *arriving):
+        p.reserved[v.rid] = _decode_headroom(v, config, new_token_ratio, v.num_tokens)
     for v in views:
         if v.phase is Phase.PREFILL:
             p.reserved[v.rid] = _prompt_rest(v, v.num_tokens, config)
@@ -151,6 +170,7 @@ def plan_step(
     chunks: list[tuple[int, int]] = []
     resumes: list[int] = []
     admits: list[int] = []
+    preallocs: list[int] = []
     waiting: tuple[int, str] | None = None
     retracted = set(retracts)
     queue = sorted(
@@ -158,6 +178,22 @@ def plan_step(
         key=lambda v: (_queue_rank(v.phase), v.rid),
     )
     for v in queue:
+        if v.phase is Phase.PREALLOC:  # no prefill here: outside the chunk budget
+            if (why := never_fits(v, config, p.total)) is not None:
+                rejects.append((v.rid, why))
+                continue
+            need = prealloc_need(v, config)
+            verdict = admit(need, p.free, p.total, p.reserved_except(v.rid))
+            if verdict.fit is Fit.NEVER:
+                rejects.append((v.rid, f"cannot preallocate: {verdict.reason}"))
+                continue
+            if verdict.fit is Fit.LATER:
+                waiting = (v.rid, verdict.reason)
+                break
+            preallocs.append(v.rid)
+            p.free = p.free.minus(need)
+            p.reserved[v.rid] = _decode_headroom(v, config, new_token_ratio, v.prompt_len)
+            continue
         if budget <= 0:
             break
         if v.phase is Phase.RETRACTED:
@@ -196,6 +232,7 @@ def plan_step(
         retracts=tuple(retracts),
         resumes=tuple(resumes),
         admits=tuple(admits),
+        preallocs=tuple(preallocs),
         chunks=tuple(chunks),
         rejects=tuple(rejects),
         waiting=waiting,
@@ -203,7 +240,19 @@ def plan_step(
 
 
 def _queue_rank(phase: Phase) -> int:
-    return {Phase.PREFILL: 0, Phase.RETRACTED: 1, Phase.WAITING: 2}[phase]
+    return {Phase.PREFILL: 0, Phase.RETRACTED: 1, Phase.PREALLOC: 2, Phase.WAITING: 2}[phase]
+
+
+def _decode_headroom(
+    v: ReqView, config: SchedulerConfig, new_token_ratio: float, num_tokens: int
+) -> Need:
+    """Full pages the estimated future decode tokens of `v` take beyond its next one."""
+    left = min(v.max_new_tokens - v.generated, config.clip_new_tokens)
+    future = int(left * new_token_ratio)
+    pages = pages_for_tokens(num_tokens + future, config.page_size) - pages_for_tokens(
+        num_tokens + 1, config.page_size
+    )
+    return Need(max(pages, 0))
 
 
 def _prompt_rest(v: ReqView, computed: int, config: SchedulerConfig) -> Need:

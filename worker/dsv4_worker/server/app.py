@@ -3,12 +3,16 @@
 
 Errors: a malformed body or a bad field -> 400 naming the field; a full queue -> 503 with
 Retry-After; a client that disconnects (also mid-stream) aborts its request, whose pages the
-engine frees at its next turn.
+engine frees at its next turn. No response header is sent before the first token, so a
+request that fails before it because of its PD prefill side gets a plain 502 the router can
+retry with another prefill. A PD decode worker takes the prefill instance from the
+`X-DSV4-Prefill` header.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -17,7 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-from dsv4_common.api.worker_status import WorkerStatus, build_worker_status
+from dsv4_common.api.worker_status import Load, WorkerStatus, build_worker_status
 from dsv4_worker.server.metrics import Metrics
 from dsv4_worker.server.protocol import (
     CompletionRequest,
@@ -25,10 +29,20 @@ from dsv4_worker.server.protocol import (
     parse_chat,
     parse_completion,
 )
-from dsv4_worker.server.runner import Done, EngineRunner, Handle, Token
+from dsv4_worker.server.runner import Done, EngineRunner, Handle, Snapshot, Token
 from dsv4_worker.server.tokenizer import StreamDecoder, Tokenizer, find_stop, stop_holdback
 
 RETRY_AFTER_S = 1
+PREFILL_HEADER = "X-DSV4-Prefill"
+
+
+@dataclass(frozen=True, slots=True)
+class KVState:
+    """The PD transfer side of /status, read live."""
+
+    ready: bool = False
+    layout_hash: str | None = None
+    endpoint: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +50,29 @@ class ServeInfo:
     model_name: str
     vocab_size: int
     max_context_tokens: int
-    status: WorkerStatus  # realized capacity (what /status reports)
+    status: WorkerStatus  # realized capacity (what /status reports), without live fields
+    page_size: int = 1
+    kv_state: Callable[[], KVState] | None = None
+
+
+def live_status(info: ServeInfo, snap: Snapshot, accepting: bool) -> WorkerStatus:
+    """The /status document now: realized capacity, what is free, and the transfer state."""
+    free = {u.pool: u.free for u in snap.usage}
+    load = Load(
+        free_full_tokens=free.get("full", 0) * info.page_size,
+        free_swa_tokens=free.get("swa", 0) * info.page_size,
+        free_request_slots=free.get("req_slots", 0),
+        running=snap.running,
+        waiting=snap.waiting,
+        accepting=accepting,
+    )
+    status = dataclasses.replace(info.status, load=load)
+    if info.kv_state is not None:
+        kv = info.kv_state()
+        status = dataclasses.replace(
+            status, kv_ready=kv.ready, kv_layout_hash=kv.layout_hash, kv_endpoint=kv.endpoint
+        )
+    return status
 
 
 Parser = Callable[..., CompletionRequest]
@@ -78,7 +114,12 @@ def build_app(
             if runner.overloaded():
                 return error(503, "too many requests waiting; retry later", retry=True)
             metrics.prompt_tokens.inc(len(req.prompt_ids))
-            handle = runner.submit(req.prompt_ids, req.params, asyncio.get_running_loop())
+            handle = runner.submit(
+                req.prompt_ids,
+                req.params,
+                asyncio.get_running_loop(),
+                prefill=request.headers.get(PREFILL_HEADER),
+            )
             try:
                 call = _Call(runner, handle, req, tok, info, metrics, chat)
                 if req.stream:
@@ -121,7 +162,10 @@ def _add_probes(
         return web.Response(status=503, text="engine not running")
 
     async def status(_: web.Request) -> web.Response:
-        return web.json_response(build_worker_status(info.status))
+        accepting = runner.alive and not runner.overloaded()
+        return web.json_response(
+            build_worker_status(live_status(info, runner.snapshot(), accepting))
+        )
 
     async def metrics_page(_: web.Request) -> web.Response:
         return web.Response(body=metrics.render(), content_type="text/plain")
@@ -205,7 +249,7 @@ async def _events(runner: EngineRunner, handle: Handle, out: _Output, metrics: M
         if isinstance(event, Done):
             metrics.requests.labels(event.reason).inc()
             metrics.e2e.observe(time.monotonic() - handle.submitted_s)
-            yield out.finish(), event.reason, event.error
+            yield out.finish(), event.reason, event.error, event.retryable
             return
         assert isinstance(event, Token)
         metrics.generation_tokens.inc()
@@ -217,9 +261,9 @@ async def _events(runner: EngineRunner, handle: Handle, out: _Output, metrics: M
         piece = out.push(event.token_id)
         if out.stopped:
             runner.abort(handle)
-            yield piece, "stop", None
+            yield piece, "stop", None, False
             return
-        yield piece, None, None
+        yield piece, None, None, False
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,12 +289,12 @@ async def _complete(call: _Call) -> web.Response:
         call.chat,
     )
     out = _Output(call.tok, req)
-    reason, err = "length", None
-    async for _, finish, error in _events(runner, handle, out, metrics):
+    reason, err, retryable = "length", None, False
+    async for _, finish, error, retry in _events(runner, handle, out, metrics):
         if finish is not None:
-            reason, err = finish, error
+            reason, err, retryable = finish, error, retry
     if reason == "error":
-        return web.json_response({"error": {"message": err or "failed"}}, status=500)
+        return _failure(err, retryable and not out.token_ids)
     body = _envelope(handle, info, chat, stream=False)
     body["choices"] = [_choice(out, reason, chat)]
     body["usage"] = {
@@ -259,6 +303,15 @@ async def _complete(call: _Call) -> web.Response:
         "total_tokens": len(req.prompt_ids) + len(out.token_ids),
     }
     return web.json_response(body)
+
+
+def _failure(message: str | None, retryable: bool) -> web.Response:
+    """A request that failed. Retryable failures come from the PD prefill side (handshake,
+    transfer, timeout): 502 + Retry-After, so the router retries with another prefill."""
+    body = {"error": {"message": message or "failed", "type": "server_error"}}
+    if retryable:
+        return web.json_response(body, status=502, headers={"Retry-After": str(RETRY_AFTER_S)})
+    return web.json_response(body, status=500)
 
 
 async def _stream(request: web.Request, call: _Call) -> web.StreamResponse:
@@ -274,9 +327,12 @@ async def _stream(request: web.Request, call: _Call) -> web.StreamResponse:
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
-    await resp.prepare(request)
     out = _Output(tok, req)
-    async for piece, finish, error in _events(runner, handle, out, metrics):
+    async for piece, finish, error, retry in _events(runner, handle, out, metrics):
+        if not resp.prepared:  # headers go with the first token, so a failure before it is a 5xx
+            if finish == "error" and not out.token_ids:
+                return _failure(error, retry)
+            await resp.prepare(request)
         chunk = _envelope(handle, info, chat, stream=True)
         chunk["choices"] = [_choice(out, finish, chat, delta=piece)]
         if req.return_token_ids and finish is not None:

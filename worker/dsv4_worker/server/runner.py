@@ -3,7 +3,8 @@
 The HTTP side never touches the engine: it submits (prompt, params) and gets a `Handle` whose
 asyncio queue receives `Token` and `Done` events; `abort(rid)` ends a request (its pages are
 freed at the runner's next turn). After every step the runner publishes a `Snapshot` of pool
-usage and queue lengths for `/metrics` and `/status`.
+usage and queue lengths for `/metrics` and `/status`. Other components (the PD agents) run
+code on the engine thread with `call(fn)`, and `after_step` runs after every turn.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dsv4_worker.engine.loop import Engine, Request
@@ -32,6 +34,7 @@ class Token:
 class Done:
     reason: str  # stop | length | error | abort
     error: str | None = None
+    retryable: bool = False  # failed before any token; another instance may succeed
 
 
 @dataclass(slots=True)
@@ -56,13 +59,25 @@ class _Submit:
     params: SamplingParams
     handle: Handle
     loop: asyncio.AbstractEventLoop
+    prefill: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    fn: Callable[[], None]
 
 
 class EngineRunner:
-    def __init__(self, engine: Engine, max_waiting: int = 256) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        max_waiting: int = 256,
+        after_step: Callable[[list[Request]], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
-        self._inbox: queue.SimpleQueue[_Submit | int | None] = queue.SimpleQueue()
+        self.after_step = after_step  # runs on the engine thread with the finished requests
+        self._inbox: queue.SimpleQueue[_Submit | _Call | int | None] = queue.SimpleQueue()
         # engine rid -> (handle, its event loop, tokens sent); handle rid -> engine rid
         self._listeners: dict[int, tuple[Handle, asyncio.AbstractEventLoop, int]] = {}
         self._engine_rids: dict[int, int] = {}
@@ -93,14 +108,22 @@ class EngineRunner:
         return self.snapshot().waiting >= self.max_waiting
 
     def submit(
-        self, prompt: tuple[int, ...], params: SamplingParams, loop: asyncio.AbstractEventLoop
+        self,
+        prompt: tuple[int, ...],
+        params: SamplingParams,
+        loop: asyncio.AbstractEventLoop,
+        prefill: str | None = None,
     ) -> Handle:
         with self._lock:
             rid = self._next_rid
             self._next_rid += 1
         handle = Handle(rid, asyncio.Queue(), time.monotonic())
-        self._inbox.put(_Submit(prompt, params, handle, loop))
+        self._inbox.put(_Submit(prompt, params, handle, loop, prefill))
         return handle
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the engine thread at its next turn (FIFO with submissions)."""
+        self._inbox.put(_Call(fn))
 
     def abort(self, handle: Handle) -> None:
         """End the request at the runner's next turn (after its submission, FIFO)."""
@@ -111,13 +134,19 @@ class EngineRunner:
     def _run(self) -> None:
         try:
             while True:
-                if not self._drain(block=self.engine.idle):
+                if not self._drain(block=not self.engine.has_work):
                     return
-                self._publish(self.engine.step() if not self.engine.idle else [])
+                finished = self.engine.take_finished()
+                if self.engine.has_work:
+                    finished += self.engine.step()
+                finished += self.engine.take_finished()
+                if self.after_step is not None:
+                    self.after_step(finished)
+                self._publish(finished)
         except BaseException as exc:  # surface to /ready; fail every waiting client
             self.error = exc
             for handle, loop, _ in self._listeners.values():
-                loop.call_soon_threadsafe(handle.events.put_nowait, Done("error", repr(exc)))
+                _emit(loop, handle, Done("error", repr(exc)))
             raise
 
     def _drain(self, *, block: bool) -> bool:
@@ -133,12 +162,13 @@ class EngineRunner:
             if isinstance(item, int):
                 self._abort(item)
                 continue
+            if isinstance(item, _Call):
+                item.fn()
+                continue
             try:
-                req = self.engine.submit(item.prompt, item.params)
+                req = self.engine.submit(item.prompt, item.params, prefill=item.prefill)
             except ValueError as exc:  # refused before it ran: tell the client, keep serving
-                item.loop.call_soon_threadsafe(
-                    item.handle.events.put_nowait, Done("error", str(exc))
-                )
+                _emit(item.loop, item.handle, Done("error", str(exc)))
                 continue
             self._listeners[req.rid] = (item.handle, item.loop, 0)
             self._engine_rids[item.handle.rid] = req.rid
@@ -149,7 +179,7 @@ class EngineRunner:
             return  # already finished
         handle, loop, _ = self._listeners.pop(rid)
         self.engine.abort(rid)
-        loop.call_soon_threadsafe(handle.events.put_nowait, Done("abort"))
+        _emit(loop, handle, Done("abort"))
 
     def _publish(self, finished: list[Request]) -> None:
         now = time.monotonic()
@@ -159,22 +189,32 @@ class EngineRunner:
             req = reqs.get(rid)
             if req is None:
                 continue
-            for token in req.output[sent:]:
-                loop.call_soon_threadsafe(handle.events.put_nowait, Token(token, now))
-            self._listeners[rid] = (handle, loop, len(req.output))
+            events: list[Token | Done] = [Token(t, now) for t in req.output[sent:]]
             if req.finished:
-                loop.call_soon_threadsafe(
-                    handle.events.put_nowait, Done(str(req.finish_reason), req.error)
-                )
+                events.append(Done(str(req.finish_reason), req.error, req.retryable))
+            if not all(_emit(loop, handle, e) for e in events):
+                # The listener's event loop is gone: nobody will read this request again.
+                self.engine.abort(rid)
+            self._listeners[rid] = (handle, loop, len(req.output))
+            if req.finished or rid not in self.engine.requests:
                 del self._listeners[rid]
                 self._engine_rids.pop(handle.rid, None)
         phases = [r.phase for r in self.engine.requests.values()]
         snap = Snapshot(
             usage=self.engine.mem.usage(),
-            running=sum(p in (Phase.PREFILL, Phase.DECODE) for p in phases),
-            waiting=sum(p is Phase.WAITING for p in phases),
+            running=sum(p in (Phase.PREFILL, Phase.DECODE, Phase.TRANSFER) for p in phases),
+            waiting=sum(p in (Phase.WAITING, Phase.PREALLOC) for p in phases),
             retracted=sum(p is Phase.RETRACTED for p in phases),
             steps=self.engine.steps,
         )
         with self._lock:
             self._snapshot = snap
+
+
+def _emit(loop: asyncio.AbstractEventLoop, handle: Handle, event: Token | Done) -> bool:
+    """Hand `event` to the listener's event loop; False when that loop is closed."""
+    try:
+        loop.call_soon_threadsafe(handle.events.put_nowait, event)
+    except RuntimeError:
+        return False
+    return True

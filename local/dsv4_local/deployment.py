@@ -1,0 +1,64 @@
+"""The one DSV4Deployment of a `dsv4 up` file: parsed, validated and memory-planned exactly as
+`dsv4 render` and the operator do (the shared `dsv4_common.api` functions), plus what `dsv4 up`
+itself cannot run yet. Pure: YAML text in, `Deployment` out; every error is a `SpecError` or a
+`MemoryPlanError` whose message names the field to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from dsv4_common.api.deployment import MemoryPlan, plan_memory
+from dsv4_common.api.names import API_VERSION, KIND, WORKER_ROLES
+from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec, SpecError, parse_meta, parse_spec
+
+__all__ = ["Deployment", "parse_deployment", "refuse_pipeline_parallel"]
+
+
+@dataclass(frozen=True, slots=True)
+class Deployment:
+    """A valid CR whose context fits its memory plan."""
+
+    spec: DeploymentSpec
+    meta: DeploymentMeta
+    memory: MemoryPlan
+
+
+def parse_deployment(text: str, source: str) -> Deployment:
+    """The single DSV4Deployment document of `text` (`source` names the file in errors).
+
+    Raises yaml.YAMLError, SpecError or MemoryPlanError; other kinds of document are skipped,
+    as `dsv4 render` skips them.
+    """
+    bodies = [
+        d for d in yaml.safe_load_all(text) if isinstance(d, Mapping) and d.get("kind") == KIND
+    ]
+    if len(bodies) != 1:
+        found = "no" if not bodies else str(len(bodies))
+        raise SpecError([f"{source}: {found} {KIND} documents; dsv4 up runs exactly one"])
+    body: Mapping[str, Any] = bodies[0]
+    if body.get("apiVersion") != API_VERSION:
+        raise SpecError([f"apiVersion: expected {API_VERSION}, got {body.get('apiVersion')}"])
+    spec = parse_spec(body)
+    meta = parse_meta(body)
+    refuse_pipeline_parallel(spec)
+    memory = plan_memory(spec)
+    if not memory.context_fits:
+        raise SpecError([f"spec.maxContextTokens: {memory.context_message()}"])
+    return Deployment(spec=spec, meta=meta, memory=memory)
+
+
+def refuse_pipeline_parallel(spec: DeploymentSpec) -> None:
+    """The worker serves PP=1 groups only (for now); remove this check when PP stages land."""
+    errors = [
+        f"spec.{role}.pipelineParallel: dsv4 up runs PP=1 groups until pipeline-parallel "
+        f"stages land (got {spec.role(role).pipeline_parallel})"
+        for role in WORKER_ROLES
+        if spec.role(role).pipeline_parallel > 1
+    ]
+    if errors:
+        raise SpecError(errors)

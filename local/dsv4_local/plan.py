@@ -1,0 +1,234 @@
+"""The launch plan of `dsv4 up`: which processes run, with which argv, environment, config
+documents and loopback ports. Pure: ports come from an injected allocator, nothing is written.
+
+Invariants: workers come first (prefill, then decode, each replica's PP ranks in order), the
+router last; every port in the plan is distinct; the router config lists exactly the serving
+rank (PP rank 0) of every replica of each role. A worker group's config directory holds the
+rank configs of its ranks, the router's holds `router.json`: the same documents the operator
+puts in its ConfigMap, with 127.0.0.1 for every address.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from dsv4_common.api.names import WORKER_ROLES, WorkerRole
+from dsv4_common.api.rank_config import (
+    ROUTER_CONFIG_KEY,
+    SERVING_RANK,
+    Instance,
+    RoleEndpoint,
+    WorkerPorts,
+    build_rank_config,
+    build_router_config,
+    rank_config_key,
+    rank_config_to_dict,
+    router_config_to_dict,
+)
+from dsv4_local.deployment import Deployment
+
+__all__ = [
+    "HOST",
+    "LaunchPlan",
+    "PortAllocator",
+    "ProcessSpec",
+    "build_launch_plan",
+]
+
+HOST: Final = "127.0.0.1"
+ROUTER: Final = "router"
+PORTS_PER_RANK: Final = 4  # http, status, pp, kv
+
+# (how many ports, ports it must not return) -> that many distinct free ports.
+PortAllocator = Callable[[int, frozenset[int]], tuple[int, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessSpec:
+    """One process to run: `argv` with `env` added to the caller's environment."""
+
+    name: str  # unique; also the log file's stem
+    role: str  # prefill | decode | router
+    replica: int
+    pp_rank: int
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    config_dir: Path
+    ready_url: str  # GET answers 200 once the process serves
+    status_url: str
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchPlan:
+    workdir: Path
+    processes: tuple[ProcessSpec, ...]  # start order: workers, then the router
+    documents: dict[Path, dict[str, Any]]  # config file -> its JSON document
+    router_url: str
+
+    @property
+    def log_dir(self) -> Path:
+        return self.workdir / "logs"
+
+
+def build_launch_plan(
+    deployment: Deployment,
+    workdir: Path,
+    *,
+    router_port: int | None,
+    allocate_ports: PortAllocator,
+    python: str = sys.executable,
+) -> LaunchPlan:
+    """`router_port`: None = the CR's `spec.router.port`, 0 = any free port."""
+    spec = deployment.spec
+    fixed_port = spec.router.port if router_port is None else router_port
+    groups = [
+        (role, replica, spec.role(role).pipeline_parallel)
+        for role in WORKER_ROLES
+        for replica in range(spec.role(role).replicas)
+    ]
+    rank_count = sum(pp_size for _, _, pp_size in groups)
+    free = _allocate(
+        allocate_ports,
+        PORTS_PER_RANK * rank_count + 1 + (1 if fixed_port == 0 else 0),
+        reserved=frozenset({fixed_port} - {0}),
+    )
+
+    processes: list[ProcessSpec] = []
+    documents: dict[Path, dict[str, Any]] = {}
+    instances: dict[WorkerRole, list[Instance]] = {role: [] for role in WORKER_ROLES}
+    for role, replica, pp_size in groups:
+        for pp_rank in range(pp_size):
+            ports = WorkerPorts(*_take(free, PORTS_PER_RANK))
+            process = _worker(deployment, workdir, python, role, replica, pp_rank, ports.status)
+            if role == "decode" and instances["prefill"]:
+                # The prefill it handshakes with at start (the router names one per request).
+                first = instances["prefill"][0]
+                process = dataclasses.replace(
+                    process, argv=(*process.argv, "--prefill", f"{first.host}:{first.kv_port}")
+                )
+            config = build_rank_config(
+                spec,
+                deployment.meta,
+                deployment.memory,
+                role,
+                pp_rank,
+                peers_host_template=HOST,
+                role_services={r: HOST for r in WORKER_ROLES},
+                ports=ports,
+            )
+            processes.append(process)
+            path = process.config_dir / rank_config_key(role, pp_rank)
+            documents[path] = rank_config_to_dict(config)
+            if pp_rank == SERVING_RANK:
+                instances[role].append(Instance(HOST, ports.http, ports.status, ports.kv))
+
+    (status_port,) = _take(free, 1)
+    api_port = fixed_port or _take(free, 1)[0]
+    router_config = build_router_config(
+        spec, deployment.meta, _endpoints(instances), status_port=status_port
+    )
+    router_config = dataclasses.replace(router_config, port=api_port)  # --port wins
+    router = _router(workdir, python, status_port)
+    processes.append(router)
+    documents[router.config_dir / ROUTER_CONFIG_KEY] = router_config_to_dict(router_config)
+    return LaunchPlan(
+        workdir=workdir,
+        processes=tuple(processes),
+        documents=documents,
+        router_url=f"http://{HOST}:{api_port}",
+    )
+
+
+def _worker(
+    deployment: Deployment,
+    workdir: Path,
+    python: str,
+    role: WorkerRole,
+    replica: int,
+    pp_rank: int,
+    status_port: int,
+) -> ProcessSpec:
+    """One worker rank; its config directory holds the rank configs of its whole group."""
+    pp_size = deployment.spec.role(role).pipeline_parallel
+    config_dir = workdir / f"{role}-{replica}"
+    return ProcessSpec(
+        name=f"{role}-{replica}" if pp_size == 1 else f"{role}-{replica}-rank-{pp_rank}",
+        role=role,
+        replica=replica,
+        pp_rank=pp_rank,
+        argv=_serve_argv(python, role, config_dir),
+        env={
+            "DSV4_PP_RANK": str(pp_rank),
+            "DSV4_GROUP": f"{deployment.meta.name}-{role}-{replica}",
+            "PYTHONUNBUFFERED": "1",
+        },
+        config_dir=config_dir,
+        ready_url=_url(status_port, "/ready"),
+        status_url=_url(status_port, "/status"),
+    )
+
+
+def _router(workdir: Path, python: str, status_port: int) -> ProcessSpec:
+    config_dir = workdir / ROUTER
+    return ProcessSpec(
+        name=ROUTER,
+        role=ROUTER,
+        replica=0,
+        pp_rank=0,
+        argv=_serve_argv(python, ROUTER, config_dir),
+        env={"PYTHONUNBUFFERED": "1"},
+        config_dir=config_dir,
+        ready_url=_url(status_port, "/ready"),
+        status_url=_url(status_port, "/status"),
+    )
+
+
+def _endpoints(instances: dict[WorkerRole, list[Instance]]) -> dict[WorkerRole, RoleEndpoint]:
+    """Each role's serving ranks; `port`/`bootstrap_port` are its first instance's."""
+    return {
+        role: RoleEndpoint(
+            service=HOST,
+            port=instances[role][0].http_port,
+            bootstrap_port=instances[role][0].kv_port,
+            instances=tuple(instances[role]),
+        )
+        for role in WORKER_ROLES
+    }
+
+
+def _allocate(
+    allocate_ports: PortAllocator, count: int, *, reserved: frozenset[int]
+) -> Iterator[int]:
+    ports = allocate_ports(count, reserved)
+    if len(set(ports) | reserved) != count + len(reserved):
+        raise ValueError(f"port allocator: expected {count} distinct free ports, got {ports}")
+    return iter(ports)
+
+
+def _serve_argv(python: str, role: str, config_dir: Path) -> tuple[str, ...]:
+    # --host: `serve --config-dir` listens on every interface by default (pods); not here.
+    return (
+        python,
+        "-m",
+        "dsv4_common.cli",
+        "serve",
+        "--role",
+        role,
+        "--config-dir",
+        str(config_dir),
+        "--host",
+        HOST,
+    )
+
+
+def _url(port: int, path: str) -> str:
+    return f"http://{HOST}:{port}{path}"
+
+
+def _take(ports: Iterator[int], count: int) -> tuple[int, ...]:
+    return tuple(next(ports) for _ in range(count))

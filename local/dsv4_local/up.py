@@ -1,0 +1,232 @@
+"""`dsv4 up FILE`: a DSV4Deployment as local processes on 127.0.0.1.
+
+`run(args)` checks everything it can before any process starts (file, spec, memory plan,
+what `dsv4 up` supports, the router port, the work directory): each problem is one line
+`dsv4 up: error: ...` naming the field or flag, exit 2. Then `launch(plan)` starts the
+processes, waits until all are ready, prints where they are and serves until SIGINT/SIGTERM
+(exit 0), a process exits or the timeout passes (exit 1); with --request it sends one
+completion instead of serving (exit 0 when it succeeds). Every path stops every process.
+Progress and errors go to stderr; the ready summary (or the completion text) to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, TextIO
+
+import yaml
+
+from dsv4_common.api.deployment import MemoryPlanError
+from dsv4_common.api.spec import SpecError
+from dsv4_local.completion import Completion, CompletionError, request_completion
+from dsv4_local.deployment import Deployment, parse_deployment
+from dsv4_local.plan import LaunchPlan, build_launch_plan
+from dsv4_local.ports import free_ports, port_is_free
+from dsv4_local.signals import StopSignals
+from dsv4_local.supervisor import PREFIX, STOP_GRACE_S, Outcome, Supervisor
+from dsv4_local.workdir import write_workdir
+
+__all__ = ["CompletionRequest", "UpError", "format_ready", "launch", "load_deployment", "run"]
+
+EXIT_OK: Final = 0
+EXIT_FAILED: Final = 1
+EXIT_USAGE: Final = 2
+REQUEST_TIMEOUT_S: Final = 300.0
+
+
+class UpError(Exception):
+    """A bad input found before anything starts; the message names the field or flag."""
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    prompt: str
+    max_tokens: int
+    timeout_s: float = REQUEST_TIMEOUT_S
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        deployment = load_deployment(Path(args.file))
+        _check_router_port(deployment, args.port)
+        workdir = _workdir(args.workdir)
+        plan = build_launch_plan(
+            deployment, workdir, router_port=args.port, allocate_ports=free_ports
+        )
+        write_workdir(plan)
+    except UpError as exc:
+        print(f"{PREFIX} error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:
+        print(f"{PREFIX} error: --workdir: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    request = None
+    if args.request is not None:
+        request = CompletionRequest(prompt=args.request, max_tokens=args.max_tokens)
+    return launch(plan, timeout_s=args.timeout_s, request=request)
+
+
+def load_deployment(path: Path) -> Deployment:
+    """Read and check the file; every problem is an UpError naming the field."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise UpError(f"{path}: {exc.strerror or exc}") from exc
+    try:
+        return parse_deployment(text, str(path))
+    except yaml.YAMLError as exc:
+        raise UpError(f"{path}: not valid YAML: {_yaml_problem(exc)}") from exc
+    except (SpecError, MemoryPlanError) as exc:
+        raise UpError(str(exc)) from exc
+
+
+def launch(
+    plan: LaunchPlan,
+    *,
+    timeout_s: float,
+    request: CompletionRequest | None = None,
+    out: TextIO = sys.stdout,
+    err: TextIO = sys.stderr,
+    stop_grace_s: float = STOP_GRACE_S,
+) -> int:
+    """Run the plan's processes (see the module docstring); call from the main thread."""
+    with StopSignals() as signals:
+        with Supervisor(
+            plan.processes,
+            plan.log_dir,
+            out=err,
+            stop_requested=lambda: signals.requested,
+            stop_grace_s=stop_grace_s,
+        ) as supervisor:
+            code = _supervise(supervisor, plan, timeout_s, request, out, err)
+            received = signals.received
+            why = f" ({signal.Signals(received).name})" if received is not None else ""
+            print(f"{PREFIX} stopping{why}", file=err, flush=True)
+        print(f"{PREFIX} stopped", file=err, flush=True)
+    return code
+
+
+def _supervise(
+    supervisor: Supervisor,
+    plan: LaunchPlan,
+    timeout_s: float,
+    request: CompletionRequest | None,
+    out: TextIO,
+    err: TextIO,
+) -> int:
+    """Start, wait until ready, then serve or send the request; the caller stops."""
+    started_s = time.monotonic()
+    print(
+        f"{PREFIX} starting {len(plan.processes)} processes (configs and logs in {plan.workdir})",
+        file=err,
+        flush=True,
+    )
+    try:
+        if not supervisor.start():
+            return EXIT_OK  # stopped by a signal
+    except OSError as exc:
+        print(f"{PREFIX} cannot start a process: {exc}", file=err, flush=True)
+        return EXIT_FAILED
+    outcome = supervisor.wait_ready(timeout_s)
+    if outcome is not Outcome.READY:
+        return _exit_code(outcome)
+    summary = format_ready(plan, time.monotonic() - started_s)
+    if request is not None:
+        print(summary, file=err, flush=True)
+        return _send(supervisor, plan, request, out, err)
+    print(summary, file=out, flush=True)
+    print(f"{PREFIX} Ctrl-C stops every process", file=err, flush=True)
+    return _exit_code(supervisor.serve())
+
+
+def _exit_code(outcome: Outcome) -> int:
+    return EXIT_FAILED if outcome is Outcome.FAILED else EXIT_OK
+
+
+def format_ready(plan: LaunchPlan, ready_s: float) -> str:
+    """What `dsv4 up` prints once every process is ready: one `key: value` fact per line."""
+    lines = [
+        f"{PREFIX} ready in {ready_s:.1f} s",
+        f"router: {plan.router_url}  (POST /v1/completions, /v1/chat/completions)",
+    ]
+    width = max(len(p.name) for p in plan.processes)
+    lines += [f"status: {p.name:<{width}}  {p.status_url}" for p in plan.processes]
+    lines.append(f"logs: {plan.log_dir}")
+    return "\n".join(lines)
+
+
+def _send(
+    supervisor: Supervisor,
+    plan: LaunchPlan,
+    request: CompletionRequest,
+    out: TextIO,
+    err: TextIO,
+) -> int:
+    """One completion through the router, in a thread so signals and exits still count."""
+    results: list[Completion | CompletionError] = []
+
+    def send() -> None:
+        try:
+            results.append(
+                request_completion(
+                    plan.router_url, request.prompt, request.max_tokens, request.timeout_s
+                )
+            )
+        except CompletionError as exc:
+            results.append(exc)
+
+    sent_s = time.monotonic()
+    thread = threading.Thread(target=send, name="dsv4-up-request", daemon=True)
+    thread.start()
+    outcome = supervisor.serve(until=lambda: not thread.is_alive())
+    if outcome is not Outcome.DONE:
+        return _exit_code(outcome)
+    result = results[0] if results else CompletionError("the request thread failed (see above)")
+    if isinstance(result, CompletionError):
+        print(f"{PREFIX} request failed: {result} (logs: {plan.log_dir})", file=err)
+        return EXIT_FAILED
+    tokens = "?" if result.completion_tokens is None else str(result.completion_tokens)
+    print(result.text, file=out, flush=True)
+    print(
+        f"{PREFIX} completion: {tokens} tokens in {time.monotonic() - sent_s:.1f} s",
+        file=err,
+        flush=True,
+    )
+    return EXIT_OK
+
+
+def _check_router_port(deployment: Deployment, port: int | None) -> None:
+    if port == 0:
+        return
+    if port is None:
+        if not port_is_free(deployment.spec.router.port):
+            raise UpError(
+                f"spec.router.port: {deployment.spec.router.port} is in use on 127.0.0.1; "
+                "pass --port P (0: any free port)"
+            )
+    elif not port_is_free(port):
+        raise UpError(f"--port: {port} is in use on 127.0.0.1 (0: any free port)")
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line: where and what (PyYAML's own message spans several)."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        return f"line {mark.line + 1}, column {mark.column + 1}: {exc.problem}"
+    return " ".join(str(exc).split())
+
+
+def _workdir(flag: str | None) -> Path:
+    """--workdir (created if missing) or a fresh temporary directory; absolute."""
+    if flag is None:
+        return Path(tempfile.mkdtemp(prefix="dsv4-up-"))
+    path = Path(flag).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return path

@@ -1,0 +1,23 @@
+"""The work directory of `dsv4 up` (side effects: files): every config document of a launch
+plan at its path, and an empty log directory.
+
+    WORKDIR/<role>-<replica>/<role>-rank-<pp>.json   rank configs of one worker group
+    WORKDIR/router/router.json                      the router config
+    WORKDIR/logs/<process>.log                      stdout + stderr of each process
+"""
+
+from __future__ import annotations
+
+import json
+
+from dsv4_local.plan import LaunchPlan
+
+__all__ = ["write_workdir"]
+
+
+def write_workdir(plan: LaunchPlan) -> None:
+    """Create the directories and write the documents (raises OSError)."""
+    plan.log_dir.mkdir(parents=True, exist_ok=True)
+    for path, document in plan.documents.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,207 @@
+"""The supervisor and `launch` on stand-in processes (local/tests/stand_in.py): ready, early
+exit with the log's tail, timeout, exit while serving, SIGKILL after the grace period, a stop
+or a failure half-way through starting, and one --request. After every test no stand-in and
+no grandchild is left running."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import re
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from dsv4_local.plan import LaunchPlan, ProcessSpec
+from dsv4_local.supervisor import Outcome, Supervisor, tail_lines
+from dsv4_local.up import CompletionRequest, launch
+
+if TYPE_CHECKING:
+    from conftest import StandIns  # the fixture's type (local/tests/conftest.py)
+
+DEADLINE_S = 60.0
+
+
+def supervisor(specs: list[ProcessSpec], tmp_path: Path, out: io.StringIO, **kw: Any) -> Supervisor:
+    return Supervisor(specs, tmp_path / "logs", out=out, poll_interval_s=0.05, **kw)
+
+
+def test_all_ready_reports_each_process_then_stop_leaves_nothing(
+    stand_ins: StandIns, tmp_path: Path
+) -> None:
+    out = io.StringIO()
+    specs = [
+        stand_ins.spec("prefill-0", "ready", delay_s=0.3, grandchild=True),
+        stand_ins.spec("decode-0", "ready"),
+        stand_ins.spec("router", "ready", delay_s=0.1),
+    ]
+    with supervisor(specs, tmp_path, out) as sup:
+        assert sup.start()
+        assert sup.wait_ready(DEADLINE_S) is Outcome.READY
+        assert set(sup.pids) == {"prefill-0", "decode-0", "router"}
+        stand_ins.wait_pid("prefill-0", grandchild=True)
+    for name in ("prefill-0", "decode-0", "router"):
+        assert re.search(rf"^dsv4 up: {name} ready \(\d+\.\d s\)$", out.getvalue(), re.M)
+        assert (tmp_path / "logs" / f"{name}.log").read_text().startswith("# dsv4 up: ")
+    stand_ins.assert_all_gone()
+
+
+def test_early_exit_prints_the_log_tail_and_stops_the_others(
+    stand_ins: StandIns, tmp_path: Path
+) -> None:
+    out = io.StringIO()
+    never = stand_ins.spec("decode-0", "never", grandchild=True)
+    # Fails only once the other one runs and has started its own child (nothing left to chance).
+    fail = stand_ins.spec(
+        "prefill-0", "fail", wait_for=stand_ins.pid_file("decode-0", grandchild=True)
+    )
+    with supervisor([never, fail], tmp_path, out) as sup:
+        assert sup.start()
+        assert sup.wait_ready(DEADLINE_S) is Outcome.FAILED
+    text = out.getvalue()
+    assert "dsv4 up: prefill-0 exited (exit code 3) before it was ready\n" in text
+    assert f"last 30 lines of {tmp_path / 'logs' / 'prefill-0.log'}:" in text
+    assert "    line 20\n" in text and "    line 49\n" in text
+    assert "    line 19\n" not in text
+    assert {"decode-0.pid", "decode-0.grandchild.pid", "prefill-0.pid"} <= set(stand_ins.all_pids())
+    stand_ins.assert_all_gone()
+
+
+def test_timeout_names_what_is_not_ready_and_stops_everything(
+    stand_ins: StandIns, tmp_path: Path
+) -> None:
+    out = io.StringIO()
+    specs = [stand_ins.spec("router", "ready"), stand_ins.spec("decode-0", "never")]
+    with supervisor(specs, tmp_path, out, progress_interval_s=0.2) as sup:
+        assert sup.start()
+        started_s = time.monotonic()
+        assert sup.wait_ready(2.0) is Outcome.FAILED
+        assert time.monotonic() - started_s >= 2.0
+        stand_ins.wait_pid("decode-0")
+    text = out.getvalue()
+    assert re.search(r"^dsv4 up: not ready after 2 s: (router, )?decode-0 \(logs: ", text, re.M)
+    assert re.search(r"^dsv4 up: waiting for: .*decode-0 \(\d+ s\)$", text, re.M)
+    stand_ins.assert_all_gone()
+
+
+def test_exit_while_serving_is_reported(stand_ins: StandIns, tmp_path: Path) -> None:
+    out = io.StringIO()
+    specs = [
+        stand_ins.spec("decode-0", "ready", exit_after_s=0.5),
+        stand_ins.spec("router", "ready"),
+    ]
+    with supervisor(specs, tmp_path, out) as sup:
+        assert sup.start()
+        outcome = sup.wait_ready(DEADLINE_S)
+        if outcome is Outcome.READY:
+            outcome = sup.serve()
+        assert outcome is Outcome.FAILED
+    assert "dsv4 up: decode-0 exited (exit code 4) while serving\n" in out.getvalue()
+    stand_ins.assert_all_gone()
+
+
+def test_a_process_ignoring_sigterm_gets_sigkill_after_the_grace_period(
+    stand_ins: StandIns, tmp_path: Path
+) -> None:
+    out = io.StringIO()
+    specs = [stand_ins.spec("router", "stubborn", grandchild=True)]
+    with supervisor(specs, tmp_path, out, stop_grace_s=0.5) as sup:
+        assert sup.start()
+        assert sup.wait_ready(DEADLINE_S) is Outcome.READY
+        stand_ins.wait_pid("router", grandchild=True)
+        stop_started_s = time.monotonic()
+    assert time.monotonic() - stop_started_s >= 0.5  # it waited, then killed
+    stand_ins.assert_all_gone()
+
+
+def test_a_stop_requested_while_starting_starts_nothing_more(
+    stand_ins: StandIns, tmp_path: Path
+) -> None:
+    out = io.StringIO()
+    specs = [stand_ins.spec("prefill-0", "never"), stand_ins.spec("decode-0", "never")]
+    asked: list[bool] = []
+
+    def stop_requested() -> bool:  # False before the first start, True before the second
+        asked.append(True)
+        return len(asked) > 1
+
+    with Supervisor(specs, tmp_path / "logs", out=out, stop_requested=stop_requested) as sup:
+        assert not sup.start()
+        assert set(sup.pids) == {"prefill-0"}
+        stand_ins.wait_pid("prefill-0")
+        assert sup.wait_ready(DEADLINE_S) is Outcome.STOPPED
+    stand_ins.assert_all_gone()
+
+
+def test_a_start_failing_half_way_stops_what_started(stand_ins: StandIns, tmp_path: Path) -> None:
+    started = stand_ins.spec("prefill-0", "never")
+    missing = dataclasses.replace(
+        started, name="decode-0", argv=(str(tmp_path / "no-such-program"),)
+    )
+    pids: dict[str, int] = {}
+    with (
+        pytest.raises(FileNotFoundError),
+        supervisor([started, missing], tmp_path, io.StringIO()) as sup,
+    ):
+        try:
+            sup.start()
+        finally:
+            pids = sup.pids
+    assert set(pids) == {"prefill-0"}
+    stand_ins.wait_until(lambda: stand_ins.is_gone(pids["prefill-0"]), "prefill-0 to be gone")
+
+
+def test_launch_reports_a_failed_start_and_exits_1(stand_ins: StandIns, tmp_path: Path) -> None:
+    started = stand_ins.spec("prefill-0", "never")
+    missing = dataclasses.replace(
+        started, name="decode-0", argv=(str(tmp_path / "no-such-program"),)
+    )
+    plan = LaunchPlan(tmp_path, (started, missing), {}, "http://127.0.0.1:1")
+    err = io.StringIO()
+    assert launch(plan, timeout_s=DEADLINE_S, out=io.StringIO(), err=err) == 1
+    assert "dsv4 up: cannot start a process: [Errno 2] No such file" in err.getvalue()
+    assert err.getvalue().endswith("dsv4 up: stopping\ndsv4 up: stopped\n")
+
+
+def test_request_prints_the_completion_and_the_urls_then_stops(
+    stand_ins: StandIns, tmp_path: Path
+) -> None:
+    api_port = stand_ins.port()
+    specs = (
+        stand_ins.spec("prefill-0", "ready", grandchild=True),
+        stand_ins.spec("router", "ready", api_port=api_port),
+    )
+    plan = LaunchPlan(tmp_path, specs, {}, f"http://127.0.0.1:{api_port}")
+    out, err = io.StringIO(), io.StringIO()
+    code = launch(plan, timeout_s=DEADLINE_S, request=CompletionRequest("hi", 4), out=out, err=err)
+    assert code == 0, err.getvalue()
+    assert out.getvalue() == " stand-in text\n"
+    text = err.getvalue()
+    assert f"router: http://127.0.0.1:{api_port}  (POST " in text
+    for spec in specs:
+        assert re.search(rf"^status: {spec.name} +{re.escape(spec.status_url)}$", text, re.M)
+    assert f"logs: {tmp_path / 'logs'}" in text
+    assert "dsv4 up: completion: 3 tokens in " in text
+    assert text.endswith("dsv4 up: stopped\n")
+    stand_ins.assert_all_gone()
+
+
+def test_a_failed_request_exits_1_and_stops(stand_ins: StandIns, tmp_path: Path) -> None:
+    nobody = stand_ins.port()  # the router's API port answers nothing
+    plan = LaunchPlan(
+        tmp_path, (stand_ins.spec("router", "ready"),), {}, f"http://127.0.0.1:{nobody}"
+    )
+    err = io.StringIO()
+    code = launch(plan, timeout_s=DEADLINE_S, request=CompletionRequest("hi", 4), err=err)
+    assert code == 1
+    assert "dsv4 up: request failed: http://127.0.0.1:" in err.getvalue()
+    stand_ins.assert_all_gone()
+
+
+def test_tail_lines(tmp_path: Path) -> None:
+    log = tmp_path / "x.log"
+    log.write_text("".join(f"{i}\n" for i in range(100)))
+    assert tail_lines(log, 3) == ["97", "98", "99"]
+    assert tail_lines(tmp_path / "missing.log", 3) == []

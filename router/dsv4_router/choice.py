@@ -1,0 +1,228 @@
+"""What the router knows about each instance, whether it may take a request, and which
+(prefill, decode) pair takes the next one.
+
+Pure: records hold what discovery observed and what the router sent; every decision takes the
+clock as an argument. Invariants: `choose_pair` returns only eligible, non-excluded instances of
+the right roles, and returns None only when no such pair exists; ties fall to the lowest
+address, so the choice never depends on record order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from dsv4_common.api.names import WORKER_ROLES, WorkerRole
+from dsv4_common.api.rank_config import Instance
+from dsv4_common.api.worker_status import WorkerStatus
+
+# `busy` is a fresh, ready instance that refuses work now (not accepting); the metric folds it
+# into `unready`.
+Health = Literal["eligible", "busy", "unready", "stale"]
+MetricState = Literal["eligible", "unready", "stale"]
+METRIC_STATES: Final[tuple[MetricState, ...]] = ("eligible", "unready", "stale")
+
+AddressKey = tuple[str, int, int, int]
+
+
+def address_key(instance: Instance) -> AddressKey:
+    return (instance.host, instance.http_port, instance.status_port, instance.kv_port)
+
+
+def host_port(host: str, port: int) -> str:
+    """`host:port`, with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@dataclass(slots=True)
+class InstanceRecord:
+    """One instance: the last status discovery took and the requests the router sent it.
+
+    `pending` counts requests sent after the poll that produced `status` began, so the
+    worker's own counts cannot include them yet.
+    """
+
+    role: WorkerRole
+    instance: Instance
+    status: WorkerStatus | None = None  # None: the last poll gave no parsable status
+    status_at_s: float | None = None  # clock when `status` arrived
+    ready: bool = False  # the last /ready answered 200
+    error: str | None = None  # why the last poll failed (None: it did not)
+    sent_total: int = 0  # requests the router ever sent here
+    status_sent_total: int = 0  # `sent_total` when the poll that gave `status` began
+    inflight: int = 0  # the router's requests open here now
+
+    @property
+    def pending(self) -> int:
+        return self.sent_total - self.status_sent_total
+
+    def sent(self) -> None:
+        self.sent_total += 1
+        self.inflight += 1
+
+    def done(self) -> None:
+        assert self.inflight > 0, "done() without sent()"
+        self.inflight -= 1
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """One poll's result. `status`/`ready` None: that probe timed out (keep the old value)."""
+
+    status: WorkerStatus | None
+    ready: bool | None
+    error: str | None  # set when the status probe failed (not a timeout)
+    sent_total_at_start: int
+
+
+def apply_probe(record: InstanceRecord, probe: Probe, now_s: float) -> None:
+    """Fold a poll into the record: a status replaces the old one, an error clears it, a
+    timeout keeps it (it goes stale by age)."""
+    if probe.status is not None:
+        record.status = probe.status
+        record.status_at_s = now_s
+        record.status_sent_total = probe.sent_total_at_start
+        record.error = None
+    elif probe.error is not None:
+        record.status = None
+        record.status_at_s = None
+        record.error = probe.error
+    else:
+        record.error = "status probe timed out"
+    if probe.ready is not None:
+        record.ready = probe.ready
+
+
+def assess(record: InstanceRecord, now_s: float, stale_after_s: float) -> tuple[Health, str]:
+    """The record's health and, unless eligible, why not."""
+    status = record.status
+    if status is None or record.status_at_s is None:
+        return "stale", record.error or "no status yet"
+    age_s = now_s - record.status_at_s
+    if age_s >= stale_after_s:
+        return "stale", f"last status is {age_s:.1f} s old"
+    if status.role != record.role:
+        return "unready", f"reports role {status.role!r}"
+    if not record.ready:
+        return "unready", "/ready is not 200"
+    if record.role == "decode" and not status.kv_ready:
+        return "unready", "KV transfer not ready"
+    if not status.load.accepting:
+        return "busy", "not accepting requests"
+    return "eligible", ""
+
+
+def metric_state(health: Health) -> MetricState:
+    return "unready" if health == "busy" else health
+
+
+def prefill_key(record: InstanceRecord) -> tuple[int, int, AddressKey]:
+    """Fewest queued (its waiting plus the router's pending), then most free full tokens:
+    prefill admits by the full pool."""
+    assert record.status is not None, "only records with a status are ranked"
+    load = record.status.load
+    return (load.waiting + record.pending, -load.free_full_tokens, address_key(record.instance))
+
+
+def decode_key(record: InstanceRecord) -> tuple[int, int, AddressKey]:
+    """Most free full tokens, less one average request share (full tokens / request slots)
+    per pending request, then fewest running."""
+    status = record.status
+    assert status is not None, "only records with a status are ranked"
+    share_tokens = status.full_tokens // max(1, status.max_running_requests)
+    free_tokens = status.load.free_full_tokens - record.pending * share_tokens
+    return (-free_tokens, status.load.running, address_key(record.instance))
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    prefill: InstanceRecord
+    decode: InstanceRecord
+
+
+def eligible(
+    records: Iterable[InstanceRecord],
+    role: WorkerRole,
+    now_s: float,
+    stale_after_s: float,
+    excluded: frozenset[Instance] = frozenset(),
+) -> list[InstanceRecord]:
+    return [
+        r
+        for r in records
+        if r.role == role
+        and r.instance not in excluded
+        and assess(r, now_s, stale_after_s)[0] == "eligible"
+    ]
+
+
+def choose(
+    records: Iterable[InstanceRecord],
+    role: WorkerRole,
+    now_s: float,
+    stale_after_s: float,
+    excluded: frozenset[Instance] = frozenset(),
+) -> InstanceRecord | None:
+    candidates = eligible(records, role, now_s, stale_after_s, excluded)
+    if not candidates:
+        return None
+    return min(candidates, key=prefill_key if role == "prefill" else decode_key)
+
+
+def choose_pair(
+    records: Iterable[InstanceRecord],
+    now_s: float,
+    stale_after_s: float,
+    excluded: frozenset[Instance] = frozenset(),
+) -> Pair | None:
+    """The best eligible prefill and decode not in `excluded`, or None if a role has none."""
+    pool = list(records)
+    prefill = choose(pool, "prefill", now_s, stale_after_s, excluded)
+    decode = choose(pool, "decode", now_s, stale_after_s, excluded)
+    if prefill is None or decode is None:
+        return None
+    return Pair(prefill=prefill, decode=decode)
+
+
+def unavailable_reason(
+    records: Iterable[InstanceRecord],
+    now_s: float,
+    stale_after_s: float,
+    excluded: frozenset[Instance] = frozenset(),
+) -> str:
+    """Why `choose_pair` found nothing (for the 503 message); "" if it would find a pair."""
+    pool = list(records)
+    for role in WORKER_ROLES:
+        of_role = [r for r in pool if r.role == role]
+        health = [assess(r, now_s, stale_after_s)[0] for r in of_role]
+        usable = [h for r, h in zip(of_role, health, strict=True) if r.instance not in excluded]
+        if "eligible" in usable:
+            continue
+        if not of_role:
+            return f"no {role} instance is known"
+        if "eligible" in health:
+            return f"every ready {role} instance failed this request"
+        if "busy" in usable:
+            return f"every ready {role} instance is busy"
+        return f"no ready {role} instance"
+    return ""
+
+
+class InstanceTable:
+    """Every instance the router knows, one record per (role, address). Discovery syncs the
+    membership; a record that stays keeps its history."""
+
+    def __init__(self) -> None:
+        self._records: dict[tuple[WorkerRole, Instance], InstanceRecord] = {}
+
+    def sync(self, role: WorkerRole, instances: Iterable[Instance]) -> None:
+        wanted = set(instances)
+        for key in [k for k in self._records if k[0] == role and k[1] not in wanted]:
+            del self._records[key]
+        for instance in wanted:
+            self._records.setdefault((role, instance), InstanceRecord(role, instance))
+
+    def records(self) -> list[InstanceRecord]:
+        """Sorted by role then address (the order /instances shows)."""
+        return sorted(self._records.values(), key=lambda r: (r.role, address_key(r.instance)))

@@ -1,0 +1,176 @@
+"""The router's settings, from `dsv4 serve --role router` arguments.
+
+Two forms: deployed (`--config-dir DIR` holding `router.json`, the router-config document) and
+quick (`--instance ROLE=HOST:HTTP:STATUS:KV`, repeated). Every bad input raises `ConfigError`
+whose message names the flag or the document field. Reads one file; otherwise pure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from dsv4_common.api.documents import DocumentError
+from dsv4_common.api.names import WORKER_ROLES, WorkerRole
+from dsv4_common.api.rank_config import (
+    ROUTER_CONFIG_KEY,
+    Instance,
+    RouterConfig,
+    parse_router_config,
+)
+
+QUICK_HOST: Final = "127.0.0.1"
+DEPLOYED_HOST: Final = "0.0.0.0"
+INSTANCE_FORM: Final = "ROLE=HOST:HTTP:STATUS:KV"
+MAX_PORT: Final = 65535
+_ROLE_NAMES: Final[dict[str, WorkerRole]] = {role: role for role in WORKER_ROLES}
+
+
+class ConfigError(ValueError):
+    """A bad argument or config field; the message starts with its name."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoleTargets:
+    """Where one role's instances are: fixed, or every address `service` resolves to."""
+
+    instances: tuple[Instance, ...] = ()
+    service: str | None = None  # DNS name (used when `instances` is empty)
+    http_port: int = 0
+    status_port: int = 0
+    kv_port: int = 0
+
+    def from_address(self, host: str) -> Instance:
+        return Instance(host, self.http_port, self.status_port, self.kv_port)
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    host: str
+    port: int  # the API (0: any free port)
+    status_port: int | None  # probes and metrics also here (deployed form); None: API port only
+    roles: Mapping[WorkerRole, RoleTargets]
+    poll_interval_s: float = 0.5
+    stale_after_s: float = 3.0  # a status older than this makes the instance ineligible
+    status_timeout_s: float = 1.0  # per /status or /ready probe
+    connect_timeout_s: float = 3.0  # to a decode's API
+    # Decode sends its headers with the first token, so this covers the whole prefill.
+    first_byte_timeout_s: float = 600.0
+    max_attempts: int = 3  # pairs tried per request
+    shutdown_timeout_s: float = 20.0  # open streams get this long after SIGTERM
+    # What set the ports, for errors ("--port", "<dir>/router.json: router_config.port").
+    port_name: str = "--port"
+    status_port_name: str = "router_config.status_port"
+
+
+def settings_from_args(args: argparse.Namespace) -> RouterSettings:
+    config_dir: str | None = getattr(args, "config_dir", None)
+    flags: Sequence[str] = getattr(args, "instance", None) or []
+    host: str | None = getattr(args, "host", None)
+    if config_dir is not None:
+        if flags:
+            raise ConfigError("--instance: not with --config-dir (router.json lists the roles)")
+        return _deployed(Path(config_dir), host or DEPLOYED_HOST)
+    port = getattr(args, "port", 8000)
+    if not isinstance(port, int) or not 0 <= port <= MAX_PORT:
+        raise ConfigError(f"--port: must be in 0..{MAX_PORT}, got {port!r}")
+    return RouterSettings(
+        host=host or QUICK_HOST, port=port, status_port=None, roles=_quick_roles(flags)
+    )
+
+
+def parse_instance(text: str) -> tuple[WorkerRole, Instance]:
+    """`prefill=127.0.0.1:9001:9002:9003` (an IPv6 host in brackets: `[::1]:...`)."""
+    name, sep, address = text.partition("=")
+    role = _ROLE_NAMES.get(name)
+    if not sep or role is None:
+        raise ConfigError(
+            f"--instance: expected {INSTANCE_FORM} with ROLE prefill or decode, got {text!r}"
+        )
+    parts = address.rsplit(":", 3)
+    host = parts[0].removeprefix("[").removesuffix("]") if len(parts) == 4 else ""
+    if not host:
+        raise ConfigError(f"--instance: expected {INSTANCE_FORM}, got {text!r}")
+    ports = []
+    for name, value in zip(("HTTP", "STATUS", "KV"), parts[1:], strict=True):
+        if not value.isdigit() or not 1 <= int(value) <= MAX_PORT:
+            raise ConfigError(f"--instance: {name} port must be in 1..{MAX_PORT}, got {text!r}")
+        ports.append(int(value))
+    return role, Instance(host, ports[0], ports[1], ports[2])
+
+
+def _quick_roles(flags: Sequence[str]) -> dict[WorkerRole, RoleTargets]:
+    found: dict[WorkerRole, list[Instance]] = {role: [] for role in WORKER_ROLES}
+    for text in flags:
+        role, instance = parse_instance(text)
+        if instance in found[role]:
+            raise ConfigError(f"--instance: {text!r} is given twice")
+        found[role].append(instance)
+    for role in WORKER_ROLES:
+        if not found[role]:
+            raise ConfigError(f"--instance: needs at least one {role} instance, got none")
+    return {role: RoleTargets(instances=tuple(found[role])) for role in WORKER_ROLES}
+
+
+def _deployed(config_dir: Path, host: str) -> RouterSettings:
+    path = config_dir / ROUTER_CONFIG_KEY
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"--config-dir: cannot read {path}: {exc.strerror or exc}") from exc
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+    try:
+        config = parse_router_config(doc)
+    except DocumentError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    _check_router_config(config, str(path))
+    roles = {role: _role_targets(config, role) for role in WORKER_ROLES}
+    return RouterSettings(
+        host=host,
+        port=config.port,
+        status_port=config.status_port,
+        roles=roles,
+        port_name=f"{path}: router_config.port",
+        status_port_name=f"{path}: router_config.status_port",
+    )
+
+
+def _role_targets(config: RouterConfig, role: WorkerRole) -> RoleTargets:
+    endpoint = config.roles[role]
+    return RoleTargets(
+        instances=endpoint.instances,
+        service=endpoint.service,
+        http_port=endpoint.port,
+        status_port=config.status_port,
+        kv_port=endpoint.bootstrap_port,
+    )
+
+
+def _check_router_config(config: RouterConfig, where: str) -> None:
+    ports: dict[str, int] = {"port": config.port, "status_port": config.status_port}
+    for role in WORKER_ROLES:
+        endpoint = config.roles[role]
+        base = f"roles.{role}"
+        if not endpoint.instances and not endpoint.service:
+            raise ConfigError(
+                f"{where}: router_config.{base}.service: empty and no instances are listed"
+            )
+        ports[f"{base}.port"] = endpoint.port
+        ports[f"{base}.bootstrap_port"] = endpoint.bootstrap_port
+        for i, inst in enumerate(endpoint.instances):
+            if not inst.host:
+                raise ConfigError(f"{where}: router_config.{base}.instances[{i}].host: empty")
+            for name in ("http_port", "status_port", "kv_port"):
+                ports[f"{base}.instances[{i}].{name}"] = getattr(inst, name)
+    for name, value in ports.items():
+        if not 1 <= value <= MAX_PORT:
+            raise ConfigError(
+                f"{where}: router_config.{name}: must be in 1..{MAX_PORT}, got {value}"
+            )

@@ -1,0 +1,44 @@
+"""OpenAI-style error bodies the router answers with itself, and reading one from upstream."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Final, Literal
+
+from aiohttp import web
+
+ErrorType = Literal["invalid_request_error", "server_error"]
+RETRY_AFTER_S: Final = 1
+# How much of an upstream error body is kept for the router's own message.
+MAX_UPSTREAM_MESSAGE_CHARS: Final = 500
+
+
+def error_body(message: str, error_type: ErrorType, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param}}
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    error_type: ErrorType = "server_error",
+    param: str | None = None,
+    retry: bool = False,
+) -> web.Response:
+    """`retry`: add `Retry-After` (the client may try again shortly)."""
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if retry else None
+    return web.json_response(error_body(message, error_type, param), status=status, headers=headers)
+
+
+def upstream_message(payload: bytes) -> str:
+    """`error.message` of an OpenAI-style error body, else the body's text (shortened)."""
+    text = payload.decode("utf-8", errors="replace")
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
+        message = doc["error"].get("message")
+        if isinstance(message, str):
+            text = message
+    return text.strip()[:MAX_UPSTREAM_MESSAGE_CHARS] or "(empty body)"

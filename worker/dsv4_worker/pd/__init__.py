@@ -1,0 +1,1 @@
+"""PD disaggregation: prefill and decode roles, KV/state transfer."""

@@ -1,0 +1,36 @@
+"""The threading rule of the PD control plane: one thread owns every zmq socket of an agent.
+
+Other threads (the engine thread) hand it outgoing messages through `Outbox.put`, an inproc
+PUSH socket guarded by a lock that wakes the owner's poller at once (no polling delay).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Sequence
+
+import zmq
+
+_ids = itertools.count()
+
+
+class Outbox:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], name: str) -> None:
+        address = f"inproc://dsv4-{name}-{next(_ids)}"
+        self.pull = ctx.socket(zmq.PULL)  # read by the owner thread only
+        self.pull.bind(address)
+        self._push = ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.connect(address)
+        self._lock = threading.Lock()
+
+    def put(self, frames: Sequence[bytes]) -> None:
+        """Queue one multipart message for the owner thread (any thread)."""
+        with self._lock:
+            self._push.send_multipart(list(frames))
+
+    def close(self) -> None:
+        with self._lock:
+            self._push.close(linger=0)
+        self.pull.close(linger=0)

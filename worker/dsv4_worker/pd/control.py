@@ -1,0 +1,129 @@
+"""The PD control messages between a decode and a prefill worker (pyzmq, two frames: the
+message type, then its JSON body). Strict: a body that does not match its dataclass is refused
+with an error naming the field (`dsv4_common.api.documents`).
+
+    decode -> prefill   hello     its manifest, transfer backend and transfer descriptor
+    prefill -> decode   welcome   ok, or the first manifest field that differs
+    decode -> prefill   prefill   a preallocated request: prompt, sampling, destination units
+    prefill -> decode   done      every chunk and the state landed; the first token
+    prefill -> decode   failed    the request cannot be served (the message says why)
+    decode -> prefill   abort     stop and forget the request (client gone, timeout)
+    prefill -> decode   aborted   nothing more will be written for it
+
+Versioned with the manifest: `hello` carries the manifest version, checked first.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
+
+from dsv4_common.api.documents import DocumentError, from_document, to_document
+from dsv4_common.api.manifest import Manifest
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    peer: str  # the decode worker's transfer peer id
+    backend: str
+    manifest: Manifest
+    descriptor: str  # base64 of the transfer target's descriptor
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    ok: bool
+    message: str = ""
+    manifest_hash: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRequest:
+    room: str
+    prompt: tuple[int, ...]
+    sampling: Sampling
+    stop_token_ids: tuple[int, ...]
+    dst_full_pages: tuple[int, ...]  # one per page column of the prompt
+    dst_swa_pages: tuple[int, ...]  # one per column of the window tail (`columns.tail_cols`)
+    dst_slot: int
+    timeout_s: float  # the prefill side gives up (and frees) past this
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    room: str
+    first_token: int
+    generator_state: str | None  # base64 of the sampler's generator state after the token
+    tags: tuple[str, ...]  # every transfer tag decode must have seen land
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    room: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    room: str
+
+
+@dataclass(frozen=True, slots=True)
+class Aborted:
+    room: str
+
+
+Message = Hello | Welcome | PrefillRequest | Done | Failed | Abort | Aborted
+TYPES: Final[dict[str, type[Any]]] = {
+    "hello": Hello,
+    "welcome": Welcome,
+    "prefill": PrefillRequest,
+    "done": Done,
+    "failed": Failed,
+    "abort": Abort,
+    "aborted": Aborted,
+}
+_NAMES: Final = {cls: name for name, cls in TYPES.items()}
+
+
+class ControlError(ValueError):
+    """A control message that does not parse; the message names the field."""
+
+
+def encode(msg: Message) -> list[bytes]:
+    return [_NAMES[type(msg)].encode(), json.dumps(to_document(msg)).encode()]
+
+
+def decode(frames: list[bytes]) -> Message:
+    if len(frames) != 2:
+        raise ControlError(f"control message: expected 2 frames, got {len(frames)}")
+    name = frames[0].decode(errors="replace")
+    cls = TYPES.get(name)
+    if cls is None:
+        raise ControlError(f"control message: unknown type {name!r}")
+    try:
+        body = json.loads(frames[1])
+        msg: Message = from_document(cls, body, name)
+    except (json.JSONDecodeError, UnicodeDecodeError, DocumentError) as exc:
+        raise ControlError(str(exc)) from exc
+    return msg
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def unb64(text: str) -> bytes:
+    return base64.b64decode(text.encode())

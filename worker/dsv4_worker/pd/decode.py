@@ -1,0 +1,290 @@
+"""The decode side of PD: preallocates arriving requests (the engine's scheduler decides when,
+under the one admission function), tells their prefill instance where to write, and turns
+them into decoders when their KV, state and first token have landed.
+
+Threads: the control thread owns one DEALER socket per prefill instance (handshake first:
+manifest, backend and this side's transfer descriptor; a mismatch fails every request sent
+there with the prefill's message naming the field) and the transfer target's landed tags;
+the engine thread hands it messages through the outbox (`on_prealloc`, `on_cancel`) and gets
+results back through `post` (`complete_transfer`, `fail_transfer`, `release`).
+
+A request completes when `done` arrived and every tag it lists landed. A request whose prefill
+does not answer within `transfer_timeout_s` fails (the client may retry elsewhere); a cancelled
+request keeps its pages until the prefill side says `aborted` (nothing more will land) or the
+timeout passes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from dsv4_common.api.manifest import Manifest
+from dsv4_worker.engine.loop import Engine, Request
+from dsv4_worker.pd import control as C
+from dsv4_worker.pd.channel import Outbox
+from dsv4_worker.pd.columns import tail_cols
+from dsv4_worker.pd.prefill import Post, generator_state_tensor
+from dsv4_worker.pd.transfer import TransferTarget
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 50
+HANDSHAKE_TIMEOUT_S = 10.0
+
+
+@dataclass(slots=True)
+class _Prefill:
+    address: str  # host:port of its control socket
+    sock: zmq.Socket[bytes]
+    state: str = "connecting"  # connecting | ready | failed
+    error: str = ""
+    since_s: float = field(default_factory=time.monotonic)
+    queued: list[C.PrefillRequest] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Flight:
+    rid: int
+    prefill: str
+    deadline_s: float
+    done: C.Done | None = None
+    cancelled: bool = False
+
+
+class DecodeAgent:
+    def __init__(
+        self,
+        engine: Engine,
+        post: Post,
+        target: TransferTarget,
+        manifest: Manifest,
+        *,
+        default_prefill: str | None = None,
+        transfer_timeout_s: float = 60.0,
+    ) -> None:
+        self.engine = engine
+        self.post = post
+        self.target = target
+        self.manifest = manifest
+        self.default_prefill = default_prefill
+        self.transfer_timeout_s = transfer_timeout_s
+        self.peer_id = f"decode-{uuid.uuid4().hex[:12]}"
+        self._descriptor = C.b64(target.descriptor())
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._outbox = Outbox(self._ctx, "decode")
+        self._prefills: dict[str, _Prefill] = {}
+        self._flights: dict[str, _Flight] = {}  # room -> in flight
+        self._landed: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dsv4-pd-decode", daemon=True)
+        self._lock = threading.Lock()
+        self._status: tuple[bool, str | None] = (False, None)
+        engine.on_prealloc = self.on_prealloc
+        engine.on_cancel = self.on_cancel
+
+    def start(self) -> None:
+        self._thread.start()
+        if self.default_prefill:
+            self._outbox.put([b"connect", self.default_prefill.encode()])
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._outbox.close()
+        for p in self._prefills.values():
+            p.sock.close(linger=0)
+        self._ctx.term()
+
+    def kv_status(self) -> tuple[bool, str | None]:
+        """(a handshake succeeded and none failed since, the last handshake error)."""
+        with self._lock:
+            return self._status
+
+    # -- engine thread ---------------------------------------------------------------------------
+
+    def on_prealloc(self, req: Request) -> None:
+        """The request's pages are preallocated: send it to its prefill instance."""
+        assert req.slot is not None
+        address = req.prefill or self.default_prefill
+        room = f"{self.peer_id}:{req.rid}"
+        if not address:
+            self.post(lambda: self.engine.fail_transfer(req.rid, "no prefill instance given"))
+            return
+        m = self.manifest
+        n = len(req.prompt)
+        full, swa = self.engine.mem.pages.request_pages(req.slot)
+        tail = tail_cols(n, m.page_size, m.window_tokens + m.draft_tokens)
+        p = req.params
+        msg = C.PrefillRequest(
+            room=room,
+            prompt=req.prompt,
+            sampling=C.Sampling(p.temperature, p.top_p, p.top_k, p.seed),
+            stop_token_ids=p.stop_token_ids,
+            dst_full_pages=tuple(full.tolist()),
+            dst_swa_pages=tuple(swa[tail.start : tail.stop].tolist()),
+            dst_slot=req.slot,
+            timeout_s=self.transfer_timeout_s,
+        )
+        self._outbox.put([b"prefill", address.encode(), str(req.rid).encode(), *C.encode(msg)])
+
+    def on_cancel(self, req: Request) -> None:
+        self._outbox.put([b"abort", str(req.rid).encode(), f"{self.peer_id}:{req.rid}".encode()])
+
+    # -- control thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._outbox.pull, zmq.POLLIN)
+        while not self._stop.is_set():
+            wait_ms = 1 if any(f.done for f in self._flights.values()) else POLL_MS
+            for sock, _ in poller.poll(wait_ms):
+                if sock is self._outbox.pull:
+                    self._outgoing(self._outbox.pull.recv_multipart(), poller)
+                else:
+                    self._incoming(sock, sock.recv_multipart())
+            self._landed.update(self.target.poll_landed())
+            self._complete_landed()
+            self._expire(time.monotonic())
+
+    def _peer(self, address: str, poller: zmq.Poller) -> _Prefill:
+        peer = self._prefills.get(address)
+        if peer is not None and peer.state != "failed":
+            return peer
+        if peer is not None:  # failed before: try again with a fresh socket
+            poller.unregister(peer.sock)
+            peer.sock.close(linger=0)
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://{address}")
+        poller.register(sock, zmq.POLLIN)
+        peer = _Prefill(address, sock)
+        self._prefills[address] = peer
+        hello = C.Hello(self.peer_id, self.target.backend, self.manifest, self._descriptor)
+        sock.send_multipart(C.encode(hello))
+        return peer
+
+    def _outgoing(self, frames: list[bytes], poller: zmq.Poller) -> None:
+        kind = frames[0]
+        if kind == b"connect":
+            self._peer(frames[1].decode(), poller)
+        elif kind == b"prefill":
+            address, rid = frames[1].decode(), int(frames[2])
+            msg = C.decode(frames[3:])
+            assert isinstance(msg, C.PrefillRequest)
+            peer = self._peer(address, poller)
+            self._flights[msg.room] = _Flight(
+                rid, address, time.monotonic() + self.transfer_timeout_s
+            )
+            if peer.state == "ready":
+                peer.sock.send_multipart(C.encode(msg))
+            else:
+                peer.queued.append(msg)
+        elif kind == b"abort":
+            room = frames[2].decode()
+            flight = self._flights.get(room)
+            if flight is None:
+                self.post(functools.partial(self.engine.release, int(frames[1])))
+                return
+            flight.cancelled = True
+            sender = self._prefills.get(flight.prefill)
+            if sender is not None and sender.state == "ready":
+                sender.sock.send_multipart(C.encode(C.Abort(room)))
+            elif sender is not None:  # never sent: nothing can land
+                sender.queued = [m for m in sender.queued if m.room != room]
+                self._end(room, self.engine.release)
+
+    def _incoming(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
+        peer = next((p for p in self._prefills.values() if p.sock is sock), None)
+        if peer is None:
+            return
+        try:
+            msg = C.decode(frames)
+        except C.ControlError as exc:
+            log.warning("bad control message from prefill %s: %s", peer.address, exc)
+            return
+        if isinstance(msg, C.Welcome):
+            self._welcome(peer, msg)
+        elif isinstance(msg, C.Done):
+            flight = self._flights.get(msg.room)
+            if flight is not None:
+                flight.done = msg
+        elif isinstance(msg, C.Failed):
+            self._end(msg.room, functools.partial(self._fail, why=f"prefill: {msg.message}"))
+        elif isinstance(msg, C.Aborted):
+            self._end(msg.room, self.engine.release)
+
+    def _welcome(self, peer: _Prefill, msg: C.Welcome) -> None:
+        if msg.ok:
+            peer.state = "ready"
+            with self._lock:
+                self._status = (True, None)
+            for queued in peer.queued:
+                peer.sock.send_multipart(C.encode(queued))
+            peer.queued.clear()
+            log.info("KV transfer handshake with prefill %s: ok", peer.address)
+            return
+        self._handshake_failed(peer, f"prefill {peer.address} refused the handshake: {msg.message}")
+
+    def _handshake_failed(self, peer: _Prefill, why: str) -> None:
+        log.error("%s", why)
+        peer.state, peer.error = "failed", why
+        with self._lock:
+            self._status = (False, why)
+        for queued in peer.queued:
+            self._end(queued.room, functools.partial(self._fail, why=why))
+        peer.queued.clear()
+
+    def _complete_landed(self) -> None:
+        for room, flight in list(self._flights.items()):
+            done = flight.done
+            if done is None or not self._landed.issuperset(done.tags):
+                continue
+            self._landed.difference_update(done.tags)
+            state = generator_state_tensor(done.generator_state) if done.generator_state else None
+            if flight.cancelled:
+                self._end(room, self.engine.release)
+            else:
+                self._end(
+                    room,
+                    functools.partial(
+                        self._complete, first_token=done.first_token, generator_state=state
+                    ),
+                )
+
+    def _expire(self, now: float) -> None:
+        for peer in self._prefills.values():
+            if peer.state == "connecting" and now - peer.since_s > HANDSHAKE_TIMEOUT_S:
+                self._handshake_failed(
+                    peer,
+                    f"prefill {peer.address}: no handshake answer in {HANDSHAKE_TIMEOUT_S:g} s",
+                )
+        for room, flight in list(self._flights.items()):
+            if now <= flight.deadline_s:
+                continue
+            sender = self._prefills.get(flight.prefill)
+            if sender is not None and sender.state == "ready":
+                sender.sock.send_multipart(C.encode(C.Abort(room)))
+            why = f"prefill {flight.prefill} did not deliver within {self.transfer_timeout_s:g} s"
+            self._end(room, functools.partial(self._fail, why=why))
+
+    def _fail(self, rid: int, why: str) -> None:
+        self.engine.fail_transfer(rid, why)
+
+    def _complete(
+        self, rid: int, *, first_token: int, generator_state: torch.Tensor | None
+    ) -> None:
+        self.engine.complete_transfer(rid, first_token, generator_state)
+
+    def _end(self, room: str, then: Callable[[int], None]) -> None:
+        flight = self._flights.pop(room, None)
+        if flight is not None:
+            self.post(lambda: then(flight.rid))

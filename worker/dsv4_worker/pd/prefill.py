@@ -1,0 +1,283 @@
+"""The prefill side of PD: takes preallocated requests from decode workers, runs their chunked
+prefill in the ordinary engine, and writes their KV and state into decode's memory.
+
+Threads: the control thread owns the ROUTER socket decode workers connect to and hands every
+message to the engine thread (`post`); everything else (handshake, submit, transfers, frees)
+runs on the engine thread, between steps (`after_step`), so the pools have one writer.
+
+Per request (a `_Tx`): after each step, the full pages its chunks completed travel
+(`columns.send_step`); when prefill samples the first token (the engine keeps the finished
+request's pages: `keep_pages`), the last step sends the remaining pages, the window tail, the
+request state, then `done` with the first token; only then are the pages freed. A transfer
+error, a decode `abort` or the request's own timeout frees everything at once.
+
+NOTE: admission is the engine's: by the full pool, never capped by the SWA pool (a chunk
+shrinks when it cannot fit the SWA pool; ref. PR #26607, issue #31205).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from dsv4_common.api.manifest import Manifest, manifest_hash, manifest_mismatch
+from dsv4_common.core.layout import IndexSpace
+from dsv4_worker.engine.loop import Engine, Request
+from dsv4_worker.engine.sampler import SamplingParams
+from dsv4_worker.pd import control as C
+from dsv4_worker.pd.blocks import transfer_blocks
+from dsv4_worker.pd.channel import Outbox
+from dsv4_worker.pd.columns import send_step, tail_cols
+from dsv4_worker.pd.transfer import TransferError, TransferInitiator
+
+log = logging.getLogger(__name__)
+
+Post = Callable[[Callable[[], None]], None]  # run a function on the engine thread
+POLL_MS = 100
+WRITE_TIMEOUT_S = 30.0  # default of `write_timeout_s`
+
+
+@dataclass(slots=True)
+class _Peer:
+    identity: bytes  # the decode worker's zmq identity on our ROUTER socket
+    units: dict[str, int]  # units per index space of its buffers
+
+
+@dataclass(slots=True)
+class _Tx:
+    room: str
+    peer: str
+    req: Request
+    msg: C.PrefillRequest
+    deadline_s: float
+    sent_cols: int = 0
+    tags: list[str] = field(default_factory=list)
+
+
+class PrefillAgent:
+    def __init__(
+        self,
+        engine: Engine,
+        post: Post,
+        initiator: TransferInitiator,
+        manifest: Manifest,
+        bind: str,
+        *,
+        write_timeout_s: float = WRITE_TIMEOUT_S,
+    ) -> None:
+        self.engine = engine
+        self.write_timeout_s = write_timeout_s
+        self.post = post
+        self.initiator = initiator
+        self.manifest = manifest
+        self.hash = manifest_hash(manifest)
+        self._peers: dict[str, _Peer] = {}
+        self._txs: dict[str, _Tx] = {}  # room -> transfer
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.bind(bind)
+        last = self._router.getsockopt(zmq.LAST_ENDPOINT)
+        assert isinstance(last, bytes)
+        self.endpoint = last.decode()
+        self._outbox = Outbox(self._ctx, "prefill")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dsv4-pd-prefill", daemon=True)
+        self.ready = False  # a decode worker completed the handshake
+
+    @property
+    def port(self) -> int:
+        return int(self.endpoint.rsplit(":", 1)[1])
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._outbox.close()
+        self._router.close(linger=0)
+        self._ctx.term()
+
+    # -- control thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._outbox.pull, zmq.POLLIN)
+        while not self._stop.is_set():
+            for sock, _ in poller.poll(POLL_MS):
+                if sock is self._outbox.pull:
+                    self._router.send_multipart(self._outbox.pull.recv_multipart())
+                    continue
+                identity, *frames = self._router.recv_multipart()
+                try:
+                    msg = C.decode(frames)
+                except C.ControlError as exc:
+                    log.warning("bad control message from a decode worker: %s", exc)
+                    continue
+                self.post(functools.partial(self._handle, identity, msg))
+
+    def _send(self, identity: bytes, msg: C.Message) -> None:
+        self._outbox.put([identity, *C.encode(msg)])
+
+    # -- engine thread ---------------------------------------------------------------------------
+
+    def _handle(self, identity: bytes, msg: C.Message) -> None:
+        if isinstance(msg, C.Hello):
+            self._hello(identity, msg)
+        elif isinstance(msg, C.PrefillRequest):
+            self._prefill(identity, msg)
+        elif isinstance(msg, C.Abort):
+            self._abort(msg.room)
+            self._send(identity, C.Aborted(msg.room))
+        else:
+            log.warning("unexpected %s from a decode worker", type(msg).__name__)
+
+    def _hello(self, identity: bytes, msg: C.Hello) -> None:
+        why = manifest_mismatch(self.manifest, msg.manifest)
+        if why is None and msg.backend != self.initiator.backend:
+            why = f"transfer backend: prefill uses {self.initiator.backend}, decode {msg.backend}"
+        if why is None:
+            try:
+                self.initiator.connect(msg.peer, C.unb64(msg.descriptor))
+            except TransferError as exc:
+                why = f"transfer connect: {exc}"
+        if why is not None:
+            log.error("refused decode worker %s at handshake: %s", msg.peer, why)
+            self._send(identity, C.Welcome(False, why))
+            return
+        self._peers[msg.peer] = _Peer(identity, dict(msg.manifest.units))
+        self.ready = True
+        log.info("decode worker %s connected (manifest %s)", msg.peer, self.hash)
+        self._send(identity, C.Welcome(True, manifest_hash=self.hash))
+
+    def _peer_of(self, identity: bytes) -> str | None:
+        for name, peer in self._peers.items():
+            if peer.identity == identity:
+                return name
+        return None
+
+    def _prefill(self, identity: bytes, msg: C.PrefillRequest) -> None:
+        peer = self._peer_of(identity)
+        if peer is None:
+            self._send(identity, C.Failed(msg.room, "no handshake from this decode worker"))
+            return
+        s = msg.sampling
+        try:
+            params = SamplingParams(
+                max_new_tokens=1,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k,
+                seed=s.seed,
+                stop_token_ids=msg.stop_token_ids,
+            )
+            self._check_destination(msg)
+            req = self.engine.submit(msg.prompt, params, keep_pages=True)
+        except ValueError as exc:
+            self._send(identity, C.Failed(msg.room, str(exc)))
+            return
+        self._txs[msg.room] = _Tx(msg.room, peer, req, msg, time.monotonic() + msg.timeout_s)
+
+    def _check_destination(self, msg: C.PrefillRequest) -> None:
+        page, retained = self.manifest.page_size, self.manifest.window_tokens
+        retained += self.manifest.draft_tokens
+        n = len(msg.prompt)
+        cols, tail = -(-n // page), len(tail_cols(n, page, retained))
+        if len(msg.dst_full_pages) != cols or len(msg.dst_swa_pages) != tail:
+            raise ValueError(
+                f"destination: {len(msg.dst_full_pages)} full / {len(msg.dst_swa_pages)} SWA "
+                f"pages for a {n}-token prompt, expected {cols} / {tail}"
+            )
+
+    def _abort(self, room: str) -> None:
+        tx = self._txs.pop(room, None)
+        if tx is not None:
+            self.engine.abort(tx.req.rid)  # frees it, or releases it when already finished
+
+    def after_step(self, finished: list[Request]) -> None:
+        """Send what this step computed; finish transfers whose first token is out."""
+        now = time.monotonic()
+        for room, tx in list(self._txs.items()):
+            req = tx.req
+            try:
+                if req.finish_reason is not None and req.finish_reason not in ("stop", "length"):
+                    raise _Fail(req.error or f"prefill ended: {req.finish_reason}")
+                if now > tx.deadline_s:
+                    raise _Fail(f"prefill did not finish within {tx.msg.timeout_s:g} s")
+                if req.finished:
+                    self._send_step(tx, last=True)
+                    state = req.generator.get_state() if req.generator is not None else None
+                    self._send(
+                        self._peers[tx.peer].identity,
+                        C.Done(
+                            room,
+                            req.output[0],
+                            C.b64(state.numpy().tobytes()) if state is not None else None,
+                            tuple(tx.tags),
+                        ),
+                    )
+                    del self._txs[room]
+                    self.engine.release(req.rid)
+                elif (
+                    req.slot is not None
+                    and req.num_tokens // self.manifest.page_size > tx.sent_cols
+                ):
+                    self._send_step(tx, last=False)
+            except (_Fail, TransferError) as exc:
+                log.warning("request %s failed: %s", room, exc)
+                del self._txs[room]
+                self.engine.abort(req.rid)
+                peer = self._peers.get(tx.peer)
+                if peer is not None:
+                    self._send(peer.identity, C.Failed(room, str(exc)))
+
+    def _send_step(self, tx: _Tx, *, last: bool) -> None:
+        req, msg, m = tx.req, tx.msg, self.manifest
+        assert req.slot is not None
+        step = send_step(
+            tx.sent_cols,
+            req.num_tokens if not last else len(req.prompt),
+            last=last,
+            page_size=m.page_size,
+            retained_tokens=m.window_tokens + m.draft_tokens,
+        )
+        full, swa = self.engine.mem.pages.request_pages(req.slot)
+        full_l, swa_l = full.tolist(), swa.tolist()
+        tail0 = step.swa_cols.start
+        pairs: dict[str, list[tuple[int, int]]] = {
+            IndexSpace.FULL_PAGE: [(full_l[c], msg.dst_full_pages[c]) for c in step.full_cols],
+            IndexSpace.SWA_PAGE: [(swa_l[c], msg.dst_swa_pages[c - tail0]) for c in step.swa_cols],
+            IndexSpace.REQ_SLOT: [(req.slot, msg.dst_slot)] if step.request_state else [],
+        }
+        if any(src < 1 for src, _ in pairs[IndexSpace.SWA_PAGE]):
+            raise _Fail("internal: a window-tail column has no SWA page on the prefill side")
+        peer = self._peers[tx.peer]
+        blocks = transfer_blocks(m, _local_units(self.engine), peer.units, pairs)
+        tag = f"{tx.room}:{len(tx.tags)}"
+        self.initiator.write(tx.peer, blocks, tag, self.write_timeout_s)
+        tx.tags.append(tag)
+        tx.sent_cols = step.full_cols.stop
+
+
+class _Fail(Exception):
+    pass
+
+
+def _local_units(engine: Engine) -> dict[str, int]:
+    pool = engine.mem.pool
+    assert pool is not None
+    return {str(space): n for space, n in pool.units.items()}
+
+
+def generator_state_tensor(text: str) -> torch.Tensor:
+    """The decode side's view of a `Done.generator_state`."""
+    return torch.frombuffer(bytearray(C.unb64(text)), dtype=torch.uint8)

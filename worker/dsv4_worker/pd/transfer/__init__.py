@@ -1,0 +1,90 @@
+"""KV transfer between prefill (initiator) and decode (target) behind one small protocol
+(`base`), with backends chosen by name: `nixl` (NIXL over UCX) and `zmq` (pyzmq, the portable
+fallback). A backend's module, and NIXL itself, is imported only when that backend is chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Final, TypeVar
+
+from dsv4_worker.pd.transfer.base import (
+    Block,
+    Region,
+    TransferError,
+    TransferInitiator,
+    TransferTarget,
+    check_blocks,
+    check_same_regions,
+    merge_blocks,
+)
+
+__all__ = [
+    "BACKENDS",
+    "Block",
+    "Region",
+    "TransferError",
+    "TransferInitiator",
+    "TransferTarget",
+    "check_blocks",
+    "check_same_regions",
+    "make_initiator",
+    "make_target",
+    "merge_blocks",
+]
+
+T = TypeVar("T")
+
+
+def _nixl_target(host: str) -> TransferTarget:
+    from dsv4_worker.pd.transfer.nixl_backend import NixlTarget
+
+    del host  # UCX picks its own addresses; they travel in the agent metadata
+    return NixlTarget()
+
+
+def _zmq_target(host: str) -> TransferTarget:
+    from dsv4_worker.pd.transfer.zmq_backend import ZmqTarget
+
+    return ZmqTarget(host)
+
+
+def _nixl_initiator(name: str) -> TransferInitiator:
+    from dsv4_worker.pd.transfer.nixl_backend import NixlInitiator
+
+    return NixlInitiator(name)
+
+
+def _zmq_initiator(name: str) -> TransferInitiator:
+    from dsv4_worker.pd.transfer.zmq_backend import ZmqInitiator
+
+    return ZmqInitiator(name)
+
+
+_TARGETS: Final[dict[str, Callable[[str], TransferTarget]]] = {
+    "nixl": _nixl_target,
+    "zmq": _zmq_target,
+}
+_INITIATORS: Final[dict[str, Callable[[str], TransferInitiator]]] = {
+    "nixl": _nixl_initiator,
+    "zmq": _zmq_initiator,
+}
+BACKENDS: Final = tuple(_TARGETS)
+
+
+def make_target(backend: str, *, host: str = "127.0.0.1") -> TransferTarget:
+    """The receiving side; `host`: the address initiators dial (zmq binds it)."""
+    return _choose(_TARGETS, backend)(host)
+
+
+def make_initiator(backend: str, *, name: str) -> TransferInitiator:
+    """The sending side; `name` shows in the peer's logs."""
+    return _choose(_INITIATORS, backend)(name)
+
+
+def _choose(registry: dict[str, T], backend: str) -> T:
+    if backend not in registry:
+        raise TransferError(
+            f"kv transfer: unknown backend {backend!r}; choose one of {', '.join(registry)}"
+        )
+    return registry[backend]

@@ -1,0 +1,175 @@
+"""The KV transfer protocol: regions, blocks, the target/initiator protocols and the pure block
+checks both backends share. No sockets, no NIXL.
+
+An initiator (prefill) writes byte blocks of its registered regions into the regions of the same
+name of a target (decode). A write is tagged; the target reports the tag once every byte landed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Protocol
+
+import torch
+
+
+class TransferError(Exception):
+    """A transfer operation failed; the message names the backend, the peer and the region or
+    block involved. After a failed write, that write's destination bytes are undefined and its
+    tag may or may not land."""
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """One registered memory region: a contiguous tensor (CPU or CUDA), any dtype, addressed in
+    bytes from its first element."""
+
+    name: str
+    tensor: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """Copy `nbytes` from the initiator's region `region` at `src_offset` to the target's region
+    of the same name at `dst_offset`."""
+
+    region: str
+    src_offset: int
+    dst_offset: int
+    nbytes: int
+
+
+class TransferTarget(Protocol):
+    """The receiving side (decode): initiators write into its regions."""
+
+    backend: str
+
+    def register(self, regions: Sequence[Region]) -> None:
+        """Once, before `descriptor()`."""
+
+    def descriptor(self) -> bytes:
+        """Opaque: everything an initiator needs to `connect` (address, each region's size)."""
+
+    def poll_landed(self) -> list[str]:
+        """Tags whose writes fully landed since the last call, each once. Never blocks."""
+
+    def close(self) -> None:
+        """Idempotent."""
+
+
+class TransferInitiator(Protocol):
+    """The sending side (prefill). NOTE: one thread at a time drives an initiator."""
+
+    backend: str
+
+    def register(self, regions: Sequence[Region]) -> None:
+        """Once, before `connect`."""
+
+    def connect(self, peer: str, descriptor: bytes) -> None:
+        """`peer`: any id the caller picks. Raises TransferError on a bad descriptor, or when
+        the target's region names differ from the local ones (sizes may differ)."""
+
+    def write(self, peer: str, blocks: Sequence[Block], tag: str, timeout_s: float) -> None:
+        """Return once every byte of `blocks` is in the target's memory; the target then reports
+        `tag` (also for no blocks). Checks every block (`check_blocks`) before moving a byte.
+        Raises TransferError on a bad block, a dead peer, or after `timeout_s`."""
+
+    def disconnect(self, peer: str) -> None: ...
+
+    def close(self) -> None:
+        """Idempotent."""
+
+
+def merge_blocks(blocks: Sequence[Block]) -> list[Block]:
+    """Merge each run of consecutive blocks that are contiguous in both source and destination
+    of one region; the order is kept, so the merged list copies exactly the same bytes."""
+    merged: list[Block] = []
+    for b in blocks:
+        last = merged[-1] if merged else None
+        if (
+            last is not None
+            and last.region == b.region
+            and last.src_offset + last.nbytes == b.src_offset
+            and last.dst_offset + last.nbytes == b.dst_offset
+        ):
+            merged[-1] = Block(b.region, last.src_offset, last.dst_offset, last.nbytes + b.nbytes)
+        else:
+            merged.append(b)
+    return merged
+
+
+def check_blocks(
+    blocks: Sequence[Block],
+    local_sizes: Mapping[str, int],
+    remote_sizes: Mapping[str, int],
+    *,
+    peer: str = "?",
+) -> None:
+    """Raise TransferError naming the first bad block: unknown region, `nbytes <= 0`, a range
+    outside either region, or a destination range that overlaps another block's.
+    NOTE: backends may copy the blocks of one write in any order, hence no overlaps."""
+    for i, b in enumerate(blocks):
+        if b.region not in local_sizes or b.region not in remote_sizes:
+            raise TransferError(f"block {i} {b}: unknown region {b.region!r} (peer {peer!r})")
+        if b.nbytes <= 0 or b.src_offset < 0 or b.dst_offset < 0:
+            raise TransferError(f"block {i} {b}: nbytes must be > 0, offsets >= 0 (peer {peer!r})")
+        _check_range(i, b, "src", b.src_offset, local_sizes[b.region], peer)
+        _check_range(i, b, "dst", b.dst_offset, remote_sizes[b.region], peer)
+    _check_no_overlap(blocks, peer)
+
+
+def check_same_regions(
+    local_sizes: Mapping[str, int], remote_sizes: Mapping[str, int], *, peer: str
+) -> None:
+    """Raise TransferError naming the regions only one side has. Sizes may differ: each side
+    sizes its own pools, and `check_blocks` bounds every block on both sides."""
+    only_remote = sorted(set(remote_sizes) - set(local_sizes))
+    only_local = sorted(set(local_sizes) - set(remote_sizes))
+    if only_remote or only_local:
+        raise TransferError(
+            f"peer {peer!r}: region sets differ: target-only {only_remote}, local-only {only_local}"
+        )
+
+
+def check_regions(regions: Sequence[Region]) -> dict[str, int]:
+    """Region name -> nbytes; raises TransferError on a duplicate name, an empty region or a
+    non-contiguous tensor (regions are addressed as flat bytes)."""
+    sizes: dict[str, int] = {}
+    for r in regions:
+        if r.name in sizes:
+            raise TransferError(f"region {r.name!r} registered twice")
+        if not r.tensor.is_contiguous():
+            raise TransferError(f"region {r.name!r}: tensor is not contiguous")
+        if r.nbytes <= 0:
+            raise TransferError(f"region {r.name!r}: tensor is empty")
+        sizes[r.name] = r.nbytes
+    return sizes
+
+
+def region_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's memory as a flat uint8 view (no copy; the tensor must be contiguous)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _check_range(i: int, b: Block, side: str, offset: int, size: int, peer: str) -> None:
+    if offset + b.nbytes > size:
+        raise TransferError(
+            f"block {i} {b}: {side} range [{offset}, {offset + b.nbytes}) is outside region "
+            f"{b.region!r} of {size} bytes (peer {peer!r})"
+        )
+
+
+def _check_no_overlap(blocks: Sequence[Block], peer: str) -> None:
+    order = sorted(range(len(blocks)), key=lambda i: (blocks[i].region, blocks[i].dst_offset))
+    for prev, cur in pairwise(order):
+        a, b = blocks[prev], blocks[cur]
+        if a.region == b.region and a.dst_offset + a.nbytes > b.dst_offset:
+            raise TransferError(
+                f"block {cur} {b}: destination overlaps block {prev} {a} (peer {peer!r})"
+            )

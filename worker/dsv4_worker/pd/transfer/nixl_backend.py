@@ -1,0 +1,439 @@
+"""NIXL transfer backend (UCX; DRAM_SEG for CPU tensors, VRAM_SEG for CUDA tensors). The only
+module that imports NIXL, lazily (`load_nixl`).
+
+No NIXL listen thread and no NIXL progress thread (it spins a whole core): the target's agent
+metadata and region addresses travel in its descriptor over our own control channel, and a
+target thread polls notifications every `PUMP_INTERVAL_S`, which also progresses UCX (without
+it, writes over TCP never complete).
+NOTE: after `register`, only that thread touches the target's agent (until `close`).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import importlib
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, NamedTuple
+
+import numpy as np
+import torch
+
+from dsv4_worker.pd.transfer.base import (
+    Block,
+    Region,
+    TransferError,
+    check_blocks,
+    check_regions,
+    check_same_regions,
+    merge_blocks,
+)
+
+log = logging.getLogger(__name__)
+
+BACKEND: Final = "nixl"
+NIXL_MODULES: Final = ("nixl_cu12", "nixl_cu13", "nixl")
+MEM_TYPES: Final = ("DRAM", "VRAM")
+PUMP_INTERVAL_S: Final = 0.0002  # the target's notification poll period while busy
+PUMP_IDLE_INTERVAL_S: Final = 0.002  # ... and at most, while idle
+SPIN_POLLS: Final = 1000  # initiator: polls with sleep(0) before backing off to POLL_SLEEP_S
+POLL_SLEEP_S: Final = 0.0001
+PROGRESS_CALLS: Final = 4  # after a failed write and before close; see `_progress`
+SCRATCH_NBYTES: Final = 64  # each side's scratch, for tags that travel without data
+
+
+@dataclass(frozen=True, slots=True)
+class Nixl:
+    """The imported NIXL API: `nixl_agent` and `nixl_agent_config` of `module`."""
+
+    module: str
+    agent: Any
+    agent_config: Any
+
+
+@functools.cache
+def load_nixl() -> Nixl:
+    """Import the first NIXL module that loads; TransferError when none is installed."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    for name in NIXL_MODULES:
+        try:
+            api = importlib.import_module(f"{name}._api")
+        except ImportError:
+            continue
+        return Nixl(name, api.nixl_agent, api.nixl_agent_config)
+    raise TransferError(
+        "kv transfer nixl: NIXL is not installed (pip install nixl-cu12); use --transfer zmq"
+    )
+
+
+class Segment(NamedTuple):
+    """Where one region lies: base address, size, NIXL memory type and device id."""
+
+    addr: int
+    nbytes: int
+    mem: str
+    dev: int
+
+
+def segment_of(tensor: torch.Tensor) -> Segment:
+    nbytes = tensor.numel() * tensor.element_size()
+    if tensor.is_cuda:
+        return Segment(tensor.data_ptr(), nbytes, "VRAM", tensor.device.index or 0)
+    return Segment(tensor.data_ptr(), nbytes, "DRAM", 0)
+
+
+class NixlTarget:
+    """Receives writes into its registered regions; reports each write's tag once."""
+
+    backend: str = BACKEND
+
+    def __init__(self) -> None:
+        self.name = f"dsv4-kv-target-{uuid.uuid4().hex[:12]}"
+        self._agent: Any = _new_agent(self.name)
+        self._registered: list[Any] = []
+        self._regions: list[Region] = []  # NOTE: keeps the registered memory alive
+        self._scratch = torch.zeros(SCRATCH_NBYTES, dtype=torch.uint8)
+        self._descriptor: bytes | None = None
+        self._landed: deque[str] = deque()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def register(self, regions: Sequence[Region]) -> None:
+        if self._agent is None or self._descriptor is not None:
+            raise TransferError(f"kv transfer nixl: target {self.name} is closed or registered")
+        check_regions(regions)
+        segments = {r.name: segment_of(r.tensor) for r in regions}
+        scratch = segment_of(self._scratch)
+        self._registered = _register(self._agent, [*segments.items(), ("scratch", scratch)])
+        self._regions = list(regions)
+        metadata: bytes = self._agent.get_agent_metadata()
+        self._descriptor = encode_descriptor(self.name, metadata, segments, scratch)
+        self._thread = threading.Thread(target=self._pump, name="dsv4-nixl-target", daemon=True)
+        self._thread.start()
+
+    def descriptor(self) -> bytes:
+        if self._descriptor is None:
+            raise TransferError(f"kv transfer nixl: target {self.name}: register regions first")
+        return self._descriptor
+
+    def poll_landed(self) -> list[str]:
+        tags: list[str] = []
+        while self._landed:
+            tags.append(self._landed.popleft())
+        return tags
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._agent is not None:
+            _deregister(self._agent, self._registered)
+            self._registered, self._regions, self._agent = [], [], None
+
+    def _pump(self) -> None:
+        """Poll notifications (and so progress UCX); the period doubles while idle, up to
+        PUMP_IDLE_INTERVAL_S, and drops back to PUMP_INTERVAL_S when a tag arrives."""
+        interval_s = PUMP_INTERVAL_S
+        while not self._stop.wait(interval_s):
+            try:
+                notifs: dict[str, list[bytes]] = self._agent.get_new_notifs()
+            except Exception:
+                log.exception("kv transfer nixl: target %s: reading notifications", self.name)
+                self._stop.wait(1.0)
+                continue
+            for messages in notifs.values():
+                self._landed.extend(m.decode("utf-8", "replace") for m in messages)
+            idle = not notifs
+            interval_s = min(2 * interval_s, PUMP_IDLE_INTERVAL_S) if idle else PUMP_INTERVAL_S
+
+
+@dataclass(frozen=True, slots=True)
+class _Peer:
+    agent: str
+    segments: dict[str, Segment]
+    scratch: Segment
+
+
+class _Job(NamedTuple):
+    """One transfer: Nx3 (address, nbytes, device) rows on each side, each of one memory type."""
+
+    local_mem: str
+    remote_mem: str
+    local: np.ndarray[Any, np.dtype[np.uint64]]
+    remote: np.ndarray[Any, np.dtype[np.uint64]]
+
+
+class NixlInitiator:
+    """Writes blocks of its registered regions into connected targets."""
+
+    backend: str = BACKEND
+
+    def __init__(self, name: str) -> None:
+        self.name = f"{name}-{uuid.uuid4().hex[:8]}"
+        self._agent: Any = _new_agent(self.name)
+        self._registered: list[Any] = []
+        self._regions: list[Region] = []  # NOTE: keeps the registered memory alive
+        self._segments: dict[str, Segment] = {}
+        self._scratch_tensor = torch.zeros(SCRATCH_NBYTES, dtype=torch.uint8)
+        self._scratch = segment_of(self._scratch_tensor)
+        self._peers: dict[str, _Peer] = {}
+
+    def register(self, regions: Sequence[Region]) -> None:
+        if self._agent is None or self._segments:
+            raise TransferError(f"kv transfer nixl: initiator {self.name} is closed or registered")
+        check_regions(regions)
+        segments = {r.name: segment_of(r.tensor) for r in regions}
+        self._registered = _register(self._agent, [*segments.items(), ("scratch", self._scratch)])
+        self._regions = list(regions)
+        self._segments = segments
+
+    def connect(self, peer: str, descriptor: bytes) -> None:
+        if self._agent is None or not self._segments:
+            raise TransferError(f"kv transfer nixl: initiator {self.name}: register regions first")
+        if peer in self._peers:
+            raise TransferError(f"kv transfer nixl: peer {peer!r} is already connected")
+        agent, metadata, segments, scratch = decode_descriptor(descriptor, peer)
+        check_same_regions(_sizes(self._segments), _sizes(segments), peer=peer)
+        try:
+            loaded = self._agent.add_remote_agent(metadata)
+        except Exception as exc:
+            raise TransferError(
+                f"kv transfer nixl: peer {peer!r}: bad agent metadata: {exc}"
+            ) from exc
+        loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded_name != agent:
+            self._remove(loaded_name)
+            raise TransferError(
+                f"kv transfer nixl: peer {peer!r}: metadata is for agent {loaded_name!r}, "
+                f"the descriptor names {agent!r}"
+            )
+        self._peers[peer] = _Peer(agent, segments, scratch)
+
+    def write(self, peer: str, blocks: Sequence[Block], tag: str, timeout_s: float) -> None:
+        p = self._peer(peer)
+        check_blocks(blocks, _sizes(self._segments), _sizes(p.segments), peer=peer)
+        deadline = time.monotonic() + timeout_s
+        what = f"write {tag!r} to peer {peer!r}"
+        groups = _by_mem_types(merge_blocks(blocks), self._segments, p.segments)
+        jobs = [_job(group, self._segments, p.segments) for group in groups]
+        try:
+            if len(jobs) == 1:  # the usual case: the tag rides on the one transfer
+                self._run(p, jobs, tag.encode(), deadline, what, timeout_s)
+                return
+            # None or several memory-type pairs: the tag follows, once those are done, on a
+            # 1-byte scratch write (a bare notification is not progressed without a transfer)
+            self._run(p, jobs, b"", deadline, what, timeout_s)
+            self._run(
+                p, [_scratch_job(self._scratch, p.scratch)], tag.encode(), deadline, what, timeout_s
+            )
+        except Exception as exc:  # NIXL raises its own types (e.g. a remote disconnect)
+            _progress(self._agent)
+            if isinstance(exc, TransferError):
+                raise
+            raise TransferError(f"kv transfer nixl: {what}: {exc!r}") from exc
+
+    def disconnect(self, peer: str) -> None:
+        p = self._peers.pop(peer, None)
+        if p is not None and self._agent is not None:
+            self._remove(p.agent)
+
+    def close(self) -> None:
+        for peer in list(self._peers):
+            self.disconnect(peer)
+        if self._agent is not None:
+            _progress(self._agent)
+            _deregister(self._agent, self._registered)
+            self._registered, self._regions, self._agent = [], [], None
+
+    def _peer(self, peer: str) -> _Peer:
+        p = self._peers.get(peer)
+        if p is None or self._agent is None:
+            raise TransferError(f"kv transfer nixl: peer {peer!r} is not connected")
+        return p
+
+    def _run(
+        self,
+        p: _Peer,
+        jobs: Sequence[_Job],
+        notif: bytes,
+        deadline: float,
+        what: str,
+        timeout_s: float,
+    ) -> None:
+        """Post every job, then poll until all are done; release the handles in any case."""
+        agent, handles = self._agent, []
+        try:
+            for job in jobs:
+                handle = agent.initialize_xfer(
+                    "WRITE",
+                    agent.get_xfer_descs(job.local, job.local_mem),
+                    agent.get_xfer_descs(job.remote, job.remote_mem),
+                    p.agent,
+                    notif_msg=notif,
+                )
+                handles.append(handle)
+                if agent.transfer(handle) == "ERR":
+                    raise TransferError(f"kv transfer nixl: {what}: posting failed")
+            self._wait(handles, deadline, what, timeout_s)
+        finally:
+            for h in handles:
+                _release(agent, h)
+
+    def _wait(self, handles: Sequence[Any], deadline: float, what: str, timeout_s: float) -> None:
+        pending, polls = list(handles), 0
+        while pending:
+            states = [self._agent.check_xfer_state(h) for h in pending]
+            if "ERR" in states:
+                raise TransferError(f"kv transfer nixl: {what} failed")
+            pending = [h for h, s in zip(pending, states, strict=True) if s != "DONE"]
+            if pending and time.monotonic() > deadline:
+                raise TransferError(f"kv transfer nixl: {what} timed out after {timeout_s:g} s")
+            polls += 1
+            time.sleep(0 if polls < SPIN_POLLS else POLL_SLEEP_S)
+
+    def _remove(self, agent: str) -> None:
+        try:
+            self._agent.remove_remote_agent(agent)
+        except Exception:
+            log.warning("kv transfer nixl: removing remote agent %s", agent, exc_info=True)
+
+
+def encode_descriptor(
+    agent: str, metadata: bytes, segments: Mapping[str, Segment], scratch: Segment
+) -> bytes:
+    """JSON: the agent's name and metadata (base64), each region's segment and the scratch."""
+    doc = {
+        "backend": BACKEND,
+        "agent": agent,
+        "metadata": base64.b64encode(metadata).decode("ascii"),
+        "regions": {name: list(seg) for name, seg in segments.items()},
+        "scratch": list(scratch),
+    }
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def decode_descriptor(
+    descriptor: bytes, peer: str
+) -> tuple[str, bytes, dict[str, Segment], Segment]:
+    """(agent name, agent metadata, region segments, scratch segment); TransferError naming
+    what is wrong."""
+    try:
+        doc = json.loads(descriptor)
+        if doc["backend"] != BACKEND:
+            raise ValueError(f"backend {doc['backend']!r}, expected {BACKEND!r}")
+        agent, metadata = str(doc["agent"]), base64.b64decode(doc["metadata"], validate=True)
+        segments = {str(k): _segment(v) for k, v in doc["regions"].items()}
+        scratch = _segment(doc["scratch"])
+    except (ValueError, KeyError, TypeError, AttributeError, binascii.Error) as exc:
+        raise TransferError(f"kv transfer nixl: bad descriptor from peer {peer!r}: {exc}") from exc
+    return agent, metadata, segments, scratch
+
+
+def _segment(raw: object) -> Segment:
+    if not isinstance(raw, list) or len(raw) != 4:
+        raise ValueError(f"region segment {raw!r}: expected [addr, nbytes, mem, dev]")
+    addr, nbytes, mem, dev = raw
+    ints_ok = all(isinstance(v, int) and v >= 0 for v in (addr, nbytes, dev))
+    if not ints_ok or nbytes == 0 or mem not in MEM_TYPES:
+        raise ValueError(f"region segment {raw!r}: bad address, size, memory type or device")
+    return Segment(addr, nbytes, mem, dev)
+
+
+def _new_agent(name: str) -> Any:
+    nixl = load_nixl()
+    config = nixl.agent_config(
+        enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"]
+    )
+    try:
+        agent = nixl.agent(name, config)
+    except Exception as exc:
+        raise TransferError(f"kv transfer nixl: cannot create agent {name!r}: {exc!r}") from exc
+    if "UCX" not in agent.backends:
+        raise TransferError(f"kv transfer nixl ({nixl.module}): the UCX plugin is missing")
+    return agent
+
+
+def _register(agent: Any, segments: Sequence[tuple[str, Segment]]) -> list[Any]:
+    registered: list[Any] = []
+    for name, seg in segments:
+        try:
+            registered.append(
+                agent.register_memory([(seg.addr, seg.nbytes, seg.dev, name)], seg.mem)
+            )
+        except Exception as exc:
+            _deregister(agent, registered)
+            raise TransferError(f"kv transfer nixl: registering region {name!r}: {exc!r}") from exc
+    return registered
+
+
+def _deregister(agent: Any, registered: Sequence[Any]) -> None:
+    for descs in registered:
+        try:
+            agent.deregister_memory(descs)
+        except Exception:
+            log.warning("kv transfer nixl: deregistering memory", exc_info=True)
+
+
+def _progress(agent: Any) -> None:
+    """Progress the agent's UCX worker a few times (the initiator's notifications, if any, are
+    dropped). NOTE: destroying a worker whose failed writes were never progressed trips a UCX
+    assertion (`ucs_arbiter_group_is_empty`) and aborts the process."""
+    for _ in range(PROGRESS_CALLS):
+        try:
+            agent.get_new_notifs()
+        except Exception:
+            log.debug("kv transfer nixl: progress after a failure", exc_info=True)
+
+
+def _release(agent: Any, handle: Any) -> None:
+    try:
+        agent.release_xfer_handle(handle)
+    except Exception:  # still in flight and not cancellable: NIXL keeps it on its leak list
+        log.warning("kv transfer nixl: releasing a transfer handle", exc_info=True)
+
+
+def _sizes(segments: Mapping[str, Segment]) -> dict[str, int]:
+    return {name: seg.nbytes for name, seg in segments.items()}
+
+
+def _by_mem_types(
+    blocks: Sequence[Block], local: Mapping[str, Segment], remote: Mapping[str, Segment]
+) -> list[list[Block]]:
+    """Blocks grouped by (local, remote) memory type: one transfer each."""
+    groups: dict[tuple[str, str], list[Block]] = {}
+    for b in blocks:
+        groups.setdefault((local[b.region].mem, remote[b.region].mem), []).append(b)
+    return list(groups.values())
+
+
+def _job(
+    blocks: Sequence[Block], local: Mapping[str, Segment], remote: Mapping[str, Segment]
+) -> _Job:
+    """Blocks of one memory-type pair as one transfer."""
+    src, dst = local[blocks[0].region], remote[blocks[0].region]
+    return _Job(
+        src.mem,
+        dst.mem,
+        _descs([(local[b.region], b.src_offset, b.nbytes) for b in blocks]),
+        _descs([(remote[b.region], b.dst_offset, b.nbytes) for b in blocks]),
+    )
+
+
+def _scratch_job(local: Segment, remote: Segment) -> _Job:
+    return _Job(local.mem, remote.mem, _descs([(local, 0, 1)]), _descs([(remote, 0, 1)]))
+
+
+def _descs(spans: Sequence[tuple[Segment, int, int]]) -> np.ndarray[Any, np.dtype[np.uint64]]:
+    """Nx3 (address, nbytes, device) rows, as NIXL takes them."""
+    rows = [(seg.addr + offset, nbytes, seg.dev) for seg, offset, nbytes in spans]
+    return np.array(rows, dtype=np.uint64).reshape(-1, 3)

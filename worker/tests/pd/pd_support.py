@@ -1,0 +1,179 @@
+"""A prefill and a decode worker in one process, on 127.0.0.1: real engines, real control
+sockets (pyzmq), a real transfer backend (NIXL or zmq); only HTTP is left out. Tests submit to
+the decode side as its HTTP handler would and compare with a colocated engine."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from mem_helpers import small_memory
+
+from dsv4_common.api.manifest import manifest_of
+from dsv4_common.core.model import ModelConfig
+from dsv4_worker.engine.loop import Engine
+from dsv4_worker.engine.paged import PagedModel
+from dsv4_worker.engine.sampler import SamplingParams
+from dsv4_worker.mem.memory import KVMemory
+from dsv4_worker.pd.decode import DecodeAgent
+from dsv4_worker.pd.prefill import PrefillAgent
+from dsv4_worker.pd.transfer import Region, make_initiator, make_target
+from dsv4_worker.sched.scheduler import SchedulerConfig
+from dsv4_worker.server.runner import Done, EngineRunner, Token
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+WAIT_S = 120.0
+
+
+def engine(
+    model: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    *,
+    full_pages: int = 64,
+    swa_pages: int = 32,
+    slots: int = 8,
+    chunk: int = 24,
+    page: int = 16,
+) -> Engine:
+    memory = small_memory(
+        model.name,
+        page_size=page,
+        full_pages=full_pages,
+        swa_pages=swa_pages,
+        slots=slots,
+        max_pages=full_pages,
+    )
+    sched = SchedulerConfig(
+        page_size=page,
+        chunk_tokens=chunk,
+        max_tokens_per_request=memory.config.max_tokens_per_request,
+        retained_tokens=memory.config.retained_tokens,
+    )
+    return Engine(PagedModel(model, weights, memory), sched)
+
+
+def _regions(mem: KVMemory) -> list[Region]:
+    assert mem.pool is not None
+    return [Region(c.name, mem.pool.buffer(c.name)) for c in mem.layout.components]
+
+
+def _manifest(mem: KVMemory):  # type: ignore[no-untyped-def]
+    assert mem.pool is not None
+    return manifest_of(mem.layout, {str(k): v for k, v in mem.pool.units.items()})
+
+
+@dataclass
+class Pair:
+    prefill: Engine
+    decode: Engine
+    prefill_runner: EngineRunner
+    decode_runner: EngineRunner
+    prefill_agent: PrefillAgent
+    decode_agent: DecodeAgent
+    address: str  # the prefill's control address
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+        prefill: str | None = None,
+    ) -> list[tuple[list[int], Done]]:
+        return asyncio.run(self._generate(prompts, params, prefill or self.address))
+
+    async def _generate(
+        self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], prefill: str
+    ) -> list[tuple[list[int], Done]]:
+        loop = asyncio.get_running_loop()
+        handles = [
+            self.decode_runner.submit(tuple(p), sp, loop, prefill=prefill)
+            for p, sp in zip(prompts, params, strict=True)
+        ]
+        out = []
+        for h in handles:
+            tokens: list[int] = []
+            while True:
+                event = await asyncio.wait_for(h.events.get(), WAIT_S)
+                if isinstance(event, Token):
+                    tokens.append(event.token_id)
+                else:
+                    out.append((tokens, event))
+                    break
+        return out
+
+
+@contextmanager
+def pd_pair(
+    backend: str,
+    make_prefill: Callable[[], Engine],
+    make_decode: Callable[[], Engine],
+    *,
+    transfer_timeout_s: float = 60.0,
+) -> Iterator[Pair]:
+    pe, de = make_prefill(), make_decode()
+    initiator = make_initiator(backend, name=f"p-{time.monotonic_ns()}")
+    initiator.register(_regions(pe.mem))
+    target = make_target(backend, host="127.0.0.1")
+    target.register(_regions(de.mem))
+    pr = EngineRunner(pe)
+    pa = PrefillAgent(pe, pr.call, initiator, _manifest(pe.mem), "tcp://127.0.0.1:0")
+    pr.after_step = pa.after_step
+    dr = EngineRunner(de)
+    address = f"127.0.0.1:{pa.port}"
+    da = DecodeAgent(
+        de,
+        dr.call,
+        target,
+        _manifest(de.mem),
+        default_prefill=address,
+        transfer_timeout_s=transfer_timeout_s,
+    )
+    for part in (pr, pa, dr, da):
+        part.start()
+    try:
+        yield Pair(pe, de, pr, dr, pa, da, address)
+    finally:
+        for part in (da, dr, pa, pr):
+            part.stop()
+        initiator.close()
+        target.close()
+
+
+def wait_until(cond: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def on_engine(runner: EngineRunner, fn: Callable[[], object]) -> object:
+    """Run `fn` on the runner's engine thread and return its result."""
+    box: list[object] = []
+    done = threading.Event()
+
+    def call() -> None:
+        box.append(fn())
+        done.set()
+
+    runner.call(call)
+    assert done.wait(WAIT_S), "the engine thread did not run the call"
+    return box[0]
+
+
+def drained(runner: EngineRunner) -> bool:
+    """No request left and every pool back to zero used units (checked on the engine thread,
+    with `check_integrity`)."""
+    eng = runner.engine
+
+    def check() -> bool:
+        if eng.requests or eng.held or any(u.used for u in eng.mem.usage()):
+            return False
+        eng.mem.check_integrity()
+        return True
+
+    return bool(on_engine(runner, check))

@@ -1,0 +1,543 @@
+"""KV transfer backends (nixl, zmq) against one protocol: bytes land exactly where asked and
+nowhere else, each tag lands once (also for no blocks), bad blocks fail before a byte moves,
+descriptors are checked at connect, a dead target fails a write within its timeout.
+Two-process cases run the target in a spawned child; everything stays on 127.0.0.1."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import multiprocessing
+import os
+import runpy
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsv4_worker.pd.transfer import (
+    Block,
+    Region,
+    TransferError,
+    TransferInitiator,
+    TransferTarget,
+    make_initiator,
+    make_target,
+    merge_blocks,
+    zmq_backend,
+)
+from dsv4_worker.pd.transfer.base import region_bytes
+from dsv4_worker.pd.transfer.nixl_backend import load_nixl
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+BACKENDS = ["nixl", "zmq"]
+WAIT_S = 30.0  # generous: the machine may be loaded
+# name -> (dtype, shape): small regions of three dtypes
+REGIONS: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
+    "kv": (torch.uint8, (3, 40, 64)),
+    "swa": (torch.bfloat16, (3, 20, 32)),
+    "state": (torch.float32, (10, 50)),
+}
+CHILD_RUN_NAME = "__transfer_target_child__"
+# KV pages: [layers, units, unit_bytes]; decode has more units than prefill
+LAYERS, SRC_UNITS, DST_UNITS, UNIT_BYTES = 4, 48, 64, 4096
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    if name == "nixl":
+        try:
+            load_nixl()
+        except TransferError:
+            pytest.skip("NIXL is not installed")
+    return name
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
+def random_tensor(dtype: torch.dtype, shape: Sequence[int], seed: int) -> torch.Tensor:
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).reshape(*shape)
+
+
+def make_regions(
+    spec: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], seed: int
+) -> list[Region]:
+    return [
+        Region(name, random_tensor(dtype, shape, seed + i))
+        for i, (name, (dtype, shape)) in enumerate(spec.items())
+    ]
+
+
+def as_bytes(regions: Sequence[Region]) -> dict[str, np.ndarray[Any, Any]]:
+    return {r.name: region_bytes(r.tensor).numpy().copy() for r in regions}
+
+
+def apply(
+    dst: Mapping[str, np.ndarray[Any, Any]],
+    src: Mapping[str, np.ndarray[Any, Any]],
+    blocks: Sequence[Block],
+) -> dict[str, np.ndarray[Any, Any]]:
+    """What the target's bytes must be after a write of `blocks`."""
+    out = {name: a.copy() for name, a in dst.items()}
+    for b in blocks:
+        out[b.region][b.dst_offset : b.dst_offset + b.nbytes] = src[b.region][
+            b.src_offset : b.src_offset + b.nbytes
+        ]
+    return out
+
+
+def random_blocks(rng: np.random.Generator, sizes: Mapping[str, int]) -> list[Block]:
+    """Disjoint destinations, random sources, in runs that are sometimes mergeable; run order
+    shuffled across regions."""
+    runs: list[list[Block]] = []
+    for name, size in sizes.items():
+        dst = int(rng.integers(0, 64))
+        while True:
+            n = int(rng.integers(1, 200))
+            if dst + n > size:
+                break
+            run = runs[-1] if runs and runs[-1][-1].region == name else None
+            prev = run[-1] if run else None
+            if run and prev and prev.dst_offset + prev.nbytes == dst and rng.random() < 0.6:
+                src = prev.src_offset + prev.nbytes
+                if src + n <= size:
+                    run.append(Block(name, src, dst, n))
+                    dst += n
+                    continue
+            runs.append([Block(name, int(rng.integers(0, size - n + 1)), dst, n)])
+            dst += n + (0 if rng.random() < 0.4 else int(rng.integers(1, 100)))
+    order = rng.permutation(len(runs))
+    return [b for i in order for b in runs[i]]
+
+
+def wait_tags(target: TransferTarget, want: Sequence[str], seen: list[str]) -> None:
+    """Poll until every tag of `want` is in `seen` (which collects all tags polled)."""
+    deadline = time.monotonic() + WAIT_S
+    while not set(want) <= set(seen):
+        seen.extend(target.poll_landed())
+        assert time.monotonic() < deadline, f"tags {want} did not land; saw {seen}"
+        time.sleep(0.002)
+
+
+@dataclass
+class Pair:
+    target: TransferTarget
+    initiator: TransferInitiator
+    src: list[Region]
+    dst: list[Region]
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {r.name: r.nbytes for r in self.dst}
+
+
+@pytest.fixture
+def pair(backend: str) -> Iterator[Pair]:
+    """A target and an initiator in this process, connected as peer "t"."""
+    target = make_target(backend, host="127.0.0.1")
+    initiator = make_initiator(backend, name="test")
+    try:
+        src, dst = make_regions(REGIONS, seed=1), make_regions(REGIONS, seed=100)
+        target.register(dst)
+        initiator.register(src)
+        initiator.connect("t", target.descriptor())
+        yield Pair(target, initiator, src, dst)
+    finally:
+        initiator.close()
+        target.close()
+
+
+def assert_bytes_equal(got: Sequence[Region], want: Mapping[str, np.ndarray[Any, Any]]) -> None:
+    for name, a in as_bytes(got).items():
+        diff = np.flatnonzero(a != want[name])
+        assert diff.size == 0, f"region {name}: {diff.size} bytes differ, first at {diff[:5]}"
+
+
+# ---- one process -----------------------------------------------------------------------------
+
+
+def test_random_blocks_land_exactly_where_asked_and_tags_once(
+    pair: Pair, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if backend == "zmq":  # cut writes into many small messages and split big blocks
+        monkeypatch.setattr(zmq_backend, "MESSAGE_NBYTES", 500)
+    rng = np.random.default_rng(7)
+    src, want = as_bytes(pair.src), as_bytes(pair.dst)
+    tags = [f"w{i}" for i in range(6)]
+    for tag in tags:
+        blocks = random_blocks(rng, pair.sizes)
+        assert len(merge_blocks(blocks)) < len(blocks)  # the pattern exercises merging
+        pair.initiator.write("t", blocks, tag, timeout_s=WAIT_S)
+        want = apply(want, src, blocks)
+    # a last write: a duplicate of an earlier tag would most likely arrive before its tag
+    pair.initiator.write("t", [], "end", timeout_s=WAIT_S)
+    seen: list[str] = []
+    wait_tags(pair.target, [*tags, "end"], seen)
+    assert Counter(seen) == Counter([*tags, "end"])
+    assert_bytes_equal(pair.dst, want)
+
+
+def test_empty_write_delivers_its_tag_and_moves_nothing(pair: Pair) -> None:
+    before = as_bytes(pair.dst)
+    pair.initiator.write("t", [], "empty", timeout_s=WAIT_S)
+    seen: list[str] = []
+    wait_tags(pair.target, ["empty"], seen)
+    assert seen == ["empty"]
+    assert_bytes_equal(pair.dst, before)
+
+
+def test_whole_regions_in_one_block_each(pair: Pair) -> None:
+    blocks = [Block(r.name, 0, 0, r.nbytes) for r in pair.src]
+    pair.initiator.write("t", blocks, "all", timeout_s=WAIT_S)
+    wait_tags(pair.target, ["all"], [])
+    assert_bytes_equal(pair.dst, as_bytes(pair.src))
+
+
+@pytest.mark.parametrize(
+    ("bad", "words"),
+    [
+        (Block("nope", 0, 0, 8), "unknown region 'nope'"),
+        (Block("kv", 0, 0, 0), "nbytes must be > 0"),
+        (Block("kv", -1, 0, 8), "offsets >= 0"),
+        (Block("swa", 3836, 0, 8), "src range [3836, 3844)"),
+        (Block("state", 0, 1999, 2), "dst range [1999, 2001)"),
+        (Block("kv", 100, 10, 8), "destination overlaps block 0"),
+    ],
+    ids=["unknown-region", "zero-bytes", "negative", "src-out", "dst-out", "overlap"],
+)
+def test_bad_block_raises_before_any_byte_moves(pair: Pair, bad: Block, words: str) -> None:
+    before = as_bytes(pair.dst)
+    good = [Block("kv", 0, 0, 16), Block("state", 0, 0, 100)]
+    with pytest.raises(TransferError) as err:
+        pair.initiator.write("t", [*good, bad], "bad", timeout_s=WAIT_S)
+    assert words in str(err.value) and "block 2" in str(err.value)
+    pair.initiator.write("t", [], "after", timeout_s=WAIT_S)
+    seen: list[str] = []
+    wait_tags(pair.target, ["after"], seen)
+    assert seen == ["after"]
+    assert_bytes_equal(pair.dst, before)
+
+
+def test_connect_refuses_a_different_region_set(backend: str) -> None:
+    other = {**REGIONS, "extra": (torch.uint8, (8,))}
+    del other["swa"]
+    target = make_target(backend)
+    initiator = make_initiator(backend, name="test")
+    try:
+        target.register(make_regions(other, seed=5))
+        initiator.register(make_regions(REGIONS, seed=1))
+        with pytest.raises(TransferError) as err:
+            initiator.connect("t", target.descriptor())
+        assert "'extra'" in str(err.value) and "'swa'" in str(err.value)
+        with pytest.raises(TransferError, match="not connected"):
+            initiator.write("t", [], "x", timeout_s=1.0)
+    finally:
+        initiator.close()
+        target.close()
+
+
+@pytest.mark.parametrize(
+    "descriptor",
+    [b"", b"not json", b"[]", b'{"backend": "other"}', b'{"backend": "nixl", "agent": 1}'],
+)
+def test_connect_refuses_a_bad_descriptor(backend: str, descriptor: bytes) -> None:
+    initiator = make_initiator(backend, name="test")
+    try:
+        initiator.register(make_regions(REGIONS, seed=1))
+        with pytest.raises(TransferError, match="bad descriptor from peer 'p'"):
+            initiator.connect("p", descriptor)
+    finally:
+        initiator.close()
+
+
+def test_unknown_backend_names_the_choices() -> None:
+    for make in (lambda: make_target("rdma"), lambda: make_initiator("rdma", name="x")):
+        with pytest.raises(TransferError) as err:
+            make()
+        assert "'rdma'" in str(err.value) and "nixl, zmq" in str(err.value)
+
+
+# ---- two processes ---------------------------------------------------------------------------
+
+
+def kv_spec(units: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    return {
+        "full": (torch.uint8, (LAYERS, units, UNIT_BYTES)),
+        "swa": (torch.bfloat16, (LAYERS, units, UNIT_BYTES // 2)),
+    }
+
+
+def digests(regions: Sequence[Region] | Mapping[str, np.ndarray[Any, Any]]) -> dict[str, str]:
+    arrays = as_bytes(regions) if isinstance(regions, Sequence) else regions
+    return {name: hashlib.sha256(a.tobytes()).hexdigest() for name, a in arrays.items()}
+
+
+def target_child(conn: Connection, backend: str) -> None:
+    """The decode side: register KV pages, send the descriptor; on ("wait", tag) report the
+    region digests once `tag` landed; stop on "stop" (or get killed)."""
+    target = make_target(backend, host="127.0.0.1")
+    regions = make_regions(kv_spec(DST_UNITS), seed=300)
+    target.register(regions)
+    conn.send(target.descriptor())
+    seen: list[str] = []
+    try:
+        while (msg := conn.recv()) != "stop":
+            wait_tags(target, [msg[1]], seen)
+            conn.send((Counter(seen), digests(regions)))
+    finally:
+        target.close()
+
+
+@dataclass
+class Child:
+    proc: multiprocessing.process.BaseProcess
+    conn: Connection
+    descriptor: bytes
+
+
+@pytest.fixture
+def child(backend: str) -> Iterator[Child]:
+    ctx = multiprocessing.get_context("spawn")
+    here, there = ctx.Pipe()
+    # NOTE: pytest imports this file under a name a spawned child cannot import, so the child
+    # runs the file itself, as CHILD_RUN_NAME, and the bottom of the file calls target_child.
+    proc = ctx.Process(
+        target=runpy.run_path,
+        args=(__file__,),
+        kwargs={"init_globals": {"CHILD_ARGS": (there, backend)}, "run_name": CHILD_RUN_NAME},
+        daemon=True,
+    )
+    proc.start()
+    try:
+        deadline = time.monotonic() + 2 * WAIT_S
+        while not here.poll(0.05):
+            assert proc.is_alive(), f"the target process exited with {proc.exitcode}"
+            assert time.monotonic() < deadline, "the target process did not start"
+        yield Child(proc, here, here.recv())
+    finally:
+        if proc.is_alive():
+            with contextlib.suppress(OSError):
+                here.send("stop")
+            proc.join(WAIT_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def kv_blocks(rng: np.random.Generator) -> list[Block]:
+    """Scattered source units to scattered destination units, every layer of both regions."""
+    run_src, run_dst = list(range(10, 14)), list(range(40, 44))  # contiguous on both sides
+    src_units = rng.choice(sorted(set(range(SRC_UNITS)) - set(run_src)), 16, replace=False)
+    dst_units = rng.choice(sorted(set(range(DST_UNITS)) - set(run_dst)), 16, replace=False)
+    src_units = np.concatenate([src_units[:5], run_src, src_units[5:]])
+    dst_units = np.concatenate([dst_units[:5], run_dst, dst_units[5:]])
+    blocks = []
+    for name, unit_bytes in (("full", UNIT_BYTES), ("swa", UNIT_BYTES)):
+        for layer in range(LAYERS):
+            for s, d in zip(src_units.tolist(), dst_units.tolist(), strict=True):
+                src = (layer * SRC_UNITS + s) * unit_bytes
+                blocks.append(Block(name, src, (layer * DST_UNITS + d) * unit_bytes, unit_bytes))
+    return blocks
+
+
+def test_kv_pages_land_in_another_process(backend: str, child: Child) -> None:
+    src = make_regions(kv_spec(SRC_UNITS), seed=200)
+    want = as_bytes(make_regions(kv_spec(DST_UNITS), seed=300))  # the child's start
+    initiator = make_initiator(backend, name="prefill")
+    try:
+        initiator.register(src)
+        initiator.connect("decode", child.descriptor)
+        rng = np.random.default_rng(11)
+        for step in range(3):
+            blocks = kv_blocks(rng)
+            initiator.write("decode", blocks, f"room:{step}", timeout_s=WAIT_S)
+            want = apply(want, as_bytes(src), blocks)
+        child.conn.send(("wait", "room:2"))
+        assert child.conn.poll(WAIT_S), "the target process did not answer"
+        seen, got = child.conn.recv()
+    finally:
+        initiator.close()
+    assert seen == Counter(f"room:{i}" for i in range(3))
+    assert got == digests(want)
+
+
+def test_dead_target_fails_the_write_within_its_timeout(backend: str, child: Child) -> None:
+    regions = make_regions(kv_spec(SRC_UNITS), seed=200)
+    initiator = make_initiator(backend, name="prefill")
+    try:
+        initiator.register(regions)
+        initiator.connect("decode", child.descriptor)
+        blocks = [Block("full", 0, 0, UNIT_BYTES), Block("swa", 0, UNIT_BYTES, 2 * UNIT_BYTES)]
+        initiator.write("decode", blocks, "alive", timeout_s=WAIT_S)
+        child.proc.kill()
+        child.proc.join(WAIT_S)
+        timeout_s = 3.0
+        started = time.monotonic()
+        error = write_in_thread(initiator, "decode", blocks, timeout_s)
+        assert isinstance(error, TransferError), error
+        assert time.monotonic() - started < timeout_s + 5.0
+        assert "decode" in str(error)
+        _still_usable(initiator, backend, regions)
+    finally:
+        initiator.close()
+
+
+def test_hung_target_times_the_write_out_then_recovers(backend: str, child: Child) -> None:
+    regions = make_regions(kv_spec(SRC_UNITS), seed=200)
+    initiator = make_initiator(backend, name="prefill")
+    try:
+        initiator.register(regions)
+        initiator.connect("decode", child.descriptor)
+        blocks = [Block("full", 0, 0, UNIT_BYTES)]
+        initiator.write("decode", blocks, "before", timeout_s=WAIT_S)
+        os.kill(child.proc.pid, signal.SIGSTOP)
+        try:
+            timeout_s = 1.5
+            started = time.monotonic()
+            error = write_in_thread(initiator, "decode", blocks, timeout_s)
+            elapsed_s = time.monotonic() - started
+        finally:
+            os.kill(child.proc.pid, signal.SIGCONT)
+        assert isinstance(error, TransferError), error
+        assert "timed out after 1.5 s" in str(error)
+        assert timeout_s <= elapsed_s < timeout_s + 5.0
+        initiator.write("decode", blocks, "after", timeout_s=WAIT_S)
+        child.conn.send(("wait", "after"))
+        assert child.conn.poll(WAIT_S), "the target process did not answer"
+        seen, _ = child.conn.recv()
+        assert seen["before"] == 1 and seen["after"] == 1
+    finally:
+        initiator.close()
+
+
+def test_closed_target_fails_the_write(pair: Pair) -> None:
+    pair.initiator.write("t", [Block("kv", 0, 0, 64)], "open", timeout_s=WAIT_S)
+    pair.target.close()
+    for blocks in ([Block("kv", 0, 0, 64)], []):
+        error = write_in_thread(pair.initiator, "t", blocks, timeout_s=1.0)
+        assert isinstance(error, TransferError), error
+    # the fixture then closes the initiator: it must not abort the process (see nixl_backend)
+
+
+def write_in_thread(
+    initiator: TransferInitiator, peer: str, blocks: Sequence[Block], timeout_s: float
+) -> BaseException | None:
+    """The write's exception (None if it returned); fails the test if it hangs."""
+    box: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            initiator.write(peer, blocks, "dead", timeout_s=timeout_s)
+            box.append(None)
+        except BaseException as exc:
+            box.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s + 20.0)
+    assert not thread.is_alive(), "write hung past its timeout"
+    return box[0]
+
+
+def _still_usable(initiator: TransferInitiator, backend: str, regions: Sequence[Region]) -> None:
+    """After a failed write, the initiator still reaches a fresh target."""
+    target = make_target(backend)
+    try:
+        dst = make_regions(kv_spec(DST_UNITS), seed=9)
+        target.register(dst)
+        initiator.disconnect("decode")
+        initiator.connect("decode", target.descriptor())
+        initiator.write("decode", [Block("full", 0, 64, 128)], "again", timeout_s=WAIT_S)
+        wait_tags(target, ["again"], [])
+        assert torch.equal(
+            region_bytes(dst[0].tensor)[64:192], region_bytes(regions[0].tensor)[:128]
+        )
+    finally:
+        target.close()
+
+
+# ---- merge_blocks ----------------------------------------------------------------------------
+
+SIZE = 48
+block_st = st.builds(
+    lambda region, src, dst, n: Block(region, min(src, SIZE - n), min(dst, SIZE - n), n),
+    st.sampled_from(["a", "b"]),
+    st.integers(0, SIZE - 1),
+    st.integers(0, SIZE - 1),
+    st.integers(1, 12),
+)
+
+
+def _copy(blocks: Sequence[Block]) -> dict[str, bytearray]:
+    src = {r: bytes(range(i * 100, i * 100 + SIZE)) for i, r in enumerate("ab")}
+    dst = {r: bytearray(SIZE) for r in "ab"}
+    for b in blocks:
+        dst[b.region][b.dst_offset : b.dst_offset + b.nbytes] = src[b.region][
+            b.src_offset : b.src_offset + b.nbytes
+        ]
+    return dst
+
+
+@settings(deadline=None)  # the machine may be loaded
+@given(st.lists(block_st, max_size=20), st.data())
+def test_merged_blocks_copy_the_same_bytes(blocks: list[Block], data: st.DataObject) -> None:
+    # add runs that are contiguous on both sides, so merges happen
+    for _ in range(data.draw(st.integers(0, 3))):
+        if blocks and blocks[-1].dst_offset + 2 * blocks[-1].nbytes <= SIZE:
+            last = blocks[-1]
+            if last.src_offset + 2 * last.nbytes <= SIZE:
+                blocks.append(
+                    Block(
+                        last.region,
+                        last.src_offset + last.nbytes,
+                        last.dst_offset + last.nbytes,
+                        last.nbytes,
+                    )
+                )
+    merged = merge_blocks(blocks)
+    assert _copy(merged) == _copy(blocks)
+    assert sum(b.nbytes for b in merged) == sum(b.nbytes for b in blocks)
+    assert merge_blocks(merged) == merged  # nothing left to merge
+
+
+def test_merge_blocks_merges_runs_and_keeps_order() -> None:
+    blocks = [
+        Block("a", 0, 10, 4),
+        Block("a", 4, 14, 4),
+        Block("b", 8, 18, 4),
+        Block("a", 8, 18, 2),
+    ]
+    assert merge_blocks(blocks) == [
+        Block("a", 0, 10, 8),
+        Block("b", 8, 18, 4),
+        Block("a", 8, 18, 2),
+    ]
+
+
+def test_split_messages_bounds_every_message() -> None:
+    blocks = [Block("a", 0, 0, 1000), Block("b", 5, 7, 10), Block("a", 2000, 3000, 300)]
+    messages = zmq_backend.split_messages(blocks, 256)
+    assert all(0 < sum(b.nbytes for b in m) <= 256 for m in messages)
+    pieces = [b for m in messages for b in m]
+    assert merge_blocks(pieces) == blocks
+    assert zmq_backend.split_messages([], 256) == [[]]
+
+
+if __name__ == CHILD_RUN_NAME:  # in the spawned target process (see the `child` fixture)
+    target_child(*globals()["CHILD_ARGS"])
