@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
-# The main job on the embedded default: set up if needed, then plan the tiny PD deployment
-# (prefill PP=2, decode PP=1) on CPU. Extra arguments replace the defaults: scripts/run.sh plan ...
+# The main job on the embedded default: set up if needed, then run the tiny PD deployment
+# (crds/samples/tiny-pd.yaml: router, one prefill and one decode worker, KV over NIXL) as local
+# processes on 127.0.0.1 with `dsv4 up`, send one completion through the router, print it and
+# stop. `scripts/run.sh --serve` leaves it serving (Ctrl-C stops every process); any other
+# arguments are passed to `dsv4` (scripts/run.sh plan --model deepseek-v4-pro ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+SAMPLE=crds/samples/tiny-pd.yaml
+if [ "${1:-}" = "--serve" ]; then
+  shift
+  exec .venv/bin/dsv4 up "$SAMPLE" "$@"
+fi
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/dsv4 "$@"
 fi
-.venv/bin/dsv4 plan --model tiny --role prefill --pp 2 --gpu-memory-gib 0.25 --chunked-prefill-size 256
-.venv/bin/dsv4 plan --model tiny --role decode --pp 1 --gpu-memory-gib 0.25 --max-running-requests 64
+exec .venv/bin/dsv4 up "$SAMPLE" --port 0 --max-tokens 16 \
+  --request "DeepSeek-V4 keeps a sliding window and compressed rows;"

@@ -234,6 +234,13 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="decode: the prefill KV control address used when a request names none",
     )
     pd.add_argument(
+        "--transfer-timeout-s",
+        type=_positive_float,
+        default=60.0,
+        help="decode: fail a request (and free its preallocation) when its prefill has not "
+        "delivered by then; prefill: give up on it after this long",
+    )
+    pd.add_argument(
         "--instance",
         action="append",
         default=[],

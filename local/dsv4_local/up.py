@@ -12,6 +12,7 @@ Progress and errors go to stderr; the ready summary (or the completion text) to 
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import tempfile
@@ -193,7 +194,8 @@ def _send(
         print(f"{PREFIX} request failed: {result} (logs: {plan.log_dir})", file=err)
         return EXIT_FAILED
     tokens = "?" if result.completion_tokens is None else str(result.completion_tokens)
-    print(result.text, file=out, flush=True)
+    # JSON-quoted: a model with random weights (tiny) answers with arbitrary bytes.
+    print(json.dumps(result.text), file=out, flush=True)
     print(
         f"{PREFIX} completion: {tokens} tokens in {time.monotonic() - sent_s:.1f} s",
         file=err,

@@ -177,7 +177,7 @@ def test_request_prints_the_completion_and_the_urls_then_stops(
     out, err = io.StringIO(), io.StringIO()
     code = launch(plan, timeout_s=DEADLINE_S, request=CompletionRequest("hi", 4), out=out, err=err)
     assert code == 0, err.getvalue()
-    assert out.getvalue() == " stand-in text\n"
+    assert out.getvalue() == '" stand-in text"\n'  # JSON-quoted
     text = err.getvalue()
     assert f"router: http://127.0.0.1:{api_port}  (POST " in text
     for spec in specs:

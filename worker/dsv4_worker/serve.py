@@ -44,7 +44,7 @@ from dsv4_worker.engine.paged import PagedModel
 from dsv4_worker.mem.memory import KVMemory
 from dsv4_worker.model.weights import WeightsError, init_weights, load_weights
 from dsv4_worker.pd.decode import DecodeAgent
-from dsv4_worker.pd.prefill import PrefillAgent
+from dsv4_worker.pd.prefill import WRITE_TIMEOUT_S, PrefillAgent
 from dsv4_worker.pd.transfer import Region, TransferError, make_initiator, make_target
 from dsv4_worker.sched.scheduler import SchedulerConfig
 from dsv4_worker.server.app import KVState, ServeInfo, build_app, build_status_app
@@ -56,7 +56,6 @@ log = logging.getLogger(__name__)
 
 CPU_MEMORY_GIB = 1.0  # what a CPU worker plans with when no device size is given
 WEIGHTS_FILE = "model.safetensors"
-TRANSFER_TIMEOUT_S = 60.0  # a PD request whose prefill has not delivered by then fails
 
 
 class ServeError(Exception):
@@ -258,7 +257,12 @@ def _pd_agent(
             kv_port = config.ports.kv if config else args.kv_port
             runner = EngineRunner(engine)
             prefill = PrefillAgent(
-                engine, runner.call, initiator, manifest, f"tcp://{host}:{kv_port}"
+                engine,
+                runner.call,
+                initiator,
+                manifest,
+                f"tcp://{host}:{kv_port}",
+                write_timeout_s=min(args.transfer_timeout_s, WRITE_TIMEOUT_S),
             )
             runner.after_step = prefill.after_step
             endpoint = f"{advertise}:{prefill.port}"
@@ -282,7 +286,7 @@ def _pd_agent(
         target,
         manifest,
         default_prefill=default,
-        transfer_timeout_s=TRANSFER_TIMEOUT_S,
+        transfer_timeout_s=args.transfer_timeout_s,
     )
     return decode, lambda: KVState(decode.kv_status()[0], digest, None), runner
 

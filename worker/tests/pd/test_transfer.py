@@ -406,7 +406,7 @@ def test_hung_target_times_the_write_out_then_recovers(backend: str, child: Chil
         initiator.connect("decode", child.descriptor)
         blocks = [Block("full", 0, 0, UNIT_BYTES)]
         initiator.write("decode", blocks, "before", timeout_s=WAIT_S)
-        os.kill(child.proc.pid, signal.SIGSTOP)
+        stop_process(child.proc.pid)
         try:
             timeout_s = 1.5
             started = time.monotonic()
@@ -424,6 +424,23 @@ def test_hung_target_times_the_write_out_then_recovers(backend: str, child: Chil
         assert seen["before"] == 1 and seen["after"] == 1
     finally:
         initiator.close()
+
+
+def stop_process(pid: int) -> None:
+    """SIGSTOP, then wait until every thread of `pid` is stopped (kill returns before)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + WAIT_S
+    while not all(_thread_state(pid, tid) in "tT" for tid in os.listdir(f"/proc/{pid}/task")):
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.002)
+
+
+def _thread_state(pid: int, tid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:  # the thread exited
+        return "T"
 
 
 def test_closed_target_fails_the_write(pair: Pair) -> None:

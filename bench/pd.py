@@ -1,0 +1,171 @@
+"""PD disaggregation figures (prints tables; not a test).
+
+    .venv/bin/python bench/pd.py [--device cpu|cuda] [--rounds R] [--transfer nixl|zmq]
+
+1. Serving `tiny` over HTTP on loopback: TTFT and generated tokens/s, colocated (one `dsv4
+   serve`) vs disaggregated (router + prefill + decode processes), at 1 and 32 concurrent
+   streaming clients, measured side by side in one run (medians over `--rounds`).
+2. Decode admission capacity for a DSV4-Pro decode plan (TP=8 on an H200, SWA ratio 0.1):
+   how many 32K-token prompts one decode rank preallocates at once when it reserves SWA for the
+   page-floored window tail only (this project; ref. #24036/#24857) vs for the whole prompt
+   (before). Both go through the scheduler's own `plan_step`; whole-prompt preallocation is
+   the same function with the retained window set past the prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import serve as http_bench
+
+from dsv4_common.core.gpus import gpu_type
+from dsv4_common.core.presets import load_model_config
+from dsv4_common.plan.inputs import PlanInputs
+from dsv4_common.plan.planner import plan
+from dsv4_worker.sched.budget import Capacity
+from dsv4_worker.sched.scheduler import Phase, ReqView, SchedulerConfig, plan_step
+
+ENV = {**os.environ, "UCX_NET_DEVICES": "lo"}
+COMMON = ["--model", "tiny", "--gpu-memory-gib", "0.25"]
+
+
+def _serve(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dsv4_common.cli", "serve", *args]
+
+
+def _start(argv: list[str], port: int, procs: list[subprocess.Popen[bytes]]) -> None:
+    proc = subprocess.Popen(argv, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    procs.append(proc)
+    http_bench._wait_ready(port, proc)
+
+
+def _pd(device: str, transfer: str, procs: list[subprocess.Popen[bytes]]) -> int:
+    free = http_bench._free_port
+    pp, kv, dp, rp = free(), free(), free(), free()
+    dev = ["--device", device, "--transfer", transfer]
+    _start(
+        _serve("--role", "prefill", *COMMON, *dev, "--port", str(pp), "--kv-port", str(kv)),
+        pp,
+        procs,
+    )
+    _start(
+        _serve(
+            "--role", "decode", *COMMON, *dev, "--port", str(dp), "--prefill", f"127.0.0.1:{kv}"
+        ),
+        dp,
+        procs,
+    )
+    _start(
+        _serve(
+            "--role",
+            "router",
+            "--port",
+            str(rp),
+            "--instance",
+            f"prefill=127.0.0.1:{pp}:{pp}:{kv}",
+            "--instance",
+            f"decode=127.0.0.1:{dp}:{dp}:{dp}",
+        ),
+        rp,
+        procs,
+    )
+    return rp
+
+
+def serving(args: argparse.Namespace) -> None:
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        colo = http_bench._free_port()
+        _start(_serve(*COMMON, "--device", args.device, "--port", str(colo)), colo, procs)
+        router = _pd(args.device, args.transfer, procs)
+        for port in (colo, router):
+            http_bench._round(port, 1, 1, 4)  # warm-up
+        print(
+            f"tiny over HTTP, device={args.device}, transfer={args.transfer}, "
+            f"{args.max_tokens} tokens/request, {os.cpu_count()} CPUs; medians of {args.rounds}"
+        )
+        print(f"{'clients':>8}  {'mode':>13}  {'tokens/s':>9}  {'TTFT ms':>8}  {'TTFT ratio':>10}")
+        for clients in args.clients:
+            figures = {}
+            for name, port in (("colocated", colo), ("disaggregated", router)):
+                runs = [
+                    http_bench._round(port, clients, args.requests, args.max_tokens)
+                    for _ in range(args.rounds)
+                ]
+                figures[name] = (
+                    statistics.median(r[0] for r in runs),
+                    statistics.median(r[1] for r in runs),
+                )
+            base = figures["colocated"][1]
+            for name, (tps, ttft) in figures.items():
+                print(f"{clients:>8}  {name:>13}  {tps:>9.1f}  {ttft:>8.1f}  {ttft / base:>10.2f}")
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=30)
+
+
+def admission(prompt_tokens: int, max_new_tokens: int) -> None:
+    model = load_model_config("deepseek-v4-pro")
+    inputs = PlanInputs(
+        model=model,
+        role="decode",
+        gpu_memory_bytes=gpu_type("h200").memory_bytes,
+        tp_size=8,
+        swa_ratio=0.1,
+    )
+    rank = plan(inputs).ranks[0]
+    cap = rank.capacity
+    total = Capacity(cap.full_pages, cap.swa_pages, cap.request_slots)
+    retained = rank.layout.window_tokens + rank.layout.draft_tokens
+    views = [
+        ReqView(rid, Phase.PREALLOC, prompt_tokens, max_new_tokens)
+        for rid in range(cap.request_slots + 1)
+    ]
+    counts = {}
+    for name, window in (("SWA tail", retained), ("whole prompt", 1 << 40)):
+        config = SchedulerConfig(
+            page_size=rank.page_size,
+            chunk_tokens=inputs.resolved_chunk_tokens,
+            max_tokens_per_request=rank.max_context_tokens,
+            retained_tokens=window,
+        )
+        step = plan_step(views, total, total, config, new_token_ratio=0.1)
+        counts[name] = len(step.preallocs)
+    print(
+        f"\nDSV4-Pro decode rank (TP=8, H200, SWA ratio 0.1): {rank.full_tokens:,} full tokens, "
+        f"{rank.swa_tokens:,} SWA tokens, {cap.request_slots} request slots, page "
+        f"{rank.page_size}, window {rank.layout.window_tokens}"
+    )
+    print(f"{prompt_tokens:,}-token prompts, max_tokens {max_new_tokens}, preallocated at once:")
+    for name, n in counts.items():
+        print(f"  {name:>13}: {n:>4}")
+    tail, whole = counts["SWA tail"], counts["whole prompt"]
+    print(f"  ratio: {tail / whole:.1f}x" if whole else "  ratio: whole prompt admits none")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--transfer", default="nixl", choices=("nixl", "zmq"))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=2, help="requests per client per round")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--clients", type=int, nargs="*", default=[1, 32])
+    parser.add_argument("--prompt-tokens", type=int, default=32768)
+    parser.add_argument("--skip-serving", action="store_true", help="only the admission figures")
+    args = parser.parse_args()
+    if not args.skip_serving:
+        serving(args)
+    admission(args.prompt_tokens, args.max_tokens)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""PD as users run it: real `dsv4 serve` processes on 127.0.0.1 (prefill, decode, router) next
+to a colocated worker. Through the router, greedy output (streamed and not) equals the
+colocated worker's, token for token. Failures lose nothing, checked through `/metrics` on every
+surviving worker: a client that disconnects mid-stream, a decode worker killed while its KV is
+being written, a prefill worker killed after decode preallocated."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from serve_support import free_port, wait_ready
+
+pytestmark = pytest.mark.slow
+WAIT_S = 60.0
+ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONUNBUFFERED": "1"}
+COMMON = ["--model", "tiny", "--gpu-memory-gib", "0.25", "--page-size", "16"]
+
+
+def _serve(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dsv4_common.cli", "serve", *args]
+
+
+@dataclass
+class Proc:
+    name: str
+    port: int
+    proc: subprocess.Popen[bytes]
+
+    def get(self, path: str) -> tuple[int, str]:
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        c.request("GET", path)
+        r = c.getresponse()
+        return r.status, r.read().decode()
+
+    def used_pages(self) -> int:
+        """Used units of every pool, from /metrics."""
+        _, text = self.get("/metrics")
+        lines = [ln for ln in text.splitlines() if ln.startswith("dsv4_kv_used_pages{")]
+        assert lines, f"{self.name}: no dsv4_kv_used_pages in /metrics"
+        return sum(int(float(ln.rsplit(" ", 1)[1])) for ln in lines)
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+@dataclass
+class Deployment:
+    procs: dict[str, Proc] = field(default_factory=dict)
+
+    def start(self, name: str, argv: list[str], port: int) -> Proc:
+        proc = subprocess.Popen(argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.procs[name] = Proc(name, port, proc)
+        return self.procs[name]
+
+    def ready(self) -> None:
+        for p in self.procs.values():
+            wait_ready(p.proc, p.port)
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.proc.poll() is None:
+                p.proc.terminate()
+        for p in self.procs.values():
+            try:
+                p.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.proc.kill()
+
+
+def pd(backend: str, *, timeout_s: float = 60.0, prefill_chunk: int = 256) -> Deployment:
+    d = Deployment()
+    pp, kv, dp, rp = free_port(), free_port(), free_port(), free_port()
+    pd_args = ["--transfer", backend, "--transfer-timeout-s", str(timeout_s)]
+    d.start(
+        "prefill",
+        [
+            *_serve(
+                "--role", "prefill", *COMMON, *pd_args, "--port", str(pp), "--kv-port", str(kv)
+            ),
+            "--chunked-prefill-size",
+            str(prefill_chunk),
+        ],
+        pp,
+    )
+    d.start(
+        "decode",
+        [
+            *_serve("--role", "decode", *COMMON, *pd_args, "--port", str(dp)),
+            "--prefill",
+            f"127.0.0.1:{kv}",
+        ],
+        dp,
+    )
+    d.start(
+        "router",
+        [
+            *_serve("--role", "router", "--port", str(rp)),
+            "--instance",
+            f"prefill=127.0.0.1:{pp}:{pp}:{kv}",
+            "--instance",
+            f"decode=127.0.0.1:{dp}:{dp}:{dp}",
+        ],  # decode has no KV port
+        rp,
+    )
+    d.ready()
+    return d
+
+
+def post(port: int, body: dict[str, Any], timeout_s: float = WAIT_S) -> tuple[int, Any]:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    c.request("POST", "/v1/completions", body=json.dumps(body).encode())
+    r = c.getresponse()
+    raw = r.read().decode()
+    if body.get("stream") and r.status == 200:
+        events = [
+            json.loads(ln[6:])
+            for ln in raw.splitlines()
+            if ln.startswith("data: ") and ln != "data: [DONE]"
+        ]
+        return r.status, events
+    return r.status, json.loads(raw)
+
+
+def wait_until(cond: Any, what: str, timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def prompt(n: int, salt: int) -> list[int]:
+    return [((31 * i + 7 * salt) % 250) + 3 for i in range(n)]
+
+
+@pytest.fixture(scope="module", params=["nixl", "zmq"])
+def deployment(request: pytest.FixtureRequest) -> Iterator[Deployment]:
+    d = pd(request.param)
+    colocated_port = free_port()
+    d.start("colocated", _serve(*COMMON, "--port", str(colocated_port)), colocated_port)
+    d.ready()
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def test_router_output_equals_colocated(deployment: Deployment) -> None:
+    router, colo = deployment.procs["router"], deployment.procs["colocated"]
+    for i, n in enumerate((5, 40, 150, 300)):
+        body = {"prompt": prompt(n, i), "max_tokens": 12, "return_token_ids": True}
+        s1, want = post(colo.port, body)
+        s2, got = post(router.port, body)
+        assert (s1, s2) == (200, 200), (want, got)
+        assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+        s3, events = post(router.port, {**body, "stream": True})
+        assert s3 == 200
+        assert events[-1]["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+    for name in ("prefill", "decode"):
+        p = deployment.procs[name]
+        wait_until(lambda p=p: p.used_pages() == 0, f"{name} to free every page")
+    _, status = deployment.procs["decode"].get("/status")
+    assert json.loads(status)["kv_transfer"]["ready"] is True
+
+
+def test_disconnect_mid_stream_frees_both_sides(deployment: Deployment) -> None:
+    router = deployment.procs["router"]
+    c = http.client.HTTPConnection("127.0.0.1", router.port, timeout=WAIT_S)
+    body = {"prompt": prompt(200, 9), "max_tokens": 400, "stream": True}
+    c.request("POST", "/v1/completions", body=json.dumps(body).encode())
+    r = c.getresponse()
+    assert r.status == 200
+    assert r.readline().startswith(b"data: ")  # the first token arrived
+    c.close()  # the client goes away mid-stream
+    for name in ("prefill", "decode"):
+        p = deployment.procs[name]
+        wait_until(lambda p=p: p.used_pages() == 0, f"{name} to free every page")
+
+
+@pytest.mark.parametrize("backend", ["nixl", "zmq"])
+def test_decode_killed_mid_transfer_prefill_frees(backend: str) -> None:
+    d = pd(backend, timeout_s=3.0, prefill_chunk=16)
+    try:
+        prefill, decode, router = (d.procs[n] for n in ("prefill", "decode", "router"))
+        result: list[tuple[int, Any]] = []
+        body = {"prompt": prompt(1500, 3), "max_tokens": 4}
+        client = threading.Thread(target=lambda: result.append(post(router.port, body)))
+        client.start()
+        wait_until(lambda: prefill.used_pages() > 0, "prefill to start the long prompt")
+        decode.kill()
+        wait_until(lambda: prefill.used_pages() == 0, "prefill to free everything")
+        client.join(WAIT_S)
+        assert result and result[0][0] >= 500, result  # an error, not a hang
+    finally:
+        d.stop()
+
+
+@pytest.mark.parametrize("backend", ["nixl", "zmq"])
+def test_prefill_killed_decode_frees_its_preallocation(backend: str) -> None:
+    d = pd(backend, timeout_s=3.0, prefill_chunk=16)
+    try:
+        prefill, decode, router = (d.procs[n] for n in ("prefill", "decode", "router"))
+        result: list[tuple[int, Any]] = []
+        body = {"prompt": prompt(1500, 4), "max_tokens": 4}
+        client = threading.Thread(target=lambda: result.append(post(router.port, body)))
+        client.start()
+        wait_until(lambda: decode.used_pages() > 0, "decode to preallocate")
+        prefill.kill()
+        wait_until(lambda: decode.used_pages() == 0, "decode to free its preallocation")
+        client.join(WAIT_S)
+        assert result and result[0][0] >= 500, result
+    finally:
+        d.stop()
