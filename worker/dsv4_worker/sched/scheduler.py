@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import NamedTuple
 
 from dsv4_common.core.index_space import pages_for_tokens, tail_pages
 from dsv4_worker.sched.budget import (
@@ -42,8 +43,10 @@ class Phase(StrEnum):
     TRANSFER = "transfer"  # PD decode: preallocated, its KV and state are arriving
 
 
-@dataclass(frozen=True, slots=True)
-class ReqView:
+class ReqView(NamedTuple):
+    """One request as the scheduler sees it (a NamedTuple: built once per request per step,
+    so its construction cost is part of the engine's per-step overhead)."""
+
     rid: int  # arrival order: smaller = older
     phase: Phase
     prompt_len: int

@@ -8,45 +8,22 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from engine_helpers import engine as make_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from mem_helpers import small_memory
 
 from dsv4_common.core.model import ModelConfig
 from dsv4_common.core.presets import hybrid_tiny, tiny
 from dsv4_worker.engine.loop import Engine
-from dsv4_worker.engine.paged import PagedModel
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.model.oracle import oracle_greedy
 from dsv4_worker.model.weights import init_weights
-from dsv4_worker.sched.scheduler import SchedulerConfig
 
 WEIGHTS = {m.name: init_weights(m, seed=33) for m in (tiny(), hybrid_tiny())}
 
 
-def engine(
-    model: ModelConfig,
-    *,
-    full_pages: int = 64,
-    swa_pages: int = 32,
-    slots: int = 8,
-    chunk: int = 24,
-    page: int = 16,
-) -> Engine:
-    memory = small_memory(
-        model.name,
-        page_size=page,
-        full_pages=full_pages,
-        swa_pages=swa_pages,
-        slots=slots,
-        max_pages=full_pages,
-    )
-    sched = SchedulerConfig(
-        page_size=page,
-        chunk_tokens=chunk,
-        max_tokens_per_request=memory.config.max_tokens_per_request,
-    )
-    return Engine(PagedModel(model, WEIGHTS[model.name], memory), sched)
+def engine(model: ModelConfig, **kw: int) -> Engine:
+    return make_engine(model, WEIGHTS[model.name], **kw)
 
 
 def prompt(n: int, salt: int) -> list[int]:

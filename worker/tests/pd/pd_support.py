@@ -12,50 +12,17 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import torch
-from mem_helpers import small_memory
-
 from dsv4_common.api.manifest import manifest_of
-from dsv4_common.core.model import ModelConfig
 from dsv4_worker.engine.loop import Engine
-from dsv4_worker.engine.paged import PagedModel
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.mem.memory import KVMemory
 from dsv4_worker.pd.decode import DecodeAgent
 from dsv4_worker.pd.prefill import PrefillAgent
 from dsv4_worker.pd.transfer import Region, make_initiator, make_target
-from dsv4_worker.sched.scheduler import SchedulerConfig
 from dsv4_worker.server.runner import Done, EngineRunner, Token
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 WAIT_S = 120.0
-
-
-def engine(
-    model: ModelConfig,
-    weights: dict[str, torch.Tensor],
-    *,
-    full_pages: int = 64,
-    swa_pages: int = 32,
-    slots: int = 8,
-    chunk: int = 24,
-    page: int = 16,
-) -> Engine:
-    memory = small_memory(
-        model.name,
-        page_size=page,
-        full_pages=full_pages,
-        swa_pages=swa_pages,
-        slots=slots,
-        max_pages=full_pages,
-    )
-    sched = SchedulerConfig(
-        page_size=page,
-        chunk_tokens=chunk,
-        max_tokens_per_request=memory.config.max_tokens_per_request,
-        retained_tokens=memory.config.retained_tokens,
-    )
-    return Engine(PagedModel(model, weights, memory), sched)
 
 
 def _regions(mem: KVMemory) -> list[Region]:

@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-from pd_support import drained, engine, pd_pair, wait_until
+from engine_helpers import engine
+from pd_support import drained, pd_pair, wait_until
 
 from dsv4_common.core.model import ModelConfig
 from dsv4_common.core.presets import hybrid_tiny, tiny

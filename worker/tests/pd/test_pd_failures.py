@@ -5,7 +5,8 @@ timeout; a dead decode makes prefill free everything; a client abort frees both 
 from __future__ import annotations
 
 import pytest
-from pd_support import drained, engine, on_engine, pd_pair, wait_until
+from engine_helpers import engine
+from pd_support import drained, on_engine, pd_pair, wait_until
 
 from dsv4_common.core.presets import tiny
 from dsv4_worker.engine.loop import Engine

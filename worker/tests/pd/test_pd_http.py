@@ -189,35 +189,27 @@ def test_disconnect_mid_stream_frees_both_sides(deployment: Deployment) -> None:
 
 
 @pytest.mark.parametrize("backend", ["nixl", "zmq"])
-def test_decode_killed_mid_transfer_prefill_frees(backend: str) -> None:
+@pytest.mark.parametrize(
+    ("victim", "survivor"),
+    [("decode", "prefill"), ("prefill", "decode")],
+    ids=["decode-killed-mid-transfer", "prefill-killed-after-preallocation"],
+)
+def test_a_killed_worker_leaves_nothing_on_the_survivor(
+    backend: str, victim: str, survivor: str
+) -> None:
+    """The survivor holds the request's pages (prefill computing a long prompt in small chunks,
+    or decode's preallocation); the other side is killed; the survivor frees everything within
+    its transfer timeout and the client gets an error, not a hang."""
     d = pd(backend, timeout_s=3.0, prefill_chunk=16)
     try:
-        prefill, decode, router = (d.procs[n] for n in ("prefill", "decode", "router"))
+        alive, dead, router = (d.procs[n] for n in (survivor, victim, "router"))
         result: list[tuple[int, Any]] = []
         body = {"prompt": prompt(1500, 3), "max_tokens": 4}
         client = threading.Thread(target=lambda: result.append(post(router.port, body)))
         client.start()
-        wait_until(lambda: prefill.used_pages() > 0, "prefill to start the long prompt")
-        decode.kill()
-        wait_until(lambda: prefill.used_pages() == 0, "prefill to free everything")
-        client.join(WAIT_S)
-        assert result and result[0][0] >= 500, result  # an error, not a hang
-    finally:
-        d.stop()
-
-
-@pytest.mark.parametrize("backend", ["nixl", "zmq"])
-def test_prefill_killed_decode_frees_its_preallocation(backend: str) -> None:
-    d = pd(backend, timeout_s=3.0, prefill_chunk=16)
-    try:
-        prefill, decode, router = (d.procs[n] for n in ("prefill", "decode", "router"))
-        result: list[tuple[int, Any]] = []
-        body = {"prompt": prompt(1500, 4), "max_tokens": 4}
-        client = threading.Thread(target=lambda: result.append(post(router.port, body)))
-        client.start()
-        wait_until(lambda: decode.used_pages() > 0, "decode to preallocate")
-        prefill.kill()
-        wait_until(lambda: decode.used_pages() == 0, "decode to free its preallocation")
+        wait_until(lambda: alive.used_pages() > 0, f"{survivor} to hold the request's pages")
+        dead.kill()
+        wait_until(lambda: alive.used_pages() == 0, f"{survivor} to free everything")
         client.join(WAIT_S)
         assert result and result[0][0] >= 500, result
     finally:

@@ -32,7 +32,8 @@ def test_preallocated_count_is_the_binding_budget(n: int, full: int, swa: int, s
     total = Capacity(full, swa, slots)
     plan = plan_step(_views(n, 100), total, total, config, 1.0)
     f, t = pages_for_tokens(n, PAGE), tail_pages(n, PAGE, RETAINED)
-    if n + 1 > config.max_tokens_per_request or f > full or t > swa:
+    longest = pages_for_tokens(n + 1, PAGE)  # prompt + max_tokens must fit the full pool
+    if n + 1 > config.max_tokens_per_request or longest > full or t > swa:
         assert not plan.preallocs  # never fits: rejected, not waiting forever
         assert len(plan.rejects) == 100
         return

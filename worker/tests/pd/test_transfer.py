@@ -291,6 +291,7 @@ def digests(regions: Sequence[Region] | Mapping[str, np.ndarray[Any, Any]]) -> d
 def target_child(conn: Connection, backend: str) -> None:
     """The decode side: register KV pages, send the descriptor; on ("wait", tag) report the
     region digests once `tag` landed; stop on "stop" (or get killed)."""
+    os.setsid()  # out of the test's process group: no job-control signals reach it
     target = make_target(backend, host="127.0.0.1")
     regions = make_regions(kv_spec(DST_UNITS), seed=300)
     target.register(regions)
@@ -377,53 +378,47 @@ def test_kv_pages_land_in_another_process(backend: str, child: Child) -> None:
     assert got == digests(want)
 
 
-def test_dead_target_fails_the_write_within_its_timeout(backend: str, child: Child) -> None:
+def test_hung_then_dead_target_fails_writes_within_their_timeout(
+    backend: str, child: Child
+) -> None:
+    """Stopped (SIGSTOP): the write times out, no sooner; resumed: writes work again; killed:
+    the write fails (NIXL: at once, zmq: on its timeout); the initiator still works after."""
     regions = make_regions(kv_spec(SRC_UNITS), seed=200)
     initiator = make_initiator(backend, name="prefill")
+    blocks = [Block("full", 0, 0, UNIT_BYTES), Block("swa", 0, UNIT_BYTES, 2 * UNIT_BYTES)]
     try:
         initiator.register(regions)
         initiator.connect("decode", child.descriptor)
-        blocks = [Block("full", 0, 0, UNIT_BYTES), Block("swa", 0, UNIT_BYTES, 2 * UNIT_BYTES)]
-        initiator.write("decode", blocks, "alive", timeout_s=WAIT_S)
+        initiator.write("decode", blocks, "before", timeout_s=WAIT_S)
+
+        stop_process(child.proc.pid)
+        try:
+            error, elapsed_s = write_in_thread(initiator, "decode", blocks, "hung", 1.5)
+        finally:
+            os.kill(child.proc.pid, signal.SIGCONT)
+        assert isinstance(error, TransferError), (error, elapsed_s, landed(child, "before"))
+        assert "timed out after 1.5 s" in str(error) and elapsed_s >= 1.5
+
+        initiator.write("decode", blocks, "after", timeout_s=WAIT_S)
+        seen = landed(child, "after")
+        assert seen["before"] == 1 and seen["after"] == 1, seen
+
         child.proc.kill()
         child.proc.join(WAIT_S)
-        timeout_s = 3.0
-        started = time.monotonic()
-        error = write_in_thread(initiator, "decode", blocks, timeout_s)
+        error, elapsed_s = write_in_thread(initiator, "decode", blocks, "dead", 3.0)
         assert isinstance(error, TransferError), error
-        assert time.monotonic() - started < timeout_s + 5.0
-        assert "decode" in str(error)
+        assert "'decode'" in str(error) and elapsed_s < 3.0 + 5.0
         _still_usable(initiator, backend, regions)
     finally:
         initiator.close()
 
 
-def test_hung_target_times_the_write_out_then_recovers(backend: str, child: Child) -> None:
-    regions = make_regions(kv_spec(SRC_UNITS), seed=200)
-    initiator = make_initiator(backend, name="prefill")
-    try:
-        initiator.register(regions)
-        initiator.connect("decode", child.descriptor)
-        blocks = [Block("full", 0, 0, UNIT_BYTES)]
-        initiator.write("decode", blocks, "before", timeout_s=WAIT_S)
-        stop_process(child.proc.pid)
-        try:
-            timeout_s = 1.5
-            started = time.monotonic()
-            error = write_in_thread(initiator, "decode", blocks, timeout_s)
-            elapsed_s = time.monotonic() - started
-        finally:
-            os.kill(child.proc.pid, signal.SIGCONT)
-        assert isinstance(error, TransferError), error
-        assert "timed out after 1.5 s" in str(error)
-        assert timeout_s <= elapsed_s < timeout_s + 5.0
-        initiator.write("decode", blocks, "after", timeout_s=WAIT_S)
-        child.conn.send(("wait", "after"))
-        assert child.conn.poll(WAIT_S), "the target process did not answer"
-        seen, _ = child.conn.recv()
-        assert seen["before"] == 1 and seen["after"] == 1
-    finally:
-        initiator.close()
+def landed(child: Child, tag: str) -> Counter[str]:
+    """Every tag the child's target reported, once `tag` landed there."""
+    child.conn.send(("wait", tag))
+    assert child.conn.poll(WAIT_S), "the target process did not answer"
+    seen: Counter[str] = child.conn.recv()[0]
+    return seen
 
 
 def stop_process(pid: int) -> None:
@@ -447,29 +442,31 @@ def test_closed_target_fails_the_write(pair: Pair) -> None:
     pair.initiator.write("t", [Block("kv", 0, 0, 64)], "open", timeout_s=WAIT_S)
     pair.target.close()
     for blocks in ([Block("kv", 0, 0, 64)], []):
-        error = write_in_thread(pair.initiator, "t", blocks, timeout_s=1.0)
+        error, _ = write_in_thread(pair.initiator, "t", blocks, "closed", timeout_s=1.0)
         assert isinstance(error, TransferError), error
     # the fixture then closes the initiator: it must not abort the process (see nixl_backend)
 
 
 def write_in_thread(
-    initiator: TransferInitiator, peer: str, blocks: Sequence[Block], timeout_s: float
-) -> BaseException | None:
-    """The write's exception (None if it returned); fails the test if it hangs."""
+    initiator: TransferInitiator, peer: str, blocks: Sequence[Block], tag: str, timeout_s: float
+) -> tuple[BaseException | None, float]:
+    """The write's exception (None if it returned) and its seconds; fails the test if the
+    write hangs."""
     box: list[BaseException | None] = []
 
     def run() -> None:
         try:
-            initiator.write(peer, blocks, "dead", timeout_s=timeout_s)
+            initiator.write(peer, blocks, tag, timeout_s=timeout_s)
             box.append(None)
         except BaseException as exc:
             box.append(exc)
 
     thread = threading.Thread(target=run, daemon=True)
+    started = time.monotonic()
     thread.start()
     thread.join(timeout_s + 20.0)
     assert not thread.is_alive(), "write hung past its timeout"
-    return box[0]
+    return box[0], time.monotonic() - started
 
 
 def _still_usable(initiator: TransferInitiator, backend: str, regions: Sequence[Region]) -> None:

@@ -123,8 +123,9 @@ def test_the_deployed_form_serves_on_the_config_ports(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("role", "files", "needle"),
     [
-        ("prefill", True, "--role prefill: arrives with PD disaggregation"),
-        ("router", True, "--role router: arrives with PD disaggregation"),
+        ("prefill", True, "prefill-rank-0.json"),  # a colocated config is not a prefill's
+        ("decode", True, "decode-rank-0.json"),
+        ("router", True, "router.json"),
         ("colocated", False, "cannot read"),
     ],
 )
