@@ -33,6 +33,14 @@ def to_document(obj: Any) -> Any:
     return obj
 
 
+def check_version(doc: object, name: str, version: int) -> None:
+    """Refuse a document of another version (or none) before decoding it, naming the field."""
+    if isinstance(doc, Mapping) and doc.get("version") != version:
+        raise DocumentError(
+            f"{name}.version: this reader understands version {version}, got {doc.get('version')!r}"
+        )
+
+
 def from_document(cls: type[T], doc: object, path: str = "") -> T:
     """Decode `doc` into the dataclass `cls`, checking every field (errors name the path)."""
     return _decode(cls, doc, path or cls.__name__)  # type: ignore[no-any-return]

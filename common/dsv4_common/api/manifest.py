@@ -19,7 +19,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from dsv4_common.api.documents import DocumentError, from_document, to_document
+from dsv4_common.api.documents import (
+    DocumentError,
+    check_version,
+    from_document,
+    to_document,
+)
 from dsv4_common.core.layout import KVLayout
 
 MANIFEST_VERSION: Final = 1
@@ -85,11 +90,7 @@ def manifest_to_dict(manifest: Manifest) -> dict[str, Any]:
 
 def parse_manifest(doc: object) -> Manifest:
     """Parse a peer's manifest; raises DocumentError naming the first bad field."""
-    if isinstance(doc, Mapping) and doc.get("version") != MANIFEST_VERSION:
-        raise DocumentError(
-            f"manifest.version: this side speaks version {MANIFEST_VERSION}, "
-            f"got {doc.get('version')!r}"
-        )
+    check_version(doc, "manifest", MANIFEST_VERSION)
     return from_document(Manifest, doc, "manifest")
 
 

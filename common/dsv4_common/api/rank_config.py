@@ -15,7 +15,12 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from dsv4_common.api.deployment import MemoryPlan
-from dsv4_common.api.documents import DocumentError, from_document, to_document
+from dsv4_common.api.documents import (
+    DocumentError,
+    check_version,
+    from_document,
+    to_document,
+)
 from dsv4_common.api.names import WORKER_ROLES, Transfer, WorkerRole
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec
 from dsv4_common.core.model import ModelConfig
@@ -269,7 +274,7 @@ def router_config_to_dict(config: RouterConfig) -> dict[str, Any]:
 
 def parse_rank_config(doc: object) -> RankConfig:
     """Parse a rank-config document; raises DocumentError naming the first bad field."""
-    _check_version(doc, "rank_config", RANK_CONFIG_VERSION)
+    check_version(doc, "rank_config", RANK_CONFIG_VERSION)
     config = from_document(RankConfig, doc, "rank_config")
     _check_rank(config)
     return config
@@ -277,19 +282,12 @@ def parse_rank_config(doc: object) -> RankConfig:
 
 def parse_router_config(doc: object) -> RouterConfig:
     """Parse a router-config document; raises DocumentError naming the first bad field."""
-    _check_version(doc, "router_config", ROUTER_CONFIG_VERSION)
+    check_version(doc, "router_config", ROUTER_CONFIG_VERSION)
     config = from_document(RouterConfig, doc, "router_config")
     missing = sorted(set(WORKER_ROLES) - set(config.roles))
     if missing:
         raise DocumentError(f"router_config.roles: missing {', '.join(missing)}")
     return config
-
-
-def _check_version(doc: object, name: str, version: int) -> None:
-    if isinstance(doc, Mapping) and doc.get("version") != version:
-        raise DocumentError(
-            f"{name}.version: this reader understands version {version}, got {doc.get('version')!r}"
-        )
 
 
 def _check_rank(c: RankConfig) -> None:

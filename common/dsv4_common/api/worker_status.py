@@ -21,11 +21,15 @@ naming the field. Pure.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from dsv4_common.api.documents import DocumentError, from_document, to_document
+from dsv4_common.api.documents import (
+    DocumentError,
+    check_version,
+    from_document,
+    to_document,
+)
 from dsv4_common.api.names import Transfer
 
 WORKER_STATUS_VERSION: Final = 1
@@ -117,11 +121,7 @@ def build_worker_status(status: WorkerStatus) -> dict[str, Any]:
 
 def parse_worker_status(doc: object) -> WorkerStatus:
     """Parse a /status document; raises DocumentError naming the first bad field."""
-    if isinstance(doc, Mapping) and doc.get("version") != WORKER_STATUS_VERSION:
-        raise DocumentError(
-            f"status.version: this reader understands version {WORKER_STATUS_VERSION}, "
-            f"got {doc.get('version')!r}"
-        )
+    check_version(doc, "status", WORKER_STATUS_VERSION)
     parsed = from_document(WorkerStatusDoc, doc, "status")
     counts = {
         "pp_rank": parsed.pp_rank,

@@ -7,6 +7,7 @@ name of a target (decode). A write is tagged; the target reports the tag once ev
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -61,6 +62,15 @@ class TransferTarget(Protocol):
 
     def close(self) -> None:
         """Idempotent."""
+
+
+def drain(landed: deque[str]) -> list[str]:
+    """Every tag queued by a target's receiving thread, oldest first (each tag once: popleft is
+    atomic against the thread's appends)."""
+    tags: list[str] = []
+    while landed:
+        tags.append(landed.popleft())
+    return tags
 
 
 class TransferInitiator(Protocol):

@@ -35,6 +35,7 @@ from dsv4_worker.pd.transfer.base import (
     check_blocks,
     check_regions,
     check_same_regions,
+    drain,
     merge_blocks,
 )
 
@@ -126,10 +127,7 @@ class NixlTarget:
         return self._descriptor
 
     def poll_landed(self) -> list[str]:
-        tags: list[str] = []
-        while self._landed:
-            tags.append(self._landed.popleft())
-        return tags
+        return drain(self._landed)
 
     def close(self) -> None:
         self._stop.set()

@@ -30,6 +30,7 @@ from dsv4_worker.pd.transfer.base import (
     check_blocks,
     check_regions,
     check_same_regions,
+    drain,
     merge_blocks,
     region_bytes,
 )
@@ -120,10 +121,7 @@ class ZmqTarget:
         return self._descriptor
 
     def poll_landed(self) -> list[str]:
-        tags: list[str] = []
-        while self._landed:
-            tags.append(self._landed.popleft())
-        return tags
+        return drain(self._landed)
 
     def close(self) -> None:
         self._stop.set()
