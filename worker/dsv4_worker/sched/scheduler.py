@@ -181,55 +181,45 @@ def plan_step(
         key=lambda v: (_queue_rank(v.phase), v.rid),
     )
     for v in queue:
-        if v.phase is Phase.PREALLOC:  # no prefill here: outside the chunk budget
-            if (why := never_fits(v, config, p.total)) is not None:
-                rejects.append((v.rid, why))
-                continue
-            need = prealloc_need(v, config)
-            verdict = admit(need, p.free, p.total, p.reserved_except(v.rid))
-            if verdict.fit is Fit.NEVER:
-                rejects.append((v.rid, f"cannot preallocate: {verdict.reason}"))
-                continue
-            if verdict.fit is Fit.LATER:
-                waiting = (v.rid, verdict.reason)
-                break
-            preallocs.append(v.rid)
-            p.free = p.free.minus(need)
-            p.reserved[v.rid] = _decode_headroom(v, config, new_token_ratio, v.prompt_len)
-            continue
-        if budget <= 0:
+        if v.phase is not Phase.PREALLOC and budget <= 0:  # preallocation runs no prefill
             break
-        if v.phase is Phase.RETRACTED:
-            verdict = admit(
-                v.resume + Need(request_slots=1), p.free, p.total, p.reserved_except(v.rid)
-            )
-            if verdict.fit is Fit.NEVER:
-                rejects.append((v.rid, f"cannot resume: {verdict.reason}"))
-                continue
-            if verdict.fit is Fit.LATER:
-                waiting = (v.rid, verdict.reason)
-                break
-            resumes.append(v.rid)
-            p.free = p.free.minus(v.resume + Need(request_slots=1))
-            continue
-        if v.phase is Phase.WAITING and (why := never_fits(v, config, p.total)) is not None:
+        if (
+            v.phase in (Phase.PREALLOC, Phase.WAITING)
+            and (why := never_fits(v, config, p.total)) is not None
+        ):
             rejects.append((v.rid, why))
             continue
-        tokens, verdict = _chunk(v, budget, p, config)
+        # One admission per request, whatever it asks for; `label` prefixes a refusal.
+        tokens, label = 0, ""
+        if v.phase is Phase.PREALLOC:
+            need, label = prealloc_need(v, config), "cannot preallocate: "
+            verdict = admit(need, p.free, p.total, p.reserved_except(v.rid))
+        elif v.phase is Phase.RETRACTED:
+            need, label = v.resume + Need(request_slots=1), "cannot resume: "
+            verdict = admit(need, p.free, p.total, p.reserved_except(v.rid))
+        else:
+            tokens, verdict = _chunk(v, budget, p, config)
+            need = extend_need(v.num_tokens, tokens, config.page_size)
+            if v.phase is Phase.WAITING:
+                need = need + Need(request_slots=1)
         if verdict.fit is Fit.NEVER:
-            rejects.append((v.rid, verdict.reason))
+            rejects.append((v.rid, label + verdict.reason))
             continue
         if verdict.fit is Fit.LATER:
             waiting = (v.rid, verdict.reason)
             break
-        need = extend_need(v.num_tokens, tokens, config.page_size)
-        if v.phase is Phase.WAITING:
-            admits.append(v.rid)
-            need = need + Need(request_slots=1)
         p.free = p.free.minus(need)
-        p.reserved[v.rid] = _prompt_rest(v, v.num_tokens + tokens, config)
-        chunks.append((v.rid, tokens))
-        budget -= tokens
+        if v.phase is Phase.PREALLOC:
+            preallocs.append(v.rid)
+            p.reserved[v.rid] = _decode_headroom(v, config, new_token_ratio, v.prompt_len)
+        elif v.phase is Phase.RETRACTED:
+            resumes.append(v.rid)
+        else:
+            if v.phase is Phase.WAITING:
+                admits.append(v.rid)
+            p.reserved[v.rid] = _prompt_rest(v, v.num_tokens + tokens, config)
+            chunks.append((v.rid, tokens))
+            budget -= tokens
     return StepPlan(
         decodes=decodes,
         retracts=tuple(retracts),
