@@ -199,7 +199,8 @@ def build(args: argparse.Namespace) -> Built:
     )
     engine = Engine(PagedModel(model, params, memory), sched)
     host = args.host or ("0.0.0.0" if config else "127.0.0.1")
-    agent, kv_state, runner = _pd_agent(args, config, engine, memory, backend, host)
+    runner = EngineRunner(engine)
+    agent, kv_state = _pd_agent(args, config, runner, memory, backend, host)
     status = WorkerStatus(
         role=role,
         pp_rank=0,
@@ -236,14 +237,16 @@ def build(args: argparse.Namespace) -> Built:
 def _pd_agent(
     args: argparse.Namespace,
     config: RankConfig | None,
-    engine: Engine,
+    runner: EngineRunner,
     memory: KVMemory,
     backend: str | None,
     host: str,
-) -> tuple[PrefillAgent | DecodeAgent | None, Callable[[], KVState] | None, EngineRunner]:
-    """The role's PD agent (none when colocated), its live /status view, and the runner."""
+) -> tuple[PrefillAgent | DecodeAgent | None, Callable[[], KVState] | None]:
+    """The role's PD agent on `runner`'s engine (none when colocated) and its live /status
+    view."""
     if backend is None:
-        return None, None, EngineRunner(engine)
+        return None, None
+    engine = runner.engine
     assert memory.pool is not None
     pool = memory.pool
     manifest = manifest_of(memory.layout, {str(k): v for k, v in pool.units.items()})
@@ -255,7 +258,6 @@ def _pd_agent(
             initiator = make_initiator(backend, name=f"prefill-{os.getpid()}")
             initiator.register(regions)
             kv_port = config.ports.kv if config else args.kv_port
-            runner = EngineRunner(engine)
             prefill = PrefillAgent(
                 engine,
                 runner.call,
@@ -267,16 +269,11 @@ def _pd_agent(
             runner.after_step = prefill.after_step
             endpoint = f"{advertise}:{prefill.port}"
             print(f"dsv4 serve: KV control on {endpoint} ({backend})", flush=True)
-            return (
-                prefill,
-                lambda: KVState(prefill.ready, digest, endpoint),
-                runner,
-            )
+            return prefill, lambda: KVState(prefill.ready, digest, endpoint)
         target = make_target(backend, host=advertise)
         target.register(regions)
     except (TransferError, zmq.ZMQError) as exc:
         raise ServeError(f"kv transfer ({backend}): {exc}") from exc
-    runner = EngineRunner(engine)
     default = args.prefill
     if default is None and config is not None:
         default = f"{config.role_services['prefill']}:{config.ports.kv}"
@@ -288,7 +285,7 @@ def _pd_agent(
         default_prefill=default,
         transfer_timeout_s=args.transfer_timeout_s,
     )
-    return decode, lambda: KVState(decode.kv_status()[0], digest, None), runner
+    return decode, lambda: KVState(decode.kv_status()[0], digest, None)
 
 
 async def _serve(built: Built) -> None:

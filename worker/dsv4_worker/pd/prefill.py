@@ -28,6 +28,7 @@ import torch
 import zmq
 
 from dsv4_common.api.manifest import Manifest, manifest_hash, manifest_mismatch
+from dsv4_common.core.index_space import pages_for_tokens
 from dsv4_common.core.layout import IndexSpace
 from dsv4_worker.engine.loop import Engine, Request
 from dsv4_worker.engine.sampler import SamplingParams
@@ -191,7 +192,7 @@ class PrefillAgent:
         page, retained = self.manifest.page_size, self.manifest.window_tokens
         retained += self.manifest.draft_tokens
         n = len(msg.prompt)
-        cols, tail = -(-n // page), len(tail_cols(n, page, retained))
+        cols, tail = pages_for_tokens(n, page), len(tail_cols(n, page, retained))
         if len(msg.dst_full_pages) != cols or len(msg.dst_swa_pages) != tail:
             raise ValueError(
                 f"destination: {len(msg.dst_full_pages)} full / {len(msg.dst_swa_pages)} SWA "
@@ -227,10 +228,7 @@ class PrefillAgent:
                     )
                     del self._txs[room]
                     self.engine.release(req.rid)
-                elif (
-                    req.slot is not None
-                    and req.num_tokens // self.manifest.page_size > tx.sent_cols
-                ):
+                elif req.slot is not None:  # admitted: send the pages its chunks finished
                     self._send_step(tx, last=False)
             except (_Fail, TransferError) as exc:
                 log.warning("request %s failed: %s", room, exc)
@@ -250,6 +248,8 @@ class PrefillAgent:
             page_size=m.page_size,
             retained_tokens=m.window_tokens + m.draft_tokens,
         )
+        if step.empty:  # no page finished since the last send
+            return
         full, swa = self.engine.mem.pages.request_pages(req.slot)
         full_l, swa_l = full.tolist(), swa.tolist()
         tail0 = step.swa_cols.start
