@@ -8,6 +8,7 @@ input exits 2 with a message naming the flag or field, never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -22,7 +23,7 @@ from dsv4_common.core.model import ModelConfig, ModelConfigError
 from dsv4_common.core.presets import PRESETS, load_model_config
 from dsv4_common.core.units import GIB
 from dsv4_common.plan.inputs import DEFAULT_MEM_FRACTION, ROLES, PlanError, PlanInputs
-from dsv4_common.plan.planner import plan
+from dsv4_common.plan.planner import Plan, plan
 from dsv4_common.plan.report import format_table, plan_to_dict
 
 
@@ -138,7 +139,8 @@ def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--layer-split",
         type=_layer_split,
         default=None,
-        help="target layers per PP rank, e.g. 16,15,15,15 (default: even)",
+        help="target layers per PP rank, e.g. 16,15,15,15 (default: the capacity-balanced "
+        "split, whose worst rank holds the most)",
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -240,6 +242,21 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="decode: fail a request (and free its preallocation) when its prefill has not "
         "delivered by then; prefill: give up on it after this long",
     )
+    pp = p.add_argument_group("pipeline parallelism (quick form)")
+    pp.add_argument("--pp-size", type=_positive_int, default=1, help="stages in the PP group")
+    pp.add_argument("--pp-rank", type=_non_negative_int, default=0, help="this stage's rank")
+    pp.add_argument(
+        "--pp-addr",
+        default=None,
+        metavar="HOST:PORT",
+        help="where the group meets: rank 0 listens there, the others connect",
+    )
+    pp.add_argument(
+        "--pp-timeout-s",
+        type=_positive_float,
+        default=30.0,
+        help="a stage that does not answer within this long fails the group",
+    )
     pd.add_argument(
         "--instance",
         action="append",
@@ -271,12 +288,25 @@ def _run_plan(args: argparse.Namespace) -> int:
     except ModelConfigError as exc:
         raise _Usage(f"--model: {exc}") from exc
     try:
-        result = plan(_plan_inputs(args, model))
+        inputs = _plan_inputs(args, model)
+        result = plan(inputs)
     except PlanError as exc:
         flag = PLAN_FLAGS.get(exc.input_name or "")
         raise _Usage(f"{flag}: {exc}" if flag else str(exc)) from exc
-    _write(json.dumps(plan_to_dict(result), indent=2) if args.json else format_table(result))
+    balanced = _balanced_alternative(inputs) if inputs.layer_split is not None else None
+    if args.json:
+        _write(json.dumps(plan_to_dict(result, balanced), indent=2))
+    else:
+        _write(format_table(result, balanced))
     return 0
+
+
+def _balanced_alternative(inputs: PlanInputs) -> Plan | None:
+    """With a fixed --layer-split: the plan the balanced split would give (None: none fits)."""
+    try:
+        return plan(dataclasses.replace(inputs, layer_split=None))
+    except PlanError:
+        return None
 
 
 def _plan_inputs(args: argparse.Namespace, model: ModelConfig) -> PlanInputs:

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from dsv4_common.api.deployment import MemoryPlan, plan_memory
-from dsv4_common.api.names import API_VERSION, KIND, WORKER_ROLES
+from dsv4_common.api.names import API_VERSION, KIND
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec, SpecError, parse_meta, parse_spec
 
 __all__ = ["Deployment", "parse_deployment", "refuse_pipeline_parallel"]
@@ -53,12 +53,13 @@ def parse_deployment(text: str, source: str) -> Deployment:
 
 
 def refuse_pipeline_parallel(spec: DeploymentSpec) -> None:
-    """The worker serves PP=1 groups only (for now); remove this check when PP stages land."""
-    errors = [
-        f"spec.{role}.pipelineParallel: dsv4 up runs PP=1 groups until pipeline-parallel "
-        f"stages land (got {spec.role(role).pipeline_parallel})"
-        for role in WORKER_ROLES
-        if spec.role(role).pipeline_parallel > 1
-    ]
-    if errors:
-        raise SpecError(errors)
+    """The worker runs prefill PP groups of any size and decode groups of one stage (for now):
+    refuse before any process starts, naming the field."""
+    pp = spec.role("decode").pipeline_parallel
+    if pp > 1:
+        raise SpecError(
+            [
+                "spec.decode.pipelineParallel: decode runs one stage per group for now "
+                f"(prefill groups may have several) (got {pp})"
+            ]
+        )

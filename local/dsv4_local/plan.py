@@ -2,7 +2,8 @@
 documents and loopback ports. Pure: ports come from an injected allocator, nothing is written.
 
 Invariants: workers come first (prefill, then decode, each replica's PP ranks in order), the
-router last; every port in the plan is distinct; the router config lists exactly the serving
+router last; every port in the plan is distinct, except that the ranks of a PP group share
+rank 0's PP port (where the group meets); the router config lists exactly the serving
 rank (PP rank 0) of every replica of each role. A worker group's config directory holds the
 rank configs of its ranks, the router's holds `router.json`: the same documents the operator
 puts in its ConfigMap, with 127.0.0.1 for every address.
@@ -102,8 +103,13 @@ def build_launch_plan(
     documents: dict[Path, dict[str, Any]] = {}
     instances: dict[WorkerRole, list[Instance]] = {role: [] for role in WORKER_ROLES}
     for role, replica, pp_size in groups:
+        group_pp_port = 0
         for pp_rank in range(pp_size):
             ports = WorkerPorts(*_take(free, PORTS_PER_RANK))
+            if pp_rank == 0:
+                group_pp_port = ports.pp
+            else:  # the group meets on rank 0's PP port (as on the pods' shared port number)
+                ports = dataclasses.replace(ports, pp=group_pp_port)
             process = _worker(deployment, workdir, python, role, replica, pp_rank, ports.status)
             if role == "decode" and instances["prefill"]:
                 # The prefill it handshakes with at start (the router names one per request).

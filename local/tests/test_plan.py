@@ -12,9 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from dsv4_common.api.deployment import plan_memory
 from dsv4_common.api.rank_config import RouterConfig, parse_rank_config, parse_router_config
-from dsv4_common.api.spec import SpecError, parse_meta, parse_spec
+from dsv4_common.api.spec import SpecError, parse_spec
 from dsv4_local.deployment import Deployment, parse_deployment, refuse_pipeline_parallel
 from dsv4_local.plan import LaunchPlan, build_launch_plan
 from dsv4_local.workdir import write_workdir
@@ -177,11 +176,8 @@ def test_a_bad_allocator_is_refused() -> None:
         )
 
 
-def test_the_plan_is_general_in_pp_once_the_worker_runs_pp_stages() -> None:
-    raw = body(prefill={"pipelineParallel": 2})
-    spec = parse_spec(raw)
-    d = Deployment(spec, parse_meta(raw), plan_memory(spec))  # past refuse_pipeline_parallel
-    plan = launch_plan(d)
+def test_a_prefill_pp_group_shares_rank_0s_pp_port() -> None:
+    plan = launch_plan(deployment(prefill={"pipelineParallel": 2}))
     assert [p.name for p in plan.processes] == [
         "prefill-0-rank-0",
         "prefill-0-rank-1",
@@ -191,17 +187,22 @@ def test_the_plan_is_general_in_pp_once_the_worker_runs_pp_stages() -> None:
     assert [p.env["DSV4_PP_RANK"] for p in plan.processes[:2]] == ["0", "1"]
     assert {p.config_dir for p in plan.processes[:2]} == {WORKDIR / "prefill-0"}
     router = router_of(plan)
-    rank0 = parse_rank_config(plan.documents[WORKDIR / "prefill-0" / "prefill-rank-0.json"])
+    rank0, rank1 = (
+        parse_rank_config(plan.documents[WORKDIR / "prefill-0" / f"prefill-rank-{r}.json"])
+        for r in (0, 1)
+    )
     assert [i.http_port for i in router.roles["prefill"].instances] == [rank0.ports.http]
+    assert rank1.ports.pp == rank0.ports.pp  # where the group meets
+    others = [p for c in (rank0, rank1) for n, p in c.ports.by_name().items() if n != "pp"]
+    assert len(others) == len(set(others)) and rank0.ports.pp not in others
 
 
-@pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_pp_above_1_is_refused_naming_the_field(role: str) -> None:
+def test_decode_pp_above_1_is_refused_naming_the_field() -> None:
     with pytest.raises(SpecError) as exc:
-        deployment(**{role: {"pipelineParallel": 2}})
+        deployment(decode={"pipelineParallel": 2})
     assert str(exc.value) == (
-        f"spec.{role}.pipelineParallel: dsv4 up runs PP=1 groups until pipeline-parallel "
-        "stages land (got 2)"
+        "spec.decode.pipelineParallel: decode runs one stage per group for now "
+        "(prefill groups may have several) (got 2)"
     )
 
 

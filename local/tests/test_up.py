@@ -67,11 +67,12 @@ def test_a_bad_spec_field_is_named(tmp_path: Path, capsys: pytest.CaptureFixture
     assert message.startswith("spec.kv.pageSize: ")
 
 
-def test_pp_above_1_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    text = (SAMPLES / "tiny-cpu.yaml").read_text()
-    assert up_error(tmp_path, capsys, text) == (
-        "spec.prefill.pipelineParallel: dsv4 up runs PP=1 groups until pipeline-parallel "
-        "stages land (got 2)"
+def test_decode_pp_above_1_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    doc = yaml.safe_load((SAMPLES / "tiny-cpu.yaml").read_text())
+    doc["spec"]["decode"]["pipelineParallel"] = 2
+    assert up_error(tmp_path, capsys, yaml.safe_dump(doc)) == (
+        "spec.decode.pipelineParallel: decode runs one stage per group for now "
+        "(prefill groups may have several) (got 2)"
     )
 
 

@@ -16,7 +16,8 @@ import pytest
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
-SAMPLE = ROOT / "crds" / "samples" / "tiny-pd.yaml"
+SAMPLES = ROOT / "crds" / "samples"
+SAMPLE = SAMPLES / "tiny-pd.yaml"
 UP = [sys.executable, "-m", "dsv4_common.cli", "up", str(SAMPLE), "--port", "0"]
 
 
@@ -28,9 +29,20 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_request_through_a_local_pd_deployment(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("sample", "workers"),
+    [
+        ("tiny-pd.yaml", ("prefill-0", "decode-0")),
+        # prefill PP=2: each stage sends its own layers to the one decode stage
+        ("tiny-cpu.yaml", ("prefill-0-rank-0", "prefill-0-rank-1", "decode-0")),
+    ],
+)
+def test_request_through_a_local_pd_deployment(
+    tmp_path: Path, sample: str, workers: tuple[str, ...]
+) -> None:
+    up = [sys.executable, "-m", "dsv4_common.cli", "up", str(SAMPLES / sample), "--port", "0"]
     done = subprocess.run(
-        [*UP, "--workdir", str(tmp_path), "--request", "Hello", "--max-tokens", "5"],
+        [*up, "--workdir", str(tmp_path), "--request", "Hello", "--max-tokens", "5"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -38,7 +50,7 @@ def test_request_through_a_local_pd_deployment(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith('"') and done.stdout.strip().endswith('"')  # the completion
     assert "completion: 5 tokens" in done.stderr
-    for name in ("prefill-0", "decode-0", "router"):
+    for name in (*workers, "router"):
         assert f"{name} ready" in done.stderr
         assert (tmp_path / "logs" / f"{name}.log").exists()
     assert "KV transfer handshake with prefill" in (tmp_path / "logs" / "decode-0.log").read_text()

@@ -1,7 +1,9 @@
 """kopf glue: create, update, resume, a periodic timer and events of watched children all run
 the one reconcile; errors are mapped to kopf's retry semantics here and nowhere else. No
 decisions in this module, and no state: what handlers share (the API client, the worker probe,
-the configuration, the reconcile gate) lives in kopf's memo, filled by `settings.on_startup`.
+the configuration, the reconcile gate, the metrics) lives in kopf's memo, filled by
+`settings.on_startup`. Every reconcile is counted and timed in the operator's metrics, which
+forget a DSV4Deployment's capacity series when its DELETED event arrives.
 
 Events of the worker pods (one failed, restarted, became ready) and of the router Deployment
 (its readiness gates Ready) trigger a reconcile of the owning DSV4Deployment at once instead of
@@ -12,8 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, cast
 
 import kopf
@@ -22,6 +25,7 @@ from dsv4_operator import labels as L
 from dsv4_operator.config import OperatorConfig
 from dsv4_operator.gate import ReconcileGate, deployment_key
 from dsv4_operator.kube import Kube, KubeError
+from dsv4_operator.metrics import OperatorMetrics
 from dsv4_operator.observe import WorkerProbe
 from dsv4_operator.reconcile import ReconcileResult, reconcile
 
@@ -39,10 +43,11 @@ class Deps:
     probe: WorkerProbe
     config: OperatorConfig
     gate: ReconcileGate
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
 
     @classmethod
     def from_memo(cls, memo: kopf.Memo) -> Deps:
-        return cls(memo["kube"], memo["probe"], memo["config"], memo["gate"])
+        return cls(memo["kube"], memo["probe"], memo["config"], memo["gate"], memo["metrics"])
 
 
 def run_reconcile(body: Mapping[str, Any], deps: Deps, logger: AnyLogger) -> ReconcileResult:
@@ -56,12 +61,17 @@ def run_reconcile(body: Mapping[str, Any], deps: Deps, logger: AnyLogger) -> Rec
 
 def _reconcile(body: Mapping[str, Any], deps: Deps, logger: AnyLogger) -> ReconcileResult:
     """`run_reconcile` for a caller that holds the deployment's lock."""
+    meta = body.get("metadata", {})
+    started = time.monotonic()
     try:
         result = reconcile(body, deps.kube, deps.probe, config=deps.config)
-    except KubeError as exc:
-        if exc.retryable:
+    except Exception as exc:
+        deps.metrics.failed(exc, time.monotonic() - started)
+        if isinstance(exc, KubeError) and exc.retryable:
             raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
         raise
+    seconds = time.monotonic() - started
+    deps.metrics.reconciled(meta.get("namespace", ""), meta.get("name", ""), result, seconds)
     for key in result.applied:
         logger.info("applied %s %s", key[1], key[2])
     for key in result.pruned:
@@ -120,6 +130,20 @@ def reconcile_owner(
             if action.restart:
                 warn(body, action.reason, f"{action.group} restarted as a unit: {action.message}")
     return result
+
+
+@kopf.on.event(L.GROUP, L.VERSION, L.PLURAL)
+def on_deployment_event(
+    event: Mapping[str, Any], namespace: str | None, name: str | None, memo: kopf.Memo, **_: Any
+) -> None:
+    if event.get("type") == "DELETED" and namespace and name:
+        forget_deployment(namespace, name, Deps.from_memo(memo))
+
+
+def forget_deployment(namespace: str, name: str, deps: Deps) -> None:
+    """The CR is gone: drop its metric series, after any reconcile of it still in flight."""
+    with deps.gate.lock(deployment_key(namespace, name)):
+        deps.metrics.forget(namespace, name)
 
 
 def _post_warning(body: Mapping[str, Any], reason: str, message: str) -> None:

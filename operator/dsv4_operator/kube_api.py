@@ -6,24 +6,35 @@ The only module that talks to the API server.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Final
 
 from dsv4_operator import labels as L
 from dsv4_operator.kube import KubeError
 
 _RETRYABLE = {409, 429, 500, 502, 503, 504}
+# A kind found not served (an add-on's CRD, e.g. Volcano's PodGroup, not installed) is answered
+# from memory for this long: each failed lookup makes the client refetch all of discovery.
+UNSERVED_RECHECK_S: Final = 300.0
 
 
 class ApiKube:
     """`Kube` on `kubernetes.dynamic.DynamicClient` (synchronous; kopf runs sync handlers in
     threads)."""
 
-    def __init__(self, api_client: Any, request_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        api_client: Any,
+        request_timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         from kubernetes import dynamic
 
         self._dyn = dynamic.DynamicClient(api_client)  # type: ignore[no-untyped-call]
         self._timeout_s = request_timeout_s
+        self._clock = clock
+        self._unserved: dict[tuple[str, str], float] = {}  # kind -> when found not served
 
     @classmethod
     def from_environment(cls, request_timeout_s: float = 30.0) -> ApiKube:
@@ -38,18 +49,29 @@ class ApiKube:
 
     def _resource(self, api_version: str, kind: str) -> Any:
         """The kind's API resource. Discovery is lazy (the first use of a group asks the API
-        server), so its failures are mapped to `KubeError` like those of any other call."""
+        server), so its failures are mapped to `KubeError` like those of any other call; a kind
+        not served is a permanent error with status 404."""
         from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
         what = f"discover {api_version} {kind}"
+        unserved = KubeError(f"{what}: not served by the API server", retryable=False, status=404)
+        key = (api_version, kind)
+        since = self._unserved.get(key)
+        if since is not None and self._clock() - since < UNSERVED_RECHECK_S:
+            raise unserved
         try:
             res = self._guard(
                 what, lambda: self._dyn.resources.get(api_version=api_version, kind=kind)
             )
         except ResourceNotFoundError as exc:
-            raise KubeError(f"{what}: not served by the API server", retryable=False) from exc
-        if res is None:  # 404 on a discovery document
-            raise KubeError(f"{what}: not served by the API server", retryable=False, status=404)
+            res = None
+            cause: Exception | None = exc
+        else:
+            cause = None
+        if res is None:  # not in discovery, or 404 on a discovery document
+            self._unserved[key] = self._clock()
+            raise unserved from cause
+        self._unserved.pop(key, None)
         return res
 
     def _call(self, what: str, fn: Any, *args: Any, missing_ok: bool = True, **kwargs: Any) -> Any:

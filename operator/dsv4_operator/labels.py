@@ -56,8 +56,14 @@ POD_INDEX_LABEL: Final = "apps.kubernetes.io/pod-index"
 APP_NAME_VALUE: Final = "dsv4-serve"
 MANAGED_BY_VALUE: Final = "dsv4-operator"
 # Labels the operator's own pods carry (the chart must set them): the NetworkPolicy lets only
-# these pods reach the workers' status port.
+# these pods (and the metrics scrapers' namespace, when configured) reach the workers' status port.
 OPERATOR_POD_LABELS: Final = {APP_NAME: "dsv4-operator"}
+# Set by the API server on every namespace (>= 1.22): selects the metrics scrapers' namespace.
+NAMESPACE_NAME_LABEL: Final = "kubernetes.io/metadata.name"
+
+# Kueue's labels of a workload (queue, priority), set through a role's podTemplate labels and
+# copied onto its StatefulSets (the router's Deployment) where Kueue reads them.
+KUEUE_WORKLOAD_LABELS: Final = ("kueue.x-k8s.io/queue-name", "kueue.x-k8s.io/priority-class")
 
 # Annotations.
 TEMPLATE_HASH_ANNOTATION: Final = f"{GROUP}/template-hash"

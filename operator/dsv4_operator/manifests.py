@@ -134,10 +134,26 @@ def build_pdb(meta: DeploymentMeta, role: L.WorkerRole) -> Obj:
     }
 
 
-def build_network_policy(meta: DeploymentMeta) -> Obj:
+def metrics_ingress(scrape_namespace: str) -> list[Obj]:
+    """Every pod of `scrape_namespace` (Prometheus) on the status port, which serves /metrics
+    (by port name); no rule when it is empty."""
+    if not scrape_namespace:
+        return []
+    return [
+        {
+            "from": [
+                {"namespaceSelector": {"matchLabels": {L.NAMESPACE_NAME_LABEL: scrape_namespace}}}
+            ],
+            "ports": [{"protocol": "TCP", "port": "status"}],
+        }
+    ]
+
+
+def build_network_policy(meta: DeploymentMeta, scrape_namespace: str = "") -> Obj:
     """Worker ingress: peer workers of this deployment on any port (PP activations and KV
-    transfer; UCX/NIXL data paths use ephemeral ports), the router on the serving port, and the
-    operator on the status port. Everything else is denied."""
+    transfer; UCX/NIXL data paths use ephemeral ports), the router on the serving port, the
+    operator on the status port and, when given, the metrics scrapers' namespace on the status
+    port (`metrics_ingress`). Everything else is denied."""
     workers = L.component_selector(meta.name, "worker")
     router = L.component_selector(meta.name, "router")
     return {
@@ -167,6 +183,7 @@ def build_network_policy(meta: DeploymentMeta) -> Obj:
                     ],
                     "ports": [{"protocol": "TCP", "port": STATUS_PORT}],
                 },
+                *metrics_ingress(scrape_namespace),
             ],
         },
     }

@@ -4,6 +4,8 @@ selector that finds children to prune. Pure; `render.py` prints it, `reconcile.p
 Each object carries an applied-hash annotation (a hash of the object as planned) so the
 reconciler can skip objects the cluster already holds; each pod template carries a
 template-hash annotation (template + the config it reads) so a change rolls its pods.
+A role's `podTemplate` is merged into its pod templates (`podtemplate.py`); what it may not set
+raises `SpecError`, naming the field.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsv4_common.api.deployment import MemoryPlan
-from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec
+from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec, PodTemplate, SpecError
 from dsv4_operator import labels as L
+from dsv4_operator.gang import POD_GROUP_KINDS, build_pod_group
 from dsv4_operator.manifests import (
     Obj,
     build_config_map,
@@ -26,12 +29,14 @@ from dsv4_operator.manifests import (
     build_router_service,
     build_service_account,
 )
+from dsv4_operator.podtemplate import merge_pod_template
 from dsv4_operator.workerconfig import ROUTER_CONFIG_KEY, config_data, role_config_data
 from dsv4_operator.workloads import (
     DEFAULT_WORKER_IMAGE,
     build_group_statefulset,
     build_router_deployment,
     router_pod_template,
+    weight_memory_requests,
     with_template_hash,
     worker_pod_template,
 )
@@ -47,7 +52,11 @@ MANAGED_KINDS: tuple[tuple[str, str], ...] = (
     ("networking.k8s.io/v1", "NetworkPolicy"),
     ("apps/v1", "StatefulSet"),
     ("apps/v1", "Deployment"),
+    *POD_GROUP_KINDS,
 )
+# Kinds served only where their add-on is installed: a cluster that does not serve one holds
+# none of ours (the pruner skips it).
+OPTIONAL_KINDS: frozenset[tuple[str, str]] = frozenset(POD_GROUP_KINDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,31 +93,56 @@ def build_desired_state(
     memory: MemoryPlan,
     *,
     default_image: str = DEFAULT_WORKER_IMAGE,
+    metrics_scrape_namespace: str = "",
 ) -> DesiredState:
     image = spec.image or default_image
     data = config_data(spec, meta, memory)
     objects: list[Obj] = [
         build_service_account(meta),
         build_config_map(meta, data),
-        build_network_policy(meta),
+        build_network_policy(meta, metrics_scrape_namespace),
     ]
     hashes: dict[str, str] = {}
     workloads: list[Obj] = []
+    errors: list[str] = []
+
+    def merged(base: Obj, user: PodTemplate | None, role: str, **defaults: str) -> Obj:
+        """The base template with the role's podTemplate merged in (errors collected)."""
+        try:
+            return merge_pod_template(
+                base,
+                user,
+                path=f"spec.{role}.podTemplate",
+                main="router" if role == "router" else "worker",
+                default_requests=defaults,
+            )
+        except SpecError as exc:
+            errors.extend(e for e in exc.errors if e not in errors)
+            return base
+
     for role in L.WORKER_ROLES:
         objects.append(build_role_service(meta, role))
         objects.append(build_pdb(meta, role))
         role_data = role_config_data(data, role)
+        defaults = weight_memory_requests(spec, memory.role(role))
         for replica in range(spec.role(role).replicas):
             group = L.group_name(meta.name, role, replica)
-            template = worker_pod_template(meta, spec, role, replica, image)
+            base = worker_pod_template(meta, spec, role, replica, image)
+            template = merged(base, spec.role(role).pod_template, role, **defaults)
             hashes[group] = stable_hash(template, role_data)
+            if (pod_group := build_pod_group(meta, spec, role, replica, template)) is not None:
+                objects.append(pod_group)  # before its pods: they name it
             objects.append(build_group_service(meta, role, replica))
             workloads.append(
                 build_group_statefulset(
                     meta, spec, role, replica, with_template_hash(template, hashes[group])
                 )
             )
-    router_template = router_pod_template(meta, spec, image)
+    router_template = merged(
+        router_pod_template(meta, spec, image), spec.router.pod_template, "router"
+    )
+    if errors:
+        raise SpecError(errors)
     router = L.router_name(meta.name)
     hashes[router] = stable_hash(router_template, data[ROUTER_CONFIG_KEY])
     objects.append(build_router_service(meta, spec.router.port))

@@ -18,8 +18,14 @@ from dsv4_operator import labels as L
 from dsv4_operator.config import DEFAULT_CONFIG, OperatorConfig
 from dsv4_operator.diff import needs_apply, status_patch
 from dsv4_operator.groups import GroupAction, GroupState, group_states, plan_group_actions
-from dsv4_operator.kube import Kube
-from dsv4_operator.objects import MANAGED_KINDS, DesiredState, ObjKey, build_desired_state
+from dsv4_operator.kube import Kube, KubeError
+from dsv4_operator.objects import (
+    MANAGED_KINDS,
+    OPTIONAL_KINDS,
+    DesiredState,
+    ObjKey,
+    build_desired_state,
+)
 from dsv4_operator.observe import Observed, WorkerProbe, parse_reports, pod_state
 from dsv4_operator.status import STATUS_KEYS, Problem, summarize
 
@@ -33,6 +39,7 @@ class ReconcileResult:
     group_actions: tuple[GroupAction, ...] = ()
     problem: Problem | None = None  # set when the spec was rejected (nothing applied)
     permanent: bool = False  # the problem needs a spec edit (SpecError)
+    memory: MemoryPlan | None = None  # the plan, when there is one (the operator's metrics)
 
 
 def utc_now() -> str:
@@ -52,7 +59,8 @@ def reconcile(
     2. plan memory per role and PP rank; a plan error -> PlanValid=False (PlanFailed), stop
     3. a maxContextTokens that does not fit -> ContextFits=False with the largest fit, stop
        (steps 1-3 apply nothing: no worker pod is created; running workers are left alone)
-    4. build every desired child object (pure)
+    4. build every desired child object (pure); a podTemplate setting a field the operator
+       owns -> PlanValid=False (InvalidSpec), stop, nothing applied
     5. server-side apply each one the cluster does not already hold (missing or drifted)
     6. prune owned children that are no longer planned
     7. observe worker pods, the router and the workers' realized capacity
@@ -98,6 +106,7 @@ def reconcile(
             group_actions=group_actions,
             problem=problem,
             permanent=permanent,
+            memory=memory,
         )
 
     # Steps 1-3.
@@ -114,8 +123,18 @@ def reconcile(
         problem = Problem("ContextTooLong", memory.context_message())
         return finish(spec, memory, Observed(), problem=problem)
 
-    # Step 4.
-    desired = build_desired_state(spec, meta, memory, default_image=config.default_image)
+    # Step 4. A podTemplate that sets what the operator owns is an invalid spec too.
+    try:
+        desired = build_desired_state(
+            spec,
+            meta,
+            memory,
+            default_image=config.default_image,
+            metrics_scrape_namespace=config.metrics_scrape_namespace,
+        )
+    except SpecError as exc:
+        problem = Problem("InvalidSpec", str(exc))
+        return finish(None, None, Observed(), problem=problem, permanent=True)
 
     # Steps 5-6.
     live = _list_owned(kube, meta, desired.prune_selector)
@@ -172,7 +191,13 @@ def _meta(body: Mapping[str, Any]) -> DeploymentMeta:
 def _list_owned(kube: Kube, meta: DeploymentMeta, selector: str) -> dict[ObjKey, dict[str, Any]]:
     live: dict[ObjKey, dict[str, Any]] = {}
     for api_version, kind in MANAGED_KINDS:
-        for obj in kube.list(api_version, kind, meta.namespace, selector):
+        try:
+            objects = kube.list(api_version, kind, meta.namespace, selector)
+        except KubeError as exc:
+            if exc.status != 404 or (api_version, kind) not in OPTIONAL_KINDS:
+                raise
+            objects = []  # not served here (e.g. no Volcano): none of ours can exist
+        for obj in objects:
             live[(api_version, kind, obj["metadata"]["name"])] = obj
     return live
 

@@ -1,26 +1,34 @@
 """Operator start-up: kopf settings (timeouts, storage of kopf's own records, peering for HA)
 and the shared dependencies handlers use, kept in kopf's memo (API client, worker probe,
-configuration from env, the reconcile gate).
+configuration from env, the reconcile gate, the operator's metrics and their HTTP server).
 
 Environment (set by the Helm chart):
   DSV4_WORKER_IMAGE   default worker image when a CR sets no spec.image
   DSV4_PEERING        kopf peering object name; empty = standalone (a single replica)
   DSV4_PEERING_CLUSTERWIDE  "true" when the operator watches all namespaces
   DSV4_PRIORITY       this replica's peering priority (the highest active replica works)
+  DSV4_OPERATOR_METRICS_PORT  serve the operator's Prometheus metrics on this port (/metrics);
+                      empty, unset or 0 = not served
+  DSV4_OPERATOR_METRICS_HOST  the address to bind (default 0.0.0.0)
+(and config.py's variables)
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
+from collections.abc import Mapping
 from typing import Any, Final
 
 import kopf
+from prometheus_client import start_http_server
 
 from dsv4_operator import labels as L
 from dsv4_operator.config import OperatorConfig
 from dsv4_operator.gate import ReconcileGate
 from dsv4_operator.kube_api import ApiKube
+from dsv4_operator.metrics import OperatorMetrics
 from dsv4_operator.probe import HttpWorkerProbe
 
 REQUEST_TIMEOUT_S: Final = 30.0
@@ -54,6 +62,12 @@ def configure(settings: kopf.OperatorSettings, env: dict[str, str]) -> None:
         settings.peering.priority = int(env.get("DSV4_PRIORITY", "0") or 0)
 
 
+def metrics_address(env: Mapping[str, str]) -> tuple[str, int] | None:
+    """Where to serve the operator's metrics; None when not at all. Pure."""
+    port = int(env.get("DSV4_OPERATOR_METRICS_PORT", "") or 0)
+    return (env.get("DSV4_OPERATOR_METRICS_HOST") or "0.0.0.0", port) if port else None
+
+
 @kopf.on.startup()
 def on_startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     env = dict(os.environ)
@@ -62,3 +76,17 @@ def on_startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> No
     memo["probe"] = HttpWorkerProbe()
     memo["config"] = OperatorConfig.from_env(env)
     memo["gate"] = ReconcileGate()
+    memo["metrics"] = metrics = OperatorMetrics()
+    if (address := metrics_address(env)) is not None:
+        host, port = address
+        memo["metrics_server"] = start_http_server(port, host, registry=metrics.registry)
+
+
+@kopf.on.cleanup()
+def on_cleanup(memo: kopf.Memo, **_: Any) -> None:
+    served: tuple[Any, threading.Thread] | None = memo.get("metrics_server")
+    if served is not None:
+        server, thread = served
+        server.shutdown()
+        server.server_close()
+        thread.join()

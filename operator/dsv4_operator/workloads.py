@@ -8,12 +8,17 @@ loses more than one group to a rollout.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Final
 
 from dsv4_common.api.names import GPU_RESOURCE
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec
+from dsv4_common.core.units import GIB
+from dsv4_common.plan.planner import Plan
 from dsv4_operator import labels as L
+from dsv4_operator.gang import pod_fields
 from dsv4_operator.manifests import Obj, group_meta, router_meta
+from dsv4_operator.placement import group_affinity
 from dsv4_operator.workerconfig import CONFIG_DIR, STATUS_PORT, WORKER_PORTS
 
 RUN_AS_USER: Final = 10001  # the images' non-root user (Dockerfile.worker)
@@ -26,6 +31,11 @@ ROUTER_LIMITS: Final = {"memory": "1Gi"}
 # Weight loading can take long on big checkpoints: the startup probe allows an hour.
 STARTUP_PERIOD_S: Final = 10
 STARTUP_FAILURES: Final = 360
+# GPU pods request host memory for the weights they load (every GPU's shard of the largest PP
+# rank of the role) plus a margin: 10% and 8 GiB for the runtime. A user memory request or
+# limit replaces it.
+WEIGHT_MEMORY_MARGIN: Final = 0.10
+RUNTIME_MEMORY_BYTES: Final = 8 * GIB
 
 
 def _env_field(name: str, path: str) -> Obj:
@@ -77,6 +87,15 @@ def worker_resources(spec: DeploymentSpec) -> Obj:
     if limits:
         out["limits"] = limits
     return out
+
+
+def weight_memory_requests(spec: DeploymentSpec, plan: Plan) -> dict[str, str]:
+    """The default memory request of a role's GPU worker pods (none in CPU mode)."""
+    if spec.gpu.cpu_mode:
+        return {}
+    weights = max(r.weight_bytes for r in plan.ranks) * spec.gpu.per_pod
+    need = weights * (1 + WEIGHT_MEMORY_MARGIN) + RUNTIME_MEMORY_BYTES
+    return {"memory": f"{math.ceil(need / GIB)}Gi"}
 
 
 def _volumes(meta: DeploymentMeta, spec: DeploymentSpec) -> tuple[list[Obj], list[Obj]]:
@@ -154,10 +173,17 @@ def worker_pod_template(
         "readinessProbe": _probe("/ready", 5, 2),
         "securityContext": _container_security(),
     }
-    return {
-        "metadata": {"labels": L.group_labels(meta.name, role, replica)},
-        "spec": _pod_spec(meta, spec, container, gpu=not spec.gpu.cpu_mode),
-    }
+    pod = _pod_spec(meta, spec, container, gpu=not spec.gpu.cpu_mode)
+    metadata: Obj = {"labels": L.group_labels(meta.name, role, replica)}
+    gang = pod_fields(spec.scheduling.gang, L.group_name(meta.name, role, replica))
+    metadata["labels"].update(gang.labels)
+    if gang.annotations:
+        metadata["annotations"] = dict(gang.annotations)
+    if gang.scheduler_name is not None:
+        pod["schedulerName"] = gang.scheduler_name
+    if (affinity := group_affinity(meta.name, spec.scheduling, role, replica)) is not None:
+        pod["affinity"] = affinity
+    return {"metadata": metadata, "spec": pod}
 
 
 def build_group_statefulset(
@@ -171,7 +197,7 @@ def build_group_statefulset(
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": group_meta(meta, role, replica),
+        "metadata": _with_workload_labels(group_meta(meta, role, replica), template),
         "spec": {
             "replicas": spec.role(role).pipeline_parallel,
             "serviceName": group,
@@ -218,7 +244,7 @@ def build_router_deployment(meta: DeploymentMeta, spec: DeploymentSpec, template
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": router_meta(meta),
+        "metadata": _with_workload_labels(router_meta(meta), template),
         "spec": {
             "replicas": spec.router.replicas,
             "selector": {"matchLabels": L.component_selector(meta.name, "router")},
@@ -229,6 +255,16 @@ def build_router_deployment(meta: DeploymentMeta, spec: DeploymentSpec, template
             "template": template,
         },
     }
+
+
+def _with_workload_labels(metadata: Obj, template: Obj) -> Obj:
+    """Kueue reads its labels (queue, priority) from the workload object, not its pods: those
+    the pod template carries are copied onto the StatefulSet or Deployment."""
+    labels = template["metadata"].get("labels", {})
+    for key in L.KUEUE_WORKLOAD_LABELS:
+        if key in labels:
+            metadata["labels"][key] = labels[key]
+    return metadata
 
 
 def with_template_hash(template: Obj, template_hash: str) -> Obj:

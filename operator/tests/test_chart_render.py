@@ -16,6 +16,8 @@ from repo_paths import CRD_FILE
 from support import crd_support as S
 from support.chart_support import CHART, K8S_VERSIONS, helm, needs_helm, render
 
+from dsv4_operator.objects import MANAGED_KINDS
+
 # Value sets the chart must render cleanly with.
 VALUE_SETS: dict[str, list[str]] = {
     "default": [],
@@ -193,6 +195,8 @@ EXPECTED_RULES = {
             ("", "serviceaccounts"),
             ("policy", "poddisruptionbudgets"),
             ("networking.k8s.io", "networkpolicies"),
+            ("scheduling.volcano.sh", "podgroups"),
+            ("scheduling.x-k8s.io", "podgroups"),
         ]
     },
     ("", "pods"): {"get", "list", "watch", "delete", "deletecollection"},
@@ -224,6 +228,18 @@ def test_cluster_mode_grants_exactly_the_workload_verbs() -> None:
         assert binding["subjects"] == [
             {"kind": "ServiceAccount", "name": "dsv4-dsv4-operator", "namespace": "dsv4-system"}
         ]
+
+
+@needs_helm
+def test_every_kind_the_operator_manages_is_granted() -> None:
+    (role,) = [
+        r for r in by_kind(render(), "ClusterRole") if r["metadata"]["name"] == "dsv4-dsv4-operator"
+    ]
+    grants = _grants(role)
+    for api_version, kind in MANAGED_KINDS:
+        group = api_version.rpartition("/")[0]
+        plural = kind.lower().removesuffix("y") + ("ies" if kind.endswith("y") else "s")
+        assert {"list", "create", "patch", "delete"} <= grants.get((group, plural), set()), kind
 
 
 @needs_helm

@@ -28,6 +28,8 @@ def _tp_ok(role: str) -> Callable[[dict[str, Any]], bool]:
     return check
 
 
+_SPLIT = "layerSplit"
+
 # (schema path, rule text) -> the same condition in Python, on the defaulted object at that path.
 PREDICATES: dict[tuple[str, str], Callable[[Any], bool]] = {
     ("", "self.metadata.name.size() <= 40"): lambda o: len(o["metadata"]["name"]) <= 40,
@@ -55,6 +57,12 @@ PREDICATES: dict[tuple[str, str], Callable[[Any], bool]] = {
     ("spec.model", "has(self.preset) != has(self.configPath)"): lambda m: (
         ("preset" in m) != ("configPath" in m)
     ),
+    **{
+        (role, f"!has(self.{_SPLIT}) || self.{_SPLIT}.size() == self.pipelineParallel"): (
+            lambda r: _SPLIT not in r or len(r[_SPLIT]) == r["pipelineParallel"]
+        )
+        for role in ("spec.prefill", "spec.decode")
+    },
     ("spec.gpu", "has(self.type) || self.memoryGiB > 0.0 || self.perPod == 0"): lambda g: (
         "type" in g or g["memoryGiB"] > 0 or g["perPod"] == 0
     ),
@@ -66,6 +74,9 @@ PREDICATES: dict[tuple[str, str], Callable[[Any], bool]] = {
     ),
     ("spec.resources", f"!has(self.requests) || !('{GPU_RESOURCE}' in self.requests)"): lambda r: (
         GPU_RESOURCE not in r.get("requests", {})
+    ),
+    ("spec.scheduling", "!has(self.queue) || self.gang == 'volcano'"): lambda s: (
+        "queue" not in s or s["gang"] == "volcano"
     ),
 }
 

@@ -86,9 +86,21 @@ def test_schema_is_structural(path: str, node: dict[str, Any]) -> None:
         assert rule.get("message"), f"{path}: rule without a message"
 
 
-def test_preserve_unknown_fields_only_for_kopf_state() -> None:
+def test_preserve_unknown_fields_only_for_kopf_state_and_pod_specs() -> None:
+    # A podTemplate's spec is a partial PodSpec: the operator checks and merges it.
     preserved = [p for p, n in _walk(SCHEMA) if n.get("x-kubernetes-preserve-unknown-fields")]
-    assert preserved == [".status.kopf"]
+    assert preserved == [
+        f".spec.{role}.podTemplate.spec" for role in ("prefill", "decode", "router")
+    ] + [".status.kopf"]
+
+
+def test_admission_keeps_a_pod_templates_spec_as_written() -> None:
+    body = S.load_yaml(SAMPLES / "flash-h200-volcano.yaml")
+    admitted = S.admit(body, SCHEMA)
+    for role in ("prefill", "decode"):
+        assert admitted["spec"][role]["podTemplate"] == body["spec"][role]["podTemplate"]
+    body["spec"]["decode"]["podTemplate"]["metadata"]["name"] = "pruned"
+    assert "name" not in S.admit(body, SCHEMA)["spec"]["decode"]["podTemplate"]["metadata"]
 
 
 def test_root_metadata_is_unconstrained() -> None:

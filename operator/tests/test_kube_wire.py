@@ -15,7 +15,7 @@ from repo_paths import CRD_FILE, SAMPLES
 from support.fake_apiserver import FakeApiServer, load_crd
 
 from dsv4_operator import labels as L
-from dsv4_operator.kube_api import ApiKube, KubeError
+from dsv4_operator.kube_api import UNSERVED_RECHECK_S, ApiKube, KubeError
 
 NS = "default"
 CR_PATH = f"/apis/{L.GROUP}/{L.VERSION}/namespaces/{NS}/{L.PLURAL}"
@@ -197,7 +197,31 @@ def test_errors_of_every_verb_are_mapped(server: FakeApiServer, kube: ApiKube) -
 def test_a_kind_the_server_does_not_serve_is_a_permanent_kube_error(kube: ApiKube) -> None:
     with pytest.raises(KubeError) as err:
         kube.get("example.com/v1", "Nothing", NS, "x")
-    assert not err.value.retryable
+    assert not err.value.retryable and err.value.status == 404
+
+
+def test_a_kind_not_served_is_asked_about_again_only_after_a_while(
+    server: FakeApiServer,
+) -> None:
+    """Each failed lookup makes the client refetch all of discovery: remember the answer."""
+    now = [0.0]
+    config = kubernetes.client.Configuration()
+    config.host = server.url
+    with kubernetes.client.ApiClient(config) as api_client:
+        kube = ApiKube(api_client, request_timeout_s=5.0, clock=lambda: now[0])
+        for _ in range(2):
+            with pytest.raises(KubeError):
+                kube.list("scheduling.volcano.sh/v1beta1", "PodGroup", NS, "")
+        first = len(server.requests)
+        assert first > 0
+        now[0] = UNSERVED_RECHECK_S - 1
+        with pytest.raises(KubeError):
+            kube.list("scheduling.volcano.sh/v1beta1", "PodGroup", NS, "")
+        assert len(server.requests) == first  # answered from memory
+        now[0] = UNSERVED_RECHECK_S + 1
+        with pytest.raises(KubeError) as err:
+            kube.list("scheduling.volcano.sh/v1beta1", "PodGroup", NS, "")
+        assert len(server.requests) > first and err.value.status == 404
 
 
 def test_an_unreachable_server_is_a_retryable_kube_error(

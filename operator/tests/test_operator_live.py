@@ -8,7 +8,7 @@ workers (status JSON on those IPs), then checks what the operator wrote:
   restart      a pod with restartCount 1 -> one deletecollection of its PP group's pods
   rejected     a context that does not fit, a model config the operator cannot read -> status
                (ContextFits / PlanValid False) and a Warning event say so; nothing is applied
-  delete       the finalizer is released and the CR is gone
+  delete       the finalizer is released, the CR is gone, and so are its metric series
 
 The fake applies the CRD's structural defaults, validates against its schema and CEL rules and
 prunes unknown fields, as the API server would, so a status the CRD does not allow fails here.
@@ -44,6 +44,7 @@ from dsv4_operator import labels as L
 from dsv4_operator import main as operator_main
 from dsv4_operator import settings as operator_settings
 from dsv4_operator.diff import holds
+from dsv4_operator.metrics import OperatorMetrics
 from dsv4_operator.probe import HttpWorkerProbe
 from dsv4_operator.render import render
 
@@ -107,6 +108,7 @@ class OperatorThread:
 class Live:
     server: FakeApiServer
     workers: StatusServers
+    metrics: OperatorMetrics  # the operator's (what its start-up put in kopf's memo)
     ips: dict[str, str] = field(default_factory=dict)  # pod name -> IP
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -271,8 +273,10 @@ def live(
         "HttpWorkerProbe",
         lambda: HttpWorkerProbe(timeout_s=1.0, port=workers.port),
     )
+    metrics = OperatorMetrics()
+    monkeypatch.setattr(operator_settings, "OperatorMetrics", lambda: metrics)
     operator = OperatorThread()
-    live = Live(server, workers)
+    live = Live(server, workers, metrics)
     try:
         operator.start()
         live.timings["operator start"] = round(time.monotonic() - t0, 2)
@@ -536,9 +540,17 @@ def test_rejected_specs_apply_no_workers_and_say_why_in_status(live: Live) -> No
 def test_deleting_the_cr_releases_the_finalizer(live: Live) -> None:
     live.create_cr("tiny-cpu.yaml")
     live.wait("status PlanValid", lambda: _plan_valid(live, "tiny"))
+    planned = {"namespace": NS, "deployment": "tiny", "role": "decode", "pp_rank": "0"}
+    gauge = "dsv4_operator_planned_full_tokens"
+    live.wait(
+        "planned capacity exported", lambda: live.metrics.registry.get_sample_value(gauge, planned)
+    )
     live.server.delete(L.API_VERSION, L.KIND, NS, "tiny")
     assert (live.cr("tiny") or {}).get("metadata", {}).get("deletionTimestamp")
     live.wait("CR gone", lambda: live.cr("tiny") is None)
+    live.wait(
+        "metric series gone", lambda: live.metrics.registry.get_sample_value(gauge, planned) is None
+    )
     # kopf added its finalizer once and released it once, with JSON patches guarded by
     # resourceVersion (the fake logs a write as done before anyone can see what it did, so the
     # release that made the CR go is in the log with its code).

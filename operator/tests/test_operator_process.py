@@ -61,10 +61,14 @@ def _expand(text: str, env: dict[str, str]) -> str:
 
 
 def _environment(
-    container: dict[str, Any], kubeconfig: Path, home: Path, pod_index: int = 0
+    container: dict[str, Any],
+    kubeconfig: Path,
+    home: Path,
+    pod_index: int = 0,
+    metrics_port: int | None = None,
 ) -> dict[str, str]:
     """The container's env: literal values as given, downward-API values as pod `pod_index`
-    of the operator's StatefulSet would see them."""
+    of the operator's StatefulSet would see them; the metrics port a free loopback one."""
     downward = {
         "metadata.name": f"dsv4-dsv4-operator-{pod_index}",
         "metadata.namespace": "dsv4-system",
@@ -78,6 +82,8 @@ def _environment(
             value = downward[item["valueFrom"]["fieldRef"]["fieldPath"]]
         env[item["name"]] = value
     env["HOME"] = str(home)  # /tmp in the image; keep the test's files in its own folder
+    env["DSV4_OPERATOR_METRICS_PORT"] = str(metrics_port or _free_port())
+    env["DSV4_OPERATOR_METRICS_HOST"] = "127.0.0.1"
     return env
 
 
@@ -134,6 +140,14 @@ def _wait_healthy(liveness_port: int) -> None:
     _wait("the liveness endpoint", healthy)
 
 
+def _scrape(port: int) -> str | None:
+    """The operator's /metrics once it holds a planned CR (None before)."""
+    url = f"http://127.0.0.1:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=2) as rsp:
+        text: str = rsp.read().decode()
+    return text if "dsv4_operator_planned_full_tokens{" in text else None
+
+
 def _create_cr(server: FakeApiServer, name: str) -> None:
     cr = yaml.safe_load((SAMPLES / "tiny-cpu.yaml").read_text())
     cr["metadata"].update({"namespace": NS, "name": name})
@@ -162,8 +176,11 @@ def server() -> Iterator[FakeApiServer]:
 @needs_helm
 def test_the_charts_command_line_runs_the_operator(server: FakeApiServer, tmp_path: Path) -> None:
     container = _operator_container()
-    liveness_port = _free_port()
-    env = _environment(container, server.write_kubeconfig(tmp_path / "kubeconfig"), tmp_path)
+    liveness_port, metrics_port = _free_port(), _free_port()
+    chart_env = {e["name"]: e.get("value") for e in container["env"]}
+    assert chart_env["DSV4_OPERATOR_METRICS_PORT"] == "8090"  # made a free one below
+    kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
+    env = _environment(container, kubeconfig, tmp_path, metrics_port=metrics_port)
     command = _command_line(container, env, liveness_port)
     assert command[1:4] == ["run", "-m", "dsv4_operator.main"] and "--standalone" in command
     assert env["DSV4_PEERING"] == "" and env["DSV4_PRIORITY"] == "-0"
@@ -178,6 +195,14 @@ def test_the_charts_command_line_runs_the_operator(server: FakeApiServer, tmp_pa
         # The default worker image comes from the chart's DSV4_WORKER_IMAGE.
         image = statefulsets[0]["spec"]["template"]["spec"]["containers"][0]["image"]
         assert image == env["DSV4_WORKER_IMAGE"]
+        # The chart's DSV4_METRICS_SCRAPE_NAMESPACE reached the NetworkPolicy.
+        (policy,) = server.list("networking.k8s.io/v1", "NetworkPolicy", NS)
+        scrapers = policy["spec"]["ingress"][-1]["from"][0]["namespaceSelector"]
+        assert scrapers == {"matchLabels": {L.NAMESPACE_NAME_LABEL: "monitoring"}}
+        # The operator's own metrics: the reconcile was counted, the plan is exported.
+        text = _wait("operator metrics", lambda: _scrape(metrics_port))
+        assert 'dsv4_operator_planned_full_tokens{deployment="tiny",namespace="default"' in text
+        assert re.search(r'dsv4_operator_reconciles_total\{result="ok"\} [1-9]', text), text
     finally:
         code = op.stop()
     output = op.output()

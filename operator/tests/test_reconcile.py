@@ -156,6 +156,25 @@ def test_invalid_spec_is_permanent_and_applies_nothing(
     assert kube.objects == {}
 
 
+def test_a_podtemplate_setting_an_owned_field_is_an_invalid_spec_and_applies_nothing(
+    make_cluster: Callable[..., tuple[Any, Any]],
+) -> None:
+    kube, probe = make_cluster()
+    template = {"spec": {"containers": [{"name": "worker", "ports": [{"containerPort": 1}]}]}}
+    kube.cr["spec"]["decode"]["podTemplate"] = template
+    result = run(kube, probe)
+    assert result.permanent and result.problem is not None and result.applied == ()
+    field = "spec.decode.podTemplate.spec.containers[worker].ports"
+    plan_valid = conditions(kube)["PlanValid"]
+    assert (plan_valid["status"], plan_valid["reason"]) == ("False", "InvalidSpec")
+    assert plan_valid["message"] == f"{field}: owned by the operator"
+    assert conditions(kube)["Ready"]["reason"] == "InvalidSpec"
+    assert kube.objects == {} and [w[0] for w in kube.writes] == ["patch_status"]
+    # Running workers are left alone: fixing the spec is what applies again.
+    del kube.cr["spec"]["decode"]["podTemplate"]
+    assert run(kube, probe).applied
+
+
 def test_a_failed_pod_restarts_its_whole_pp_group_only(cluster: tuple[Any, Any]) -> None:
     kube, probe = cluster
     serving(kube, probe)

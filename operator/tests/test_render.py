@@ -68,7 +68,9 @@ def test_cli_render_of_a_missing_file_exits_2(capsys: pytest.CaptureFixture[str]
     assert "No such file" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("sample", ["tiny-cpu.yaml", "tiny-minimal.yaml", "flash-gpu.yaml"])
+@pytest.mark.parametrize(
+    "sample", ["tiny-cpu.yaml", "tiny-minimal.yaml", "flash-gpu.yaml", "flash-h200-volcano.yaml"]
+)
 def test_render_writes_plain_yaml_without_anchors(sample: str) -> None:
     """Objects share sub-maps (a selector reused in a NetworkPolicy rule); the stream must not
     turn them into YAML anchors and aliases, which some GitOps tools and reviewers trip on."""

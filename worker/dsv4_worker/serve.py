@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import logging
 import os
@@ -31,22 +30,26 @@ import zmq
 from aiohttp import web
 
 from dsv4_common.api.documents import DocumentError
-from dsv4_common.api.manifest import manifest_hash, manifest_of
+from dsv4_common.api.manifest import (
+    Manifest,
+    manifest_hash,
+    manifest_of,
+    manifest_to_dict,
+    parse_manifest,
+)
 from dsv4_common.api.rank_config import RankConfig, parse_rank_config
 from dsv4_common.api.worker_status import WorkerStatus
 from dsv4_common.core.model import DSV4Config, ModelConfig, ModelConfigError
 from dsv4_common.core.presets import load_model_config
 from dsv4_common.core.units import GIB
 from dsv4_common.plan.inputs import PlanError, PlanInputs
-from dsv4_common.plan.planner import Plan, plan
-from dsv4_worker.engine.loop import Engine
-from dsv4_worker.engine.paged import PagedModel
-from dsv4_worker.mem.memory import KVMemory
-from dsv4_worker.model.weights import WeightsError, init_weights, load_weights
+from dsv4_worker.model.weights import WeightsError, init_weights, load_weights, stage_weights
 from dsv4_worker.pd.decode import DecodeAgent
-from dsv4_worker.pd.prefill import WRITE_TIMEOUT_S, PrefillAgent
+from dsv4_worker.pd.prefill import WRITE_TIMEOUT_S, PrefillAgent, PrefillFollower
 from dsv4_worker.pd.transfer import Region, TransferError, make_initiator, make_target
-from dsv4_worker.sched.scheduler import SchedulerConfig
+from dsv4_worker.pp.group import BuiltStage, PPSpec, build_stage
+from dsv4_worker.pp.link import StageLost
+from dsv4_worker.pp.stage import FollowerEngine
 from dsv4_worker.server.app import KVState, ServeInfo, build_app, build_status_app
 from dsv4_worker.server.metrics import Metrics
 from dsv4_worker.server.runner import EngineRunner
@@ -66,18 +69,7 @@ class ServeError(Exception):
 class Built:
     runner: EngineRunner
     sites: tuple[tuple[web.Application, str, int], ...]  # (app, host, port)
-    agent: PrefillAgent | DecodeAgent | None = None
-
-
-def realized_plan(
-    inputs: PlanInputs, weight_bytes: int, device_memory_bytes: int | None = None
-) -> Plan:
-    """The planner over what this worker measured: the weights it loaded (and the device's
-    memory when it has one), every other input as planned. Pure."""
-    measured = dataclasses.replace(inputs, weight_bytes_per_rank=(weight_bytes,))
-    if device_memory_bytes is not None:
-        measured = dataclasses.replace(measured, gpu_memory_bytes=device_memory_bytes)
-    return plan(measured)
+    agent: PrefillAgent | DecodeAgent | PrefillFollower | None = None
 
 
 def _device(name: str) -> torch.device:
@@ -97,16 +89,21 @@ def _check_model(model: ModelConfig, source: str) -> None:
 
 def _weights(
     model: ModelConfig, path: str | None, seed: int, device: torch.device
-) -> Mapping[str, torch.Tensor]:
-    if path is None:
-        return init_weights(model, seed=seed, device=device)
-    file = Path(path)
-    if file.is_dir():
-        file = file / WEIGHTS_FILE
-    try:
-        return load_weights(file, model, device)
-    except (OSError, WeightsError) as exc:
-        raise ServeError(f"weights {file}: {exc}") from exc
+) -> Callable[[set[str]], Mapping[str, torch.Tensor]]:
+    """Loads the named parameters (a PP stage's slice) from `path`, or seeded random ones."""
+
+    def load(names: set[str]) -> Mapping[str, torch.Tensor]:
+        if path is None:
+            return stage_weights(init_weights(model, seed=seed, device=device), names)
+        file = Path(path)
+        if file.is_dir():
+            file = file / WEIGHTS_FILE
+        try:
+            return load_weights(file, model, device, names)
+        except (OSError, WeightsError) as exc:
+            raise ServeError(f"weights {file}: {exc}") from exc
+
+    return load
 
 
 def _device_memory(device: torch.device) -> int | None:
@@ -126,6 +123,7 @@ def _quick_inputs(args: argparse.Namespace, model: ModelConfig, device: torch.de
         max_running_requests=args.max_running_requests,
         context_len=args.context_len,
         request_state=args.request_state,
+        pp_size=args.pp_size,
     )
 
 
@@ -163,15 +161,40 @@ def _advertise_host(host: str) -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
+def _pp_spec(args: argparse.Namespace, config: RankConfig | None) -> PPSpec | None:
+    """Where this stage's PP group meets (rank 0's PP port), or None for a single stage."""
+    if config is not None:
+        if config.pp_size == 1:
+            return None
+        group = os.environ.get("DSV4_GROUP", "")
+        host = config.peers.host_template.format(group=group, rank=0)
+        port = config.ports.pp
+        return PPSpec(config.pp_rank, config.pp_size, host, port, timeout_s=args.pp_timeout_s)
+    if args.pp_size == 1:
+        return None
+    if args.pp_rank >= args.pp_size:
+        raise ServeError(f"--pp-rank {args.pp_rank}: must be below --pp-size {args.pp_size}")
+    if args.pp_addr is None:
+        raise ServeError("--pp-addr HOST:PORT is required with --pp-size > 1 (rank 0 listens)")
+    host, _, port = args.pp_addr.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ServeError(f"--pp-addr {args.pp_addr}: expected HOST:PORT")
+    return PPSpec(args.pp_rank, args.pp_size, host, int(port), timeout_s=args.pp_timeout_s)
+
+
 def build(args: argparse.Namespace) -> Built:
     device = _device(args.device)
     config: RankConfig | None = None
     if args.config_dir is not None:
         pp_rank = int(os.environ.get("DSV4_PP_RANK", "0") or 0)
         config = read_rank_config(Path(args.config_dir), args.role, pp_rank)
-        if config.pp_size != 1:
-            raise ServeError(f"rank config: pp_size {config.pp_size}: PP stages arrive later")
+    pp = _pp_spec(args, config)
     role = args.role
+    if pp is not None and role == "decode":
+        raise ServeError(
+            f"--role decode with {pp.size} PP stages: a decode group runs one stage for now "
+            "(prefill groups may have several; each stage sends its own layers)"
+        )
     backend = _transfer_backend(args, config) if role != "colocated" else None
     source = config.model.source if config else args.model
     try:
@@ -180,30 +203,26 @@ def build(args: argparse.Namespace) -> Built:
         raise ServeError(f"model: {exc}") from exc
     _check_model(model, source)
     weights_path = config.model.weights_path if config else args.weights
-    params = _weights(model, weights_path, args.seed, device)
-    weight_bytes = sum(t.numel() * t.element_size() for t in params.values())
+    load = _weights(model, weights_path, args.seed, device)
     try:
         if config is not None:
-            group = realized_plan(config.plan_inputs(model), weight_bytes, _device_memory(device))
+            inputs = config.plan_inputs(model)
+            memory_bytes = _device_memory(device)
         else:
-            group = realized_plan(_quick_inputs(args, model, device), weight_bytes)
+            inputs, memory_bytes = _quick_inputs(args, model, device), None
+        stage = build_stage(inputs, load, device, pp, device_memory_bytes=memory_bytes)
     except PlanError as exc:
         raise ServeError(f"plan: {exc}") from exc
-    rank = group.ranks[0]
-    memory = KVMemory.from_rank_plan(rank, device)
-    sched = SchedulerConfig(
-        page_size=rank.page_size,
-        chunk_tokens=group.inputs.resolved_chunk_tokens,
-        max_tokens_per_request=memory.config.max_tokens_per_request,
-        retained_tokens=memory.config.retained_tokens,
-    )
-    engine = Engine(PagedModel(model, params, memory), sched)
+    except StageLost as exc:
+        raise ServeError(str(exc)) from exc
+    pp_rank = pp.rank if pp else 0
+    rank, engine = stage.rank, stage.engine
     host = args.host or ("0.0.0.0" if config else "127.0.0.1")
     runner = EngineRunner(engine)
-    agent, kv_state = _pd_agent(args, config, runner, memory, backend, host)
+    agent, kv_state = _pd_agent(args, config, stage, runner, backend, host)
     status = WorkerStatus(
         role=role,
-        pp_rank=0,
+        pp_rank=pp_rank,
         full_tokens=rank.full_tokens,
         swa_tokens=rank.swa_tokens,
         max_running_requests=rank.max_running_requests,
@@ -213,7 +232,9 @@ def build(args: argparse.Namespace) -> Built:
     info = ServeInfo(
         model_name=model.name,
         vocab_size=model.weights.vocab_size,
-        max_context_tokens=min(rank.max_context_tokens, memory.config.max_tokens_per_request),
+        max_context_tokens=min(
+            stage.group.max_context_tokens, engine.config.max_tokens_per_request
+        ),
         status=status,
         page_size=rank.page_size,
         kv_state=kv_state,
@@ -223,8 +244,10 @@ def build(args: argparse.Namespace) -> Built:
     except (OSError, ValueError, RuntimeError) as exc:
         raise ServeError(f"--tokenizer: {exc}") from exc
     metrics = Metrics(runner.snapshot)
-    # A prefill worker takes requests from decode workers only: its HTTP side is the probes.
-    app = build_status_app(runner, info, metrics) if role == "prefill" else None
+    # A prefill worker takes requests from decode workers only, and a later PP stage from its
+    # leader only: their HTTP side is the probes.
+    probes_only = role == "prefill" or pp_rank > 0
+    app = build_status_app(runner, info, metrics) if probes_only else None
     app = app or build_app(runner, tok, info, metrics)
     if config is None:
         return Built(runner, ((app, host, args.port),), agent)
@@ -237,26 +260,40 @@ def build(args: argparse.Namespace) -> Built:
 def _pd_agent(
     args: argparse.Namespace,
     config: RankConfig | None,
+    stage: BuiltStage,
     runner: EngineRunner,
-    memory: KVMemory,
     backend: str | None,
     host: str,
-) -> tuple[PrefillAgent | DecodeAgent | None, Callable[[], KVState] | None]:
+) -> tuple[PrefillAgent | DecodeAgent | PrefillFollower | None, Callable[[], KVState] | None]:
     """The role's PD agent on `runner`'s engine (none when colocated) and its live /status
-    view."""
+    view. In a prefill PP group the leader takes decode's requests and every stage writes its
+    own layers."""
     if backend is None:
         return None, None
-    engine = runner.engine
+    engine, memory = runner.engine, stage.memory
     assert memory.pool is not None
     pool = memory.pool
     manifest = manifest_of(memory.layout, {str(k): v for k, v in pool.units.items()})
     digest = manifest_hash(manifest)
     regions = [Region(c.name, pool.buffer(c.name)) for c in memory.layout.components]
     advertise = _advertise_host(host)
+    timeout_s = min(args.transfer_timeout_s, WRITE_TIMEOUT_S)
+    stages: tuple[Manifest, ...] = (manifest,)
+    if stage.link is not None:  # every stage's manifest, for the leader's handshake check
+        docs = stage.link.all_gather(manifest_to_dict(manifest))
+        stages = tuple(parse_manifest(d) for d in docs)
     try:
         if args.role == "prefill":
             initiator = make_initiator(backend, name=f"prefill-{os.getpid()}")
             initiator.register(regions)
+            if stage.link is not None and not stage.link.first:
+                follower = PrefillFollower(
+                    engine, initiator, manifest, rank=stage.link.rank, write_timeout_s=timeout_s
+                )
+                assert isinstance(engine, FollowerEngine)
+                engine.on_note = follower.on_note
+                runner.after_step = follower.after_step
+                return follower, lambda: KVState(follower.ready, digest, None)
             kv_port = config.ports.kv if config else args.kv_port
             prefill = PrefillAgent(
                 engine,
@@ -264,7 +301,8 @@ def _pd_agent(
                 initiator,
                 manifest,
                 f"tcp://{host}:{kv_port}",
-                write_timeout_s=min(args.transfer_timeout_s, WRITE_TIMEOUT_S),
+                write_timeout_s=timeout_s,
+                stages=stages,
             )
             runner.after_step = prefill.after_step
             endpoint = f"{advertise}:{prefill.port}"

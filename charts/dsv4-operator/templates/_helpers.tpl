@@ -69,6 +69,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [get, list, watch, create, patch, delete]
+# PodGroups of gang-scheduled PP groups (spec.scheduling.gang: Volcano, scheduler-plugins).
+- apiGroups: [scheduling.volcano.sh, scheduling.x-k8s.io]
+  resources: [podgroups]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch, delete, deletecollection]

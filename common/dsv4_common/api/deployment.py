@@ -89,6 +89,7 @@ def plan_inputs(spec: DeploymentSpec, role: WorkerRole, model: ModelConfig) -> P
         role=role,
         gpu_memory_bytes=device_memory_bytes(spec),
         pp_size=role_spec.pipeline_parallel,
+        layer_split=role_spec.layer_split,  # None: the planner balances the split
         tp_size=role_spec.tensor_parallel,
         page_size=spec.kv.page_size,
         chunked_prefill_tokens=role_spec.chunked_prefill_tokens,
@@ -119,6 +120,7 @@ def load_model(spec: DeploymentSpec) -> ModelConfig:
 _SPEC_FIELDS: Final[dict[str, str]] = {
     "tp_size": "spec.{role}.tensorParallel",
     "pp_size": "spec.{role}.pipelineParallel",
+    "layer_split": "spec.{role}.layerSplit",
     "max_running_requests": "spec.{role}.maxRunningRequests",
     "chunked_prefill_tokens": "spec.{role}.chunkedPrefillTokens",
     "page_size": "spec.kv.pageSize",

@@ -13,6 +13,7 @@ as a differing `layer_ids`. Pure.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping
@@ -135,14 +136,60 @@ def manifest_mismatch(
     return None
 
 
+def select_layers(manifest: Manifest, layer_ids: tuple[int, ...]) -> Manifest:
+    """The manifest of the same layout restricted to `layer_ids` (PP slicing is this filter)."""
+    keep = frozenset(layer_ids)
+    comps = []
+    for c in manifest.components:
+        ids = tuple(i for i in c.layer_ids if i in keep)
+        if ids:
+            comps.append(dataclasses.replace(c, layer_ids=ids))
+    return dataclasses.replace(
+        manifest,
+        layer_ids=tuple(i for i in manifest.layer_ids if i in keep),
+        components=tuple(comps),
+    )
+
+
+def group_mismatch(
+    stages: tuple[Manifest, ...], theirs: Manifest, their_name: str = "decode"
+) -> str | None:
+    """PP x PD: the prefill group's stages (one manifest each, in rank order) against the
+    peer's whole manifest. Every stage must match the peer's slice of its layers, and the
+    stages together must compute exactly the peer's layers, each once; the message names the
+    stage and the layers otherwise."""
+    seen: dict[int, int] = {}
+    for rank, stage in enumerate(stages):
+        for layer in stage.layer_ids:
+            if layer in seen:
+                return f"PP split: layer {layer} is on prefill stages {seen[layer]} and {rank}"
+            seen[layer] = rank
+    missing = sorted(set(theirs.layer_ids) - set(seen))
+    extra = sorted(set(seen) - set(theirs.layer_ids))
+    if missing or extra:
+        return (
+            f"PP split: {their_name} layers {missing} are computed by no prefill stage, "
+            f"prefill layers {extra} are held by no {their_name} stage"
+        )
+    for rank, stage in enumerate(stages):
+        why = manifest_mismatch(
+            stage, select_layers(theirs, stage.layer_ids), f"prefill stage {rank}", their_name
+        )
+        if why is not None:
+            return why
+    return None
+
+
 __all__ = [
     "MANIFEST_VERSION",
     "ComponentEntry",
     "DocumentError",
     "Manifest",
+    "group_mismatch",
     "manifest_hash",
     "manifest_mismatch",
     "manifest_of",
     "manifest_to_dict",
     "parse_manifest",
+    "select_layers",
 ]

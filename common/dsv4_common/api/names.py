@@ -35,9 +35,17 @@ CPU_PRESETS: Final = frozenset({"tiny", "hybrid-tiny"})
 # The extended resource that counts GPUs (set by gpu.perPod, never by resources).
 GPU_RESOURCE: Final = "nvidia.com/gpu"
 
+# Gang scheduling of a PP group (`spec.scheduling.gang`) and how its pods are placed in the
+# topology domain of `spec.scheduling.topologyKey` (`spec.scheduling.topologyPolicy`).
+GangScheduler = Literal["none", "volcano", "coscheduling"]
+GANG_SCHEDULERS: Final[tuple[GangScheduler, ...]] = ("none", "volcano", "coscheduling")
+TopologyPolicy = Literal["preferred", "required"]
+TOPOLOGY_POLICIES: Final[tuple[TopologyPolicy, ...]] = ("preferred", "required")
+
 # Bounds the CRD enforces (child names are derived from them; see the operator's labels).
 MAX_ROLE_REPLICAS: Final = 64  # replica index <= 63: at most 2 digits
 MAX_PIPELINE_PARALLEL: Final = 16  # PP rank <= 15
+MAX_LAYERS_PER_RANK: Final = 1024  # an entry of spec.<role>.layerSplit
 MAX_TENSOR_PARALLEL: Final = 16
 # The CRD's CEL rule allows names of at most 40 characters, so every child name stays legal.
 MAX_NAME_LENGTH: Final = 40

@@ -8,6 +8,7 @@ Kubernetes client, no torch. Memory fit is not checked here (see `deployment.py`
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,13 +19,18 @@ from dsv4_common.api.fields import FieldReader
 from dsv4_common.api.names import (
     CPU_PRESETS,
     DEFAULT_TRANSFER,
+    GANG_SCHEDULERS,
     GPU_RESOURCE,
+    MAX_LAYERS_PER_RANK,
     MAX_PIPELINE_PARALLEL,
     MAX_ROLE_REPLICAS,
     MAX_TENSOR_PARALLEL,
     MODEL_PRESETS,
+    TOPOLOGY_POLICIES,
     TRANSFERS,
     WORKER_ROLES,
+    GangScheduler,
+    TopologyPolicy,
     Transfer,
     WorkerRole,
     name_error,
@@ -38,6 +44,14 @@ _ABS_PATH = re.compile(r"^/")
 _PVC_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 _SWA_RATIO = re.compile(r"^(auto|0?\.[0-9]*[1-9][0-9]*|1(\.0+)?)$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?([munkMGTPE]|[KMGTPE]i)?$")
+_DNS_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+_LABEL_KEY = re.compile(rf"^({_DNS_SUBDOMAIN}/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_QUEUE = re.compile(rf"^{_DNS_SUBDOMAIN}$")
+
+# A partial PodTemplateSpec (`metadata.labels/annotations`, `spec`), a plain mapping: its shape
+# is checked here as the CRD checks it; what it may set, and how it merges into the pods the
+# operator generates, is the operator's (dsv4_operator.podtemplate).
+PodTemplate = Mapping[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,12 +105,26 @@ class RoleSpec:
     tensor_parallel: int = 1
     chunked_prefill_tokens: int | None = None  # None = 32 pages
     max_running_requests: int | None = None  # None = sized from the memory plan
+    pod_template: PodTemplate | None = None
+    layer_split: tuple[int, ...] | None = None  # target layers per PP rank; None = balanced
 
 
 @dataclass(frozen=True, slots=True)
 class RouterSpec:
     replicas: int = 1
     port: int = 8000
+    pod_template: PodTemplate | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulingSpec:
+    """How PP groups are scheduled: as gangs (a PodGroup per group) and packed into one
+    topology domain."""
+
+    gang: GangScheduler = "none"
+    topology_key: str | None = None  # None = no placement rules
+    topology_policy: TopologyPolicy = "preferred"
+    queue: str | None = None  # the Volcano queue of the PodGroups; None = Volcano's default
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +148,7 @@ class DeploymentSpec:
     mem_fraction: float | None = None  # None = the planner's default
     image: str | None = None  # None = the operator's configured worker image
     resources: ResourcesSpec = ResourcesSpec()
+    scheduling: SchedulingSpec = SchedulingSpec()
 
     def role(self, role: WorkerRole) -> RoleSpec:
         return self.prefill if role == "prefill" else self.decode
@@ -165,7 +194,7 @@ def parse_spec(body: Mapping[str, Any]) -> DeploymentSpec:
         spec,
         "spec",
         {"model", "maxContextTokens", "gpu", "kv", "prefill", "decode", "router"}
-        | {"speculativeDraftTokens", "memFraction", "image", "resources"},
+        | {"speculativeDraftTokens", "memFraction", "image", "resources", "scheduling"},
     )
     model = _model(r, spec.get("model"))
     max_context = r.integer(spec, "maxContextTokens", "spec", None, 1, 16_777_216, required=True)
@@ -173,15 +202,17 @@ def parse_spec(body: Mapping[str, Any]) -> DeploymentSpec:
     kv = _kv(r, spec.get("kv"))
     roles = {role: _role(r, spec.get(role), f"spec.{role}") for role in WORKER_ROLES}
     router_raw = r.obj(spec.get("router"), "spec.router")
-    r.keys(router_raw, "spec.router", {"replicas", "port"})
+    r.keys(router_raw, "spec.router", {"replicas", "port", "podTemplate"})
     router = RouterSpec(
         replicas=r.integer(router_raw, "replicas", "spec.router", 1, 1, 16) or 1,
         port=r.integer(router_raw, "port", "spec.router", 8000, 1024, 65535) or 8000,
+        pod_template=_pod_template(r, router_raw.get("podTemplate"), "spec.router.podTemplate"),
     )
     draft = r.integer(spec, "speculativeDraftTokens", "spec", 0, 0, 16) or 0
     mem_fraction = r.number(spec, "memFraction", "spec", 0.05, 1.0)
     image = r.string(spec, "image", "spec", max_length=512)
     resources = _resources(r, spec.get("resources"))
+    scheduling = _scheduling(r, spec.get("scheduling"))
 
     # Cross-field rules (the CRD's CEL rules say the same).
     if model is not None and gpu.cpu_mode and model.preset not in CPU_PRESETS:
@@ -213,6 +244,7 @@ def parse_spec(body: Mapping[str, Any]) -> DeploymentSpec:
         mem_fraction=mem_fraction,
         image=image,
         resources=resources,
+        scheduling=scheduling,
     )
 
 
@@ -289,14 +321,86 @@ def _role(r: FieldReader, raw: object, path: str) -> RoleSpec:
         m,
         path,
         {"replicas", "pipelineParallel", "tensorParallel"}
-        | {"chunkedPrefillTokens", "maxRunningRequests"},
+        | {"chunkedPrefillTokens", "maxRunningRequests", "podTemplate", "layerSplit"},
     )
+    pipeline_parallel = r.integer(m, "pipelineParallel", path, 1, 1, MAX_PIPELINE_PARALLEL) or 1
     return RoleSpec(
         replicas=r.integer(m, "replicas", path, 1, 1, MAX_ROLE_REPLICAS) or 1,
-        pipeline_parallel=r.integer(m, "pipelineParallel", path, 1, 1, MAX_PIPELINE_PARALLEL) or 1,
+        pipeline_parallel=pipeline_parallel,
         tensor_parallel=r.integer(m, "tensorParallel", path, 1, 1, MAX_TENSOR_PARALLEL) or 1,
         chunked_prefill_tokens=r.integer(m, "chunkedPrefillTokens", path, None, 1, 1_048_576),
         max_running_requests=r.integer(m, "maxRunningRequests", path, None, 1, 65_536),
+        pod_template=_pod_template(r, m.get("podTemplate"), f"{path}.podTemplate"),
+        layer_split=_layer_split(r, m.get("layerSplit"), f"{path}.layerSplit", pipeline_parallel),
+    )
+
+
+def _layer_split(
+    r: FieldReader, raw: object, path: str, pipeline_parallel: int
+) -> tuple[int, ...] | None:
+    """Layers per PP rank: one integer >= 1 per rank (the CRD's CEL rule checks the count; the
+    planner checks the sum against the model's layers)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        r.fail(path, f"must be a list of layer counts such as [16, 15, 15, 15], got {raw!r}")
+        return None
+    bad = False
+    for i, n in enumerate(raw):
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_LAYERS_PER_RANK:
+            r.fail(f"{path}[{i}]", f"must be an integer in [1, {MAX_LAYERS_PER_RANK}], got {n!r}")
+            bad = True
+    if len(raw) != pipeline_parallel:
+        r.fail(
+            path,
+            f"has {len(raw)} entries, pipelineParallel is {pipeline_parallel}: one layer count "
+            "per PP rank",
+        )
+        bad = True
+    return None if bad else tuple(raw)
+
+
+def _pod_template(r: FieldReader, raw: object, path: str) -> PodTemplate | None:
+    """The CRD's shape only: string labels/annotations and an object `spec` (a copy)."""
+    if raw is None:
+        return None
+    m = r.obj(raw, path)
+    r.keys(m, path, {"metadata", "spec"})
+    meta = r.obj(m.get("metadata"), f"{path}.metadata")
+    r.keys(meta, f"{path}.metadata", {"labels", "annotations"})
+    for key in ("labels", "annotations"):
+        where = f"{path}.metadata.{key}"
+        for name, value in r.obj(meta.get(key), where).items():
+            if not isinstance(value, str):
+                r.fail(f"{where}.{name}", f"must be a string, got {value!r}")
+    r.obj(m.get("spec"), f"{path}.spec")
+    return copy.deepcopy(dict(m)) if m else None
+
+
+def _scheduling(r: FieldReader, raw: object) -> SchedulingSpec:
+    path = "spec.scheduling"
+    m = r.obj(raw, path)
+    r.keys(m, path, {"gang", "topologyKey", "topologyPolicy", "queue"})
+    gang = r.string(m, "gang", path, enum=GANG_SCHEDULERS) or "none"
+    key = r.string(
+        m,
+        "topologyKey",
+        path,
+        max_length=317,
+        pattern=_LABEL_KEY,
+        pattern_hint="must be a node label key such as topology.kubernetes.io/zone",
+    )
+    policy = r.string(m, "topologyPolicy", path, enum=TOPOLOGY_POLICIES) or "preferred"
+    queue = r.string(
+        m, "queue", path, max_length=253, pattern=_QUEUE, pattern_hint="must be a DNS subdomain"
+    )
+    if m.get("queue") is not None and gang != "volcano":
+        r.fail(f"{path}.queue", f"is a Volcano queue: it needs scheduling.gang volcano, not {gang}")
+    return SchedulingSpec(
+        gang=cast(GangScheduler, gang),
+        topology_key=key,
+        topology_policy=cast(TopologyPolicy, policy),
+        queue=queue,
     )
 
 

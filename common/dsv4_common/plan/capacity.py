@@ -12,6 +12,7 @@ NOTE: window-bounded components are sized by what the role keeps inside the wind
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from dsv4_common.core.index_space import pages_for_tokens
 from dsv4_common.core.layout import IndexSpace, KVLayout
@@ -56,6 +57,23 @@ class RankCapacity:
         return units_per_space(self.full_pages, self.swa_pages, self.request_slots)
 
 
+class PoolCoefficients(NamedTuple):
+    """Bytes of one unit across a rank's layers: all the solver needs to know of a layout.
+
+    NOTE: additive over layers (a unit is `unit_bytes` per layer), so a contiguous layer
+    range's coefficients are prefix-sum differences (the split search relies on it)."""
+
+    full_page: int
+    swa_page: int
+    request_slot: int
+
+
+def coefficients(layout: KVLayout) -> PoolCoefficients:
+    return PoolCoefficients(
+        layout.bytes_per_full_page, layout.bytes_per_swa_page, layout.bytes_per_request_slot
+    )
+
+
 def units_per_space(full_pages: int, swa_pages: int, request_slots: int) -> dict[IndexSpace, int]:
     """Units per layer of each index space that buffers hold: the usable ones + reserved unit 0."""
     return {
@@ -70,6 +88,37 @@ def planned_bytes(layout: KVLayout, full_pages: int, swa_pages: int, request_slo
     return sum(c.bytes_per_unit_all_layers * units[c.index_space] for c in layout.components)
 
 
+def pool_pages(
+    coeffs: PoolCoefficients,
+    *,
+    available_bytes: int,
+    max_running: int,
+    need: SwaNeed,
+    swa_ratio: float | None,
+    max_full_pages: int,
+) -> tuple[int, int] | None:
+    """(full pages, SWA pages) of the largest full pool next to the SWA pool and `max_running`
+    request slots; None when the request slots alone do not fit. full pages < 1: none fits."""
+    bf, bs, bq = coeffs
+    budget = available_bytes - (bf + bs + bq * (max_running + 1))
+    if budget <= 0:
+        return None
+    if swa_ratio is None:
+        swa_pages = swa_pages_needed(need, max_running)
+        full_budget = budget - swa_pages * bs
+        full_pages = full_budget // bf if bf else max_full_pages
+    else:
+        full_pages = int(budget // (bf + swa_ratio * bs)) if bf + swa_ratio * bs else max_full_pages
+        full_pages = min(full_pages, max_full_pages)
+        swa_pages = int(full_pages * swa_ratio)
+    return min(full_pages, max_full_pages), swa_pages
+
+
+def swa_fits(swa_pages: int, need: SwaNeed) -> bool:
+    """The SWA pool holds one request's window + page and one prefill chunk."""
+    return swa_pages >= need.pages_per_request and swa_pages >= need.chunk_pages
+
+
 def solve_rank(
     layout: KVLayout,
     *,
@@ -81,32 +130,27 @@ def solve_rank(
     max_full_pages: int,
 ) -> RankCapacity:
     """Largest full pool that fits next to the SWA pool and `max_running` request slots."""
-    bf, bs, bq = (
-        layout.bytes_per_full_page,
-        layout.bytes_per_swa_page,
-        layout.bytes_per_request_slot,
+    coeffs = coefficients(layout)
+    pages = pool_pages(
+        coeffs,
+        available_bytes=available_bytes,
+        max_running=max_running,
+        need=need,
+        swa_ratio=swa_ratio,
+        max_full_pages=max_full_pages,
     )
-    fixed = bf + bs + bq * (max_running + 1)
-    budget = available_bytes - fixed
-    if budget <= 0:
+    if pages is None:
+        fixed = coeffs.full_page + coeffs.swa_page + coeffs.request_slot * (max_running + 1)
         raise PlanError(
             f"PP rank {pp_rank}: {max_running} request slots need {format_bytes(fixed)} of "
             f"request state, but only {format_bytes(available_bytes)} is left for KV after "
             "weights: lower max_running_requests, raise gpu memory / mem_fraction, or add PP ranks"
         )
-    if swa_ratio is None:
-        swa_pages = swa_pages_needed(need, max_running)
-        full_budget = budget - swa_pages * bs
-        full_pages = full_budget // bf if bf else max_full_pages
-    else:
-        full_pages = int(budget // (bf + swa_ratio * bs)) if bf + swa_ratio * bs else max_full_pages
-        full_pages = min(full_pages, max_full_pages)
-        swa_pages = int(full_pages * swa_ratio)
-    full_pages = min(full_pages, max_full_pages)
+    full_pages, swa_pages = pages
     if full_pages < 1:
         raise PlanError(
-            f"PP rank {pp_rank}: no memory left for even one full page ({bf} B) after the SWA "
-            f"pool ({swa_pages} pages) and {max_running} request slots: lower "
+            f"PP rank {pp_rank}: no memory left for even one full page ({coeffs.full_page} B) "
+            f"after the SWA pool ({swa_pages} pages) and {max_running} request slots: lower "
             "max_running_requests, raise gpu memory / mem_fraction, or add PP ranks"
         )
     _check_swa_fits(layout, pp_rank, swa_pages, need, swa_ratio)
@@ -146,15 +190,29 @@ def auto_max_running(
     cap: int,
 ) -> int:
     """Request slots such that `tokens_per_request`-token requests fill the pool, <= cap."""
-    bf, bs, bq = (
-        layout.bytes_per_full_page,
-        layout.bytes_per_swa_page,
-        layout.bytes_per_request_slot,
+    return auto_request_slots(
+        coefficients(layout),
+        layout.page_size,
+        available_bytes=available_bytes,
+        need=need,
+        tokens_per_request=tokens_per_request,
+        cap=cap,
     )
+
+
+def auto_request_slots(
+    coeffs: PoolCoefficients,
+    page_size: int,
+    *,
+    available_bytes: int,
+    need: SwaNeed,
+    tokens_per_request: int,
+    cap: int,
+) -> int:
+    """`auto_max_running` on a rank's coefficients, in [1, cap]."""
+    bf, bs, bq = coeffs
     per_request = (
-        bq
-        + need.pages_per_request * bs
-        + pages_for_tokens(tokens_per_request, layout.page_size) * bf
+        bq + need.pages_per_request * bs + pages_for_tokens(tokens_per_request, page_size) * bf
     )
     budget = available_bytes - (bf + bs + bq) - need.chunk_pages * bs
     if per_request <= 0:

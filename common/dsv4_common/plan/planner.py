@@ -1,7 +1,9 @@
 """The planner: model + role + parallelism + memory -> a per-PP-rank plan. Pure Python.
 
 One planner, three consumers (operator, worker, local runner). Steps:
-  1. split target layers over PP ranks (the last rank also owns the draft layer when speculating)
+  1. split target layers over PP ranks (the last rank also owns the draft layer when speculating):
+     the given `layer_split`, else the capacity-balanced split (`split.balanced_split`: the
+     contiguous split whose bottleneck, as ordered below, is best)
   2. slice the one KV layout per rank (`KVLayout.select`) and estimate each rank's weights
   3. choose max running requests (given, or auto per rank; the group uses the minimum)
   4. solve every rank's pools with that common request count; the bottleneck rank is the one
@@ -30,6 +32,16 @@ from dsv4_common.plan.inputs import (
     PlanInputs,
     Role,
 )
+from dsv4_common.plan.split import (
+    MAX_DP_LAYERS,
+    BottleneckKey,
+    SplitChoice,
+    balanced_split,
+    even_split,
+    max_min_split,
+    sglang_split,
+)
+from dsv4_common.plan.stages import StageModel
 from dsv4_common.plan.weights import estimate_weight_bytes
 
 _LAYOUT_INPUTS = frozenset({"page_size", "speculative_draft_tokens", "request_state"})
@@ -92,18 +104,21 @@ class _Stage(NamedTuple):
 class Plan:
     inputs: PlanInputs
     ranks: tuple[RankPlan, ...]
+    split: SplitChoice
 
     @property
     def role(self) -> Role:
         return self.inputs.role
 
     @property
+    def bottleneck_key(self) -> BottleneckKey:
+        """(max context, max running requests, full tokens) of the worst rank: the order in
+        which plans of one group compare (larger is better)."""
+        return min(_rank_key(r) for r in self.ranks)
+
+    @property
     def bottleneck_rank(self) -> int:
-        worst = min(
-            self.ranks,
-            key=lambda r: (r.max_context_tokens, r.max_running_requests, r.full_tokens),
-        )
-        return worst.pp_rank
+        return min(self.ranks, key=_rank_key).pp_rank
 
     @property
     def max_context_tokens(self) -> int:
@@ -114,15 +129,19 @@ class Plan:
         return min(r.max_running_requests for r in self.ranks)
 
 
+def _rank_key(r: RankPlan) -> BottleneckKey:
+    return (r.max_context_tokens, r.max_running_requests, r.full_tokens)
+
+
 def split_layers(num_layers: int, pp_size: int, split: tuple[int, ...] | None) -> list[range]:
-    """Contiguous target-layer ranges per PP rank; the first `num_layers % pp` get one more."""
+    """Contiguous target-layer ranges per PP rank (None: the even split, the first
+    `num_layers % pp` ranks get one more); raises PlanError naming a bad `layer_split`."""
     if pp_size > num_layers:
         raise PlanError(
             f"pp_size={pp_size} exceeds the model's {num_layers} target layers", "pp_size"
         )
     if split is None:
-        base, extra = divmod(num_layers, pp_size)
-        split = tuple(base + (1 if i < extra else 0) for i in range(pp_size))
+        split = even_split(num_layers, pp_size)
     if len(split) != pp_size:
         raise PlanError(
             f"layer_split has {len(split)} entries but pp_size={pp_size}", "layer_split"
@@ -143,6 +162,29 @@ def split_layers(num_layers: int, pp_size: int, split: tuple[int, ...] | None) -
     return ranges
 
 
+def choose_split(inputs: PlanInputs, full_layout: KVLayout) -> SplitChoice:
+    """Step 1: the given split, else the balanced one. When no split can be planned this
+    returns the even split, so `plan` reports the even split's error."""
+    n, pp = inputs.model.num_hidden_layers, inputs.pp_size
+    split_layers(n, pp, inputs.layer_split)  # validates pp_size and a given split
+    model = StageModel(inputs, full_layout)
+    even = even_split(n, pp)
+    even_key = model.key_of(even)
+    if inputs.layer_split is not None:
+        return SplitChoice(inputs.layer_split, "fixed", even, even_key)
+    if pp == 1:
+        return SplitChoice(even, "balanced", even, even_key)
+    if inputs.max_running_requests is not None:
+        counts = [inputs.max_running_requests]
+    else:  # the largest count any split allows, and the counts of the two default splits
+        counts = [c for s in (even, sglang_split(n, pp)) if (c := model.max_running(s))]
+        most = max_min_split(n, pp, model.auto_value()) if n <= MAX_DP_LAYERS else None
+        if most is not None and (c := model.max_running(most)) is not None:
+            counts.insert(0, c)
+    found = balanced_split(n, pp, model.key_of, model.segment_values(counts))
+    return SplitChoice(found[0] if found else even, "balanced", even, even_key)
+
+
 def plan(inputs: PlanInputs) -> Plan:
     model = inputs.model
     page = inputs.resolved_page_size
@@ -152,14 +194,15 @@ def plan(inputs: PlanInputs) -> Plan:
     except LayoutError as exc:
         setting = str(exc).split("=", 1)[0]  # layout errors open with the setting at fault
         raise PlanError(str(exc), setting if setting in _LAYOUT_INPUTS else None) from exc
-    ranges = split_layers(model.num_hidden_layers, inputs.pp_size, inputs.layer_split)
-    if inputs.weight_bytes_per_rank is not None and len(inputs.weight_bytes_per_rank) != len(
-        ranges
+    if inputs.weight_bytes_per_rank is not None and len(inputs.weight_bytes_per_rank) != (
+        inputs.pp_size
     ):
         raise PlanError(
             f"weight_bytes_per_rank has {len(inputs.weight_bytes_per_rank)} entries, "
             f"pp_size={inputs.pp_size}"
         )
+    choice = choose_split(inputs, full_layout)
+    ranges = split_layers(model.num_hidden_layers, inputs.pp_size, choice.layers_per_rank)
     context_len = inputs.resolved_context_len
     usable = int(inputs.gpu_memory_bytes * inputs.mem_fraction)
     last = len(ranges) - 1
@@ -229,4 +272,4 @@ def plan(inputs: PlanInputs) -> Plan:
         )
         for stage in staged
     )
-    return Plan(inputs=inputs, ranks=ranks)
+    return Plan(inputs=inputs, ranks=ranks, split=choice)

@@ -43,12 +43,29 @@ def _hybrid_attention_bytes(m: HybridSWAConfig) -> float:
     return (q + kv + o) * w.dense_bytes_per_param
 
 
-def layer_bytes(model: ModelConfig, layer_id: int) -> float:
+def layer_bytes(model: ModelConfig, layer_id: int) -> int:
+    """Whole bytes, so a rank's total is an exact sum over its layers (the split search sums
+    layer ranges as prefix-sum differences)."""
     w = model.weights
     if isinstance(model, DSV4Config):
         dense = layer_id < w.num_dense_layers
-        return _dsv4_attention_bytes(model) + _moe_layer_bytes(w, dense)
-    return _hybrid_attention_bytes(model) + _moe_layer_bytes(w, dense=True)
+        return round(_dsv4_attention_bytes(model) + _moe_layer_bytes(w, dense))
+    return round(_hybrid_attention_bytes(model) + _moe_layer_bytes(w, dense=True))
+
+
+def rank_extra_bytes(model: ModelConfig, *, first: bool, last: bool, with_draft: bool) -> int:
+    """What a rank holds besides its target layers: the embedding on the first, the LM head
+    and (when speculating) the MTP layer on the last."""
+    w = model.weights
+    vocab = round(w.vocab_size * w.hidden_size * w.embedding_bytes_per_param)
+    total = vocab if first else 0
+    if last:
+        total += vocab  # LM head (untied)
+        if with_draft:
+            n = model.num_hidden_layers
+            # NextN layer: one transformer layer + the (embedding, hidden) -> hidden projection.
+            total += layer_bytes(model, n) + round(2 * w.hidden_size**2 * w.dense_bytes_per_param)
+    return total
 
 
 def estimate_weight_bytes(
@@ -61,15 +78,6 @@ def estimate_weight_bytes(
     tp_size: int,
 ) -> int:
     """Bytes of weights one GPU of this PP rank holds."""
-    w = model.weights
     total = sum(layer_bytes(model, i) for i in layer_ids)
-    vocab = w.vocab_size * w.hidden_size * w.embedding_bytes_per_param
-    if first:
-        total += vocab
-    if last:
-        total += vocab  # LM head (untied)
-        if with_draft:
-            n = model.num_hidden_layers
-            # NextN layer: one transformer layer + the (embedding, hidden) -> hidden projection.
-            total += layer_bytes(model, n) + 2 * w.hidden_size**2 * w.dense_bytes_per_param
-    return int(total / tp_size)
+    total += rank_extra_bytes(model, first=first, last=last, with_draft=with_draft)
+    return total // tp_size

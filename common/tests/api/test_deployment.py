@@ -146,3 +146,43 @@ def test_bottleneck_names_the_role_and_rank_that_limit_context() -> None:
     memory = plan_memory(flash_tp8(24, 1_048_576))
     role, rank = memory.bottleneck
     assert memory.role(role).ranks[rank].max_context_tokens == memory.max_context_tokens
+
+
+# --- the layer split: balanced by default, fixed by spec.<role>.layerSplit ---------------------
+
+
+def pro_pp3(**decode: Any) -> DeploymentSpec:
+    """DSV4-Pro on H100 at TP=4: the even split of a PP=3 decode group is unbalanced."""
+    return spec_of(
+        model={"preset": "deepseek-v4-pro"},
+        maxContextTokens=131072,
+        gpu={"type": "h100-80gb", "perPod": 4},
+        prefill={"tensorParallel": 4, "pipelineParallel": 3},
+        decode={"tensorParallel": 4, "pipelineParallel": 3, **decode},
+    )
+
+
+def test_roles_get_the_balanced_split_and_workers_get_it_fixed() -> None:
+    memory = plan_memory(pro_pp3())
+    decode = memory.decode
+    assert decode.split.mode == "balanced"
+    assert decode.split.layers_per_rank == (20, 21, 20) != decode.split.even
+    assert decode.split.even_key is not None and decode.bottleneck_key > decode.split.even_key
+    # the workers replan with the chosen split fixed and get the same plan
+    inputs = dataclasses.replace(decode.inputs, layer_split=decode.split.layers_per_rank)
+    assert plan(inputs).ranks == decode.ranks
+
+
+def test_layer_split_of_the_spec_is_planned_exactly() -> None:
+    memory = plan_memory(pro_pp3(layerSplit=[21, 20, 20]))
+    assert memory.decode.split.mode == "fixed"
+    assert [r.layers for r in memory.decode.ranks] == [(0, 21), (21, 41), (41, 61)]
+    assert memory.prefill.split.mode == "balanced"  # set per role
+
+
+def test_layer_split_that_does_not_cover_the_model_names_the_field() -> None:
+    with pytest.raises(MemoryPlanError) as info:
+        plan_memory(pro_pp3(layerSplit=[20, 20, 20]))
+    assert str(info.value) == (
+        "spec.decode.layerSplit: layer_split=[20, 20, 20] sums to 60, the model has 61 layers"
+    )

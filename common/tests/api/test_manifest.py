@@ -7,11 +7,13 @@ import pytest
 
 from dsv4_common.api.documents import DocumentError
 from dsv4_common.api.manifest import (
+    group_mismatch,
     manifest_hash,
     manifest_mismatch,
     manifest_of,
     manifest_to_dict,
     parse_manifest,
+    select_layers,
 )
 from dsv4_common.core.layout import build_layout
 from dsv4_common.core.model import DSV4Config
@@ -73,3 +75,44 @@ def test_other_version_refused_naming_it() -> None:
     del doc["version"]
     with pytest.raises(DocumentError, match=r"manifest\.version"):
         parse_manifest(doc)
+
+
+# -- PP x PD: the prefill group's stages against decode's whole manifest -----------------------
+
+
+def _stages(split: tuple[int, ...]) -> tuple:  # type: ignore[type-arg]
+    full, start, out = _layout(), 0, []
+    for n in split:
+        out.append(manifest_of(full.select(full.layer_ids[start : start + n])))
+        start += n
+    return tuple(out)
+
+
+@pytest.mark.parametrize("split", [(6,), (3, 3), (1, 5), (2, 2, 2), (1, 1, 1, 1, 1, 1)])
+def test_any_split_covering_decodes_layers_once_is_accepted(split: tuple[int, ...]) -> None:
+    decode = manifest_of(_layout())
+    assert group_mismatch(_stages(split), decode) is None
+    # Each stage's slice of decode's manifest is exactly its own (PP slicing is a filter).
+    for stage in _stages(split):
+        assert manifest_mismatch(stage, select_layers(decode, stage.layer_ids)) is None
+
+
+def test_a_split_missing_layers_is_refused_naming_them() -> None:
+    why = group_mismatch(_stages((3, 3))[:1], manifest_of(_layout()))
+    assert why == (
+        "PP split: decode layers [3, 4, 5] are computed by no prefill stage, prefill layers [] "
+        "are held by no decode stage"
+    )
+
+
+def test_overlapping_stages_are_refused_naming_the_layer() -> None:
+    a, b = _stages((3, 3))
+    why = group_mismatch((a, a, b), manifest_of(_layout()))
+    assert why == "PP split: layer 0 is on prefill stages 0 and 1"
+
+
+def test_a_stage_of_another_geometry_is_refused_naming_the_stage() -> None:
+    full = _layout(page=32)
+    other = manifest_of(full.select(full.layer_ids[3:]))
+    why = group_mismatch((_stages((3, 3))[0], other), manifest_of(_layout()))
+    assert why is not None and why.startswith("manifest page_size: prefill stage 1 has 32")

@@ -43,6 +43,8 @@ def test_crd_identity_is_the_names_module() -> None:
         (("model", "preset"), list(names.MODEL_PRESETS)),
         (("kv", "transfer"), list(names.TRANSFERS)),
         (("gpu", "type"), list(GPU_TYPE_NAMES)),
+        (("scheduling", "gang"), list(names.GANG_SCHEDULERS)),
+        (("scheduling", "topologyPolicy"), list(names.TOPOLOGY_POLICIES)),
     ],
 )
 def test_crd_enums_are_the_names(path: tuple[str, ...], expected: list[str]) -> None:

@@ -13,6 +13,7 @@ from dsv4_common.api.spec import (
     KVSpec,
     RoleSpec,
     RouterSpec,
+    SchedulingSpec,
     SpecError,
     parse_meta,
     parse_spec,
@@ -177,6 +178,45 @@ ERRORS: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("unknown resources key", {"resources": {"claims": []}}, "spec.resources.claims"),
     ("unknown top-level", {"replicas": 3}, "spec.replicas: unknown field"),
+    ("unknown gang", {"scheduling": {"gang": "kueue"}}, "spec.scheduling.gang: must be one of"),
+    (
+        "bad topology key",
+        {"scheduling": {"topologyKey": "not a key"}},
+        "spec.scheduling.topologyKey: must be a node label key",
+    ),
+    (
+        "unknown topology policy",
+        {"scheduling": {"topologyPolicy": "strict"}},
+        "spec.scheduling.topologyPolicy: must be one of",
+    ),
+    (
+        "queue without volcano",
+        {"scheduling": {"queue": "q"}},
+        "spec.scheduling.queue: is a Volcano queue",
+    ),
+    ("bad queue", {"scheduling": {"gang": "volcano", "queue": "Q_1"}}, "spec.scheduling.queue"),
+    ("unknown scheduling field", {"scheduling": {"gangs": "none"}}, "spec.scheduling.gangs"),
+    ("podTemplate not object", {"decode": {"podTemplate": []}}, "spec.decode.podTemplate: must be"),
+    (
+        "podTemplate unknown key",
+        {"prefill": {"podTemplate": {"kind": "Pod"}}},
+        "spec.prefill.podTemplate.kind: unknown field",
+    ),
+    (
+        "podTemplate metadata name",
+        {"router": {"podTemplate": {"metadata": {"name": "x"}}}},
+        "spec.router.podTemplate.metadata.name: unknown field",
+    ),
+    (
+        "podTemplate label not a string",
+        {"decode": {"podTemplate": {"metadata": {"labels": {"gpus": 8}}}}},
+        "spec.decode.podTemplate.metadata.labels.gpus: must be a string",
+    ),
+    (
+        "podTemplate spec not object",
+        {"decode": {"podTemplate": {"spec": "x"}}},
+        "spec.decode.podTemplate.spec: must be an object",
+    ),
 ]
 
 
@@ -190,6 +230,31 @@ def test_every_error_names_its_field(case: str, patch: dict[str, Any], field: st
     with pytest.raises(SpecError) as info:
         parse_spec(body)
     assert any(e.startswith(field) or field in e for e in info.value.errors), info.value.errors
+
+
+def test_scheduling_and_pod_templates_are_read() -> None:
+    template = {"metadata": {"labels": {"team": "a"}}, "spec": {"nodeSelector": {"x": "y"}}}
+    body = body_with(
+        {
+            "scheduling": {
+                "gang": "volcano",
+                "queue": "inference",
+                "topologyKey": "topology.kubernetes.io/zone",
+                "topologyPolicy": "required",
+            },
+            "decode": {"podTemplate": template},
+            "router": {"podTemplate": {"spec": {}}},
+        }
+    )
+    spec = parse_spec(body)
+    assert spec.scheduling == SchedulingSpec(
+        "volcano", "topology.kubernetes.io/zone", "required", "inference"
+    )
+    assert spec.decode.pod_template == template and spec.prefill.pod_template is None
+    assert spec.router.pod_template == {"spec": {}}
+    body["spec"]["decode"]["podTemplate"]["metadata"]["labels"]["team"] = "b"
+    assert spec.decode.pod_template["metadata"]["labels"]["team"] == "a"  # a copy
+    assert parse_spec(BASE).scheduling == SchedulingSpec("none", None, "preferred", None)
 
 
 @pytest.mark.parametrize(
@@ -239,3 +304,48 @@ def test_meta_defaults_namespace_and_reads_uid_and_generation() -> None:
     body["metadata"].update({"namespace": "prod", "uid": "u1", "generation": 7})
     meta = parse_meta(body, "dev")
     assert (meta.namespace, meta.uid, meta.generation) == ("prod", "u1", 7)
+
+
+# --- spec.<role>.layerSplit --------------------------------------------------------------------
+
+
+def test_layer_split_is_read_per_role() -> None:
+    spec = parse_spec(
+        body_with(
+            {
+                **GPU_BOTH,
+                "model": {"preset": "deepseek-v4-pro"},
+                "decode": {
+                    "tensorParallel": 8,
+                    "pipelineParallel": 4,
+                    "layerSplit": [16, 15, 15, 15],
+                },
+            }
+        )
+    )
+    assert spec.decode.layer_split == (16, 15, 15, 15)
+    assert spec.prefill.layer_split is None  # the planner balances it
+    assert parse_spec(BASE).decode.layer_split is None
+
+
+@pytest.mark.parametrize(
+    ("role", "patch", "needle"),
+    [
+        ("decode", {"layerSplit": "3,3"}, "spec.decode.layerSplit: must be a list"),
+        ("prefill", {"layerSplit": {"0": 6}}, "spec.prefill.layerSplit: must be a list"),
+        ("decode", {"pipelineParallel": 2, "layerSplit": [6, 0]}, "spec.decode.layerSplit[1]:"),
+        ("decode", {"pipelineParallel": 2, "layerSplit": [3, "3"]}, "spec.decode.layerSplit[1]:"),
+        ("decode", {"pipelineParallel": 2, "layerSplit": [True, 5]}, "spec.decode.layerSplit[0]:"),
+        ("prefill", {"pipelineParallel": 2, "layerSplit": [3, 2000]}, "spec.prefill.layerSplit[1]"),
+        (
+            "prefill",
+            {"pipelineParallel": 2, "layerSplit": [6]},
+            "spec.prefill.layerSplit: has 1 entries, pipelineParallel is 2",
+        ),
+        ("decode", {"layerSplit": [3, 3]}, "spec.decode.layerSplit: has 2 entries"),
+    ],
+)
+def test_bad_layer_split_names_the_field(role: str, patch: dict[str, Any], needle: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_spec(body_with({role: patch}))
+    assert any(e.startswith(needle) for e in info.value.errors), info.value.errors

@@ -125,3 +125,99 @@ def test_console_script_runs_as_a_process() -> None:
         text=True,
     ).stdout
     assert json.loads(out)["role"] == "decode"
+
+
+# The issue's DSV4-Pro PP=4 decode settings (docs/planner.md, "The balanced layer split").
+PRO_ISSUE = [
+    *PRO_H200,
+    "--pp",
+    "4",
+    "--role",
+    "decode",
+    "--swa-ratio",
+    "0.1",
+    "--mem-fraction",
+    "0.88",
+    "--request-state",
+    "online",
+]
+# DSV4-Pro on H100 at TP=4, PP=3: weights dominate, and the even split is unbalanced.
+PRO_TIGHT = ["--model", "deepseek-v4-pro", "--tp", "4", "--gpu", "h100-80gb", "--pp", "3"]
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (
+            PRO_ISSUE,
+            "layer split 16/15/15/15 (balanced): the even split 16/15/15/15 is already the best",
+        ),
+        (
+            [*PRO_TIGHT, "--role", "decode"],
+            "layer split 20/21/20 (balanced): bottleneck +10.2% max context over the even "
+            "split 21/20/20",
+        ),
+        (
+            [*PRO_ISSUE, "--layer-split", "15,15,15,16"],
+            "layer split 15/15/15/16 (fixed): bottleneck -4.0% full tokens vs the even split "
+            "16/15/15/15; the balanced split 16/15/15/15 would give +4.2% full tokens",
+        ),
+        (
+            [*PRO_ISSUE, "--layer-split", "16,15,15,15"],
+            "layer split 16/15/15/15 (fixed): the even split 16/15/15/15; the balanced split "
+            "is the same",
+        ),
+        (
+            [*PRO_H200, "--pp", "2", "--role", "decode", "--max-running-requests", "4096"],
+            "layer split 30/31 (balanced): the even split 31/30 does not fit",
+        ),
+    ],
+)
+def test_table_states_the_split_and_its_gain(
+    args: list[str], line: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, out, _ = run_cli(["plan", *args], capsys)
+    assert rc == 0
+    assert out.splitlines()[-1] == line
+
+
+def test_single_rank_table_has_no_split_line(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run_cli(["plan", "--model", "tiny", "--gpu-memory-gib", "1"], capsys)
+    assert rc == 0 and "layer split" not in out
+
+
+def test_json_reports_the_balanced_split_and_the_even_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    rc, out, _ = run_cli(["plan", *PRO_TIGHT, "--role", "decode", "--json"], capsys)
+    assert rc == 0
+    split = json.loads(out)["layer_split"]
+    assert split["layers_per_rank"] == [20, 21, 20] and split["mode"] == "balanced"
+    assert split["even"]["layers_per_rank"] == [21, 20, 20]
+    assert (
+        split["bottleneck"]["max_context_tokens"]
+        > split["even"]["bottleneck"]["max_context_tokens"]
+    )
+    assert split["gain_over_even"] == "+10.2% max context"
+    assert "balanced" not in split  # only a fixed split is compared with the balanced one
+    assert [r["layers"] for r in json.loads(out)["ranks"]] == [[0, 20], [20, 41], [41, 61]]
+
+
+def test_json_compares_a_fixed_split_with_the_balanced_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    rc, out, _ = run_cli(["plan", *PRO_ISSUE, "--layer-split", "15,15,15,16", "--json"], capsys)
+    assert rc == 0
+    split = json.loads(out)["layer_split"]
+    assert (split["mode"], split["layers_per_rank"]) == ("fixed", [15, 15, 15, 16])
+    assert split["bottleneck"]["full_tokens"] == 39_086_336
+    assert split["even"]["bottleneck"]["full_tokens"] == 40_724_480
+    assert split["balanced"] == {
+        "layers_per_rank": [16, 15, 15, 15],
+        "bottleneck": {
+            "max_context_tokens": 1_048_576,
+            "max_running_requests": 1024,
+            "full_tokens": 40_724_480,
+        },
+        "gain_over_fixed": "+4.2% full tokens",
+    }

@@ -67,6 +67,10 @@ class Request:
 Hook = Callable[["Request"], None]
 
 
+class EngineFailed(RuntimeError):
+    """The engine cannot serve any more (e.g. its PP group lost a stage)."""
+
+
 class Engine:
     def __init__(
         self,
@@ -88,6 +92,7 @@ class Engine:
         self.new_token_ratio = RATIO_MAX
         self.steps = 0
         self.waits: dict[str, int] = {}  # why the head of the queue waited -> steps
+        self.failure: str | None = None  # set: the engine cannot serve (fail_all)
         totals = {u.pool: u.total for u in self.mem.usage()}
         self.total = Capacity(totals["full"], totals["swa"], totals["req_slots"])
 
@@ -101,6 +106,8 @@ class Engine:
         keep_pages: bool = False,
         prefill: str | None = None,
     ) -> Request:
+        if self.failure is not None:
+            raise EngineFailed(self.failure)
         if not prompt:
             raise ValueError("prompt: must hold at least one token")
         req = Request(next(self._rids), tuple(prompt), params, keep_pages=keep_pages)
@@ -175,29 +182,30 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Plan and run one batch; returns the requests that finished in it."""
-        self.steps += 1
-        finished: list[Request] = []
-        plan = plan_step(
+        return self.execute(self.plan())
+
+    def plan(self) -> StepPlan:
+        """This step's decisions (pure: the scheduler over the requests' views)."""
+        return plan_step(
             self._views(),
             self._free(),
             self.total,
             self.config,
             self.new_token_ratio,
         )
+
+    def execute(self, plan: StepPlan) -> list[Request]:
+        """Carry `plan` out: admission, page tables, one batch, sampling, finishing."""
+        self.steps += 1
+        finished: list[Request] = []
         self._apply_admin(plan, finished)
         if plan.waiting is not None:
             why = plan.waiting[1]
             self.waits[why] = self.waits.get(why, 0) + 1
         segments, sample_at = self._grow(plan)
-        if segments:
-            logits = self.paged.forward(segments)
-            greedy = logits.argmax(dim=-1).tolist()  # one sync for every greedy request
-            for i, req in sample_at:
-                token = (
-                    greedy[i]
-                    if req.generator is None
-                    else sample(logits[i], req.params, req.generator)
-                )
+        if segments or self.always_run_batch:
+            tokens = self.run_batch(segments, sample_at)
+            for (_, req), token in zip(sample_at, tokens, strict=True):
                 self._accept(req, token, finished)
         self.mem.pages.evict_window()
         if plan.retracts:
@@ -207,6 +215,40 @@ class Engine:
         if self.idle:
             self.mem.check_integrity()
         return finished
+
+    always_run_batch = False  # a PP stage takes part in every step's exchange, even empty ones
+
+    def run_batch(self, segments: list[Segment], sample_at: list[tuple[int, Request]]) -> list[int]:
+        """The forward over the batch and one sampled token per `sample_at` entry."""
+        return self.sample(self.paged.forward(segments), sample_at)
+
+    def sample(self, logits: torch.Tensor, sample_at: list[tuple[int, Request]]) -> list[int]:
+        greedy = logits.argmax(dim=-1).tolist()  # one sync for every greedy request
+        return [
+            greedy[i] if req.generator is None else sample(logits[i], req.params, req.generator)
+            for i, req in sample_at
+        ]
+
+    def fail_all(self, why: str) -> list[Request]:
+        """End every request with an error and free everything it holds (the engine cannot
+        go on, e.g. a PP stage died); further submissions are refused."""
+        self.failure = why
+        out = []
+        for req in list(self.requests.values()):
+            req.error, req.retryable = why, not req.output  # another instance may serve it
+            self._finish(req, "error")
+            out.append(req)
+        for rid in list(self.held):
+            self.release(rid)
+        self.mem.check_integrity()
+        return out
+
+    def close(self) -> None:
+        """The serving loop is ending (a PP leader tells its followers)."""
+
+    def note(self, payload: object) -> None:
+        """Tell the same component on the other stages of a PP group (in order with this
+        engine's own changes); nothing to do for a single stage."""
 
     def run_until_idle(self, max_steps: int = 100_000) -> None:
         for _ in range(max_steps):

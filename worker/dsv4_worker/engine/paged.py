@@ -55,15 +55,36 @@ class _Batch(NamedTuple):
     bounds: list[tuple[int, int]]
 
 
-class PagedModel:
-    """The reference model over one stage's KV memory (every layer: PP arrives later)."""
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """The target layers one PP stage runs; the first embeds, the last computes logits."""
 
-    def __init__(self, model: ModelConfig, params: Params, memory: KVMemory) -> None:
+    layers: range
+    first: bool = True
+    last: bool = True
+
+    @classmethod
+    def whole(cls, model: ModelConfig) -> Stage:
+        return cls(range(model.num_hidden_layers))
+
+
+class PagedModel:
+    """The reference model over one PP stage's KV memory (the whole model by default)."""
+
+    def __init__(
+        self, model: ModelConfig, params: Params, memory: KVMemory, stage: Stage | None = None
+    ) -> None:
         if memory.pool is None:
             raise ValueError("the paged model needs KV memory with buffers")
+        self.stage = stage or Stage.whole(model)
+        missing = [i for i in self.stage.layers if i not in memory.layout.layer_ids]
+        if missing:
+            raise ValueError(f"the KV layout holds no state for stage layers {missing}")
         self.model = model
         self.p = params
         self.memory = memory
+        self.hidden_size = model.weights.hidden_size
+        self.dtype = COMPUTE  # of the hidden states passed between PP stages
         self.pool = memory.pool
         self.page = memory.config.page_size
         self.device = memory.device
@@ -105,9 +126,16 @@ class PagedModel:
     # -- forward ---------------------------------------------------------------------------------
 
     def forward(self, segments: Sequence[Segment]) -> Tensor:
-        """Logits [len(segments), vocab] at each segment's last token."""
+        """Logits [len(segments), vocab] at each segment's last token (the whole model)."""
+        assert self.stage.first and self.stage.last, "forward runs the whole model"
+        return self.forward_stage(segments, None)
+
+    def forward_stage(self, segments: Sequence[Segment], hidden: Tensor | None) -> Tensor:
+        """This stage's layers over the batch. The first stage embeds the token ids (`hidden`
+        is None), later ones continue from the previous stage's hidden states [tokens, dim];
+        the last returns logits at each segment's last token, the others their hidden
+        states."""
         dev = self.device
-        ids = torch.tensor([t for s in segments for t in s.token_ids], dtype=torch.long, device=dev)
         positions = torch.cat([torch.arange(s.start, s.end, device=dev) for s in segments]).to(
             torch.long
         )
@@ -119,14 +147,21 @@ class PagedModel:
         )
         bounds = _bounds([len(s.token_ids) for s in segments])
         batch = _Batch(positions, slots, segments, bounds)
-        h = L.embed(self.p, ids)
-        for layer in range(self.model.num_hidden_layers):
+        if self.stage.first:
+            ids = [t for s in segments for t in s.token_ids]
+            h = L.embed(self.p, torch.tensor(ids, dtype=torch.long, device=dev))
+        else:
+            assert hidden is not None, "a later PP stage continues from hidden states"
+            h = hidden
+        for layer in self.stage.layers:
             x = rms_norm(h, self.p[f"model.layers.{layer}.input_layernorm.weight"])
             if isinstance(self.model, DSV4Config):
                 h = h + self._dsv4_attention(self.model, layer, x, batch)
             else:
                 h = h + self._hybrid_attention(self.model, layer, x, batch)
             h = L.ffn(h, self.p, layer, self.model.weights.num_experts_per_token)
+        if not self.stage.last:
+            return h
         last = torch.tensor([hi - 1 for _, hi in bounds], device=dev)
         return L.logits(self.p, h[last])
 

@@ -143,6 +143,23 @@ def param_shapes(model: ModelConfig) -> Shapes:
     return shapes
 
 
+def stage_param_names(model: ModelConfig, layers: range, *, first: bool, last: bool) -> set[str]:
+    """The parameters one PP stage holds: its layers, the embedding on the first stage, the
+    final norm and LM head on the last."""
+    prefixes = tuple(f"model.layers.{i}." for i in layers)
+    names = {n for n in param_shapes(model) if n.startswith(prefixes)}
+    if first:
+        names.add("model.embed_tokens.weight")
+    if last:
+        names |= {"model.norm.weight", "lm_head.weight"}
+    return names
+
+
+def stage_weights(weights: Mapping[str, torch.Tensor], names: set[str]) -> dict[str, torch.Tensor]:
+    """The stage's subset of a whole model's weights."""
+    return {n: t for n, t in weights.items() if n in names}
+
+
 def init_weights(
     model: ModelConfig, seed: int, device: torch.device | str = "cpu"
 ) -> dict[str, torch.Tensor]:
@@ -169,8 +186,14 @@ class WeightsError(ValueError):
     """A checkpoint that does not match the model; the message names the tensor."""
 
 
-def check_weights(model: ModelConfig, weights: Mapping[str, torch.Tensor]) -> None:
+def check_weights(
+    model: ModelConfig, weights: Mapping[str, torch.Tensor], names: set[str] | None = None
+) -> None:
+    """`weights` hold exactly the model's parameters (or the subset `names`), each of its
+    shape."""
     shapes = param_shapes(model)
+    if names is not None:
+        shapes = {n: s for n, s in shapes.items() if n in names}
     missing = sorted(set(shapes) - set(weights))
     unexpected = sorted(set(weights) - set(shapes))
     if missing or unexpected:
@@ -191,10 +214,20 @@ def save_weights(path: Path, weights: Mapping[str, torch.Tensor]) -> None:
 
 
 def load_weights(
-    path: Path, model: ModelConfig, device: torch.device | str = "cpu"
+    path: Path,
+    model: ModelConfig,
+    device: torch.device | str = "cpu",
+    names: set[str] | None = None,
 ) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    """The checkpoint's tensors (only `names` when given: a PP stage reads its own slice)."""
+    from safetensors import safe_open
 
-    weights = {k: v.to(COMPUTE) for k, v in load_file(str(path), device=str(device)).items()}
-    check_weights(model, weights)
+    weights: dict[str, torch.Tensor] = {}
+    with safe_open(str(path), framework="pt", device=str(device)) as f:
+        keys = list(f.keys())
+        if names is not None:
+            keys = [k for k in keys if k in names]
+        for k in keys:
+            weights[k] = f.get_tensor(k).to(COMPUTE)
+    check_weights(model, weights, names)
     return weights

@@ -3,7 +3,8 @@ source and destination buffers. Pure (ints only).
 
 A component's buffer is layer-major, `[num_layers, num_units, unit_bytes]`, so unit u of layer
 index l starts at byte `(l * num_units + u) * unit_bytes`. Both sides share `unit_bytes` and the
-layer order (the manifest handshake guarantees it); `num_units` differs (each side's pools).
+layer ids (the manifest handshake guarantees it); `num_units` differs (each side's pools), and
+under PP so does a layer's index (a stage holds a slice of the layers).
 """
 
 from __future__ import annotations
@@ -17,27 +18,30 @@ UnitPairs = Mapping[str, Sequence[tuple[int, int]]]  # index space -> (source, d
 
 
 def transfer_blocks(
-    manifest: Manifest,
+    src: Manifest,
+    dst: Manifest,
     src_units: Mapping[str, int],
     dst_units: Mapping[str, int],
     pairs: UnitPairs,
 ) -> list[Block]:
-    """Every component's blocks for `pairs`, merged where contiguous on both sides.
+    """Every component's blocks for `pairs`, merged where contiguous on both sides, for the
+    layers both sides hold (PP: a stage writes its own layers into the peer's buffers, where
+    each layer sits at its index among the peer's layer ids).
     `src_units` / `dst_units`: units per index space of each side's buffers (unit 0 included)."""
+    dst_layers = {c.name: {lid: i for i, lid in enumerate(c.layer_ids)} for c in dst.components}
     blocks: list[Block] = []
-    for c in manifest.components:
+    for c in src.components:
         unit_pairs = pairs.get(c.index_space, ())
-        if not unit_pairs:
+        theirs = dst_layers.get(c.name, {})
+        if not unit_pairs or not theirs:
             continue
         src_n, dst_n, size = src_units[c.index_space], dst_units[c.index_space], c.unit_bytes
-        for layer in range(len(c.layer_ids)):
-            for src, dst in unit_pairs:
+        for src_l, layer_id in enumerate(c.layer_ids):
+            dst_l = theirs.get(layer_id)
+            if dst_l is None:
+                continue
+            for s, d in unit_pairs:
                 blocks.append(
-                    Block(
-                        c.name,
-                        (layer * src_n + src) * size,
-                        (layer * dst_n + dst) * size,
-                        size,
-                    )
+                    Block(c.name, (src_l * src_n + s) * size, (dst_l * dst_n + d) * size, size)
                 )
     return merge_blocks(blocks)

@@ -11,6 +11,13 @@ request's pages: `keep_pages`), the last step sends the remaining pages, the win
 request state, then `done` with the first token; only then are the pages freed. A transfer
 error, a decode `abort` or the request's own timeout frees everything at once.
 
+PP: every stage of a prefill group writes its own layers (`transfer_blocks` filters by layer
+id). The leader (rank 0) owns the control socket, the handshake and every decision; it tells
+the followers (`PrefillFollower`) about each decode peer and each request through the engine's
+`note`, in order with the engine's own changes, and they write what their replica of the
+leader's state says: the same columns at the same steps, so each write `k` of a request has a
+tag `room:stage:k` on every stage and `done` lists all of them.
+
 NOTE: admission is the engine's: by the full pool, never capped by the SWA pool (a chunk
 shrinks when it cannot fit the SWA pool; ref. PR #26607, issue #31205).
 """
@@ -22,12 +29,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import zmq
 
-from dsv4_common.api.manifest import Manifest, manifest_hash, manifest_mismatch
+from dsv4_common.api.manifest import Manifest, group_mismatch, manifest_hash, manifest_mismatch
 from dsv4_common.core.index_space import pages_for_tokens
 from dsv4_common.core.layout import IndexSpace
 from dsv4_worker.engine.loop import Engine, Request
@@ -47,8 +54,27 @@ WRITE_TIMEOUT_S = 30.0  # default of `write_timeout_s`
 
 @dataclass(slots=True)
 class _Peer:
-    identity: bytes  # the decode worker's zmq identity on our ROUTER socket
-    units: dict[str, int]  # units per index space of its buffers
+    identity: bytes  # the decode worker's zmq identity on the leader's ROUTER socket
+    manifest: Manifest  # its layers and units per index space
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectNote:
+    """Leader -> followers: a decode peer passed the handshake; connect to it."""
+
+    peer: str
+    descriptor: bytes
+    manifest: Manifest
+
+
+@dataclass(frozen=True, slots=True)
+class TransferNote:
+    """Leader -> followers: request `rid` is a transfer to `peer` (destination in `msg`)."""
+
+    room: str
+    peer: str
+    rid: int
+    msg: C.PrefillRequest
 
 
 @dataclass(slots=True)
@@ -59,10 +85,68 @@ class _Tx:
     msg: C.PrefillRequest
     deadline_s: float
     sent_cols: int = 0
-    tags: list[str] = field(default_factory=list)
+    writes: int = 0
 
 
-class PrefillAgent:
+class _StageWriter:
+    """Writes this stage's layers of a request's finished columns into its decode peer."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        initiator: TransferInitiator,
+        manifest: Manifest,
+        *,
+        rank: int,
+        write_timeout_s: float,
+    ) -> None:
+        self.engine = engine
+        self.initiator = initiator
+        self.manifest = manifest
+        self.rank = rank
+        self.write_timeout_s = write_timeout_s
+        self._peer_manifests: dict[str, Manifest] = {}
+        self._txs: dict[str, _Tx] = {}  # room -> transfer
+
+    def _send_step(self, tx: _Tx, *, last: bool) -> None:
+        req, msg, m = tx.req, tx.msg, self.manifest
+        assert req.slot is not None
+        step = send_step(
+            tx.sent_cols,
+            req.num_tokens if not last else len(req.prompt),
+            last=last,
+            page_size=m.page_size,
+            retained_tokens=m.window_tokens + m.draft_tokens,
+        )
+        if step.empty:  # no page finished since the last send
+            return
+        full, swa = self.engine.mem.pages.request_pages(req.slot)
+        full_l, swa_l = full.tolist(), swa.tolist()
+        tail0 = step.swa_cols.start
+        pairs: dict[str, list[tuple[int, int]]] = {
+            IndexSpace.FULL_PAGE: [(full_l[c], msg.dst_full_pages[c]) for c in step.full_cols],
+            IndexSpace.SWA_PAGE: [(swa_l[c], msg.dst_swa_pages[c - tail0]) for c in step.swa_cols],
+            IndexSpace.REQ_SLOT: [(req.slot, msg.dst_slot)] if step.request_state else [],
+        }
+        if any(src < 1 for src, _ in pairs[IndexSpace.SWA_PAGE]):
+            raise _Fail("internal: a window-tail column has no SWA page on the prefill side")
+        theirs = self._peer_manifests[tx.peer]
+        blocks = transfer_blocks(m, theirs, _local_units(self.engine), theirs.units, pairs)
+        self.initiator.write(
+            tx.peer, blocks, write_tag(tx.room, self.rank, tx.writes), self.write_timeout_s
+        )
+        tx.writes += 1
+        tx.sent_cols = step.full_cols.stop
+
+
+def write_tag(room: str, stage: int, k: int) -> str:
+    """The tag of write `k` of a request from prefill stage `stage`."""
+    return f"{room}:{stage}:{k}"
+
+
+class PrefillAgent(_StageWriter):
+    """The prefill side (the leader of its PP group): control socket, handshake, decisions."""
+
     def __init__(
         self,
         engine: Engine,
@@ -72,15 +156,13 @@ class PrefillAgent:
         bind: str,
         *,
         write_timeout_s: float = WRITE_TIMEOUT_S,
+        stages: tuple[Manifest, ...] | None = None,
     ) -> None:
-        self.engine = engine
-        self.write_timeout_s = write_timeout_s
+        super().__init__(engine, initiator, manifest, rank=0, write_timeout_s=write_timeout_s)
         self.post = post
-        self.initiator = initiator
-        self.manifest = manifest
+        self.stages = stages or (manifest,)  # every stage's manifest, in rank order
         self.hash = manifest_hash(manifest)
         self._peers: dict[str, _Peer] = {}
-        self._txs: dict[str, _Tx] = {}  # room -> transfer
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -143,7 +225,10 @@ class PrefillAgent:
             log.warning("unexpected %s from a decode worker", type(msg).__name__)
 
     def _hello(self, identity: bytes, msg: C.Hello) -> None:
-        why = manifest_mismatch(self.manifest, msg.manifest)
+        if len(self.stages) == 1:
+            why = manifest_mismatch(self.manifest, msg.manifest)
+        else:
+            why = group_mismatch(self.stages, msg.manifest)
         if why is None and msg.backend != self.initiator.backend:
             why = f"transfer backend: prefill uses {self.initiator.backend}, decode {msg.backend}"
         if why is None:
@@ -155,7 +240,9 @@ class PrefillAgent:
             log.error("refused decode worker %s at handshake: %s", msg.peer, why)
             self._send(identity, C.Welcome(False, why))
             return
-        self._peers[msg.peer] = _Peer(identity, dict(msg.manifest.units))
+        self._peers[msg.peer] = _Peer(identity, msg.manifest)
+        self._peer_manifests[msg.peer] = msg.manifest
+        self.engine.note(ConnectNote(msg.peer, C.unb64(msg.descriptor), msg.manifest))
         self.ready = True
         log.info("decode worker %s connected (manifest %s)", msg.peer, self.hash)
         self._send(identity, C.Welcome(True, manifest_hash=self.hash))
@@ -187,6 +274,7 @@ class PrefillAgent:
             self._send(identity, C.Failed(msg.room, str(exc)))
             return
         self._txs[msg.room] = _Tx(msg.room, peer, req, msg, time.monotonic() + msg.timeout_s)
+        self.engine.note(TransferNote(msg.room, peer, req.rid, msg))
 
     def _check_destination(self, msg: C.PrefillRequest) -> None:
         page, retained = self.manifest.page_size, self.manifest.window_tokens
@@ -217,13 +305,18 @@ class PrefillAgent:
                 if req.finished:
                     self._send_step(tx, last=True)
                     state = req.generator.get_state() if req.generator is not None else None
+                    tags = tuple(
+                        write_tag(room, stage, k)
+                        for k in range(tx.writes)
+                        for stage in range(len(self.stages))
+                    )
                     self._send(
                         self._peers[tx.peer].identity,
                         C.Done(
                             room,
                             req.output[0],
                             C.b64(state.numpy().tobytes()) if state is not None else None,
-                            tuple(tx.tags),
+                            tags,
                         ),
                     )
                     del self._txs[room]
@@ -238,34 +331,64 @@ class PrefillAgent:
                 if peer is not None:
                     self._send(peer.identity, C.Failed(room, str(exc)))
 
-    def _send_step(self, tx: _Tx, *, last: bool) -> None:
-        req, msg, m = tx.req, tx.msg, self.manifest
-        assert req.slot is not None
-        step = send_step(
-            tx.sent_cols,
-            req.num_tokens if not last else len(req.prompt),
-            last=last,
-            page_size=m.page_size,
-            retained_tokens=m.window_tokens + m.draft_tokens,
-        )
-        if step.empty:  # no page finished since the last send
-            return
-        full, swa = self.engine.mem.pages.request_pages(req.slot)
-        full_l, swa_l = full.tolist(), swa.tolist()
-        tail0 = step.swa_cols.start
-        pairs: dict[str, list[tuple[int, int]]] = {
-            IndexSpace.FULL_PAGE: [(full_l[c], msg.dst_full_pages[c]) for c in step.full_cols],
-            IndexSpace.SWA_PAGE: [(swa_l[c], msg.dst_swa_pages[c - tail0]) for c in step.swa_cols],
-            IndexSpace.REQ_SLOT: [(req.slot, msg.dst_slot)] if step.request_state else [],
-        }
-        if any(src < 1 for src, _ in pairs[IndexSpace.SWA_PAGE]):
-            raise _Fail("internal: a window-tail column has no SWA page on the prefill side")
-        peer = self._peers[tx.peer]
-        blocks = transfer_blocks(m, _local_units(self.engine), peer.units, pairs)
-        tag = f"{tx.room}:{len(tx.tags)}"
-        self.initiator.write(tx.peer, blocks, tag, self.write_timeout_s)
-        tx.tags.append(tag)
-        tx.sent_cols = step.full_cols.stop
+
+class PrefillFollower(_StageWriter):
+    """A later stage of a prefill group: connects to the decode peers the leader accepted and
+    writes its own layers of every transfer the leader started, at the same steps. It decides
+    nothing: a request ends (and its pages go) only when the leader's engine says so."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        initiator: TransferInitiator,
+        manifest: Manifest,
+        *,
+        rank: int,
+        write_timeout_s: float = WRITE_TIMEOUT_S,
+    ) -> None:
+        super().__init__(engine, initiator, manifest, rank=rank, write_timeout_s=write_timeout_s)
+        self.ready = False
+        self._failed: set[str] = set()  # peers this stage could not connect to
+
+    def on_note(self, note: object) -> None:
+        """Engine thread, in order with the leader's engine events."""
+        if isinstance(note, ConnectNote):
+            try:
+                self.initiator.connect(note.peer, note.descriptor)
+            except TransferError as exc:
+                log.error("stage %d: cannot connect to decode %s: %s", self.rank, note.peer, exc)
+                self._failed.add(note.peer)
+                return
+            self._peer_manifests[note.peer] = note.manifest
+            self._failed.discard(note.peer)
+            self.ready = True
+        elif isinstance(note, TransferNote):
+            req = self.engine.requests.get(note.rid)
+            if req is not None and note.peer not in self._failed:
+                self._txs[note.room] = _Tx(note.room, note.peer, req, note.msg, deadline_s=0.0)
+
+    def after_step(self, finished: list[Request]) -> None:
+        for room, tx in list(self._txs.items()):
+            req = tx.req
+            try:
+                if req.finish_reason is not None and req.finish_reason not in ("stop", "length"):
+                    del self._txs[room]  # the leader aborted or failed it
+                elif req.finished:
+                    self._send_step(tx, last=True)
+                    del self._txs[room]  # the leader's release frees the pages
+                elif req.slot is not None:
+                    self._send_step(tx, last=False)
+            except (_Fail, TransferError) as exc:
+                # Decode never sees this stage's tags: it fails the request on its timeout,
+                # and the leader's abort or deadline frees the pages on every stage.
+                log.warning("stage %d: request %s: %s", self.rank, room, exc)
+                del self._txs[room]
+
+    def stop(self) -> None:
+        """Nothing runs on its own thread."""
+
+    def start(self) -> None:
+        """Nothing runs on its own thread."""
 
 
 class _Fail(Exception):

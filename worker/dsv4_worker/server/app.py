@@ -110,7 +110,10 @@ def build_app(
             except RequestError as exc:
                 return error(400, str(exc), exc.field)
             if not runner.alive:
-                return error(503, "the engine is not running", retry=True)
+                why = runner.failure
+                return error(
+                    503, "the engine is not running" + (f": {why}" if why else ""), retry=True
+                )
             if runner.overloaded():
                 return error(503, "too many requests waiting; retry later", retry=True)
             metrics.prompt_tokens.inc(len(req.prompt_ids))
@@ -159,7 +162,8 @@ def _add_probes(
     async def ready(_: web.Request) -> web.Response:
         if runner.alive:
             return web.Response(text="ready")
-        return web.Response(status=503, text="engine not running")
+        why = runner.failure
+        return web.Response(status=503, text="engine not running" + (f": {why}" if why else ""))
 
     async def status(_: web.Request) -> web.Response:
         accepting = runner.alive and not runner.overloaded()

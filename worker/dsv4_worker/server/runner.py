@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dsv4_worker.engine.loop import Engine, Request
+from dsv4_worker.engine.loop import Engine, EngineFailed, Request
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.mem.usage import PoolUsage
 from dsv4_worker.sched.scheduler import Phase
@@ -98,7 +98,14 @@ class EngineRunner:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        return self._thread.is_alive() and self.error is None and self.engine.failure is None
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine stopped serving, if it did."""
+        if self.engine.failure is not None:
+            return self.engine.failure
+        return repr(self.error) if self.error is not None else None
 
     def snapshot(self) -> Snapshot:
         with self._lock:
@@ -135,6 +142,7 @@ class EngineRunner:
         try:
             while True:
                 if not self._drain(block=not self.engine.has_work):
+                    self.engine.close()
                     return
                 finished = self.engine.take_finished()
                 if self.engine.has_work:
@@ -167,6 +175,9 @@ class EngineRunner:
                 continue
             try:
                 req = self.engine.submit(item.prompt, item.params, prefill=item.prefill)
+            except EngineFailed as exc:  # another instance may serve it
+                _emit(item.loop, item.handle, Done("error", str(exc), retryable=True))
+                continue
             except ValueError as exc:  # refused before it ran: tell the client, keep serving
                 _emit(item.loop, item.handle, Done("error", str(exc)))
                 continue

@@ -8,75 +8,15 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from serve_support import free_port, wait_ready
+from serve_support import WAIT_S, Deployment, free_port, post, serve_argv, wait_until
 
 pytestmark = pytest.mark.slow
-WAIT_S = 60.0
-ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONUNBUFFERED": "1"}
 COMMON = ["--model", "tiny", "--gpu-memory-gib", "0.25", "--page-size", "16"]
-
-
-def _serve(*args: str) -> list[str]:
-    return [sys.executable, "-m", "dsv4_common.cli", "serve", *args]
-
-
-@dataclass
-class Proc:
-    name: str
-    port: int
-    proc: subprocess.Popen[bytes]
-
-    def get(self, path: str) -> tuple[int, str]:
-        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-        c.request("GET", path)
-        r = c.getresponse()
-        return r.status, r.read().decode()
-
-    def used_pages(self) -> int:
-        """Used units of every pool, from /metrics."""
-        _, text = self.get("/metrics")
-        lines = [ln for ln in text.splitlines() if ln.startswith("dsv4_kv_used_pages{")]
-        assert lines, f"{self.name}: no dsv4_kv_used_pages in /metrics"
-        return sum(int(float(ln.rsplit(" ", 1)[1])) for ln in lines)
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-
-@dataclass
-class Deployment:
-    procs: dict[str, Proc] = field(default_factory=dict)
-
-    def start(self, name: str, argv: list[str], port: int) -> Proc:
-        proc = subprocess.Popen(argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        self.procs[name] = Proc(name, port, proc)
-        return self.procs[name]
-
-    def ready(self) -> None:
-        for p in self.procs.values():
-            wait_ready(p.proc, p.port)
-
-    def stop(self) -> None:
-        for p in self.procs.values():
-            if p.proc.poll() is None:
-                p.proc.terminate()
-        for p in self.procs.values():
-            try:
-                p.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.proc.kill()
 
 
 def pd(backend: str, *, timeout_s: float = 60.0, prefill_chunk: int = 256) -> Deployment:
@@ -86,7 +26,7 @@ def pd(backend: str, *, timeout_s: float = 60.0, prefill_chunk: int = 256) -> De
     d.start(
         "prefill",
         [
-            *_serve(
+            *serve_argv(
                 "--role", "prefill", *COMMON, *pd_args, "--port", str(pp), "--kv-port", str(kv)
             ),
             "--chunked-prefill-size",
@@ -97,7 +37,7 @@ def pd(backend: str, *, timeout_s: float = 60.0, prefill_chunk: int = 256) -> De
     d.start(
         "decode",
         [
-            *_serve("--role", "decode", *COMMON, *pd_args, "--port", str(dp)),
+            *serve_argv("--role", "decode", *COMMON, *pd_args, "--port", str(dp)),
             "--prefill",
             f"127.0.0.1:{kv}",
         ],
@@ -106,7 +46,7 @@ def pd(backend: str, *, timeout_s: float = 60.0, prefill_chunk: int = 256) -> De
     d.start(
         "router",
         [
-            *_serve("--role", "router", "--port", str(rp)),
+            *serve_argv("--role", "router", "--port", str(rp)),
             "--instance",
             f"prefill=127.0.0.1:{pp}:{pp}:{kv}",
             "--instance",
@@ -118,28 +58,6 @@ def pd(backend: str, *, timeout_s: float = 60.0, prefill_chunk: int = 256) -> De
     return d
 
 
-def post(port: int, body: dict[str, Any], timeout_s: float = WAIT_S) -> tuple[int, Any]:
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
-    c.request("POST", "/v1/completions", body=json.dumps(body).encode())
-    r = c.getresponse()
-    raw = r.read().decode()
-    if body.get("stream") and r.status == 200:
-        events = [
-            json.loads(ln[6:])
-            for ln in raw.splitlines()
-            if ln.startswith("data: ") and ln != "data: [DONE]"
-        ]
-        return r.status, events
-    return r.status, json.loads(raw)
-
-
-def wait_until(cond: Any, what: str, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def prompt(n: int, salt: int) -> list[int]:
     return [((31 * i + 7 * salt) % 250) + 3 for i in range(n)]
 
@@ -148,7 +66,7 @@ def prompt(n: int, salt: int) -> list[int]:
 def deployment(request: pytest.FixtureRequest) -> Iterator[Deployment]:
     d = pd(request.param)
     colocated_port = free_port()
-    d.start("colocated", _serve(*COMMON, "--port", str(colocated_port)), colocated_port)
+    d.start("colocated", serve_argv(*COMMON, "--port", str(colocated_port)), colocated_port)
     d.ready()
     try:
         yield d

@@ -17,6 +17,7 @@ from dsv4_worker.server.tokenizer import ByteTokenizer
 class StubRunner:
     def __init__(self, *, alive: bool, overloaded: bool) -> None:
         self.alive = alive
+        self.failure = None if alive else "PP stage 1: receive from rank 0 failed"
         self._overloaded = overloaded
         self.submitted = 0
 
@@ -59,5 +60,7 @@ def test_a_dead_engine_is_503_and_not_ready() -> None:
     runner = StubRunner(alive=False, overloaded=False)
     status, body, headers, ready = asyncio.run(_post(runner))
     assert status == 503 and headers["Retry-After"] == "1"
-    assert "engine is not running" in body["error"]["message"]
+    assert body["error"]["message"] == (
+        "the engine is not running: PP stage 1: receive from rank 0 failed"
+    )
     assert ready == 503 and runner.submitted == 0

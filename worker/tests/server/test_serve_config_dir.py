@@ -30,7 +30,7 @@ from dsv4_common.core.units import MIB
 from dsv4_common.plan.inputs import PlanInputs
 from dsv4_common.plan.planner import plan
 from dsv4_worker.model.weights import init_weights
-from dsv4_worker.serve import realized_plan
+from dsv4_worker.pp.group import realized_plan
 
 CLI = [sys.executable, "-m", "dsv4_common.cli", "serve"]
 
@@ -87,9 +87,9 @@ def write(tmp_path: Path, config: RankConfig, name: str = "colocated-rank-0.json
 def test_realized_capacity_follows_the_measured_weights() -> None:
     inputs = inputs_of(colocated_config(1, 2).plan)
     estimate = plan(inputs).ranks[0]
-    same = realized_plan(inputs, estimate.weight_bytes).ranks[0]
+    same = realized_plan(inputs, (estimate.weight_bytes,)).ranks[0]
     assert same.capacity == estimate.capacity
-    heavier = realized_plan(inputs, estimate.weight_bytes + 55 * MIB).ranks[0]  # KV squeezed
+    heavier = realized_plan(inputs, (estimate.weight_bytes + 55 * MIB,)).ranks[0]  # KV squeezed
     assert heavier.full_tokens < estimate.full_tokens
 
 
@@ -106,7 +106,7 @@ def test_the_deployed_form_serves_on_the_config_ports(tmp_path: Path) -> None:
         report = parse_worker_status(json.loads(c.getresponse().read()))
         weights = init_weights(tiny(), seed=0)
         measured = sum(t.numel() * t.element_size() for t in weights.values())
-        realized = realized_plan(inputs_of(config.plan), measured).ranks[0]
+        realized = realized_plan(inputs_of(config.plan), (measured,)).ranks[0]
         assert (report.full_tokens, report.swa_tokens) == (
             realized.full_tokens,
             realized.swa_tokens,

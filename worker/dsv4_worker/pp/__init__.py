@@ -1,0 +1,1 @@
+"""Pipeline parallelism: the stages of one PP group run the same engine in lockstep."""

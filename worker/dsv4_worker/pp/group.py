@@ -1,0 +1,146 @@
+"""Build one stage's engine: the planner's layer slice, that slice's weights and pools, the PP
+link, and the engine of its rank (a plain Engine when the group has one stage).
+
+The split is fixed before any weight is loaded (the rank config's, or the planner's choice
+for the quick form); every stage then measures the weights it holds, the group exchanges the
+figures, and every stage solves the same realized plan: so each stage's pools are exactly its
+rank of a plan all stages agree on, and the leader schedules by the group's smallest pools.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from dsv4_common.plan.inputs import PlanInputs
+from dsv4_common.plan.planner import Plan, RankPlan, plan
+from dsv4_worker.engine.loop import Engine, Hook
+from dsv4_worker.engine.paged import PagedModel, Stage
+from dsv4_worker.mem.alloc_config import AllocatorConfig
+from dsv4_worker.mem.memory import KVMemory
+from dsv4_worker.model.weights import stage_param_names
+from dsv4_worker.pp.link import PipeLink
+from dsv4_worker.pp.stage import FollowerEngine, LeaderEngine
+from dsv4_worker.sched.budget import Capacity
+from dsv4_worker.sched.scheduler import SchedulerConfig
+
+# names -> the stage's weights (a subset of the checkpoint, or of seeded random weights)
+LoadWeights = Callable[[set[str]], Mapping[str, torch.Tensor]]
+
+
+@dataclass(frozen=True, slots=True)
+class PPSpec:
+    """This process's place in its PP group and where the group meets (rank 0's PP port)."""
+
+    rank: int
+    size: int
+    host: str
+    port: int
+    start_timeout_s: float = 300.0
+    timeout_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltStage:
+    engine: Engine
+    memory: KVMemory
+    group: Plan  # the realized plan every stage of the group agrees on
+    rank: RankPlan
+    link: PipeLink | None
+
+
+def realized_plan(
+    inputs: PlanInputs,
+    weight_bytes_per_rank: tuple[int, ...],
+    device_memory_bytes: int | None = None,
+) -> Plan:
+    """The planner over what the group measured: the weights each stage loaded (and the
+    device's memory when it has one), every other input as planned. Pure."""
+    measured = dataclasses.replace(inputs, weight_bytes_per_rank=weight_bytes_per_rank)
+    if device_memory_bytes is not None:
+        measured = dataclasses.replace(measured, gpu_memory_bytes=device_memory_bytes)
+    return plan(measured)
+
+
+def fixed_split(inputs: PlanInputs) -> PlanInputs:
+    """`inputs` with the planner's layer split made explicit (what every stage loads)."""
+    if inputs.layer_split is not None:
+        return inputs
+    split = tuple(r.layers[1] - r.layers[0] for r in plan(inputs).ranks)
+    return dataclasses.replace(inputs, layer_split=split)
+
+
+def group_capacity(group: Plan) -> Capacity:
+    """What the leader may schedule: the smallest stage's pools."""
+    return Capacity(
+        min(r.capacity.full_pages for r in group.ranks),
+        min(r.capacity.swa_pages for r in group.ranks),
+        min(r.capacity.request_slots for r in group.ranks),
+    )
+
+
+def scheduler_config(group: Plan) -> SchedulerConfig:
+    configs = [AllocatorConfig.from_rank_plan(r) for r in group.ranks]
+    first = configs[0]
+    return SchedulerConfig(
+        page_size=first.page_size,
+        chunk_tokens=group.inputs.resolved_chunk_tokens,
+        max_tokens_per_request=min(c.max_tokens_per_request for c in configs),
+        retained_tokens=first.retained_tokens,
+    )
+
+
+def build_stage(
+    inputs: PlanInputs,
+    load_weights: LoadWeights,
+    device: torch.device,
+    pp: PPSpec | None = None,
+    *,
+    device_memory_bytes: int | None = None,
+    on_prealloc: Hook | None = None,
+    on_cancel: Hook | None = None,
+) -> BuiltStage:
+    """Raises PlanError (bad inputs), StageLost (the group did not meet) or what
+    `load_weights` raises."""
+    pp = pp or PPSpec(0, 1, "", 0)
+    if inputs.pp_size != pp.size:
+        raise ValueError(f"plan inputs pp_size={inputs.pp_size}, this group has {pp.size}")
+    inputs = fixed_split(inputs)
+    model = inputs.model
+    layers = plan(inputs).ranks[pp.rank].layers
+    stage = Stage(range(*layers), first=pp.rank == 0, last=pp.rank == pp.size - 1)
+    params = load_weights(
+        stage_param_names(model, stage.layers, first=stage.first, last=stage.last)
+    )
+    weight_bytes = sum(t.numel() * t.element_size() for t in params.values())
+    link = None
+    if pp.size > 1:
+        link = PipeLink(
+            pp.rank,
+            pp.size,
+            pp.host,
+            pp.port,
+            device=device,
+            start_timeout_s=pp.start_timeout_s,
+            timeout_s=pp.timeout_s,
+        )
+        per_rank = tuple(int(b) for b in link.all_gather(weight_bytes))
+    else:
+        per_rank = (weight_bytes,)
+    group = realized_plan(inputs, per_rank, device_memory_bytes)
+    rank = group.ranks[pp.rank]
+    memory = KVMemory.from_rank_plan(rank, device)
+    paged = PagedModel(model, params, memory, stage)
+    config = scheduler_config(group)
+    hooks = {"on_prealloc": on_prealloc, "on_cancel": on_cancel}
+    engine: Engine
+    if link is None:
+        engine = Engine(paged, config, **hooks)
+    elif pp.rank == 0:
+        engine = LeaderEngine(paged, config, link, group_capacity(group), **hooks)
+    else:
+        engine = FollowerEngine(paged, config, link, group_capacity(group), **hooks)
+    return BuiltStage(engine, memory, group, rank, link)

@@ -1,0 +1,91 @@
+"""What the PP leader (rank 0) tells its followers each step, and what the last stage tells
+everyone back. Pure data, pickled over the group's control channel.
+
+Every follower holds a replica of the leader's engine state (the same requests, phases,
+slots and page tables; only the KV bytes differ, each stage holding its own layers). The
+replicas stay equal because every change reaches them in the same order:
+
+    events (submit, abort, ...) the leader applied since the last order, in order
+    the step plan the leader's scheduler chose (followers never plan)
+    the tokens the last stage sampled (broadcast at the end of every step)
+
+`check` carries the leader's pool usage and slot map after the previous step; a follower
+that disagrees has diverged and stops the group rather than corrupt KV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsv4_worker.engine.sampler import SamplingParams
+from dsv4_worker.sched.scheduler import StepPlan
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    rid: int
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    keep_pages: bool = False
+    prefill: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    rid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    rid: int
+
+
+@dataclass(frozen=True, slots=True)
+class CompleteTransfer:
+    rid: int
+    first_token: int
+    generator_state: Any = None  # a torch.Tensor (uint8) or None
+
+
+@dataclass(frozen=True, slots=True)
+class FailTransfer:
+    rid: int
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class Note:
+    """Something a component of the leader (e.g. the PD prefill agent) tells its peers on the
+    followers, delivered in order with the engine's own events."""
+
+    payload: Any
+
+
+Event = Submit | Abort | Release | CompleteTransfer | FailTransfer | Note
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """The leader's state after the previous step: (pool, used units) and rid -> slot."""
+
+    used: tuple[tuple[str, int], ...] = ()
+    slots: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StepOrder:
+    events: tuple[Event, ...] = ()
+    plan: StepPlan = field(default_factory=StepPlan)
+    check: Check = field(default_factory=Check)
+    stop: bool = False  # the leader is shutting down: followers end their loop
+
+
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    """The last stage's tokens, one per sampling request in batch order, and the generator
+    states of seeded requests that finished holding their pages (a PD prefill hands the
+    sampler's state to decode)."""
+
+    tokens: tuple[int, ...] = ()
+    generator_states: tuple[tuple[int, Any], ...] = ()

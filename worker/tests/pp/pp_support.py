@@ -1,0 +1,128 @@
+"""Run a PP group of engines as processes (torch.distributed needs one process per rank):
+rank 0 submits the prompts, runs until idle and reports outputs; every rank reports its
+realized pool bytes and its usage at the end."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dsv4_common.core.presets import load_model_config
+from dsv4_common.plan.inputs import PlanInputs
+from dsv4_worker.engine.sampler import SamplingParams
+from dsv4_worker.model.weights import init_weights, stage_weights
+from dsv4_worker.pp.group import PPSpec, build_stage
+
+HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class GroupRun:
+    model: str = "tiny"
+    pp_size: int = 2
+    prompts: tuple[tuple[int, ...], ...] = ()
+    params: tuple[SamplingParams, ...] = ()
+    gpu_memory_bytes: int = 1 << 30
+    page_size: int | None = None
+    chunk_tokens: int | None = None
+    max_running_requests: int | None = None
+    layer_split: tuple[int, ...] | None = None
+    context_len: int | None = None
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def inputs(self) -> PlanInputs:
+        return PlanInputs(
+            model=load_model_config(self.model),
+            role="colocated",
+            gpu_memory_bytes=self.gpu_memory_bytes,
+            pp_size=self.pp_size,
+            layer_split=self.layer_split,
+            page_size=self.page_size,
+            chunked_prefill_tokens=self.chunk_tokens,
+            max_running_requests=self.max_running_requests,
+            context_len=self.context_len,
+        )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def _stage_main(run: GroupRun, rank: int, port: int, out: Any) -> None:
+    try:
+        inputs = run.inputs()
+        full = init_weights(inputs.model, seed=run.seed)
+        built = build_stage(
+            inputs,
+            lambda names: stage_weights(full, names),
+            torch.device("cpu"),
+            PPSpec(rank, run.pp_size, HOST, port, start_timeout_s=120, timeout_s=60),
+        )
+        engine = built.engine
+        outputs: list[list[int]] = []
+        retractions = 0
+        if rank == 0:
+            reqs = [engine.submit(p, s) for p, s in zip(run.prompts, run.params, strict=True)]
+            while not engine.idle:
+                engine.step()
+            engine.step()  # one more order: followers apply the last tokens and go idle
+            outputs = [list(r.output) for r in reqs]
+            retractions = sum(r.retractions for r in reqs)
+            engine.close()
+        else:
+            while engine.has_work:
+                engine.step()
+            engine.close()
+        assert built.memory.pool is not None
+        out.put(
+            (
+                rank,
+                {
+                    "outputs": outputs,
+                    "pool_bytes": built.memory.pool.nbytes,
+                    "planned_bytes": built.rank.capacity.kv_bytes,
+                    "layers": built.rank.layers,
+                    "used": [(u.pool, u.used) for u in built.memory.usage()],
+                    "failure": engine.failure,
+                    "retractions": retractions,
+                    "layout_layers": built.memory.layout.layer_ids,
+                },
+            )
+        )
+    except BaseException:
+        out.put((rank, {"error": traceback.format_exc()}))
+
+
+def run_group(run: GroupRun, timeout_s: float = 300.0) -> dict[int, dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    procs = [
+        ctx.Process(target=_stage_main, args=(run, r, port, out), daemon=True)
+        for r in range(run.pp_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, dict[str, Any]] = {}
+    try:
+        for _ in procs:
+            rank, result = out.get(timeout=timeout_s)
+            results[rank] = result
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    errors = {r: v["error"] for r, v in results.items() if "error" in v}
+    assert not errors, errors
+    return results

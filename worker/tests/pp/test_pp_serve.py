@@ -1,0 +1,100 @@
+"""PP groups as users run them: `dsv4 serve --pp-size N --pp-rank R` processes on 127.0.0.1.
+The leader serves the API with the oracle's tokens; later stages answer the probes with their
+own realized capacity; and a stage killed mid-request fails the group as a unit: the leader
+turns unready within seconds, the request in flight ends with an error (no hang), new requests
+get 503, and every survivor frees every page."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from serve_support import Deployment, free_port, post, serve_argv, wait_until
+
+from dsv4_common.core.presets import tiny
+from dsv4_worker.model.oracle import oracle_greedy
+from dsv4_worker.model.weights import init_weights
+
+pytestmark = pytest.mark.slow
+COMMON = ["--model", "tiny", "--gpu-memory-gib", "0.25", "--page-size", "16"]
+FAIL_WITHIN_S = 20.0  # the group's PP timeout (5 s) plus slack for a loaded machine
+
+
+def group(pp_size: int) -> Deployment:
+    d = Deployment()
+    addr = f"127.0.0.1:{free_port()}"
+    for rank in range(pp_size):
+        port = free_port()
+        argv = serve_argv(*COMMON, "--port", str(port), "--pp-size", str(pp_size))
+        argv += ["--pp-rank", str(rank), "--pp-addr", addr, "--pp-timeout-s", "5"]
+        d.start(f"rank-{rank}", argv, port)
+    d.ready()
+    return d
+
+
+@pytest.fixture
+def three() -> Iterator[Deployment]:
+    d = group(3)
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def test_a_pp_group_serves_the_oracles_tokens(three: Deployment) -> None:
+    leader = three.procs["rank-0"]
+    weights = init_weights(tiny(), seed=0)
+    for n in (5, 70):
+        ids = [(7 * i + n) % 250 for i in range(n)]
+        status, body = post(leader.port, {"prompt": ids, "max_tokens": 8, "return_token_ids": True})
+        assert status == 200, body
+        assert body["choices"][0]["token_ids"] == oracle_greedy(tiny(), weights, ids, 8)
+    for rank in range(3):
+        code, text = three.procs[f"rank-{rank}"].get("/status")
+        assert code == 200
+        assert json.loads(text)["pp_rank"] == rank
+    # Later stages do not serve the API: their port answers the probes only.
+    code, _ = _post_raw(three.procs["rank-1"].port, {"prompt": "hi"})
+    assert code == 404
+    for p in three.procs.values():
+        wait_until(lambda p=p: p.used_pages() == 0, f"{p.name} to free every page")
+
+
+def test_a_killed_stage_fails_the_group_and_the_survivors_free_everything(
+    three: Deployment,
+) -> None:
+    leader, victim, last = (three.procs[f"rank-{r}"] for r in range(3))
+    result: list[tuple[int, Any]] = []
+    body = {"prompt": [5] * 300, "max_tokens": 3000, "stream": True}
+    client = threading.Thread(target=lambda: result.append(post(leader.port, body)))
+    client.start()
+    wait_until(lambda: all(p.used_pages() > 0 for p in (leader, last)), "the request to run")
+    victim.kill()
+    wait_until(lambda: leader.get("/ready")[0] == 503, "the leader to turn unready", FAIL_WITHIN_S)
+    client.join(FAIL_WITHIN_S)
+    assert not client.is_alive(), "the request in flight hangs"
+    status, events = result[0]
+    assert status == 200  # it had streamed tokens; the stream ends with an error event
+    assert events and "error" in events[-1], events[-1:]
+    for p in (leader, last):
+        wait_until(lambda p=p: p.used_pages() == 0, f"{p.name} to free every page", FAIL_WITHIN_S)
+    wait_until(
+        lambda: last.get("/ready")[0] == 503, "the last stage to turn unready", FAIL_WITHIN_S
+    )
+    code, refused = _post_raw(leader.port, {"prompt": "hi", "max_tokens": 2})
+    assert code == 503 and "PP stage" in refused["error"]["message"]
+
+
+def _post_raw(port: int, body: dict[str, Any]) -> tuple[int, Any]:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request("POST", "/v1/completions", body=json.dumps(body).encode())
+    r = c.getresponse()
+    raw = r.read().decode()
+    try:
+        return r.status, json.loads(raw)
+    except json.JSONDecodeError:
+        return r.status, raw
