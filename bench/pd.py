@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -92,16 +91,10 @@ def serving(args: argparse.Namespace) -> None:
         )
         print(f"{'clients':>8}  {'mode':>13}  {'tokens/s':>9}  {'TTFT ms':>8}  {'TTFT ratio':>10}")
         for clients in args.clients:
-            figures = {}
-            for name, port in (("colocated", colo), ("disaggregated", router)):
-                runs = [
-                    http_bench._round(port, clients, args.requests, args.max_tokens)
-                    for _ in range(args.rounds)
-                ]
-                figures[name] = (
-                    statistics.median(r[0] for r in runs),
-                    statistics.median(r[1] for r in runs),
-                )
+            ports = {"colocated": colo, "disaggregated": router}
+            figures = http_bench.interleaved(
+                ports, clients, args.requests, args.max_tokens, args.rounds
+            )
             base = figures["colocated"][1]
             for name, (tps, ttft) in figures.items():
                 print(f"{clients:>8}  {name:>13}  {tps:>9.1f}  {ttft:>8.1f}  {ttft / base:>10.2f}")

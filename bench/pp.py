@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import statistics
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -170,16 +169,9 @@ def serving_figures(args: argparse.Namespace) -> None:
         )
         print(f"{'clients':>8}  {'PP':>3}  {'tokens/s':>9}  {'TTFT ms':>8}  {'vs PP=1':>8}")
         for clients in args.clients:
-            figures = {}
-            for pp, port in leaders.items():
-                runs = [
-                    http_bench._round(port, clients, args.requests, args.max_tokens)
-                    for _ in range(args.rounds)
-                ]
-                figures[pp] = (
-                    statistics.median(r[0] for r in runs),
-                    statistics.median(r[1] for r in runs),
-                )
+            figures = http_bench.interleaved(
+                leaders, clients, args.requests, args.max_tokens, args.rounds
+            )
             base = figures[1][0]
             for pp, (tps, ttft) in figures.items():
                 print(f"{clients:>8}  {pp:>3}  {tps:>9.1f}  {ttft:>8.1f}  {tps / base:>7.2f}x")

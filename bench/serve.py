@@ -19,7 +19,9 @@ import subprocess
 import sys
 import threading
 import time
+from typing import TypeVar
 
+K = TypeVar("K")
 PROMPT = "The quick brown fox jumps over the lazy dog; DSV4 serves it. " * 1
 
 
@@ -87,6 +89,21 @@ def _round(port: int, clients: int, requests: int, max_tokens: int) -> tuple[flo
         t.join()
     wall = time.perf_counter() - t0
     return tokens[0] / wall, statistics.median(ttfts) * 1e3
+
+
+def interleaved(
+    ports: dict[K, int], clients: int, requests: int, max_tokens: int, rounds: int
+) -> dict[K, tuple[float, float]]:
+    """(median tokens/s, median TTFT ms) per server over `rounds`; each round runs every
+    server once, in turn, so they share the machine's noise."""
+    runs: dict[K, list[tuple[float, float]]] = {k: [] for k in ports}
+    for _ in range(rounds):
+        for key, port in ports.items():
+            runs[key].append(_round(port, clients, requests, max_tokens))
+    return {
+        k: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v))
+        for k, v in runs.items()
+    }
 
 
 def main() -> None:
