@@ -98,3 +98,28 @@ def _post_raw(port: int, body: dict[str, Any]) -> tuple[int, Any]:
         return r.status, json.loads(raw)
     except json.JSONDecodeError:
         return r.status, raw
+
+
+def test_a_killed_leader_fails_the_followers(three: Deployment) -> None:
+    """The leader (the serving rank) dies mid-request: the later stages notice within their
+    PP timeout, free everything and turn unready (the operator restarts the group)."""
+    leader, middle, last = (three.procs[f"rank-{r}"] for r in range(3))
+    client = threading.Thread(
+        target=lambda: _post_raw_or_none(leader.port, {"prompt": [9] * 200, "max_tokens": 3000})
+    )
+    client.start()
+    wait_until(lambda: all(p.used_pages() > 0 for p in (middle, last)), "the request to run")
+    leader.kill()
+    for p in (middle, last):
+        wait_until(
+            lambda p=p: p.get("/ready")[0] == 503, f"{p.name} to turn unready", FAIL_WITHIN_S
+        )
+        wait_until(lambda p=p: p.used_pages() == 0, f"{p.name} to free every page", FAIL_WITHIN_S)
+    client.join(FAIL_WITHIN_S)
+
+
+def _post_raw_or_none(port: int, body: dict[str, Any]) -> tuple[int, Any] | None:
+    try:
+        return _post_raw(port, body)
+    except OSError:  # the server died under the request
+        return None
