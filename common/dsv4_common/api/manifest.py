@@ -151,32 +151,48 @@ def select_layers(manifest: Manifest, layer_ids: tuple[int, ...]) -> Manifest:
     )
 
 
-def group_mismatch(
-    stages: tuple[Manifest, ...], theirs: Manifest, their_name: str = "decode"
-) -> str | None:
-    """PP x PD: the prefill group's stages (one manifest each, in rank order) against the
-    peer's whole manifest. Every stage must match the peer's slice of its layers, and the
-    stages together must compute exactly the peer's layers, each once; the message names the
-    stage and the layers otherwise."""
+def _overlap(stages: tuple[Manifest, ...], side: str) -> str | None:
     seen: dict[int, int] = {}
     for rank, stage in enumerate(stages):
         for layer in stage.layer_ids:
             if layer in seen:
-                return f"PP split: layer {layer} is on prefill stages {seen[layer]} and {rank}"
+                return f"PP split: layer {layer} is on {side} stages {seen[layer]} and {rank}"
             seen[layer] = rank
-    missing = sorted(set(theirs.layer_ids) - set(seen))
-    extra = sorted(set(seen) - set(theirs.layer_ids))
+    return None
+
+
+def group_mismatch(
+    stages: tuple[Manifest, ...], theirs: tuple[Manifest, ...], their_name: str = "decode"
+) -> str | None:
+    """PP x PD: the prefill group's stages against the peer group's stages (one manifest each,
+    in rank order). Each side holds every layer once, both sides hold the same layers, and
+    wherever a prefill stage and a peer stage share layers their slices match; the message
+    names the stages and the layers otherwise."""
+    why = _overlap(stages, "prefill") or _overlap(theirs, their_name)
+    if why is not None:
+        return why
+    mine_ids = {i for s in stages for i in s.layer_ids}
+    their_ids = {i for s in theirs for i in s.layer_ids}
+    missing, extra = sorted(their_ids - mine_ids), sorted(mine_ids - their_ids)
     if missing or extra:
         return (
             f"PP split: {their_name} layers {missing} are computed by no prefill stage, "
             f"prefill layers {extra} are held by no {their_name} stage"
         )
     for rank, stage in enumerate(stages):
-        why = manifest_mismatch(
-            stage, select_layers(theirs, stage.layer_ids), f"prefill stage {rank}", their_name
-        )
-        if why is not None:
-            return why
+        for peer_rank, peer in enumerate(theirs):
+            shared = tuple(i for i in stage.layer_ids if i in set(peer.layer_ids))
+            if not shared:
+                continue
+            peer_name = their_name if len(theirs) == 1 else f"{their_name} stage {peer_rank}"
+            why = manifest_mismatch(
+                select_layers(stage, shared),
+                select_layers(peer, shared),
+                f"prefill stage {rank}",
+                peer_name,
+            )
+            if why is not None:
+                return why
     return None
 
 

@@ -91,14 +91,14 @@ def _stages(split: tuple[int, ...]) -> tuple:  # type: ignore[type-arg]
 @pytest.mark.parametrize("split", [(6,), (3, 3), (1, 5), (2, 2, 2), (1, 1, 1, 1, 1, 1)])
 def test_any_split_covering_decodes_layers_once_is_accepted(split: tuple[int, ...]) -> None:
     decode = manifest_of(_layout())
-    assert group_mismatch(_stages(split), decode) is None
+    assert group_mismatch(_stages(split), (decode,)) is None
     # Each stage's slice of decode's manifest is exactly its own (PP slicing is a filter).
     for stage in _stages(split):
         assert manifest_mismatch(stage, select_layers(decode, stage.layer_ids)) is None
 
 
 def test_a_split_missing_layers_is_refused_naming_them() -> None:
-    why = group_mismatch(_stages((3, 3))[:1], manifest_of(_layout()))
+    why = group_mismatch(_stages((3, 3))[:1], (manifest_of(_layout()),))
     assert why == (
         "PP split: decode layers [3, 4, 5] are computed by no prefill stage, prefill layers [] "
         "are held by no decode stage"
@@ -107,12 +107,36 @@ def test_a_split_missing_layers_is_refused_naming_them() -> None:
 
 def test_overlapping_stages_are_refused_naming_the_layer() -> None:
     a, b = _stages((3, 3))
-    why = group_mismatch((a, a, b), manifest_of(_layout()))
+    why = group_mismatch((a, a, b), (manifest_of(_layout()),))
     assert why == "PP split: layer 0 is on prefill stages 0 and 1"
 
 
 def test_a_stage_of_another_geometry_is_refused_naming_the_stage() -> None:
     full = _layout(page=32)
     other = manifest_of(full.select(full.layer_ids[3:]))
-    why = group_mismatch((_stages((3, 3))[0], other), manifest_of(_layout()))
+    why = group_mismatch((_stages((3, 3))[0], other), (manifest_of(_layout()),))
     assert why is not None and why.startswith("manifest page_size: prefill stage 1 has 32")
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode"), [((3, 3), (3, 3)), ((2, 4), (3, 3)), ((6,), (2, 2, 2)), ((3, 3), (6,))]
+)
+def test_any_two_splits_of_the_same_layers_match(
+    prefill: tuple[int, ...], decode: tuple[int, ...]
+) -> None:
+    assert group_mismatch(_stages(prefill), _stages(decode)) is None
+
+
+def test_a_decode_group_with_overlapping_stages_is_refused() -> None:
+    a, b = _stages((3, 3))
+    assert group_mismatch(_stages((6,)), (a, a, b)) == (
+        "PP split: layer 0 is on decode stages 0 and 1"
+    )
+
+
+def test_a_mismatched_pair_names_both_stages() -> None:
+    full = _layout(page=32)
+    other = manifest_of(full.select(full.layer_ids[3:]))
+    why = group_mismatch(_stages((3, 3)), (_stages((3, 3))[0], other))
+    assert why is not None
+    assert why.startswith("manifest page_size: prefill stage 1 has 16, decode stage 1 has 32")

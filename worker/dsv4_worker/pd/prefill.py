@@ -163,6 +163,8 @@ class PrefillAgent(_StageWriter):
         self.stages = stages or (manifest,)  # every stage's manifest, in rank order
         self.hash = manifest_hash(manifest)
         self._peers: dict[str, _Peer] = {}
+        # (engine step when queued, decode identity, message): sent after the next step
+        self._unsettled: list[tuple[int, bytes, C.Message]] = []
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -211,6 +213,15 @@ class PrefillAgent(_StageWriter):
     def _send(self, identity: bytes, msg: C.Message) -> None:
         self._outbox.put([identity, *C.encode(msg)])
 
+    def _send_settled(self, identity: bytes, msg: C.Message) -> None:
+        """Send once every stage has stopped writing for the request: a PP follower may still
+        be writing the step before it learns of the abort, which reaches it with the next
+        step's order; decode frees the pages when this message arrives."""
+        if len(self.stages) == 1:
+            self._send(identity, msg)
+        else:
+            self._unsettled.append((self.engine.steps, identity, msg))
+
     # -- engine thread ---------------------------------------------------------------------------
 
     def _handle(self, identity: bytes, msg: C.Message) -> None:
@@ -220,7 +231,7 @@ class PrefillAgent(_StageWriter):
             self._prefill(identity, msg)
         elif isinstance(msg, C.Abort):
             self._abort(msg.room)
-            self._send(identity, C.Aborted(msg.room))
+            self._send_settled(identity, C.Aborted(msg.room))
         else:
             log.warning("unexpected %s from a decode worker", type(msg).__name__)
 
@@ -228,7 +239,7 @@ class PrefillAgent(_StageWriter):
         if len(self.stages) == 1:
             why = manifest_mismatch(self.manifest, msg.manifest)
         else:
-            why = group_mismatch(self.stages, msg.manifest)
+            why = group_mismatch(self.stages, (msg.manifest,))
         if why is None and msg.backend != self.initiator.backend:
             why = f"transfer backend: prefill uses {self.initiator.backend}, decode {msg.backend}"
         if why is None:
@@ -294,6 +305,12 @@ class PrefillAgent(_StageWriter):
 
     def after_step(self, finished: list[Request]) -> None:
         """Send what this step computed; finish transfers whose first token is out."""
+        # A step ran since these were queued: every follower has applied the abort (its order)
+        # and finished writing the step before (the step's collective waits for it).
+        steps = self.engine.steps
+        for _, identity, msg in [u for u in self._unsettled if u[0] < steps]:
+            self._send(identity, msg)
+        self._unsettled = [u for u in self._unsettled if u[0] >= steps]
         now = time.monotonic()
         for room, tx in list(self._txs.items()):
             req = tx.req
@@ -329,7 +346,7 @@ class PrefillAgent(_StageWriter):
                 self.engine.abort(req.rid)
                 peer = self._peers.get(tx.peer)
                 if peer is not None:
-                    self._send(peer.identity, C.Failed(room, str(exc)))
+                    self._send_settled(peer.identity, C.Failed(room, str(exc)))
 
 
 class PrefillFollower(_StageWriter):

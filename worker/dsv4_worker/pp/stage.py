@@ -5,7 +5,7 @@ followers replay it. Every stage runs its own layers of every batch.
     follower:  receive StepOrder -> apply events -> check -> execute
     execute:   admission and page tables (every stage, identically), then
                [recv hidden] -> own layers -> [send hidden | logits, sample]
-               -> broadcast Sampled from the last stage -> accept tokens (every stage)
+               -> all-gather Sampled from the last stage (a barrier) -> accept tokens
 
 Admission uses the group's capacity, the minimum over its stages, so an operation the leader
 plans fits every stage; since every stage runs the same allocator operations in the same
@@ -88,7 +88,10 @@ class StageEngine(Engine):
         if stage.last:
             tokens_out = self.sample(out, sample_at) if out is not None else []
             sampled = Sampled(tuple(tokens_out), self._handoff_states(sample_at, tokens_out))
-        sampled = link.broadcast(sampled, src=link.size - 1)
+        # All-gather, not a broadcast: it also makes the end of a step a barrier, so once the
+        # leader's step is over every stage has applied its order and finished the step
+        # before (what the PD prefill leader waits for before saying a request is settled).
+        sampled = link.all_gather(sampled)[-1]
         assert isinstance(sampled, Sampled)
         for rid, state in sampled.generator_states:
             req = self.requests.get(rid)
