@@ -16,7 +16,7 @@ from dsv4_common.api.deployment import MemoryPlan, plan_memory
 from dsv4_common.api.names import API_VERSION, KIND
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec, SpecError, parse_meta, parse_spec
 
-__all__ = ["Deployment", "parse_deployment", "refuse_pipeline_parallel"]
+__all__ = ["Deployment", "parse_deployment"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,21 +45,7 @@ def parse_deployment(text: str, source: str) -> Deployment:
         raise SpecError([f"apiVersion: expected {API_VERSION}, got {body.get('apiVersion')}"])
     spec = parse_spec(body)
     meta = parse_meta(body)
-    refuse_pipeline_parallel(spec)
     memory = plan_memory(spec)
     if not memory.context_fits:
         raise SpecError([f"spec.maxContextTokens: {memory.context_message()}"])
     return Deployment(spec=spec, meta=meta, memory=memory)
-
-
-def refuse_pipeline_parallel(spec: DeploymentSpec) -> None:
-    """The worker runs prefill PP groups of any size and decode groups of one stage (for now):
-    refuse before any process starts, naming the field."""
-    pp = spec.role("decode").pipeline_parallel
-    if pp > 1:
-        raise SpecError(
-            [
-                "spec.decode.pipelineParallel: decode runs one stage per group for now "
-                f"(prefill groups may have several) (got {pp})"
-            ]
-        )

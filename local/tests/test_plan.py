@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from dsv4_common.api.rank_config import RouterConfig, parse_rank_config, parse_router_config
-from dsv4_common.api.spec import SpecError, parse_spec
-from dsv4_local.deployment import Deployment, parse_deployment, refuse_pipeline_parallel
+from dsv4_common.api.spec import SpecError
+from dsv4_local.deployment import Deployment, parse_deployment
 from dsv4_local.plan import LaunchPlan, build_launch_plan
 from dsv4_local.workdir import write_workdir
 
@@ -195,19 +195,6 @@ def test_a_prefill_pp_group_shares_rank_0s_pp_port() -> None:
     assert rank1.ports.pp == rank0.ports.pp  # where the group meets
     others = [p for c in (rank0, rank1) for n, p in c.ports.by_name().items() if n != "pp"]
     assert len(others) == len(set(others)) and rank0.ports.pp not in others
-
-
-def test_decode_pp_above_1_is_refused_naming_the_field() -> None:
-    with pytest.raises(SpecError) as exc:
-        deployment(decode={"pipelineParallel": 2})
-    assert str(exc.value) == (
-        "spec.decode.pipelineParallel: decode runs one stage per group for now "
-        "(prefill groups may have several) (got 2)"
-    )
-
-
-def test_refuse_pipeline_parallel_passes_pp_1() -> None:
-    refuse_pipeline_parallel(parse_spec(body()))
 
 
 @pytest.mark.parametrize(

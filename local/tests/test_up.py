@@ -67,15 +67,6 @@ def test_a_bad_spec_field_is_named(tmp_path: Path, capsys: pytest.CaptureFixture
     assert message.startswith("spec.kv.pageSize: ")
 
 
-def test_decode_pp_above_1_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    doc = yaml.safe_load((SAMPLES / "tiny-cpu.yaml").read_text())
-    doc["spec"]["decode"]["pipelineParallel"] = 2
-    assert up_error(tmp_path, capsys, yaml.safe_dump(doc)) == (
-        "spec.decode.pipelineParallel: decode runs one stage per group for now "
-        "(prefill groups may have several) (got 2)"
-    )
-
-
 def test_a_model_that_cannot_be_planned_is_named(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -35,6 +35,11 @@ def _alive(pid: int) -> bool:
         ("tiny-pd.yaml", ("prefill-0", "decode-0")),
         # prefill PP=2: each stage sends its own layers to the one decode stage
         ("tiny-cpu.yaml", ("prefill-0-rank-0", "prefill-0-rank-1", "decode-0")),
+        # prefill PP=2 and decode PP=2: stage i sends to stage i
+        (
+            "tiny-pp.yaml",
+            ("prefill-0-rank-0", "prefill-0-rank-1", "decode-0-rank-0", "decode-0-rank-1"),
+        ),
     ],
 )
 def test_request_through_a_local_pd_deployment(
@@ -53,7 +58,8 @@ def test_request_through_a_local_pd_deployment(
     for name in (*workers, "router"):
         assert f"{name} ready" in done.stderr
         assert (tmp_path / "logs" / f"{name}.log").exists()
-    assert "KV transfer handshake with prefill" in (tmp_path / "logs" / "decode-0.log").read_text()
+    decode = next(w for w in workers if w.startswith("decode"))  # its serving rank
+    assert "KV transfer handshake with prefill" in (tmp_path / "logs" / f"{decode}.log").read_text()
 
 
 def test_sigterm_stops_every_process(tmp_path: Path) -> None:

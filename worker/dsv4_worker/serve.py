@@ -44,7 +44,8 @@ from dsv4_common.core.presets import load_model_config
 from dsv4_common.core.units import GIB
 from dsv4_common.plan.inputs import PlanError, PlanInputs
 from dsv4_worker.model.weights import WeightsError, init_weights, load_weights, stage_weights
-from dsv4_worker.pd.decode import DecodeAgent
+from dsv4_worker.pd import control as C
+from dsv4_worker.pd.decode import DecodeAgent, DecodeFollower, new_peer_id
 from dsv4_worker.pd.prefill import WRITE_TIMEOUT_S, PrefillAgent, PrefillFollower
 from dsv4_worker.pd.transfer import Region, TransferError, make_initiator, make_target
 from dsv4_worker.pp.group import BuiltStage, PPSpec, build_stage
@@ -69,7 +70,7 @@ class ServeError(Exception):
 class Built:
     runner: EngineRunner
     sites: tuple[tuple[web.Application, str, int], ...]  # (app, host, port)
-    agent: PrefillAgent | DecodeAgent | PrefillFollower | None = None
+    agent: PrefillAgent | DecodeAgent | PrefillFollower | DecodeFollower | None = None
 
 
 def _device(name: str) -> torch.device:
@@ -190,11 +191,6 @@ def build(args: argparse.Namespace) -> Built:
         config = read_rank_config(Path(args.config_dir), args.role, pp_rank)
     pp = _pp_spec(args, config)
     role = args.role
-    if pp is not None and role == "decode":
-        raise ServeError(
-            f"--role decode with {pp.size} PP stages: a decode group runs one stage for now "
-            "(prefill groups may have several; each stage sends its own layers)"
-        )
     backend = _transfer_backend(args, config) if role != "colocated" else None
     source = config.model.source if config else args.model
     try:
@@ -264,7 +260,10 @@ def _pd_agent(
     runner: EngineRunner,
     backend: str | None,
     host: str,
-) -> tuple[PrefillAgent | DecodeAgent | PrefillFollower | None, Callable[[], KVState] | None]:
+) -> tuple[
+    PrefillAgent | DecodeAgent | PrefillFollower | DecodeFollower | None,
+    Callable[[], KVState] | None,
+]:
     """The role's PD agent on `runner`'s engine (none when colocated) and its live /status
     view. In a prefill PP group the leader takes decode's requests and every stage writes its
     own layers."""
@@ -312,6 +311,15 @@ def _pd_agent(
         target.register(regions)
     except (TransferError, zmq.ZMQError) as exc:
         raise ServeError(f"kv transfer ({backend}): {exc}") from exc
+    peer_id = new_peer_id()
+    me = C.StageTarget(peer_id, C.b64(target.descriptor()), manifest)
+    if stage.link is not None and not stage.link.first:
+        # A later decode stage: prefill writes its layers into its target; the engine replica
+        # takes the leader's code paths (no-op hooks); only the leader talks to prefill.
+        assert isinstance(engine, FollowerEngine)
+        engine.on_prealloc = engine.on_cancel = lambda _req: None
+        gathered = stage.link.all_gather((me, None))
+        return DecodeFollower(target, gathered[0][1]), lambda: KVState(True, digest, None)
     default = args.prefill
     if default is None and config is not None:
         default = f"{config.role_services['prefill']}:{config.ports.kv}"
@@ -322,7 +330,13 @@ def _pd_agent(
         manifest,
         default_prefill=default,
         transfer_timeout_s=args.transfer_timeout_s,
+        peer_id=peer_id,
+        landed_bind=f"tcp://{host}:0" if stage.link is not None else None,
     )
+    if stage.link is not None:  # every stage's target, so each prefill stage writes its layers
+        port = (decode.landed_endpoint or "").rsplit(":", 1)[-1]
+        gathered = stage.link.all_gather((me, f"tcp://{advertise}:{port}"))
+        decode.stages = tuple(t for t, _ in gathered)
     return decode, lambda: KVState(decode.kv_status()[0], digest, None)
 
 

@@ -207,6 +207,16 @@ class Engine:
             tokens = self.run_batch(segments, sample_at)
             for (_, req), token in zip(sample_at, tokens, strict=True):
                 self._accept(req, token, finished)
+        # After the batch: in a PP group that is after the step's barrier, so every stage has
+        # preallocated these requests before the prefill side may write into them.
+        for rid in plan.preallocs:
+            announced = self.requests.get(rid)
+            if (
+                self.on_prealloc is not None
+                and announced is not None
+                and announced.phase is Phase.TRANSFER
+            ):
+                self.on_prealloc(announced)
         self.mem.pages.evict_window()
         if plan.retracts:
             self.new_token_ratio = RATIO_MAX
@@ -286,7 +296,7 @@ class Engine:
 
     def _prealloc(self, req: Request) -> None:
         """Open a slot with full pages for the whole prompt and SWA pages for its window tail
-        only, then tell the prefill side where to write (the hook)."""
+        only (`execute` then tells the prefill side where to write: the hook)."""
         assert self.on_prealloc is not None
         slots = self.mem.open(1)
         n = torch.tensor([len(req.prompt)], dtype=torch.int64, device=self.mem.device)
@@ -298,7 +308,6 @@ class Engine:
                 f"the scheduler planned a preallocation the allocator refuses: {exc}"
             ) from exc
         req.slot, req.num_tokens, req.phase = int(slots[0]), len(req.prompt), Phase.TRANSFER
-        self.on_prealloc(req)
 
     def _grow(self, plan: StepPlan) -> tuple[list[Segment], list[tuple[int, Request]]]:
         """Grow the page tables by this step's tokens; the batch's segments and which segment

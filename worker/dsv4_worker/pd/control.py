@@ -27,11 +27,26 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
+class StageTarget:
+    """One stage of a decode PP group: its transfer peer id, descriptor and manifest."""
+
+    peer: str
+    descriptor: str  # base64
+    manifest: Manifest
+
+
+@dataclass(frozen=True, slots=True)
 class Hello:
     peer: str  # the decode worker's transfer peer id
     backend: str
     manifest: Manifest
     descriptor: str  # base64 of the transfer target's descriptor
+    stages: tuple[StageTarget, ...] = ()  # a decode PP group: every stage, this one first
+
+
+def hello_targets(msg: Hello) -> tuple[StageTarget, ...]:
+    """The decode stages a prefill group writes into (one unless decode runs PP)."""
+    return msg.stages or (StageTarget(msg.peer, msg.descriptor, msg.manifest),)
 
 
 @dataclass(frozen=True, slots=True)

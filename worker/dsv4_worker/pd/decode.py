@@ -38,6 +38,7 @@ from dsv4_worker.pd.transfer import TransferTarget
 log = logging.getLogger(__name__)
 
 POLL_MS = 50
+LANDED_POLL_S = 0.001  # a decode follower's wait between target polls when nothing landed
 HANDSHAKE_TIMEOUT_S = 10.0
 
 
@@ -70,6 +71,9 @@ class DecodeAgent:
         *,
         default_prefill: str | None = None,
         transfer_timeout_s: float = 60.0,
+        peer_id: str | None = None,
+        stages: tuple[C.StageTarget, ...] = (),
+        landed_bind: str | None = None,
     ) -> None:
         self.engine = engine
         self.post = post
@@ -77,9 +81,20 @@ class DecodeAgent:
         self.manifest = manifest
         self.default_prefill = default_prefill
         self.transfer_timeout_s = transfer_timeout_s
-        self.peer_id = f"decode-{uuid.uuid4().hex[:12]}"
+        self.peer_id = peer_id or new_peer_id()
+        self.stages = stages  # a PP group: every stage's target, this one first
         self._descriptor = C.b64(target.descriptor())
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        # A PP group's followers report the tags that landed in their own targets here.
+        self._landed_in: zmq.Socket[bytes] | None = None
+        self.landed_endpoint: str | None = None
+        if landed_bind is not None:
+            self._landed_in = self._ctx.socket(zmq.PULL)
+            self._landed_in.setsockopt(zmq.LINGER, 0)
+            self._landed_in.bind(landed_bind)
+            last = self._landed_in.getsockopt(zmq.LAST_ENDPOINT)
+            assert isinstance(last, bytes)
+            self.landed_endpoint = last.decode()
         self._outbox = Outbox(self._ctx, "decode")
         self._prefills: dict[str, _Prefill] = {}
         self._flights: dict[str, _Flight] = {}  # room -> in flight
@@ -102,6 +117,8 @@ class DecodeAgent:
         self._outbox.close()
         for p in self._prefills.values():
             p.sock.close(linger=0)
+        if self._landed_in is not None:
+            self._landed_in.close(linger=0)
         self._ctx.term()
 
     def kv_status(self) -> tuple[bool, str | None]:
@@ -144,11 +161,15 @@ class DecodeAgent:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._outbox.pull, zmq.POLLIN)
+        if self._landed_in is not None:
+            poller.register(self._landed_in, zmq.POLLIN)
         while not self._stop.is_set():
             wait_ms = 1 if any(f.done for f in self._flights.values()) else POLL_MS
             for sock, _ in poller.poll(wait_ms):
                 if sock is self._outbox.pull:
                     self._outgoing(self._outbox.pull.recv_multipart(), poller)
+                elif self._landed_in is not None and sock is self._landed_in:
+                    self._landed.update(t.decode() for t in self._landed_in.recv_multipart())
                 else:
                     self._incoming(sock, sock.recv_multipart())
             self._landed.update(self.target.poll_landed())
@@ -168,7 +189,9 @@ class DecodeAgent:
         poller.register(sock, zmq.POLLIN)
         peer = _Prefill(address, sock)
         self._prefills[address] = peer
-        hello = C.Hello(self.peer_id, self.target.backend, self.manifest, self._descriptor)
+        hello = C.Hello(
+            self.peer_id, self.target.backend, self.manifest, self._descriptor, self.stages
+        )
         sock.send_multipart(C.encode(hello))
         return peer
 
@@ -288,3 +311,39 @@ class DecodeAgent:
         flight = self._flights.pop(room, None)
         if flight is not None:
             self.post(lambda: then(flight.rid))
+
+
+def new_peer_id() -> str:
+    return f"decode-{uuid.uuid4().hex[:12]}"
+
+
+class DecodeFollower:
+    """A later stage of a decode PP group: its target receives the prefill stages' writes of
+    its layers; it reports the tags that landed to the leader, which completes a request only
+    when every stage's tags landed (the engine replica follows the leader's orders)."""
+
+    def __init__(self, target: TransferTarget, leader_landed: str) -> None:
+        self.target = target
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.connect(leader_landed)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dsv4-pd-landed", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._push.close(linger=0)
+        self._ctx.term()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            tags = self.target.poll_landed()
+            if tags:
+                self._push.send_multipart([t.encode() for t in tags])
+            else:
+                self._stop.wait(LANDED_POLL_S)

@@ -60,11 +60,11 @@ class _Peer:
 
 @dataclass(frozen=True, slots=True)
 class ConnectNote:
-    """Leader -> followers: a decode peer passed the handshake; connect to it."""
+    """Leader -> followers: a decode worker (group) passed the handshake; connect to the
+    stages of it that share layers with yours."""
 
     peer: str
-    descriptor: bytes
-    manifest: Manifest
+    targets: tuple[C.StageTarget, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +105,22 @@ class _StageWriter:
         self.manifest = manifest
         self.rank = rank
         self.write_timeout_s = write_timeout_s
-        self._peer_manifests: dict[str, Manifest] = {}
+        self._peer_manifests: dict[str, Manifest] = {}  # decode stage peer -> its manifest
+        # decode worker (group) -> (decode stage, its peer) this stage writes to
+        self._routes: dict[str, list[tuple[int, str]]] = {}
         self._txs: dict[str, _Tx] = {}  # room -> transfer
+
+    def _connect(self, peer: str, targets: tuple[C.StageTarget, ...]) -> None:
+        """Connect to every decode stage that holds some of this stage's layers."""
+        mine = set(self.manifest.layer_ids)
+        routes = []
+        for d, t in enumerate(targets):
+            if mine.isdisjoint(t.manifest.layer_ids):
+                continue
+            self.initiator.connect(t.peer, C.unb64(t.descriptor))
+            self._peer_manifests[t.peer] = t.manifest
+            routes.append((d, t.peer))
+        self._routes[peer] = routes
 
     def _send_step(self, tx: _Tx, *, last: bool) -> None:
         req, msg, m = tx.req, tx.msg, self.manifest
@@ -130,18 +144,19 @@ class _StageWriter:
         }
         if any(src < 1 for src, _ in pairs[IndexSpace.SWA_PAGE]):
             raise _Fail("internal: a window-tail column has no SWA page on the prefill side")
-        theirs = self._peer_manifests[tx.peer]
-        blocks = transfer_blocks(m, theirs, _local_units(self.engine), theirs.units, pairs)
-        self.initiator.write(
-            tx.peer, blocks, write_tag(tx.room, self.rank, tx.writes), self.write_timeout_s
-        )
+        for d, target in self._routes[tx.peer]:
+            theirs = self._peer_manifests[target]
+            blocks = transfer_blocks(m, theirs, _local_units(self.engine), theirs.units, pairs)
+            tag = write_tag(tx.room, self.rank, d, tx.writes)
+            self.initiator.write(target, blocks, tag, self.write_timeout_s)
         tx.writes += 1
         tx.sent_cols = step.full_cols.stop
 
 
-def write_tag(room: str, stage: int, k: int) -> str:
-    """The tag of write `k` of a request from prefill stage `stage`."""
-    return f"{room}:{stage}:{k}"
+def write_tag(room: str, stage: int, decode_stage: int, k: int) -> str:
+    """The tag of write `k` of a request from prefill stage `stage` to decode stage
+    `decode_stage`."""
+    return f"{room}:{stage}:{decode_stage}:{k}"
 
 
 class PrefillAgent(_StageWriter):
@@ -163,6 +178,7 @@ class PrefillAgent(_StageWriter):
         self.stages = stages or (manifest,)  # every stage's manifest, in rank order
         self.hash = manifest_hash(manifest)
         self._peers: dict[str, _Peer] = {}
+        self._pairs: dict[str, list[tuple[int, int]]] = {}  # decode peer -> (stage, its stage)
         # (engine step when queued, decode identity, message): sent after the next step
         self._unsettled: list[tuple[int, bytes, C.Message]] = []
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -236,15 +252,16 @@ class PrefillAgent(_StageWriter):
             log.warning("unexpected %s from a decode worker", type(msg).__name__)
 
     def _hello(self, identity: bytes, msg: C.Hello) -> None:
-        if len(self.stages) == 1:
+        targets = C.hello_targets(msg)
+        if len(self.stages) == 1 and len(targets) == 1:
             why = manifest_mismatch(self.manifest, msg.manifest)
         else:
-            why = group_mismatch(self.stages, (msg.manifest,))
+            why = group_mismatch(self.stages, tuple(t.manifest for t in targets))
         if why is None and msg.backend != self.initiator.backend:
             why = f"transfer backend: prefill uses {self.initiator.backend}, decode {msg.backend}"
         if why is None:
             try:
-                self.initiator.connect(msg.peer, C.unb64(msg.descriptor))
+                self._connect(msg.peer, targets)
             except TransferError as exc:
                 why = f"transfer connect: {exc}"
         if why is not None:
@@ -252,8 +269,14 @@ class PrefillAgent(_StageWriter):
             self._send(identity, C.Welcome(False, why))
             return
         self._peers[msg.peer] = _Peer(identity, msg.manifest)
-        self._peer_manifests[msg.peer] = msg.manifest
-        self.engine.note(ConnectNote(msg.peer, C.unb64(msg.descriptor), msg.manifest))
+        # Every (prefill stage, decode stage) pair that shares layers writes each step.
+        self._pairs[msg.peer] = [
+            (s, d)
+            for s, stage in enumerate(self.stages)
+            for d, t in enumerate(targets)
+            if not set(stage.layer_ids).isdisjoint(t.manifest.layer_ids)
+        ]
+        self.engine.note(ConnectNote(msg.peer, targets))
         self.ready = True
         log.info("decode worker %s connected (manifest %s)", msg.peer, self.hash)
         self._send(identity, C.Welcome(True, manifest_hash=self.hash))
@@ -323,9 +346,9 @@ class PrefillAgent(_StageWriter):
                     self._send_step(tx, last=True)
                     state = req.generator.get_state() if req.generator is not None else None
                     tags = tuple(
-                        write_tag(room, stage, k)
+                        write_tag(room, stage, d, k)
                         for k in range(tx.writes)
-                        for stage in range(len(self.stages))
+                        for stage, d in self._pairs[tx.peer]
                     )
                     self._send(
                         self._peers[tx.peer].identity,
@@ -371,12 +394,11 @@ class PrefillFollower(_StageWriter):
         """Engine thread, in order with the leader's engine events."""
         if isinstance(note, ConnectNote):
             try:
-                self.initiator.connect(note.peer, note.descriptor)
+                self._connect(note.peer, note.targets)
             except TransferError as exc:
                 log.error("stage %d: cannot connect to decode %s: %s", self.rank, note.peer, exc)
                 self._failed.add(note.peer)
                 return
-            self._peer_manifests[note.peer] = note.manifest
             self._failed.discard(note.peer)
             self.ready = True
         elif isinstance(note, TransferNote):
