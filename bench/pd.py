@@ -31,11 +31,8 @@ from dsv4_worker.sched.budget import Capacity
 from dsv4_worker.sched.scheduler import Phase, ReqView, SchedulerConfig, plan_step
 
 ENV = {**os.environ, "UCX_NET_DEVICES": "lo"}
-COMMON = ["--model", "tiny", "--gpu-memory-gib", "0.25"]
-
-
-def _serve(*args: str) -> list[str]:
-    return [sys.executable, "-m", "dsv4_common.cli", "serve", *args]
+COMMON = http_bench.TINY
+serve = http_bench.serve_argv
 
 
 def _start(argv: list[str], port: int, procs: list[subprocess.Popen[bytes]]) -> None:
@@ -49,19 +46,17 @@ def _pd(device: str, transfer: str, procs: list[subprocess.Popen[bytes]]) -> int
     pp, kv, dp, rp = free(), free(), free(), free()
     dev = ["--device", device, "--transfer", transfer]
     _start(
-        _serve("--role", "prefill", *COMMON, *dev, "--port", str(pp), "--kv-port", str(kv)),
+        serve("--role", "prefill", *COMMON, *dev, "--port", str(pp), "--kv-port", str(kv)),
         pp,
         procs,
     )
     _start(
-        _serve(
-            "--role", "decode", *COMMON, *dev, "--port", str(dp), "--prefill", f"127.0.0.1:{kv}"
-        ),
+        serve("--role", "decode", *COMMON, *dev, "--port", str(dp), "--prefill", f"127.0.0.1:{kv}"),
         dp,
         procs,
     )
     _start(
-        _serve(
+        serve(
             "--role",
             "router",
             "--port",
@@ -81,7 +76,11 @@ def serving(args: argparse.Namespace) -> None:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         colo = http_bench._free_port()
-        _start(_serve(*COMMON, "--device", args.device, "--port", str(colo)), colo, procs)
+        _start(
+            serve(*COMMON, "--device", args.device, "--port", str(colo)),
+            colo,
+            procs,
+        )
         router = _pd(args.device, args.transfer, procs)
         for port in (colo, router):
             http_bench._round(port, 1, 1, 4)  # warm-up

@@ -131,11 +131,7 @@ def plan_figures(pps: Sequence[int]) -> None:
 
 
 ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "GLOO_SOCKET_IFNAME": "lo"}
-COMMON = ["--model", "tiny", "--gpu-memory-gib", "0.25"]
-
-
-def _serve(*args: str) -> list[str]:
-    return [sys.executable, "-m", "dsv4_common.cli", "serve", *args]
+COMMON = http_bench.TINY
 
 
 def _group(pp_size: int, device: str, procs: list[subprocess.Popen[bytes]]) -> int:
@@ -145,7 +141,7 @@ def _group(pp_size: int, device: str, procs: list[subprocess.Popen[bytes]]) -> i
     ports = [http_bench._free_port() for _ in range(pp_size)]
     started = []
     for rank, port in enumerate(ports):
-        argv = _serve(*COMMON, "--device", device, "--port", str(port))
+        argv = http_bench.serve_argv(*COMMON, "--device", device, "--port", str(port))
         if pp_size > 1:
             argv += ["--pp-size", str(pp_size), "--pp-rank", str(rank), "--pp-addr", addr]
         proc = subprocess.Popen(argv, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -25,6 +25,14 @@ K = TypeVar("K")
 PROMPT = "The quick brown fox jumps over the lazy dog; DSV4 serves it. " * 1
 
 
+TINY = ["--model", "tiny", "--gpu-memory-gib", "0.25"]  # the small worker the tables compare
+
+
+def serve_argv(*args: str) -> list[str]:
+    """`dsv4 serve ARGS` as a subprocess argv."""
+    return [sys.executable, "-m", "dsv4_common.cli", "serve", *args]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -115,7 +123,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="*", default=[1, 32])
     args = parser.parse_args()
     port = _free_port()
-    cmd = [sys.executable, "-m", "dsv4_common.cli", "serve", "--model", "tiny"]
+    cmd = serve_argv("--model", "tiny")
     cmd += ["--port", str(port), "--device", args.device, "--gpu-memory-gib", "0.25"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -277,12 +277,12 @@ def _pd_agent(
     regions = [Region(c.name, pool.buffer(c.name)) for c in memory.layout.components]
     advertise = _advertise_host(host)
     timeout_s = min(args.transfer_timeout_s, WRITE_TIMEOUT_S)
-    stages: tuple[Manifest, ...] = (manifest,)
-    if stage.link is not None:  # every stage's manifest, for the leader's handshake check
-        docs = stage.link.all_gather(manifest_to_dict(manifest))
-        stages = tuple(parse_manifest(d) for d in docs)
     try:
         if args.role == "prefill":
+            stages: tuple[Manifest, ...] = (manifest,)
+            if stage.link is not None:  # every stage's manifest, for the handshake check
+                docs = stage.link.all_gather(manifest_to_dict(manifest))
+                stages = tuple(parse_manifest(d) for d in docs)
             initiator = make_initiator(backend, name=f"prefill-{os.getpid()}")
             initiator.register(regions)
             if stage.link is not None and not stage.link.first:

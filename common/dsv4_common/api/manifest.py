@@ -151,6 +151,12 @@ def select_layers(manifest: Manifest, layer_ids: tuple[int, ...]) -> Manifest:
     )
 
 
+def shared_layers(a: Manifest, b: Manifest) -> tuple[int, ...]:
+    """The layer ids both manifests hold, in `a`'s order (PP: what one stage sends another)."""
+    theirs = set(b.layer_ids)
+    return tuple(i for i in a.layer_ids if i in theirs)
+
+
 def _overlap(stages: tuple[Manifest, ...], side: str) -> str | None:
     seen: dict[int, int] = {}
     for rank, stage in enumerate(stages):
@@ -181,7 +187,7 @@ def group_mismatch(
         )
     for rank, stage in enumerate(stages):
         for peer_rank, peer in enumerate(theirs):
-            shared = tuple(i for i in stage.layer_ids if i in set(peer.layer_ids))
+            shared = shared_layers(stage, peer)
             if not shared:
                 continue
             peer_name = their_name if len(theirs) == 1 else f"{their_name} stage {peer_rank}"
@@ -208,4 +214,5 @@ __all__ = [
     "manifest_to_dict",
     "parse_manifest",
     "select_layers",
+    "shared_layers",
 ]

@@ -67,6 +67,16 @@ class Request:
 Hook = Callable[["Request"], None]
 
 
+def ends_with(req: Request, token: int) -> FinishReason | None:
+    """Why `token`, sampled next, ends `req` (a stop id, or its last allowed token), if it
+    does."""
+    if token in req.params.stop_token_ids:
+        return "stop"
+    if len(req.output) + 1 >= req.params.max_new_tokens:
+        return "length"
+    return None
+
+
 class EngineFailed(RuntimeError):
     """The engine cannot serve any more (e.g. its PP group lost a stage)."""
 
@@ -349,14 +359,11 @@ class Engine:
         return segments, sample_at
 
     def _accept(self, req: Request, token: int, finished: list[Request]) -> None:
+        reason = ends_with(req, token)
         req.output.append(token)
-        if token in req.params.stop_token_ids:
-            self._finish(req, "stop")
-        elif len(req.output) >= req.params.max_new_tokens:
-            self._finish(req, "length")
-        else:
-            return
-        finished.append(req)
+        if reason is not None:
+            self._finish(req, reason)
+            finished.append(req)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         if req.keep_pages and reason in ("stop", "length"):

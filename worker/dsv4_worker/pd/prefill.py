@@ -34,7 +34,13 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from dsv4_common.api.manifest import Manifest, group_mismatch, manifest_hash, manifest_mismatch
+from dsv4_common.api.manifest import (
+    Manifest,
+    group_mismatch,
+    manifest_hash,
+    manifest_mismatch,
+    shared_layers,
+)
 from dsv4_common.core.index_space import pages_for_tokens
 from dsv4_common.core.layout import IndexSpace
 from dsv4_worker.engine.loop import Engine, Request
@@ -112,10 +118,9 @@ class _StageWriter:
 
     def _connect(self, peer: str, targets: tuple[C.StageTarget, ...]) -> None:
         """Connect to every decode stage that holds some of this stage's layers."""
-        mine = set(self.manifest.layer_ids)
         routes = []
         for d, t in enumerate(targets):
-            if mine.isdisjoint(t.manifest.layer_ids):
+            if not shared_layers(self.manifest, t.manifest):
                 continue
             self.initiator.connect(t.peer, C.unb64(t.descriptor))
             self._peer_manifests[t.peer] = t.manifest
@@ -274,7 +279,7 @@ class PrefillAgent(_StageWriter):
             (s, d)
             for s, stage in enumerate(self.stages)
             for d, t in enumerate(targets)
-            if not set(stage.layer_ids).isdisjoint(t.manifest.layer_ids)
+            if shared_layers(stage, t.manifest)
         ]
         self.engine.note(ConnectNote(msg.peer, targets))
         self.ready = True

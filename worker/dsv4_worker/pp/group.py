@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4_common.plan.inputs import PlanInputs
-from dsv4_common.plan.planner import Plan, RankPlan, plan
+from dsv4_common.plan.planner import Plan, RankPlan, plan, split_layers
 from dsv4_worker.engine.loop import Engine, Hook
 from dsv4_worker.engine.paged import PagedModel, Stage
 from dsv4_worker.mem.alloc_config import AllocatorConfig
@@ -69,8 +69,7 @@ def fixed_split(inputs: PlanInputs) -> PlanInputs:
     """`inputs` with the planner's layer split made explicit (what every stage loads)."""
     if inputs.layer_split is not None:
         return inputs
-    split = tuple(r.layers[1] - r.layers[0] for r in plan(inputs).ranks)
-    return dataclasses.replace(inputs, layer_split=split)
+    return dataclasses.replace(inputs, layer_split=plan(inputs).split.layers_per_rank)
 
 
 def group_capacity(group: Plan) -> Capacity:
@@ -110,8 +109,8 @@ def build_stage(
         raise ValueError(f"plan inputs pp_size={inputs.pp_size}, this group has {pp.size}")
     inputs = fixed_split(inputs)
     model = inputs.model
-    layers = plan(inputs).ranks[pp.rank].layers
-    stage = Stage(range(*layers), first=pp.rank == 0, last=pp.rank == pp.size - 1)
+    layers = split_layers(model.num_hidden_layers, pp.size, inputs.layer_split)[pp.rank]
+    stage = Stage(layers, first=pp.rank == 0, last=pp.rank == pp.size - 1)
     params = load_weights(
         stage_param_names(model, stage.layers, first=stage.first, last=stage.last)
     )

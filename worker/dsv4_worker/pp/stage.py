@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from dsv4_worker.engine.loop import Engine, Hook, Request
+from dsv4_worker.engine.loop import Engine, Hook, Request, ends_with
 from dsv4_worker.engine.paged import PagedModel, Segment
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.pp.link import PipeLink, StageLost
@@ -106,12 +106,7 @@ class StageEngine(Engine):
         pages (the PD prefill sends the state to decode from the leader)."""
         out = []
         for (_, req), token in zip(sample_at, tokens, strict=True):
-            if req.generator is None or not req.keep_pages:
-                continue
-            ends = token in req.params.stop_token_ids or (
-                len(req.output) + 1 >= req.params.max_new_tokens
-            )
-            if ends:
+            if req.generator is not None and req.keep_pages and ends_with(req, token):
                 out.append((req.rid, req.generator.get_state()))
         return tuple(out)
 
@@ -119,9 +114,6 @@ class StageEngine(Engine):
         used = tuple((u.pool, u.used) for u in self.mem.usage())
         slots = tuple((r.rid, r.slot) for r in self.requests.values() if r.slot is not None)
         return Check(used, slots)
-
-    def _fail(self, exc: StageLost) -> list[Request]:
-        return self.fail_all(str(exc))
 
 
 class LeaderEngine(StageEngine):
@@ -150,7 +142,7 @@ class LeaderEngine(StageEngine):
             self.link.broadcast(order, src=0)
             return self.execute(plan)
         except StageLost as exc:
-            return self._fail(exc)
+            return self.fail_all(str(exc))
 
     def close(self) -> None:
         if self.failure is None:
@@ -232,7 +224,7 @@ class FollowerEngine(StageEngine):
             self._verify(order.check)
             return self.execute(order.plan)
         except StageLost as exc:
-            return self._fail(exc)
+            return self.fail_all(str(exc))
 
     def close(self) -> None:
         if self.stopped:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from serve_support import free_port
 
 from dsv4_common.core.presets import load_model_config
 from dsv4_common.plan.inputs import PlanInputs
@@ -49,12 +49,6 @@ class GroupRun:
             max_running_requests=self.max_running_requests,
             context_len=self.context_len,
         )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def _stage_main(run: GroupRun, rank: int, port: int, out: Any) -> None:

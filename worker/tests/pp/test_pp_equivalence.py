@@ -14,7 +14,7 @@ from pp_support import GroupRun, run_group
 
 from dsv4_common.core.units import MIB
 from dsv4_common.plan.inputs import PlanError
-from dsv4_common.plan.planner import Plan, plan
+from dsv4_common.plan.planner import Plan, split_layers
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.model.weights import init_weights, stage_param_names
 from dsv4_worker.pp.group import fixed_split, realized_plan
@@ -67,14 +67,13 @@ def _measured_plan(run: GroupRun) -> Plan:
     inputs = fixed_split(run.inputs())
     weights = init_weights(inputs.model, seed=run.seed)
     last = inputs.pp_size - 1
+    ranges = split_layers(inputs.model.num_hidden_layers, inputs.pp_size, inputs.layer_split)
     per_rank = tuple(
         sum(
             weights[n].numel() * weights[n].element_size()
-            for n in stage_param_names(
-                inputs.model, range(*r.layers), first=r.pp_rank == 0, last=r.pp_rank == last
-            )
+            for n in stage_param_names(inputs.model, layers, first=r == 0, last=r == last)
         )
-        for r in plan(inputs).ranks
+        for r, layers in enumerate(ranges)
     )
     return realized_plan(inputs, per_rank)
 
