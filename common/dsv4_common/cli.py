@@ -185,6 +185,12 @@ def _add_render_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     p.add_argument("file", help="YAML file holding one or more DSV4Deployment documents")
     p.add_argument("--namespace", "-n", default=None, help="namespace when the file has none")
+    p.add_argument(
+        "--model-config",
+        default=None,
+        metavar="FILE",
+        help="the config.json that spec.model.configMapRef names (render reads no cluster)",
+    )
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -341,7 +347,11 @@ def _run_render(args: argparse.Namespace) -> int:
     from dsv4_common.api.spec import SpecError
 
     try:
-        text = render_file(Path(args.file), namespace=args.namespace)
+        model_config = Path(args.model_config).read_text() if args.model_config else None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise _Usage(f"--model-config {args.model_config}: {exc}") from exc
+    try:
+        text = render_file(Path(args.file), namespace=args.namespace, model_config=model_config)
     except (SpecError, MemoryPlanError, yaml.YAMLError) as exc:
         raise _Usage(str(exc)) from exc
     except OSError as exc:

@@ -76,6 +76,15 @@ def test_a_model_that_cannot_be_planned_is_named(
     assert up_error(tmp_path, capsys, yaml.safe_dump(body)).startswith("spec.model.configPath: ")
 
 
+def test_a_config_map_model_is_refused_pointing_at_config_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No cluster to read `spec.model.configMapRef` from: a local run names configPath."""
+    body = cr(model={"configMapRef": {"name": "m"}}, gpu={"type": "h100-80gb", "perPod": 1})
+    message = up_error(tmp_path, capsys, yaml.safe_dump(body))
+    assert message.startswith("spec.model.configMapRef: ") and "model.configPath" in message
+
+
 def test_a_context_that_does_not_fit_is_named(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

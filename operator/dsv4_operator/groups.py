@@ -1,24 +1,25 @@
-"""PP-group semantics, decided purely from observed pods: which groups are ready, which must be
-restarted as a unit, which may roll to a new template now.
+"""PP groups as observed, and what to do about them, decided purely: which groups are ready,
+which are broken and restart as a unit (with backoff and a budget: `restarts.py`), which roll to
+a new template and how many surge groups the roll runs (`rollout.py`).
 
-  restart  a pod of the group failed (phase Failed), restarted (restartCount > 0), or was
-           replaced while its peers kept running (a live pod created after a peer's container
-           had started; the StatefulSet recreating a deleted pod looks like this). The group's
-           pipeline is broken either way, so every pod is deleted and the group re-forms.
-  roll     the group's pods carry an old template hash (OnDelete StatefulSets never replace
-           pods themselves). An unready group rolls at once; a ready one only when every other
-           group of its role is ready, so a role loses at most one group (the PDB's budget).
+A group is one StatefulSet whose pods are its PP ranks. A role's groups are its `replicas`
+regular groups (indices 0..replicas-1) plus, while it rolls, surge groups at the indices after
+them. Acting on a group means deleting all its pods: its StatefulSet (OnDelete) recreates them
+at its current template, so a group never runs mixed template versions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Literal
 
 from dsv4_common.api.spec import DeploymentSpec
 from dsv4_operator import labels as L
 from dsv4_operator.observe import PodState
+from dsv4_operator.restarts import RestartRecord, plan_restarts
+from dsv4_operator.rollout import plan_rollout
 
 Reason = Literal["PodFailed", "PodRestarted", "PodReplaced", "Outdated"]
 
@@ -27,10 +28,11 @@ Reason = Literal["PodFailed", "PodRestarted", "PodReplaced", "Outdated"]
 class GroupState:
     name: str
     role: L.WorkerRole
-    replica: int
+    replica: int  # the group's index; >= the role's replicas for a surge group
     pp_size: int
     desired_hash: str
     pods: tuple[PodState, ...]  # live pods (not terminating)
+    surge: bool = False
 
     @property
     def ready(self) -> bool:
@@ -40,6 +42,11 @@ class GroupState:
     @property
     def outdated(self) -> bool:
         return any(p.template_hash != self.desired_hash for p in self.pods)
+
+    @property
+    def settled(self) -> bool:
+        """Ready at the current template: what a roll waits for."""
+        return self.ready and not self.outdated
 
     def broken(self) -> tuple[Reason, str] | None:
         for p in self.pods:
@@ -73,16 +80,29 @@ class GroupAction:
         return self.reason != "Outdated"
 
 
+@dataclass(frozen=True, slots=True)
+class GroupPlan:
+    actions: tuple[GroupAction, ...]
+    surge: Mapping[L.WorkerRole, int]  # surge groups each role keeps (indices after replicas)
+    records: tuple[RestartRecord, ...]  # the restart memory to keep in status
+    failed: tuple[str, ...]  # groups whose restart budget ran out in this reconcile
+    waiting: Mapping[str, float]  # broken groups backing off -> seconds until their restart
+
+
 def group_states(
     spec: DeploymentSpec,
     name: str,
     template_hashes: Mapping[str, str],
     pods: Iterable[PodState],
+    surge: Mapping[L.WorkerRole, int] | None = None,
 ) -> list[GroupState]:
+    """The regular groups of each role, then its `surge[role]` surge groups.
+    `template_hashes` must hold every one of them."""
     live = [p for p in pods if not p.deleting]
     out: list[GroupState] = []
     for role in L.WORKER_ROLES:
-        for replica in range(spec.role(role).replicas):
+        replicas = spec.role(role).replicas
+        for replica in range(replicas + (surge or {}).get(role, 0)):
             group = L.group_name(name, role, replica)
             out.append(
                 GroupState(
@@ -92,26 +112,44 @@ def group_states(
                     pp_size=spec.role(role).pipeline_parallel,
                     desired_hash=template_hashes[group],
                     pods=tuple(sorted((p for p in live if p.group == group), key=lambda p: p.name)),
+                    surge=replica >= replicas,
                 )
             )
     return out
 
 
-def plan_group_actions(groups: list[GroupState]) -> list[GroupAction]:
-    actions: list[GroupAction] = []
-    for g in groups:
-        if (why := g.broken()) is not None:
-            actions.append(GroupAction(g.name, g.role, why[0], why[1]))
-    acted = {a.group for a in actions}
-    for role in L.WORKER_ROLES:
-        mine = [g for g in groups if g.role == role]
-        for g in mine:
-            if g.name not in acted and g.outdated and not g.ready:
-                actions.append(GroupAction(g.name, role, "Outdated", f"{g.name} rolls (unready)"))
-                acted.add(g.name)
-        if all(g.ready and g.name not in acted for g in mine):
-            ready_outdated = [g for g in mine if g.outdated]
-            if ready_outdated:
-                g = ready_outdated[0]
-                actions.append(GroupAction(g.name, role, "Outdated", f"{g.name} rolls"))
-    return actions
+def plan_groups(
+    spec: DeploymentSpec,
+    groups: Sequence[GroupState],
+    previous: Sequence[RestartRecord],
+    now: datetime,
+) -> GroupPlan:
+    """Restarts first (a broken group is not serving; its backoff and budget apply), then the
+    roll of outdated groups around them. A broken outdated group rolls instead of restarting."""
+    broken = {g.name: why for g in groups if (why := g.broken()) is not None}
+    rolling_broken = {g.name for g in groups if g.name in broken and g.outdated}
+    restarts = plan_restarts(
+        [g for g in groups if g.name in broken and g.name not in rolling_broken],
+        groups,
+        previous,
+        spec.group_restarts,
+        now,
+    )
+    actions = [
+        GroupAction(g, _role_of(groups, g), broken[g][0], broken[g][1]) for g in restarts.restart
+    ]
+    down = set(broken)  # restarted, backing off or failed: none of them serves
+    roll = plan_rollout(spec, groups, down)
+    for group, message in roll.delete:
+        actions.append(GroupAction(group, _role_of(groups, group), "Outdated", message))
+    return GroupPlan(
+        actions=tuple(actions),
+        surge=roll.surge,
+        records=restarts.records,
+        failed=restarts.newly_failed,
+        waiting=restarts.waiting,
+    )
+
+
+def _role_of(groups: Sequence[GroupState], name: str) -> L.WorkerRole:
+    return next(g.role for g in groups if g.name == name)

@@ -7,7 +7,11 @@ forget a DSV4Deployment's capacity series when its DELETED event arrives.
 
 Events of the worker pods (one failed, restarted, became ready) and of the router Deployment
 (its readiness gates Ready) trigger a reconcile of the owning DSV4Deployment at once instead of
-at the next timer tick, coalesced by the gate (`gate.py`).
+at the next timer tick, coalesced by the gate (`gate.py`). So do events of a ConfigMap that a
+DSV4Deployment's `spec.model.configMapRef` names (found through a kopf index).
+
+The validating admission webhook (`validate_deployment`) refuses at apply time what the
+reconcile would reject (`admission.py`); it is served only when `settings` configures a server.
 """
 
 from __future__ import annotations
@@ -17,20 +21,27 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Final, cast
 
 import kopf
 
+from dsv4_operator import admission
 from dsv4_operator import labels as L
 from dsv4_operator.config import OperatorConfig
 from dsv4_operator.gate import ReconcileGate, deployment_key
 from dsv4_operator.kube import Kube, KubeError
 from dsv4_operator.metrics import OperatorMetrics
+from dsv4_operator.modelsource import config_map_index
 from dsv4_operator.observe import WorkerProbe
-from dsv4_operator.reconcile import ReconcileResult, reconcile
+from dsv4_operator.reconcile import ReconcileResult, reconcile, utc_clock
 
 RECONCILE_INTERVAL_S: Final = 15.0  # level-based safety net: pod failures, worker reports
 RETRY_DELAY_S: Final = 10.0
+GROUP_FAILED: Final = (
+    "restart budget spent (spec.groupRestarts.budget): the group is left failed until the "
+    "spec changes or its pods are deleted"
+)
 
 AnyLogger = logging.Logger | logging.LoggerAdapter[Any]
 
@@ -44,10 +55,18 @@ class Deps:
     config: OperatorConfig
     gate: ReconcileGate
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
+    clock: Callable[[], datetime] = utc_clock  # restart backoff runs on it
 
     @classmethod
     def from_memo(cls, memo: kopf.Memo) -> Deps:
-        return cls(memo["kube"], memo["probe"], memo["config"], memo["gate"], memo["metrics"])
+        return cls(
+            memo["kube"],
+            memo["probe"],
+            memo["config"],
+            memo["gate"],
+            memo["metrics"],
+            memo.get("clock", utc_clock),
+        )
 
 
 def run_reconcile(body: Mapping[str, Any], deps: Deps, logger: AnyLogger) -> ReconcileResult:
@@ -64,7 +83,7 @@ def _reconcile(body: Mapping[str, Any], deps: Deps, logger: AnyLogger) -> Reconc
     meta = body.get("metadata", {})
     started = time.monotonic()
     try:
-        result = reconcile(body, deps.kube, deps.probe, config=deps.config)
+        result = reconcile(body, deps.kube, deps.probe, config=deps.config, clock=deps.clock)
     except Exception as exc:
         deps.metrics.failed(exc, time.monotonic() - started)
         if isinstance(exc, KubeError) and exc.retryable:
@@ -78,6 +97,8 @@ def _reconcile(body: Mapping[str, Any], deps: Deps, logger: AnyLogger) -> Reconc
         logger.info("pruned %s %s", key[1], key[2])
     for action in result.group_actions:
         logger.warning("group %s: %s (%s)", action.group, action.message, action.reason)
+    for group in result.failed_groups:
+        logger.warning("group %s: GroupFailed: %s", group, GROUP_FAILED)
     if result.problem is not None:
         message = f"{result.problem.reason}: {result.problem.message}"
         if result.permanent:
@@ -129,6 +150,8 @@ def reconcile_owner(
         for action in result.group_actions:
             if action.restart:
                 warn(body, action.reason, f"{action.group} restarted as a unit: {action.message}")
+        for group in result.failed_groups:
+            warn(body, "GroupFailed", f"{group}: {GROUP_FAILED}")
     return result
 
 
@@ -167,3 +190,48 @@ def on_child_event(
     if namespace:
         deps = Deps.from_memo(memo)
         reconcile_owner(namespace, labels[L.DEPLOYMENT_LABEL], deps, logger, warn=_post_warning)
+
+
+@kopf.index(L.GROUP, L.VERSION, L.PLURAL)
+def model_config_maps(
+    namespace: str | None, name: str | None, spec: kopf.Spec, **_: Any
+) -> dict[tuple[str, str], str]:
+    """DSV4Deployments by the ConfigMap their `spec.model.configMapRef` names."""
+    return config_map_index(namespace, name, spec)
+
+
+@kopf.on.event("", "v1", "configmaps")
+def on_config_map_event(
+    namespace: str | None, name: str, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any
+) -> None:
+    """A ConfigMap that DSV4Deployments plan from was created, edited or deleted: re-plan them
+    now rather than at the next timer tick. (This watches every ConfigMap of the served
+    namespaces; one not in the index costs a dict lookup.)"""
+    index: kopf.Index[tuple[str, str], str] = kwargs["model_config_maps"]  # kopf passes it
+    key = (namespace or "", name)
+    if key not in index:
+        return
+    deps = Deps.from_memo(memo)
+    for deployment in sorted(set(index[key])):
+        reconcile_owner(key[0], deployment, deps, logger, warn=_post_warning)
+
+
+@kopf.on.validate(
+    L.GROUP, L.VERSION, L.PLURAL, id=admission.WEBHOOK_ID, operations=["CREATE", "UPDATE"]
+)
+def validate_deployment(
+    subresource: str | None,
+    namespace: str | None,
+    warnings: list[str],
+    memo: kopf.Memo,
+    **kwargs: Any,
+) -> None:
+    """The validating admission webhook (served when `settings` configures a server): refuse a
+    CR that the reconcile would reject, with its message (`admission.py`)."""
+    operation, new, old = kwargs.get("operation"), kwargs.get("new"), kwargs.get("old")
+    request = admission.AdmissionRequest(operation or "", new, old, subresource)
+    resolve = admission.cluster_resolver(namespace or "", memo["kube"])
+    verdict = admission.review(request, resolve=resolve, config=memo["config"])
+    warnings.extend(verdict.warnings)
+    if not verdict.allowed:
+        raise kopf.AdmissionError(verdict.refusal, code=admission.REFUSAL_CODE)

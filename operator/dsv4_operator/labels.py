@@ -12,6 +12,7 @@ from dsv4_common.api.names import (
     API_VERSION,
     GROUP,
     KIND,
+    MAX_GROUP_INDEX,
     MAX_NAME_LENGTH,
     MAX_PIPELINE_PARALLEL,
     MAX_ROLE_REPLICAS,
@@ -68,9 +69,13 @@ KUEUE_WORKLOAD_LABELS: Final = ("kueue.x-k8s.io/queue-name", "kueue.x-k8s.io/pri
 # Annotations.
 TEMPLATE_HASH_ANNOTATION: Final = f"{GROUP}/template-hash"
 APPLIED_HASH_ANNOTATION: Final = f"{GROUP}/applied-hash"
+# Worker pods of a `spec.model.configMapRef` model: a hash of the config.json they mount.
+MODEL_CONFIG_HASH_ANNOTATION: Final = f"{GROUP}/model-config-hash"
 
 # Name templates. Bounds on the variable parts keep every derived name legal.
-GROUP_TEMPLATE: Final = "{name}-{role}-{replica}"  # StatefulSet + headless Service of a PP group
+# StatefulSet + headless Service of a PP group; a rollout's surge groups take the indices after
+# the role's replicas.
+GROUP_TEMPLATE: Final = "{name}-{role}-{replica}"
 ROLE_SERVICE_TEMPLATE: Final = "{name}-{role}"  # routing Service + PDB per role
 ROUTER_TEMPLATE: Final = "{name}-router"
 CONFIG_TEMPLATE: Final = "{name}-config"
@@ -81,7 +86,7 @@ NETWORK_POLICY_TEMPLATE: Final = "{name}-workers"
 # (label values <= 63, hash <= 10 chars), so a StatefulSet name may use at most 52 characters.
 _MAX_STATEFULSET_NAME: Final = 63 - 11
 _LONGEST_GROUP_SUFFIX: Final = len(
-    GROUP_TEMPLATE.format(name="", role=max(WORKER_ROLES, key=len), replica=MAX_ROLE_REPLICAS - 1)
+    GROUP_TEMPLATE.format(name="", role=max(WORKER_ROLES, key=len), replica=MAX_GROUP_INDEX)
 )
 _DERIVED_MAX_NAME_LENGTH: Final = _MAX_STATEFULSET_NAME - _LONGEST_GROUP_SUFFIX  # 41
 # The CR name rule (names.MAX_NAME_LENGTH, 40) keeps one character of headroom below this.

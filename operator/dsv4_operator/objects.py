@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dsv4_common.api.deployment import MemoryPlan
@@ -60,14 +61,30 @@ OPTIONAL_KINDS: frozenset[tuple[str, str]] = frozenset(POD_GROUP_KINDS)
 
 
 @dataclass(frozen=True, slots=True)
+class SurgeGroup:
+    """The objects of a surge group a roll may add: the `slot`-th after the role's replicas."""
+
+    role: L.WorkerRole
+    slot: int
+    objects: tuple[Obj, ...]  # its PodGroup (if any), headless Service, StatefulSet
+
+
+@dataclass(frozen=True, slots=True)
 class DesiredState:
-    objects: tuple[Obj, ...]
+    objects: tuple[Obj, ...]  # the steady state: no surge group
     prune_selector: str
-    # Group name (or the router Deployment's name) -> the template hash its pods must carry.
+    # Group name (or the router Deployment's name) -> the template hash its pods must carry;
+    # surge groups a roll could add included.
     template_hashes: dict[str, str]
+    surge_groups: tuple[SurgeGroup, ...] = ()
 
     def keys(self) -> set[ObjKey]:
         return {object_key(o) for o in self.objects}
+
+    def with_surge(self, surge: Mapping[L.WorkerRole, int]) -> DesiredState:
+        """This state plus the first `surge[role]` surge groups of each role."""
+        extra = [o for g in self.surge_groups if g.slot < surge.get(g.role, 0) for o in g.objects]
+        return replace(self, objects=(*self.objects, *extra))
 
 
 def object_key(obj: dict[str, Any]) -> ObjKey:
@@ -94,6 +111,7 @@ def build_desired_state(
     *,
     default_image: str = DEFAULT_WORKER_IMAGE,
     metrics_scrape_namespace: str = "",
+    model_config_hash: str | None = None,  # of a configMapRef's config.json: rolls workers
 ) -> DesiredState:
     image = spec.image or default_image
     data = config_data(spec, meta, memory)
@@ -104,6 +122,7 @@ def build_desired_state(
     ]
     hashes: dict[str, str] = {}
     workloads: list[Obj] = []
+    surge_groups: list[SurgeGroup] = []
     errors: list[str] = []
 
     def merged(base: Obj, user: PodTemplate | None, role: str, **defaults: str) -> Obj:
@@ -125,19 +144,27 @@ def build_desired_state(
         objects.append(build_pdb(meta, role))
         role_data = role_config_data(data, role)
         defaults = weight_memory_requests(spec, memory.role(role))
-        for replica in range(spec.role(role).replicas):
+        replicas = spec.role(role).replicas
+        for replica in range(replicas + spec.role(role).rollout.max_surge):
             group = L.group_name(meta.name, role, replica)
-            base = worker_pod_template(meta, spec, role, replica, image)
+            base = worker_pod_template(
+                meta, spec, role, replica, image, model_config_hash=model_config_hash
+            )
             template = merged(base, spec.role(role).pod_template, role, **defaults)
             hashes[group] = stable_hash(template, role_data)
+            group_objects: list[Obj] = []
             if (pod_group := build_pod_group(meta, spec, role, replica, template)) is not None:
-                objects.append(pod_group)  # before its pods: they name it
-            objects.append(build_group_service(meta, role, replica))
-            workloads.append(
-                build_group_statefulset(
-                    meta, spec, role, replica, with_template_hash(template, hashes[group])
-                )
+                group_objects.append(pod_group)  # before its pods: they name it
+            group_objects.append(build_group_service(meta, role, replica))
+            statefulset = build_group_statefulset(
+                meta, spec, role, replica, with_template_hash(template, hashes[group])
             )
+            if replica < replicas:
+                objects.extend(group_objects)
+                workloads.append(statefulset)
+            else:
+                stamped = tuple(_stamp_applied_hash(o) for o in (*group_objects, statefulset))
+                surge_groups.append(SurgeGroup(role, replica - replicas, stamped))
     router_template = merged(
         router_pod_template(meta, spec, image), spec.router.pod_template, "router"
     )
@@ -154,4 +181,5 @@ def build_desired_state(
         objects=tuple(_stamp_applied_hash(o) for o in objects),
         prune_selector=L.prune_selector(meta.name),
         template_hashes=hashes,
+        surge_groups=tuple(surge_groups),
     )

@@ -17,8 +17,9 @@ from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec, SpecError, pars
 from dsv4_operator import labels as L
 from dsv4_operator.config import DEFAULT_CONFIG, OperatorConfig
 from dsv4_operator.diff import needs_apply, status_patch
-from dsv4_operator.groups import GroupAction, GroupState, group_states, plan_group_actions
+from dsv4_operator.groups import GroupAction, GroupPlan, GroupState, group_states, plan_groups
 from dsv4_operator.kube import Kube, KubeError
+from dsv4_operator.modelsource import resolve_model
 from dsv4_operator.objects import (
     MANAGED_KINDS,
     OPTIONAL_KINDS,
@@ -27,6 +28,7 @@ from dsv4_operator.objects import (
     build_desired_state,
 )
 from dsv4_operator.observe import Observed, WorkerProbe, parse_reports, pod_state
+from dsv4_operator.restarts import format_time, records_from_status
 from dsv4_operator.status import STATUS_KEYS, Problem, summarize
 
 
@@ -40,10 +42,11 @@ class ReconcileResult:
     problem: Problem | None = None  # set when the spec was rejected (nothing applied)
     permanent: bool = False  # the problem needs a spec edit (SpecError)
     memory: MemoryPlan | None = None  # the plan, when there is one (the operator's metrics)
+    failed_groups: tuple[str, ...] = ()  # groups whose restart budget ran out just now
 
 
-def utc_now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+def utc_clock() -> datetime:
+    return datetime.now(UTC)
 
 
 def reconcile(
@@ -52,11 +55,12 @@ def reconcile(
     probe: WorkerProbe,
     *,
     config: OperatorConfig = DEFAULT_CONFIG,
-    now: Callable[[], str] = utc_now,
+    clock: Callable[[], datetime] = utc_clock,
 ) -> ReconcileResult:
     """
     1. parse and validate the spec; an invalid spec -> PlanValid=False (InvalidSpec), stop
-    2. plan memory per role and PP rank; a plan error -> PlanValid=False (PlanFailed), stop
+    2. resolve the model (a configMapRef's ConfigMap is read here) and plan memory per role
+       and PP rank; an error -> PlanValid=False (PlanFailed), stop
     3. a maxContextTokens that does not fit -> ContextFits=False with the largest fit, stop
        (steps 1-3 apply nothing: no worker pod is created; running workers are left alone)
     4. build every desired child object (pure); a podTemplate setting a field the operator
@@ -64,12 +68,14 @@ def reconcile(
     5. server-side apply each one the cluster does not already hold (missing or drifted)
     6. prune owned children that are no longer planned
     7. observe worker pods, the router and the workers' realized capacity
-    8. restart broken PP groups as units; roll outdated groups (one ready group per role);
-       observe again if anything was deleted
+       (first, the observed pods decide the rollout's surge groups: rollout.py)
+    8. restart broken PP groups as units, with backoff and a budget (restarts.py); roll
+       outdated groups, surge first; observe again if anything was deleted
     9. summarize status; patch it only when it changed
     """
     meta = _meta(body)
     previous: Mapping[str, Any] = body.get("status") or {}
+    now = clock()
 
     def finish(
         spec: DeploymentSpec | None,
@@ -79,10 +85,11 @@ def reconcile(
         groups: Sequence[GroupState] = (),
         applied: tuple[ObjKey, ...] = (),
         pruned: tuple[ObjKey, ...] = (),
-        group_actions: tuple[GroupAction, ...] = (),
+        group_plan: GroupPlan | None = None,
         problem: Problem | None = None,
         permanent: bool = False,
     ) -> ReconcileResult:
+        group_actions = group_plan.actions if group_plan is not None else ()
         status = summarize(
             spec,
             memory,
@@ -90,10 +97,10 @@ def reconcile(
             meta.generation,
             meta=meta,
             groups=groups,
-            actions=group_actions,
+            group_plan=group_plan,
             problem=problem,
             previous=previous,
-            now=now(),
+            now=format_time(now),
         )
         patch = status_patch(previous, status, STATUS_KEYS)
         if patch is not None:
@@ -107,6 +114,7 @@ def reconcile(
             problem=problem,
             permanent=permanent,
             memory=memory,
+            failed_groups=group_plan.failed if group_plan is not None else (),
         )
 
     # Steps 1-3.
@@ -116,8 +124,9 @@ def reconcile(
         problem = Problem("InvalidSpec", str(exc))
         return finish(None, None, Observed(), problem=problem, permanent=True)
     try:
-        memory = plan_memory(spec)
-    except MemoryPlanError as exc:
+        model = resolve_model(spec, meta.namespace, kube)  # a configMapRef: read from the API
+        memory = plan_memory(spec, model.config)
+    except MemoryPlanError as exc:  # not permanent: a missing ConfigMap may appear later
         return finish(spec, None, Observed(), problem=Problem("PlanFailed", str(exc)))
     if not memory.context_fits:
         problem = Problem("ContextTooLong", memory.context_message())
@@ -131,35 +140,40 @@ def reconcile(
             memory,
             default_image=config.default_image,
             metrics_scrape_namespace=config.metrics_scrape_namespace,
+            model_config_hash=model.config_hash,
         )
     except SpecError as exc:
         problem = Problem("InvalidSpec", str(exc))
         return finish(None, None, Observed(), problem=problem, permanent=True)
 
-    # Steps 5-6.
+    # Step 7 first: what runs decides the roll (which surge groups exist).
     live = _list_owned(kube, meta, desired.prune_selector)
+    observed = _observe(kube, probe, meta)
+    surge_live = _live_surge(live, spec)
+    groups = group_states(spec, meta.name, desired.template_hashes, observed.pods, surge_live)
+    group_plan = plan_groups(spec, groups, records_from_status(previous), now)
+    planned = desired.with_surge(group_plan.surge)
+
+    # Steps 5-6.
     applied = []
-    for obj in desired.objects:
+    for obj in planned.objects:
         key = (obj["apiVersion"], obj["kind"], obj["metadata"]["name"])
         if needs_apply(obj, live.get(key)):
             kube.apply(obj)
             applied.append(key)
     pruned = []
-    for key in sorted(live.keys() - desired.keys()):
+    for key in sorted(live.keys() - planned.keys()):
         if _owned_by(live[key], meta):
             kube.delete(key[0], key[1], meta.namespace, key[2])
             pruned.append(key)
 
-    # Steps 7-8.
-    observed = _observe(kube, probe, meta)
-    groups = group_states(spec, meta.name, desired.template_hashes, observed.pods)
-    actions = plan_group_actions(groups)
-    for action in actions:
+    # Step 8.
+    for action in group_plan.actions:
         selector = L.selector_string(L.group_selector(meta.name, action.group))
         kube.delete_pods(meta.namespace, selector)
-    if actions:
+    if group_plan.actions or pruned:
         observed = _observe(kube, probe, meta)
-        groups = group_states(spec, meta.name, desired.template_hashes, observed.pods)
+    groups = group_states(spec, meta.name, desired.template_hashes, observed.pods, group_plan.surge)
 
     # Step 9.
     return finish(
@@ -169,7 +183,7 @@ def reconcile(
         groups=groups,
         applied=tuple(applied),
         pruned=tuple(pruned),
-        group_actions=tuple(actions),
+        group_plan=group_plan,
     )
 
 
@@ -202,6 +216,24 @@ def _list_owned(kube: Kube, meta: DeploymentMeta, selector: str) -> dict[ObjKey,
     return live
 
 
+def _live_surge(
+    live: Mapping[ObjKey, Mapping[str, Any]], spec: DeploymentSpec
+) -> dict[L.WorkerRole, int]:
+    """Per role, how many surge slots are taken: one past the highest surge StatefulSet index
+    that the role's rollout.maxSurge still allows (beyond it: pruned)."""
+    out: dict[L.WorkerRole, int] = {role: 0 for role in L.WORKER_ROLES}
+    for (_, kind, _), obj in live.items():
+        labels = obj.get("metadata", {}).get("labels") or {}
+        role, index = labels.get(L.ROLE_LABEL), labels.get(L.REPLICA_LABEL, "")
+        if kind != "StatefulSet" or role not in L.WORKER_ROLES or not index.isdigit():
+            continue
+        r = spec.role(role)
+        slot = int(index) - r.replicas
+        if 0 <= slot < r.rollout.max_surge:
+            out[role] = max(out[role], slot + 1)
+    return out
+
+
 def _owned_by(obj: Mapping[str, Any], meta: DeploymentMeta) -> bool:
     """Never prune what another owner controls, even if it carries our labels."""
     refs = obj.get("metadata", {}).get("ownerReferences") or []
@@ -223,4 +255,4 @@ def _observe(kube: Kube, probe: WorkerProbe, meta: DeploymentMeta) -> Observed:
     )
 
 
-__all__ = ["DesiredState", "OperatorConfig", "ReconcileResult", "reconcile", "utc_now"]
+__all__ = ["DesiredState", "OperatorConfig", "ReconcileResult", "reconcile", "utc_clock"]

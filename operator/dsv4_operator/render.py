@@ -17,6 +17,7 @@ import yaml
 from dsv4_common.api.deployment import plan_memory
 from dsv4_common.api.spec import SpecError, parse_meta, parse_spec
 from dsv4_operator.labels import API_VERSION, KIND
+from dsv4_operator.modelsource import model_from_text
 from dsv4_operator.objects import DesiredState, build_desired_state
 from dsv4_operator.workloads import DEFAULT_WORKER_IMAGE
 
@@ -26,8 +27,10 @@ def desired_state_for(
     *,
     namespace: str | None = None,
     default_image: str = DEFAULT_WORKER_IMAGE,
+    model_config: str | None = None,
 ) -> DesiredState:
-    """Parse, plan and build; raises SpecError / MemoryPlanError naming the field."""
+    """Parse, plan and build; raises SpecError / MemoryPlanError naming the field.
+    `model_config`: the config.json text a `spec.model.configMapRef` names (no cluster here)."""
     if body.get("apiVersion") != API_VERSION or body.get("kind") != KIND:
         raise SpecError(
             [
@@ -42,10 +45,19 @@ def desired_state_for(
         )
     spec = parse_spec(body)
     meta = parse_meta(body, default_namespace=namespace or "default")
-    memory = plan_memory(spec)
+    if model_config is not None and spec.model.config_map is None:
+        raise SpecError(["--model-config: the spec names no model.configMapRef"])
+    model = model_from_text(spec, model_config) if model_config is not None else None
+    memory = plan_memory(spec, model.config if model else None)  # a configMapRef needs `model`
     if not memory.context_fits:
         raise SpecError([f"spec.maxContextTokens: {memory.context_message()}"])
-    return build_desired_state(spec, meta, memory, default_image=default_image)
+    return build_desired_state(
+        spec,
+        meta,
+        memory,
+        default_image=default_image,
+        model_config_hash=model.config_hash if model else None,
+    )
 
 
 class _Dumper(yaml.SafeDumper):
@@ -69,16 +81,21 @@ def render(
     *,
     namespace: str | None = None,
     default_image: str = DEFAULT_WORKER_IMAGE,
+    model_config: str | None = None,
 ) -> str:
-    state = desired_state_for(body, namespace=namespace, default_image=default_image)
+    state = desired_state_for(
+        body, namespace=namespace, default_image=default_image, model_config=model_config
+    )
     return yaml.dump_all(state.objects, Dumper=_Dumper, sort_keys=False, explicit_start=True)
 
 
-def render_file(path: Path, *, namespace: str | None = None) -> str:
+def render_file(
+    path: Path, *, namespace: str | None = None, model_config: str | None = None
+) -> str:
     """Render every DSV4Deployment document of a YAML file (other documents are skipped)."""
     with path.open() as f:
         documents = [d for d in yaml.safe_load_all(f) if d]
     bodies = [d for d in documents if isinstance(d, Mapping) and d.get("kind") == KIND]
     if not bodies:
         raise SpecError([f"{path}: no {KIND} document"])
-    return "".join(render(b, namespace=namespace) for b in bodies)
+    return "".join(render(b, namespace=namespace, model_config=model_config) for b in bodies)

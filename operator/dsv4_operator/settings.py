@@ -10,15 +10,22 @@ Environment (set by the Helm chart):
   DSV4_OPERATOR_METRICS_PORT  serve the operator's Prometheus metrics on this port (/metrics);
                       empty, unset or 0 = not served
   DSV4_OPERATOR_METRICS_HOST  the address to bind (default 0.0.0.0)
+  DSV4_WEBHOOK_PORT   serve the validating admission webhook (HTTPS) on this port; empty,
+                      unset or 0 = not served (the API server then has no webhook to call)
+  DSV4_WEBHOOK_HOST   the address to bind (default 0.0.0.0)
+  DSV4_WEBHOOK_CERT_DIR  the mounted serving certificate: tls.crt and tls.key (re-read when
+                      they change, e.g. renewed by cert-manager)
 (and config.py's variables)
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
 from typing import Any, Final
 
 import kopf
@@ -60,6 +67,42 @@ def configure(settings: kopf.OperatorSettings, env: dict[str, str]) -> None:
         settings.peering.mandatory = True
         settings.peering.clusterwide = env.get("DSV4_PEERING_CLUSTERWIDE", "") == "true"
         settings.peering.priority = int(env.get("DSV4_PRIORITY", "0") or 0)
+    settings.admission.server = webhook_server(env) or WebhookOff()
+
+
+class WebhookOff:
+    """A webhook "server" that serves nothing. kopf refuses to start with a validate handler
+    and no server, so this is what runs while the webhook is off."""
+
+    def __call__(self, fn: kopf.WebhookFn) -> AsyncIterator[kopf.WebhookClientConfig]:
+        return self
+
+    def __aiter__(self) -> AsyncIterator[kopf.WebhookClientConfig]:
+        return self
+
+    async def __anext__(self) -> kopf.WebhookClientConfig:
+        await asyncio.Event().wait()  # until kopf cancels it on exit
+        raise StopAsyncIteration
+
+
+def webhook_server(env: Mapping[str, str]) -> kopf.WebhookServer | None:
+    """The admission webhook's HTTPS server, with the mounted certificate; None when off.
+    Pure: nothing listens until kopf runs it. The chart owns the ValidatingWebhookConfiguration,
+    so kopf manages none (`settings.admission.managed` stays None)."""
+    port = int(env.get("DSV4_WEBHOOK_PORT", "") or 0)
+    if not port:
+        return None
+    cert_dir = env.get("DSV4_WEBHOOK_CERT_DIR", "")
+    if not cert_dir:
+        raise ValueError(
+            "DSV4_WEBHOOK_PORT is set without DSV4_WEBHOOK_CERT_DIR (tls.crt, tls.key)"
+        )
+    return kopf.WebhookServer(
+        addr=env.get("DSV4_WEBHOOK_HOST") or "0.0.0.0",
+        port=port,
+        certfile=Path(cert_dir, "tls.crt"),
+        pkeyfile=Path(cert_dir, "tls.key"),
+    )
 
 
 def metrics_address(env: Mapping[str, str]) -> tuple[str, int] | None:

@@ -16,8 +16,9 @@ from dsv4_common.api.deployment import MemoryPlan
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec
 from dsv4_common.api.worker_status import WorkerStatus
 from dsv4_operator import labels as L
-from dsv4_operator.groups import GroupAction, GroupState
+from dsv4_operator.groups import GroupAction, GroupPlan, GroupState
 from dsv4_operator.observe import Observed
+from dsv4_operator.restarts import RestartRecord, records_to_status
 
 CONDITION_TYPES: Final = (
     "Ready",
@@ -36,6 +37,7 @@ STATUS_KEYS: Final = (
     "maxContextTokens",
     "endpoint",
     "restartingGroups",
+    "groupRestarts",
 )
 Tri = Literal["True", "False", "Unknown"]
 
@@ -64,7 +66,7 @@ def summarize(
     *,
     meta: DeploymentMeta,
     groups: Sequence[GroupState] = (),
-    actions: Sequence[GroupAction] = (),
+    group_plan: GroupPlan | None = None,
     problem: Problem | None = None,
     previous: Mapping[str, Any] | None = None,
     now: str,
@@ -86,10 +88,20 @@ def summarize(
             status["endpoint"] = f"http://{L.router_name(meta.name)}.{meta.namespace}.svc:" + str(
                 spec.router.port
             )
+        actions = group_plan.actions if group_plan is not None else ()
+        records = group_plan.records if group_plan is not None else ()
         restarting = _restarting(groups, actions, previous or {})
         if restarting:
             status["restartingGroups"] = restarting
-        conds = _serving(spec, plan, groups, actions, observed, roles, restarting)
+        if records:
+            status["groupRestarts"] = records_to_status(records)
+        health = _Health(
+            actions=tuple(actions),
+            restarting=tuple(restarting),
+            failed=_failed(groups, records),
+            waiting=dict(group_plan.waiting) if group_plan is not None else {},
+        )
+        conds = _serving(spec, plan, groups, observed, roles, health)
     status["conditions"] = merge_conditions(
         conds, (previous or {}).get("conditions") or [], generation, now
     )
@@ -152,10 +164,11 @@ def _plan_summary(plan: MemoryPlan | None) -> str:
 def _roles(
     spec: DeploymentSpec, groups: Sequence[GroupState], observed: Observed
 ) -> dict[str, dict[str, Any]]:
+    """Ready groups per role, surge groups of a roll included (at most `replicas`)."""
     out: dict[str, dict[str, Any]] = {}
     for role in L.WORKER_ROLES:
         want = spec.role(role).replicas
-        ready = sum(1 for g in groups if g.role == role and g.ready)
+        ready = min(want, sum(1 for g in groups if g.role == role and g.ready))
         out[role] = {"replicas": want, "readyReplicas": ready, "ready": f"{ready}/{want}"}
     want, ready = spec.router.replicas, min(observed.router_ready_replicas, spec.router.replicas)
     out["router"] = {"replicas": want, "readyReplicas": ready, "ready": f"{ready}/{want}"}
@@ -249,23 +262,48 @@ def _restarting(
     return sorted(g.name for g in groups if g.name in marked and not g.ready)
 
 
-def _degraded(
-    spec: DeploymentSpec,
-    actions: Sequence[GroupAction],
-    reports: Mapping[str, WorkerStatus],
-    restarting: Sequence[str],
-) -> Cond:
-    if restarting:
-        now = {a.group: a.message for a in actions if a.restart}
+@dataclass(frozen=True, slots=True)
+class _Health:
+    """What the group plan says about broken groups, for Degraded."""
+
+    actions: tuple[GroupAction, ...]
+    restarting: tuple[str, ...]  # restarted, not ready again
+    failed: tuple[RestartRecord, ...]  # restart budget spent, not ready
+    waiting: Mapping[str, float]  # broken, backing off: seconds left
+
+
+def _failed(
+    groups: Sequence[GroupState], records: Sequence[RestartRecord]
+) -> tuple[RestartRecord, ...]:
+    healthy = {g.name for g in groups if g.ready and g.broken() is None}
+    return tuple(r for r in records if r.failed and r.group not in healthy)
+
+
+def _degraded(spec: DeploymentSpec, health: _Health, reports: Mapping[str, WorkerStatus]) -> Cond:
+    if health.failed:
         return Cond(
             "Degraded",
             "True",
-            "GroupRestarted",
+            "GroupFailed",
             "; ".join(
-                f"{g} restarted as a unit: {now[g]}" if g in now else f"{g} is re-forming"
-                for g in restarting
+                f"{r.group} failed: left down after {r.restarts} restart(s) "
+                f"(spec.groupRestarts.budget {spec.group_restarts.budget}); fix the cause, "
+                "then edit the spec or delete the group's pods"
+                for r in health.failed
             ),
         )
+    if health.restarting or health.waiting:
+        now = {a.group: a.message for a in health.actions if a.restart}
+        parts = [
+            f"{g} restarted as a unit: {now[g]}" if g in now else f"{g} is re-forming"
+            for g in health.restarting
+            if g not in health.waiting
+        ]
+        parts += [
+            f"{g} is broken; restart backs off {left:.0f} s more"
+            for g, left in sorted(health.waiting.items())
+        ]
+        return Cond("Degraded", "True", "GroupRestarted", "; ".join(parts))
     short = sorted(n for n, r in reports.items() if r.max_context_tokens < spec.max_context_tokens)
     if short:
         return Cond(
@@ -282,10 +320,9 @@ def _serving(
     spec: DeploymentSpec,
     plan: MemoryPlan,
     groups: Sequence[GroupState],
-    actions: Sequence[GroupAction],
     observed: Observed,
     roles: Mapping[str, Mapping[str, Any]],
-    restarting: Sequence[str],
+    health: _Health,
 ) -> list[Cond]:
     kv = _kv_transfer(spec, observed.reports)
     missing = [r for r in (*L.WORKER_ROLES, "router") if roles[r]["readyReplicas"] == 0]
@@ -302,7 +339,8 @@ def _serving(
             "Serving",
             f"ready: {counts}; up to {plan.max_context_tokens} tokens of context",
         )
-    rolling = [a.group for a in actions if not a.restart] + [g.name for g in groups if g.outdated]
+    rolling = [a.group for a in health.actions if not a.restart]
+    rolling += [g.name for g in groups if g.outdated or g.surge]
     starting = [g.name for g in groups if not g.ready]
     if rolling:
         progressing = Cond(
@@ -315,7 +353,7 @@ def _serving(
     return [
         ready,
         progressing,
-        _degraded(spec, actions, observed.reports, restarting),
+        _degraded(spec, health, observed.reports),
         Cond("PlanValid", "True", "Planned", _plan_summary(plan)),
         Cond("ContextFits", "True", "Fits", plan.context_message()),
         kv,

@@ -12,6 +12,7 @@ import math
 from typing import Any, Final
 
 from dsv4_common.api.names import GPU_RESOURCE
+from dsv4_common.api.rank_config import MODEL_CONFIG_DIR
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec
 from dsv4_common.core.units import GIB
 from dsv4_common.plan.planner import Plan
@@ -122,6 +123,12 @@ def _volumes(meta: DeploymentMeta, spec: DeploymentSpec) -> tuple[list[Obj], lis
             }
         )
         mounts.append({"name": "weights", "mountPath": weights.path, "readOnly": True})
+    if (ref := spec.model.config_map) is not None:
+        # Only the referenced key, at `model_config_path(ref.name)`: the pods read the model's
+        # config from this mount, never from the API (no service account token is mounted).
+        item = {"key": ref.key, "path": f"{ref.name}/config.json"}
+        volumes.append({"name": "model-config", "configMap": {"name": ref.name, "items": [item]}})
+        mounts.append({"name": "model-config", "mountPath": MODEL_CONFIG_DIR, "readOnly": True})
     return volumes, mounts
 
 
@@ -142,9 +149,17 @@ def _pod_spec(meta: DeploymentMeta, spec: DeploymentSpec, container: Obj, *, gpu
 
 
 def worker_pod_template(
-    meta: DeploymentMeta, spec: DeploymentSpec, role: L.WorkerRole, replica: int, image: str
+    meta: DeploymentMeta,
+    spec: DeploymentSpec,
+    role: L.WorkerRole,
+    replica: int,
+    image: str,
+    *,
+    model_config_hash: str | None = None,
 ) -> Obj:
-    """The template of one group's pods, without the template-hash annotation."""
+    """The template of one group's pods, without the template-hash annotation. The hash of a
+    configMapRef model's config.json is an annotation: editing that ConfigMap changes the
+    template, so the group rolls."""
     container: Obj = {
         "name": "worker",
         "image": image,
@@ -177,8 +192,11 @@ def worker_pod_template(
     metadata: Obj = {"labels": L.group_labels(meta.name, role, replica)}
     gang = pod_fields(spec.scheduling.gang, L.group_name(meta.name, role, replica))
     metadata["labels"].update(gang.labels)
-    if gang.annotations:
-        metadata["annotations"] = dict(gang.annotations)
+    annotations = dict(gang.annotations)
+    if model_config_hash is not None:
+        annotations[L.MODEL_CONFIG_HASH_ANNOTATION] = model_config_hash
+    if annotations:
+        metadata["annotations"] = annotations
     if gang.scheduler_name is not None:
         pod["schedulerName"] = gang.scheduler_name
     if (affinity := group_affinity(meta.name, spec.scheduling, role, replica)) is not None:

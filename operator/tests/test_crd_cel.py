@@ -54,15 +54,26 @@ PREDICATES: dict[tuple[str, str], Callable[[Any], bool]] = {
         "spec",
         "self.decode.tensorParallel == (self.gpu.perPod > 0 ? self.gpu.perPod : 1)",
     ): _tp_ok("decode"),
-    ("spec.model", "has(self.preset) != has(self.configPath)"): lambda m: (
-        ("preset" in m) != ("configPath" in m)
-    ),
+    (
+        "spec.model",
+        "has(self.preset) ? !has(self.configPath) && !has(self.configMapRef) : "
+        "has(self.configPath) != has(self.configMapRef)",
+    ): lambda m: sum(k in m for k in ("preset", "configPath", "configMapRef")) == 1,
     **{
         (role, f"!has(self.{_SPLIT}) || self.{_SPLIT}.size() == self.pipelineParallel"): (
             lambda r: _SPLIT not in r or len(r[_SPLIT]) == r["pipelineParallel"]
         )
         for role in ("spec.prefill", "spec.decode")
     },
+    **{
+        (f"{role}.rollout", "self.maxSurge > 0 || self.maxUnavailable > 0"): (
+            lambda r: r["maxSurge"] > 0 or r["maxUnavailable"] > 0
+        )
+        for role in ("spec.prefill", "spec.decode")
+    },
+    ("spec.groupRestarts", "self.maxBackoffSeconds >= self.backoffSeconds"): lambda g: (
+        g["maxBackoffSeconds"] >= g["backoffSeconds"]
+    ),
     ("spec.gpu", "has(self.type) || self.memoryGiB > 0.0 || self.perPod == 0"): lambda g: (
         "type" in g or g["memoryGiB"] > 0 or g["perPod"] == 0
     ),

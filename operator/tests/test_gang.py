@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import tempfile
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -252,8 +253,11 @@ def test_scheduling_changes_roll_the_pods(make_body: Callable[..., Body]) -> Non
 # --- apply and prune -------------------------------------------------------------------------
 
 
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
 def run(kube: FakeKube, body: Body | None = None) -> Any:
-    return reconcile(body or kube.cr, kube, FakeProbe(), now=lambda: "2026-01-01T00:00:00Z")
+    return reconcile(body or kube.cr, kube, FakeProbe(), clock=lambda: T0)
 
 
 def test_pod_groups_are_applied_then_pruned_when_gang_scheduling_is_turned_off(

@@ -5,6 +5,7 @@ exists, and restarts or rolls PP groups as units."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from support.expected import SERVING_CONDITIONS
@@ -13,11 +14,11 @@ from dsv4_operator import labels as L
 from dsv4_operator.config import OperatorConfig
 from dsv4_operator.reconcile import ReconcileResult, reconcile
 
-NOW = "2026-01-01T00:00:00Z"
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def run(kube: Any, probe: Any) -> ReconcileResult:
-    return reconcile(kube.cr, kube, probe, now=lambda: NOW)
+    return reconcile(kube.cr, kube, probe, clock=lambda: NOW)
 
 
 def conditions(kube: Any) -> dict[str, dict[str, Any]]:
@@ -207,9 +208,12 @@ def test_a_failed_pod_restarts_its_whole_pp_group_only(cluster: tuple[Any, Any])
     assert "restartingGroups" not in kube.cr["status"]
 
 
-def test_spec_change_rolls_one_group_per_role_at_a_time(cluster: tuple[Any, Any]) -> None:
+def test_without_surge_a_spec_change_rolls_one_group_per_role_at_a_time(
+    cluster: tuple[Any, Any],
+) -> None:
     kube, probe = cluster
     kube.cr["spec"]["prefill"]["replicas"] = 2
+    kube.cr["spec"]["prefill"]["rollout"] = {"maxSurge": 0, "maxUnavailable": 1}
     serving(kube, probe)
     kube.cr["spec"]["prefill"]["chunkedPrefillTokens"] = 512
     kube.cr["metadata"]["generation"] = 2
@@ -226,6 +230,52 @@ def test_spec_change_rolls_one_group_per_role_at_a_time(cluster: tuple[Any, Any]
     assert run(kube, probe).group_actions == ()
     assert conditions(kube)["Progressing"]["reason"] == "Complete"
     assert kube.cr["status"]["observedGeneration"] == 2
+
+
+def test_a_one_replica_role_keeps_a_ready_group_through_a_surge_roll(
+    cluster: tuple[Any, Any],
+) -> None:
+    kube, probe = cluster
+    serving(kube, probe)
+    assert conditions(kube)["Ready"]["status"] == "True"
+    for role in ("prefill", "decode"):  # both templates change
+        kube.cr["spec"][role]["podTemplate"] = {"metadata": {"annotations": {"rev": "2"}}}
+    kube.cr["metadata"]["generation"] = 2
+    seen: list[tuple[str, ...]] = []
+    for _ in range(20):
+        result = run(kube, probe)
+        seen.append(tuple(sorted(kube.of_kind("StatefulSet"))))
+        status = kube.cr["status"]
+        for role in ("prefill", "decode"):
+            assert status["roles"][role]["readyReplicas"] == 1, (seen, role)
+        assert conditions(kube)["Ready"]["status"] == "True", seen
+        if conditions(kube)["Progressing"]["reason"] == "Complete":
+            break
+        assert all(not a.restart for a in result.group_actions)
+        kube.run_controllers()
+        probe.report_planned(kube)
+    else:
+        raise AssertionError(f"the roll did not finish: {seen}")
+    # Decode surged first, prefill followed once a new decode was ready; both surge groups are
+    # gone at the end, and every pod runs the new template.
+    assert seen[0] == ("tiny-decode-0", "tiny-decode-1", "tiny-prefill-0")
+    assert ("tiny-decode-0", "tiny-decode-1", "tiny-prefill-0", "tiny-prefill-1") in seen
+    assert seen[-1] == ("tiny-decode-0", "tiny-prefill-0")
+    hashes = {
+        p["metadata"]["annotations"][L.TEMPLATE_HASH_ANNOTATION]
+        for p in kube.of_kind("Pod").values()
+    }
+    assert len(hashes) == 2  # one per group: prefill's and decode's, both current
+    for name, sts in kube.of_kind("StatefulSet").items():
+        want = sts["spec"]["template"]["metadata"]["annotations"][L.TEMPLATE_HASH_ANNOTATION]
+        pods = [
+            p
+            for p in kube.of_kind("Pod").values()
+            if p["metadata"]["labels"][L.GROUP_LABEL] == name
+        ]
+        assert pods and all(
+            p["metadata"]["annotations"][L.TEMPLATE_HASH_ANNOTATION] == want for p in pods
+        )
 
 
 def test_kv_backend_mismatch_keeps_the_deployment_unready(cluster: tuple[Any, Any]) -> None:

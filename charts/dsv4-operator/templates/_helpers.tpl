@@ -80,3 +80,12 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
   resources: [events]
   verbs: [create]
 {{- end -}}
+
+{{/* The admission webhook's Service, and the Secret holding its serving certificate. */}}
+{{- define "dsv4-operator.webhookService" -}}
+{{- printf "%s-webhook" (include "dsv4-operator.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "dsv4-operator.webhookSecret" -}}
+{{- printf "%s-webhook-tls" (include "dsv4-operator.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}

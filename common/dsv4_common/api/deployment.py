@@ -13,6 +13,7 @@ from typing import Final
 
 from dsv4_common.api.names import WORKER_ROLES, WorkerRole
 from dsv4_common.api.spec import DeploymentSpec
+from dsv4_common.core.hf import parse_hf_config
 from dsv4_common.core.model import ModelConfig, ModelConfigError
 from dsv4_common.core.presets import load_model_config
 from dsv4_common.core.units import GIB
@@ -22,6 +23,7 @@ from dsv4_common.plan.planner import Plan, plan
 # CPU mode (no gpu.type, gpu.memoryGiB 0, a CPU preset): each worker pod plans its pools as if
 # it had a device of this size. Worker pods get a memory limit above it (see manifests).
 CPU_MODE_MEMORY_BYTES: Final = 1 * GIB
+CONFIG_MAP_REF_FIELD: Final = "spec.model.configMapRef"
 
 
 class MemoryPlanError(ValueError):
@@ -103,6 +105,13 @@ def plan_inputs(spec: DeploymentSpec, role: WorkerRole, model: ModelConfig) -> P
 
 
 def load_model(spec: DeploymentSpec) -> ModelConfig:
+    """The model of a preset or a configPath (read here); a configMapRef has no local source."""
+    if (ref := spec.model.config_map) is not None:
+        raise MemoryPlanError(
+            f"{CONFIG_MAP_REF_FIELD}: ConfigMap {ref.name!r} is read from the cluster, by the "
+            "operator; without a cluster (dsv4 render, dsv4 up) give its config.json as a file: "
+            "dsv4 render --model-config FILE, or model.configPath for a local run"
+        )
     field = "spec.model.preset" if spec.model.preset is not None else "spec.model.configPath"
     try:
         return load_model_config(spec.model.source)
@@ -114,6 +123,16 @@ def load_model(spec: DeploymentSpec) -> ModelConfig:
                 "into the operator pod, or render locally with the file at that path)"
             )
         raise MemoryPlanError(f"{field}: {exc}{hint}") from exc
+
+
+def model_from_config_map(spec: DeploymentSpec, text: str) -> ModelConfig:
+    """The model of `spec.model.configMapRef` from the text its ConfigMap holds at its key."""
+    ref = spec.model.config_map
+    assert ref is not None, "the spec names no configMapRef"
+    try:
+        return parse_hf_config(text, name=ref.name, where=f"ConfigMap {ref.name!r} key {ref.key!r}")
+    except ModelConfigError as exc:
+        raise MemoryPlanError(f"{CONFIG_MAP_REF_FIELD}: {exc}") from exc
 
 
 # PlanInputs fields -> the spec field that sets them ({role} filled in).
@@ -137,9 +156,10 @@ def spec_field(role: WorkerRole, input_name: str | None) -> str:
     return _SPEC_FIELDS.get(input_name or "", "spec.{role}").format(role=role)
 
 
-def plan_memory(spec: DeploymentSpec) -> MemoryPlan:
-    """Plan both roles. Raises MemoryPlanError when a role cannot be planned at all."""
-    model = load_model(spec)
+def plan_memory(spec: DeploymentSpec, model: ModelConfig | None = None) -> MemoryPlan:
+    """Plan both roles, for `model` when given (a configMapRef's, read by the caller), else the
+    spec's preset or configPath. Raises MemoryPlanError when a role cannot be planned at all."""
+    model = model if model is not None else load_model(spec)
     plans: dict[WorkerRole, Plan] = {}
     for role in WORKER_ROLES:
         try:

@@ -43,7 +43,10 @@ TopologyPolicy = Literal["preferred", "required"]
 TOPOLOGY_POLICIES: Final[tuple[TopologyPolicy, ...]] = ("preferred", "required")
 
 # Bounds the CRD enforces (child names are derived from them; see the operator's labels).
-MAX_ROLE_REPLICAS: Final = 64  # replica index <= 63: at most 2 digits
+MAX_ROLE_REPLICAS: Final = 64
+# Surge groups of a rollout take the indices after the role's replicas (spec.<role>.rollout).
+MAX_SURGE: Final = 16
+MAX_GROUP_INDEX: Final = MAX_ROLE_REPLICAS + MAX_SURGE - 1  # 79: at most 2 digits
 MAX_PIPELINE_PARALLEL: Final = 16  # PP rank <= 15
 MAX_LAYERS_PER_RANK: Final = 1024  # an entry of spec.<role>.layerSplit
 MAX_TENSOR_PARALLEL: Final = 16

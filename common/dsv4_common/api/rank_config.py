@@ -2,10 +2,11 @@
 version 1. One builder each (the operator and `dsv4 up`) and one parser each (`dsv4 serve`).
 
 Where they live: in Kubernetes, the deployment's ConfigMap is mounted at CONFIG_DIR; a worker
-reads `rank_config_key(role, pp_rank)`, the router reads ROUTER_CONFIG_KEY. The schema is the
-dataclasses below (snake_case JSON); it is independent of `dsv4 plan --json`, so the human
-report can change without changing the wire format. Network addresses are inputs of the
-builders: Kubernetes DNS names for the operator, loopback ports for `dsv4 up`. Pure.
+reads `rank_config_key(role, pp_rank)`, the router reads ROUTER_CONFIG_KEY; a model given by
+`spec.model.configMapRef` is the file `model_config_path(name)` (the rank's `config_path`). The
+schema is the dataclasses below (snake_case JSON); it is independent of `dsv4 plan --json`, so
+the human report can change without changing the wire format. Network addresses are inputs of
+the builders: Kubernetes DNS names for the operator, loopback ports for `dsv4 up`. Pure.
 """
 
 from __future__ import annotations
@@ -31,12 +32,22 @@ RANK_CONFIG_VERSION: Final = 1
 ROUTER_CONFIG_VERSION: Final = 1
 CONFIG_DIR: Final = "/etc/dsv4"
 ROUTER_CONFIG_KEY: Final = "router.json"
+# Where worker pods mount a `spec.model.configMapRef` (its key as `<name>/config.json`, so the
+# worker names the model after the ConfigMap, as the operator's plan does); beside CONFIG_DIR,
+# not inside it: a mount point cannot be made in a read-only ConfigMap volume.
+MODEL_CONFIG_DIR: Final = "/etc/dsv4-model"
 # Only this PP rank of a group takes requests; its /ready means "the whole group is up".
 SERVING_RANK: Final = 0
 
 
 def rank_config_key(role: WorkerRole, pp_rank: int) -> str:
     return f"{role}-rank-{pp_rank}.json"
+
+
+def model_config_path(config_map_name: str) -> str:
+    """Where a worker reads the config.json of `spec.model.configMapRef` (a ConfigMap name is a
+    DNS subdomain: a safe path segment)."""
+    return f"{MODEL_CONFIG_DIR}/{config_map_name}/config.json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,7 +229,11 @@ def build_rank_config(
         serving_rank=pp_rank == SERVING_RANK,
         model=ModelRef(
             preset=spec.model.preset,
-            config_path=spec.model.config_path,
+            config_path=(
+                model_config_path(spec.model.config_map.name)
+                if spec.model.config_map
+                else spec.model.config_path
+            ),
             weights_path=spec.model.weights.path if spec.model.weights else None,
         ),
         max_context_tokens=spec.max_context_tokens,

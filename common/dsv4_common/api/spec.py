@@ -24,6 +24,7 @@ from dsv4_common.api.names import (
     MAX_LAYERS_PER_RANK,
     MAX_PIPELINE_PARALLEL,
     MAX_ROLE_REPLICAS,
+    MAX_SURGE,
     MAX_TENSOR_PARALLEL,
     MODEL_PRESETS,
     TOPOLOGY_POLICIES,
@@ -47,6 +48,9 @@ _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?([munkMGTPE]|[KMGTPE]i)?$")
 _DNS_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
 _LABEL_KEY = re.compile(rf"^({_DNS_SUBDOMAIN}/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 _QUEUE = re.compile(rf"^{_DNS_SUBDOMAIN}$")
+_CONFIG_MAP_NAME = re.compile(rf"^{_DNS_SUBDOMAIN}$")
+_CONFIG_MAP_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+DEFAULT_CONFIG_MAP_KEY = "config.json"
 
 # A partial PodTemplateSpec (`metadata.labels/annotations`, `spec`), a plain mapping: its shape
 # is checked here as the CRD checks it; what it may set, and how it merges into the pods the
@@ -61,15 +65,28 @@ class WeightsSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class ConfigMapRef:
+    """A ConfigMap in the CR's own namespace whose `key` holds the model's config.json."""
+
+    name: str
+    key: str = DEFAULT_CONFIG_MAP_KEY
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
+    # NOTE: exactly one of preset, config_path and config_map is set.
     preset: str | None
     config_path: str | None
     weights: WeightsSpec | None = None
+    config_map: ConfigMapRef | None = None
 
     @property
     def source(self) -> str:
-        """What `load_model_config` takes: the preset name or the config path."""
-        return self.preset if self.preset is not None else cast(str, self.config_path)
+        """What `load_model_config` takes: the preset name or the config path (a configMapRef
+        has none: only the operator reads it, from the cluster)."""
+        source = self.preset if self.preset is not None else self.config_path
+        assert source is not None, "model.configMapRef is read from the cluster, not loaded"
+        return source
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +116,27 @@ class KVSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class RolloutSpec:
+    """How a role's PP groups move to a new template: up to `max_surge` extra groups at the new
+    template, and up to `max_unavailable` ready groups taken down at once (never both 0)."""
+
+    max_surge: int = 1
+    max_unavailable: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRestartSpec:
+    """Restarts of a broken PP group back off exponentially (`backoff_seconds`, doubling up to
+    `max_backoff_seconds`); after `budget` restarts the group is left failed. A group Ready for
+    `reset_after_seconds` since its last restart starts a fresh budget, as does a new template."""
+
+    budget: int = 5
+    backoff_seconds: int = 10
+    max_backoff_seconds: int = 300
+    reset_after_seconds: int = 600
+
+
+@dataclass(frozen=True, slots=True)
 class RoleSpec:
     replicas: int = 1
     pipeline_parallel: int = 1
@@ -107,6 +145,7 @@ class RoleSpec:
     max_running_requests: int | None = None  # None = sized from the memory plan
     pod_template: PodTemplate | None = None
     layer_split: tuple[int, ...] | None = None  # target layers per PP rank; None = balanced
+    rollout: RolloutSpec = RolloutSpec()
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +188,7 @@ class DeploymentSpec:
     image: str | None = None  # None = the operator's configured worker image
     resources: ResourcesSpec = ResourcesSpec()
     scheduling: SchedulingSpec = SchedulingSpec()
+    group_restarts: GroupRestartSpec = GroupRestartSpec()
 
     def role(self, role: WorkerRole) -> RoleSpec:
         return self.prefill if role == "prefill" else self.decode
@@ -194,7 +234,8 @@ def parse_spec(body: Mapping[str, Any]) -> DeploymentSpec:
         spec,
         "spec",
         {"model", "maxContextTokens", "gpu", "kv", "prefill", "decode", "router"}
-        | {"speculativeDraftTokens", "memFraction", "image", "resources", "scheduling"},
+        | {"speculativeDraftTokens", "memFraction", "image", "resources", "scheduling"}
+        | {"groupRestarts"},
     )
     model = _model(r, spec.get("model"))
     max_context = r.integer(spec, "maxContextTokens", "spec", None, 1, 16_777_216, required=True)
@@ -213,6 +254,7 @@ def parse_spec(body: Mapping[str, Any]) -> DeploymentSpec:
     image = r.string(spec, "image", "spec", max_length=512)
     resources = _resources(r, spec.get("resources"))
     scheduling = _scheduling(r, spec.get("scheduling"))
+    group_restarts = _group_restarts(r, spec.get("groupRestarts"))
 
     # Cross-field rules (the CRD's CEL rules say the same).
     if model is not None and gpu.cpu_mode and model.preset not in CPU_PRESETS:
@@ -245,18 +287,25 @@ def parse_spec(body: Mapping[str, Any]) -> DeploymentSpec:
         image=image,
         resources=resources,
         scheduling=scheduling,
+        group_restarts=group_restarts,
     )
 
 
 def _model(r: FieldReader, raw: object) -> ModelSpec | None:
     path = "spec.model"
     m = r.obj(raw, path, required=True)
-    r.keys(m, path, {"preset", "configPath", "weights"})
+    r.keys(m, path, {"preset", "configPath", "configMapRef", "weights"})
     preset = r.string(m, "preset", path, enum=MODEL_PRESETS)
     config_path = r.string(m, "configPath", path, min_length=2, max_length=1024, pattern=_ABS_PATH)
+    config_map = _config_map_ref(r, m.get("configMapRef"), f"{path}.configMapRef")
     # A key holding null counts as unset (as the API server prunes nulls).
-    if (m.get("preset") is None) == (m.get("configPath") is None) and isinstance(raw, Mapping):
-        r.fail(path, "exactly one of model.preset and model.configPath must be set")
+    sources = [k for k in ("preset", "configPath", "configMapRef") if m.get(k) is not None]
+    if len(sources) != 1 and isinstance(raw, Mapping):
+        r.fail(
+            path,
+            "exactly one of model.preset, model.configPath and model.configMapRef must be set"
+            + (f" (got {', '.join(sources)})" if sources else ""),
+        )
     weights: WeightsSpec | None = None
     if "weights" in m:
         wp = f"{path}.weights"
@@ -269,9 +318,38 @@ def _model(r: FieldReader, raw: object) -> ModelSpec | None:
         wpath = r.string(w, "path", wp, min_length=2, max_length=1024, pattern=_ABS_PATH)
         if pvc is not None and wpath is not None:
             weights = WeightsSpec(persistent_volume_claim=pvc, path=wpath)
-    if preset is None and config_path is None:
+    if preset is None and config_path is None and config_map is None:
         return None
-    return ModelSpec(preset=preset, config_path=config_path, weights=weights)
+    return ModelSpec(preset=preset, config_path=config_path, weights=weights, config_map=config_map)
+
+
+def _config_map_ref(r: FieldReader, raw: object, path: str) -> ConfigMapRef | None:
+    """`{name, key}`: no namespace (the ConfigMap is in the CR's own)."""
+    if raw is None:
+        return None
+    m = r.obj(raw, path)
+    r.keys(m, path, {"name", "key"})
+    if m.get("name") is None:
+        r.fail(f"{path}.name", "required")
+    name = r.string(
+        m,
+        "name",
+        path,
+        max_length=253,
+        pattern=_CONFIG_MAP_NAME,
+        pattern_hint="must be a ConfigMap name (a DNS subdomain)",
+    )
+    key = r.string(
+        m,
+        "key",
+        path,
+        max_length=253,
+        pattern=_CONFIG_MAP_KEY,
+        pattern_hint="must be a ConfigMap data key (letters, digits, '-', '_', '.')",
+    )
+    if name is None:
+        return None
+    return ConfigMapRef(name=name, key=key or DEFAULT_CONFIG_MAP_KEY)
 
 
 def _gpu(r: FieldReader, raw: object) -> GpuSpec:
@@ -321,7 +399,8 @@ def _role(r: FieldReader, raw: object, path: str) -> RoleSpec:
         m,
         path,
         {"replicas", "pipelineParallel", "tensorParallel"}
-        | {"chunkedPrefillTokens", "maxRunningRequests", "podTemplate", "layerSplit"},
+        | {"chunkedPrefillTokens", "maxRunningRequests", "podTemplate", "layerSplit"}
+        | {"rollout"},
     )
     pipeline_parallel = r.integer(m, "pipelineParallel", path, 1, 1, MAX_PIPELINE_PARALLEL) or 1
     return RoleSpec(
@@ -332,6 +411,35 @@ def _role(r: FieldReader, raw: object, path: str) -> RoleSpec:
         max_running_requests=r.integer(m, "maxRunningRequests", path, None, 1, 65_536),
         pod_template=_pod_template(r, m.get("podTemplate"), f"{path}.podTemplate"),
         layer_split=_layer_split(r, m.get("layerSplit"), f"{path}.layerSplit", pipeline_parallel),
+        rollout=_rollout(r, m.get("rollout"), f"{path}.rollout"),
+    )
+
+
+def _rollout(r: FieldReader, raw: object, path: str) -> RolloutSpec:
+    m = r.obj(raw, path)
+    r.keys(m, path, {"maxSurge", "maxUnavailable"})
+    surge = r.integer(m, "maxSurge", path, 1, 0, MAX_SURGE)
+    unavailable = r.integer(m, "maxUnavailable", path, 0, 0, MAX_ROLE_REPLICAS)
+    if surge == 0 and unavailable == 0:
+        r.fail(path, "maxSurge and maxUnavailable cannot both be 0: no group could ever roll")
+    return RolloutSpec(max_surge=surge or 0, max_unavailable=unavailable or 0)
+
+
+def _group_restarts(r: FieldReader, raw: object) -> GroupRestartSpec:
+    path = "spec.groupRestarts"
+    m = r.obj(raw, path)
+    r.keys(m, path, {"budget", "backoffSeconds", "maxBackoffSeconds", "resetAfterSeconds"})
+    d = GroupRestartSpec()
+    backoff = r.integer(m, "backoffSeconds", path, d.backoff_seconds, 0, 3600)
+    most = r.integer(m, "maxBackoffSeconds", path, d.max_backoff_seconds, 0, 86_400)
+    if backoff is not None and most is not None and most < backoff:
+        r.fail(f"{path}.maxBackoffSeconds", f"must be >= backoffSeconds ({backoff}), got {most}")
+    reset = r.integer(m, "resetAfterSeconds", path, d.reset_after_seconds, 0, 86_400)
+    return GroupRestartSpec(
+        budget=r.integer(m, "budget", path, d.budget, 0, 1000) or 0,
+        backoff_seconds=backoff or 0,
+        max_backoff_seconds=most or 0,
+        reset_after_seconds=reset or 0,
     )
 
 

@@ -22,14 +22,22 @@ from dsv4_common.core.model import (
 def load_hf_config(path: Path) -> ModelConfig:
     """Read a HuggingFace `config.json` file."""
     try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelConfigError(f"{path}: not valid JSON ({exc})") from exc
+        text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise ModelConfigError(f"{path}: cannot read ({exc})") from exc
+    return parse_hf_config(text, name=path.parent.name or path.stem, where=str(path))
+
+
+def parse_hf_config(text: str, name: str, where: str = "config.json") -> ModelConfig:
+    """A HuggingFace `config.json` given as text (a file's, a ConfigMap's); `where` names its
+    origin in errors."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ModelConfigError(f"{where}: not valid JSON ({exc})") from exc
     if not isinstance(raw, dict):
-        raise ModelConfigError(f"{path}: expected a JSON object")
-    return from_hf_config(raw, name=path.parent.name or path.stem)
+        raise ModelConfigError(f"{where}: expected a JSON object")
+    return from_hf_config(raw, name=name)
 
 
 def from_hf_config(raw: Mapping[str, Any], name: str) -> ModelConfig:

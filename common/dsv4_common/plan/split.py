@@ -90,7 +90,8 @@ def climb(start: Split, key_of: KeyOf) -> tuple[Split, BottleneckKey] | None:
 
 def max_min_split(num_layers: int, pp_size: int, value: SegmentValue) -> Split | None:
     """The contiguous split (each rank >= 1 layer) maximizing its smallest rank value; None
-    when no split gives every rank a value."""
+    when no split gives every rank a value. `value` must not grow as a segment grows (a layer
+    costs memory): the scan of rank k's starts stops at the first value that cannot improve."""
     n, pp = num_layers, pp_size
     # best[k][j]: (smallest value of ranks 0..k, start of rank k) when they hold layers [0, j).
     best: list[list[tuple[tuple[int, ...], int] | None]] = [[None] * (n + 1) for _ in range(pp)]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -445,3 +445,21 @@ def _call(name: str, target: Any, args: list[Any]) -> Any:
 
 def evaluate(rule: str, this: Any) -> Any:
     return _eval(parse(rule), this)
+
+
+_ADMISSION_VARIABLES = re.compile(r"\b(object|oldObject|request)\b")
+
+
+def admission_match(
+    conditions: Iterable[Mapping[str, str]],
+) -> Callable[[dict[str, Any]], bool]:
+    """A webhook's `matchConditions` as a predicate on an AdmissionReview's request: each CEL
+    expression (this module's subset) over `object`, `oldObject` and `request` must hold."""
+    trees = [parse(_ADMISSION_VARIABLES.sub(r"self.\1", c["expression"])) for c in conditions]
+
+    def matches(request: dict[str, Any]) -> bool:
+        scope = {"object": request.get("object"), "oldObject": request.get("oldObject")}
+        scope["request"] = request
+        return all(_bool(_eval(tree, scope)) for tree in trees)
+
+    return matches

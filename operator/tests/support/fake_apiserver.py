@@ -22,7 +22,13 @@ only `status` on `/status`; no-op writes change nothing; list items of built-in 
 apiVersion/kind (kubernetes/kubernetes#3030), items of custom resources do; errors are
 `Status` objects. Server-side apply merges the applied object over the live one and drops the
 fields this manager applied before but no longer applies (no conflict detection; `force` is
-only recorded). Admission hooks (defaulting, validation) can be installed per resource.
+only recorded). Admission hooks (defaulting, validation) can be installed per resource, and so
+can validating webhooks (`Webhook`): as the real server does, it POSTs an AdmissionReview v1
+over HTTPS (the webhook's certificate verified against a CA) for each create or update of the
+main resource and refuses the write with the webhook's message and code, or with 500 when the
+call fails and the failure policy is Fail; webhook warnings come back as `Warning` headers. It
+asks outside its lock, so a webhook may read from this server. `?dryRun=All` runs everything
+(admission and webhooks included) and stores nothing.
 
 For tests: `requests` logs every request (method, path, query, content type, parsed body, and
 the response code: 0 while in flight, set in the same hold of the lock as the request's effect);
@@ -40,8 +46,11 @@ import json
 import random
 import re
 import socket
+import ssl
 import string
 import threading
+import urllib.request
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -201,6 +210,74 @@ class AdmissionError(Exception):
         super().__init__("; ".join(self.messages))
 
 
+@dataclass(frozen=True)
+class Webhook:
+    """One validating webhook of a ValidatingWebhookConfiguration, with a `url` clientConfig
+    (rules: the main resource it is added for, these operations)."""
+
+    name: str
+    url: str
+    ca_file: Path  # the CA bundle the webhook's serving certificate is verified against
+    operations: tuple[str, ...] = ("CREATE", "UPDATE")
+    failure_policy: str = "Fail"  # "Ignore": a webhook that cannot be called admits
+    timeout_s: float = 10.0
+    # Its matchConditions, as a predicate on the AdmissionReview's request (None: all match).
+    match: Callable[[Obj], bool] | None = None
+
+
+@dataclass(frozen=True)
+class WebhookAnswer:
+    allowed: bool
+    code: int = 200
+    message: str = ""
+    reason: str = ""
+    warnings: tuple[str, ...] = ()
+
+
+def call_webhook(webhook: Webhook, review: Obj) -> WebhookAnswer:
+    """POST an AdmissionReview to the webhook as the API server does; a refusal reads as the
+    server words it, and a failed call is refused or admitted per the failure policy."""
+    context = ssl.create_default_context(cafile=str(webhook.ca_file))
+    post = urllib.request.Request(
+        webhook.url,
+        data=json.dumps(review).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(post, timeout=webhook.timeout_s, context=context) as rsp:
+            response = json.loads(rsp.read())["response"]
+        if response.get("uid") != review["request"]["uid"]:
+            raise ValueError(f"expected response.uid={review['request']['uid']!r}")
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # URL, TLS, HTTP, JSON errors
+        if webhook.failure_policy == "Ignore":
+            return WebhookAnswer(True)
+        message = f'Internal error occurred: failed calling webhook "{webhook.name}": {exc}'
+        return WebhookAnswer(False, 500, message, "InternalError")
+    warnings = tuple(str(w) for w in response.get("warnings") or ())
+    if response.get("allowed") is True:
+        return WebhookAnswer(True, warnings=warnings)
+    status = response.get("status") or {}
+    code = max(int(status.get("code") or 0), 400)  # never a refusal below 400
+    denied = f'admission webhook "{webhook.name}" denied the request'
+    text = status.get("message") or status.get("reason")
+    message = f"{denied}: {text}" if text else f"{denied} without explanation"
+    return WebhookAnswer(False, code, message, status.get("reason") or "", warnings)
+
+
+class _AskWebhook(Exception):
+    """Raised under the lock by a write that needs a webhook's answer first. The caller asks
+    outside the lock and serves the request again; the answer is found by `key` (the request
+    without what the server sets anew on each attempt)."""
+
+    def __init__(self, webhook: Webhook, review: Obj, key: str) -> None:
+        super().__init__(webhook.name)
+        self.webhook, self.review, self.key = webhook, review, key
+
+
+_MAX_WEBHOOK_ROUNDS: Final = 8
+
+
 # ---------------------------------------------------------------------------------------------
 # Label selectors and patches (pure)
 
@@ -340,6 +417,18 @@ def json_patch(doc: Any, ops: list[Mapping[str, Any]]) -> Any:
     return doc
 
 
+def _stable(obj: Obj | None) -> Obj | None:
+    """The object without what the server sets anew on each attempt of one write."""
+    if obj is None:
+        return None
+    meta = {
+        k: v
+        for k, v in (obj.get("metadata") or {}).items()
+        if k not in ("uid", "creationTimestamp", "resourceVersion", "managedFields", "generation")
+    }
+    return {**obj, "metadata": meta}
+
+
 def _drop_unapplied(target: Any, previous: Any, current: Any) -> None:
     """Remove from `target` the map keys `previous` applied and `current` no longer does."""
     if not (isinstance(target, dict) and isinstance(previous, dict)):
@@ -377,6 +466,7 @@ class Request:
     content_type: str | None
     body: Any
     code: int = 0  # the response's status code
+    warnings: list[str] = field(default_factory=list)  # sent as Warning headers (webhooks')
 
 
 @dataclass
@@ -441,6 +531,10 @@ class FakeApiServer:
         self._watches: list[_Watch] = []
         self._failures: list[_Failure] = []
         self._admission: dict[tuple[str, str], Admission] = {}
+        self._webhooks: dict[tuple[str, str], list[Webhook]] = {}
+        self._answers: dict[str, WebhookAnswer] = {}  # webhook answers, asked outside the lock
+        self._dry_run = False  # the request being served (under the lock) is a dry run
+        self._warnings: list[str] = []  # webhook warnings for the request being served
         self._rv = itertools.count(1)
         self._last_rv = 0
         self._uids = itertools.count(1)
@@ -544,6 +638,11 @@ class FakeApiServer:
         rtype = self.rtype(api_version, kind)
         self._admission[(rtype.group, rtype.plural)] = hook
 
+    def add_webhook(self, api_version: str, kind: str, webhook: Webhook) -> None:
+        rtype = self.rtype(api_version, kind)
+        with self._lock:
+            self._webhooks.setdefault((rtype.group, rtype.plural), []).append(webhook)
+
     def fail_next(
         self,
         code: int,
@@ -580,8 +679,18 @@ class FakeApiServer:
     def create(self, obj: Mapping[str, Any], *, keep_status: bool = True) -> Obj:
         rtype = self.rtype(obj["apiVersion"], obj["kind"])
         ns = obj["metadata"].get("namespace", "") if rtype.namespaced else ""
-        with self._lock:
-            return self._create(rtype, ns, copy.deepcopy(dict(obj)), keep_status=keep_status)
+        for _ in range(_MAX_WEBHOOK_ROUNDS):
+            with self._lock:
+                try:
+                    return self._create(
+                        rtype, ns, copy.deepcopy(dict(obj)), keep_status=keep_status
+                    )
+                except _AskWebhook as ask:
+                    pending = ask
+            answer = call_webhook(pending.webhook, pending.review)
+            with self._lock:
+                self._answers[pending.key] = answer
+        raise ApiError(500, "the object kept changing while webhooks were asked")
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> Obj | None:
         rtype = self.rtype(api_version, kind)
@@ -633,17 +742,70 @@ class FakeApiServer:
             if watch.rtype == rtype:
                 watch.loop.call_soon_threadsafe(watch.queue.put_nowait, event)
 
-    def _admit(self, rtype: ResourceType, obj: Obj) -> Obj:
+    def _admit(
+        self,
+        rtype: ResourceType,
+        obj: Obj,
+        old: Obj | None = None,
+        operation: str = "CREATE",
+        subresource: str | None = None,
+    ) -> Obj:
+        """The admission hook (defaults, schema), then the validating webhooks (main resource
+        only): the object to store, or ApiError."""
         hook = self._admission.get((rtype.group, rtype.plural))
-        if hook is None:
-            return obj
-        try:
-            return hook(copy.deepcopy(obj))
-        except AdmissionError as exc:
-            name = obj.get("metadata", {}).get("name", "")
-            raise ApiError(
-                422, f'{rtype.kind}.{rtype.group} "{name}" is invalid: {"; ".join(exc.messages)}'
-            ) from exc
+        if hook is not None:
+            try:
+                obj = hook(copy.deepcopy(obj))
+            except AdmissionError as exc:
+                name = obj.get("metadata", {}).get("name", "")
+                raise ApiError(
+                    422,
+                    f'{rtype.kind}.{rtype.group} "{name}" is invalid: {"; ".join(exc.messages)}',
+                ) from exc
+        if subresource is None:
+            for webhook in self._webhooks.get((rtype.group, rtype.plural), ()):
+                if operation in webhook.operations:
+                    self._ask(webhook, rtype, operation, obj, old)
+        return obj
+
+    def _ask(
+        self, webhook: Webhook, rtype: ResourceType, operation: str, obj: Obj, old: Obj | None
+    ) -> None:
+        """Apply the webhook's answer to this request, or raise _AskWebhook to get it."""
+        review = self._review(rtype, operation, obj, old)
+        if webhook.match is not None and not webhook.match(review["request"]):
+            return
+        stable = [webhook.name, operation, _stable(obj), _stable(old), self._dry_run]
+        key = json.dumps(stable, sort_keys=True)
+        answer = self._answers.pop(key, None)
+        if answer is None:
+            raise _AskWebhook(webhook, review, key)
+        self._warnings.extend(answer.warnings)
+        if not answer.allowed:
+            raise ApiError(answer.code, answer.message, answer.reason or None)
+
+    def _review(self, rtype: ResourceType, operation: str, obj: Obj, old: Obj | None) -> Obj:
+        meta = obj.get("metadata") or {}
+        kind = {"group": rtype.group, "version": rtype.version, "kind": rtype.kind}
+        resource = {"group": rtype.group, "version": rtype.version, "resource": rtype.plural}
+        options = "CreateOptions" if operation == "CREATE" else "UpdateOptions"
+        request: Obj = {
+            "uid": str(uuid.uuid4()),
+            "kind": kind,
+            "resource": resource,
+            "requestKind": kind,
+            "requestResource": resource,
+            "name": meta.get("name", ""),
+            "operation": operation,
+            "userInfo": {"username": "fake-apiserver-client", "groups": ["system:authenticated"]},
+            "object": copy.deepcopy(obj),
+            "oldObject": copy.deepcopy(old),
+            "dryRun": self._dry_run,
+            "options": {"apiVersion": "meta.k8s.io/v1", "kind": options},
+        }
+        if rtype.namespaced:
+            request["namespace"] = meta.get("namespace", "")
+        return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": request}
 
     def _create(
         self,
@@ -687,6 +849,8 @@ class FakeApiServer:
         meta["creationTimestamp"] = now_rfc3339()
         meta["generation"] = 1
         obj = self._admit(rtype, obj)
+        if self._dry_run:
+            return copy.deepcopy(obj)
         if manager:
             obj["metadata"]["managedFields"] = [self._managed(rtype, manager, operation, None)]
         obj["metadata"]["resourceVersion"] = self._next_rv()
@@ -771,7 +935,7 @@ class FakeApiServer:
                 meta.pop("deletionTimestamp", None)
             if not meta.get("finalizers"):
                 meta.pop("finalizers", None)
-        out = self._admit(rtype, out)
+        out = self._admit(rtype, out, live, "UPDATE", subresource)
         out["metadata"]["resourceVersion"] = meta_live["resourceVersion"]
         out["metadata"]["managedFields"] = meta_live.get("managedFields", [])
 
@@ -792,6 +956,8 @@ class FakeApiServer:
             *managed,
             self._managed(rtype, manager, operation, subresource),
         ]
+        if self._dry_run:
+            return copy.deepcopy(out)
         out["metadata"]["resourceVersion"] = self._next_rv()
         key = self._key(rtype, meta_live.get("namespace"), meta_live["name"])
         if out["metadata"].get("deletionTimestamp") and not out["metadata"].get("finalizers"):
@@ -883,7 +1049,7 @@ class FakeApiServer:
                 manager=manager,
                 operation="Apply",
             )
-            if key in self._objects:  # not collected at once as an orphan
+            if key in self._objects and not self._dry_run:  # not collected as an orphan
                 self._objects[key].applied[manager] = copy.deepcopy(applied)
             return created
         live = stored.obj
@@ -893,7 +1059,7 @@ class FakeApiServer:
             _drop_unapplied(base, previous, applied)
         new = _apply_over(base, applied)
         out = self._update(rtype, live, new, subresource, manager, operation="Apply")
-        if key in self._objects:
+        if key in self._objects and not self._dry_run:
             self._objects[key].applied[manager] = copy.deepcopy(applied)
         return out
 
@@ -901,7 +1067,9 @@ class FakeApiServer:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         """Log the request, then serve it. A request other than a watch is served, and its log
         entry completed with the response code, in one hold of the lock: whoever sees what it
-        did (through the object helpers or another request) also sees it logged as done."""
+        did (through the object helpers or another request) also sees it logged as done. A
+        write that needs a webhook's answer has no effect yet: the answer is asked outside the
+        lock, and the request served again (its effect and code then in one hold)."""
         raw = await request.read()
         ctype = request.headers.get("Content-Type")
         query = {k: v for k, v in request.query.items()}
@@ -912,22 +1080,66 @@ class FakeApiServer:
             except (ValueError, yaml.YAMLError):
                 body = raw.decode("utf-8", "replace")
         logged = Request(request.method, request.path, query, ctype, body)
-        with self._lock:
-            self.requests.append(logged)
-            try:
-                self._inject_failure(request.method, request.path)
-                served = self._respond(request, query, ctype, body)
-            except ApiError as exc:
-                served = exc.response()
-            if isinstance(served, web.StreamResponse):
-                logged.code = served.status
-                return served
+        served: web.StreamResponse | _WatchTarget | None = None
+        for round_ in range(_MAX_WEBHOOK_ROUNDS):
+            pending: _AskWebhook | None = None
+            with self._lock:
+                try:
+                    if round_ == 0:
+                        self.requests.append(logged)
+                        self._inject_failure(request.method, request.path)
+                    served = self._respond_admitted(request, query, ctype, body, logged)
+                except _AskWebhook as ask:
+                    pending = ask
+                except ApiError as exc:
+                    served = exc.response()
+                if isinstance(served, web.StreamResponse):
+                    logged.code = served.status
+                    return served
+            if pending is None:
+                break  # a watch, streamed below
+            # Ask outside the lock (the webhook may call this server), then serve it again.
+            loop = asyncio.get_running_loop()
+            answer = await loop.run_in_executor(None, call_webhook, pending.webhook, pending.review)
+            with self._lock:
+                self._answers[pending.key] = answer
+        if not isinstance(served, _WatchTarget):
+            with self._lock:
+                logged.code = 500
+            return ApiError(500, "the object kept changing while webhooks were asked").response()
         try:
             response = await self._watch(request, served.rtype, served.namespace, query)
         except ApiError as exc:
             response = exc.response()
         logged.code = response.status  # a watch is logged as done when its stream ends
         return response
+
+    def _respond_admitted(
+        self,
+        request: web.Request,
+        query: dict[str, str],
+        ctype: str | None,
+        body: Any,
+        logged: Request,
+    ) -> web.StreamResponse | _WatchTarget:
+        """`_respond` (call with the lock held) for one request: with `dryRun=All` it writes
+        nothing; the webhooks' warnings become Warning headers, on refusals too."""
+        dry_run = query.get("dryRun")
+        if dry_run not in (None, "All"):
+            raise ApiError(400, f'dryRun: Unsupported value: "{dry_run}": supported values: "All"')
+        self._dry_run, self._warnings = dry_run == "All", []
+        try:
+            try:
+                served = self._respond(request, query, ctype, body)
+            except ApiError as exc:
+                served = exc.response()
+            if isinstance(served, web.StreamResponse):
+                for warning in self._warnings:
+                    served.headers.add("Warning", f'299 - "{warning}"')
+            logged.warnings = list(self._warnings)
+            return served
+        finally:
+            self._dry_run, self._warnings = False, []
 
     def _inject_failure(self, method: str, path: str) -> None:
         for failure in self._failures:
@@ -1003,6 +1215,11 @@ class FakeApiServer:
             existed = self._key(rtype, namespace, name) in self._objects
             patched = self._patch(rtype, namespace or "", name, sub, query, ctype, body, manager)
             return web.json_response(patched, status=200 if existed else 201)
+        if method == "DELETE" and self._dry_run:
+            if name is not None:
+                return web.json_response(self._require(rtype, namespace or "", name))
+            matching = self._select(rtype, namespace, None, query.get("labelSelector", ""))
+            return web.json_response(self._as_list(rtype, matching))
         if method == "DELETE" and name is not None:
             options = body if isinstance(body, dict) else {}
             policy = options.get("propagationPolicy") or query.get("propagationPolicy", "")

@@ -72,6 +72,10 @@ class FakeKube:
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         self.objects.pop((api_version, kind, namespace, name), None)
         self.writes.append(("delete", kind, name))
+        if kind == "StatefulSet":  # the garbage collector: its pods go too
+            group = f"{L.GROUP_LABEL}={name}"
+            for key in [k for k, o in self.objects.items() if k[1] == "Pod" and _matches(o, group)]:
+                del self.objects[key]
 
     def delete_pods(self, namespace: str, selector: str) -> None:
         for key in [k for k, o in self.objects.items() if k[1] == "Pod" and _matches(o, selector)]:
