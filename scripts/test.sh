@@ -5,7 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PWD/.tools/bin:$PATH"
-echo "== ruff"; ruff check . && ruff format --check .
+# One command per line: under `set -e`, a failure inside an `a && b` list does not stop the script.
+echo "== ruff"
+ruff check .
+ruff format --check .
 echo "== mypy"; mypy
 echo "== import-linter"; lint-imports
 echo "== pytest"

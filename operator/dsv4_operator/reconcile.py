@@ -65,13 +65,15 @@ def reconcile(
        (steps 1-3 apply nothing: no worker pod is created; running workers are left alone)
     4. build every desired child object (pure); a podTemplate setting a field the operator
        owns -> PlanValid=False (InvalidSpec), stop, nothing applied
-    5. server-side apply each one the cluster does not already hold (missing or drifted)
-    6. prune owned children that are no longer planned
-    7. observe worker pods, the router and the workers' realized capacity
-       (first, the observed pods decide the rollout's surge groups: rollout.py)
-    8. restart broken PP groups as units, with backoff and a budget (restarts.py); roll
-       outdated groups, surge first; observe again if anything was deleted
-    9. summarize status; patch it only when it changed
+    5. observe worker pods, the router and the workers' realized capacity, and plan the PP
+       groups (groups.py): which broken groups restart now, with backoff and a budget
+       (restarts.py), and which outdated groups roll and with how many surge groups
+       (rollout.py)
+    6. server-side apply each planned object the cluster does not already hold (missing or
+       drifted), surge groups included; prune owned children no longer planned
+    7. delete the pods of the groups that restart or roll (their StatefulSets recreate them);
+       observe again if anything was deleted or pruned
+    8. summarize status; patch it only when it changed
     """
     meta = _meta(body)
     previous: Mapping[str, Any] = body.get("status") or {}
@@ -146,7 +148,7 @@ def reconcile(
         problem = Problem("InvalidSpec", str(exc))
         return finish(None, None, Observed(), problem=problem, permanent=True)
 
-    # Step 7 first: what runs decides the roll (which surge groups exist).
+    # Step 5: what runs decides the restarts and the roll (which surge groups exist).
     live = _list_owned(kube, meta, desired.prune_selector)
     observed = _observe(kube, probe, meta)
     surge_live = _live_surge(live, spec)
@@ -154,7 +156,7 @@ def reconcile(
     group_plan = plan_groups(spec, groups, records_from_status(previous), now)
     planned = desired.with_surge(group_plan.surge)
 
-    # Steps 5-6.
+    # Step 6.
     applied = []
     for obj in planned.objects:
         key = (obj["apiVersion"], obj["kind"], obj["metadata"]["name"])
@@ -167,7 +169,7 @@ def reconcile(
             kube.delete(key[0], key[1], meta.namespace, key[2])
             pruned.append(key)
 
-    # Step 8.
+    # Step 7.
     for action in group_plan.actions:
         selector = L.selector_string(L.group_selector(meta.name, action.group))
         kube.delete_pods(meta.namespace, selector)
@@ -175,7 +177,7 @@ def reconcile(
         observed = _observe(kube, probe, meta)
     groups = group_states(spec, meta.name, desired.template_hashes, observed.pods, group_plan.surge)
 
-    # Step 9.
+    # Step 8.
     return finish(
         spec,
         memory,

@@ -8,9 +8,9 @@ has had `n` restarts:
   n == 0                            restart now
   now < last + backoff * 2^(n-1)    wait (capped at maxBackoffSeconds)
   otherwise                         restart now; n + 1
-A record is forgotten (a fresh budget) when its group is ready and not broken `resetAfterSeconds`
-after its last restart, when the group's template changed (a spec edit may be the fix), or when the group is
-gone.
+A record is forgotten (a fresh budget) when its group is ready and not broken
+`resetAfterSeconds` after its last restart, when the group's template changed (a spec edit may
+be the fix), or when the group is gone.
 """
 
 from __future__ import annotations

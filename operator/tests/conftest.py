@@ -1,15 +1,18 @@
-"""Fixtures for the operator tests: CR bodies built from the committed samples, and an in-memory
-cluster holding one of them (`support.fake_kube`)."""
+"""Fixtures for the operator tests: CR bodies built from the committed samples, an in-memory
+cluster holding one of them (`support.fake_kube`), and the real operator running against the
+loopback fake API server (`live`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from repo_paths import SAMPLES
 from support.fake_kube import FakeKube, FakeProbe
+from support.live_operator import Live, running_operator
 
 
 @pytest.fixture
@@ -40,3 +43,12 @@ def make_cluster(
 @pytest.fixture
 def cluster(make_cluster: Callable[..., tuple[FakeKube, FakeProbe]]) -> tuple[FakeKube, FakeProbe]:
     return make_cluster()
+
+
+@pytest.fixture
+def live(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> Iterator[Live]:
+    """The real operator against the loopback fake API server (support/live_operator.py)."""
+    with running_operator(tmp_path, monkeypatch, caplog) as running:
+        yield running

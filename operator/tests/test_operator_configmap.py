@@ -5,28 +5,18 @@ operator watches ConfigMaps; the re-plan comes from that event, not from the 15 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import kubernetes
-import pytest
 from model_samples import tiny_hf_config
-from support.live_operator import NS, Live, running_operator
+from support.live_operator import NS, Live
 
 from dsv4_operator import labels as L
 
 NAME = "tiny"  # the sample's
 CONFIG_MAP = "tiny-model"
 GPU = {"type": "h100-80gb", "perPod": 1}
-
-
-@pytest.fixture
-def live(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> Iterator[Live]:
-    with running_operator(tmp_path, monkeypatch, caplog) as running:
-        yield running
 
 
 def _status(live: Live) -> dict[str, Any]:

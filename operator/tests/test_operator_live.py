@@ -17,7 +17,6 @@ prunes unknown fields, as the API server would, so a status the CRD does not all
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,20 +25,11 @@ import yaml
 from repo_paths import SAMPLES
 from support.expected import SERVING_CONDITIONS
 from support.fake_apiserver import ApiError
-from support.live_operator import NS, Live, running_operator
+from support.live_operator import NS, Live
 
 from dsv4_operator import labels as L
 from dsv4_operator.diff import holds
 from dsv4_operator.render import render
-
-
-@pytest.fixture
-def live(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> Iterator[Live]:
-    with running_operator(tmp_path, monkeypatch, caplog) as running:
-        yield running
-
 
 # ---------------------------------------------------------------------------------------------
 # Scenarios

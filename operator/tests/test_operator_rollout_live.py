@@ -11,14 +11,13 @@ workers (support/live_operator.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import kubernetes
 import pytest
-from support.live_operator import NS, Live, running_operator
+from support.live_operator import NS, Live
 
 from dsv4_operator import handlers
 from dsv4_operator import labels as L
@@ -37,22 +36,12 @@ class Clock:
         self.now += timedelta(seconds=seconds)
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    """Patched before the `live` operator starts (autouse fixtures come first)."""
     fake = Clock()
     monkeypatch.setattr(handlers, "utc_clock", fake)
     return fake
-
-
-@pytest.fixture
-def live(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
-    clock: Clock,
-) -> Iterator[Live]:
-    with running_operator(tmp_path, monkeypatch, caplog) as running:
-        yield running
 
 
 def _serving(live: Live) -> None:
