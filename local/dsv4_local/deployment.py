@@ -1,7 +1,7 @@
 """The one DSV4Deployment of a `dsv4 up` file: parsed, validated and memory-planned exactly as
 `dsv4 render` and the operator do (the shared `dsv4_common.api` functions), plus what `dsv4 up`
-itself cannot run yet. Pure: YAML text in, `Deployment` out; every error is a `SpecError` or a
-`MemoryPlanError` whose message names the field to change.
+itself cannot run (engine sglang). Pure: YAML text in, `Deployment` out; every error is a
+`SpecError` or a `MemoryPlanError` whose message names the field to change.
 """
 
 from __future__ import annotations
@@ -44,6 +44,13 @@ def parse_deployment(text: str, source: str) -> Deployment:
     if body.get("apiVersion") != API_VERSION:
         raise SpecError([f"apiVersion: expected {API_VERSION}, got {body.get('apiVersion')}"])
     spec = parse_spec(body)
+    if spec.engine.sglang:
+        raise SpecError(
+            [
+                "spec.engine.name: dsv4 up runs only our engine (dsv4), not sglang; run an "
+                "sglang CR in a cluster (dsv4 render shows what the operator applies)"
+            ]
+        )
     meta = parse_meta(body)
     memory = plan_memory(spec)
     if not memory.context_fits:

@@ -85,6 +85,15 @@ def test_a_config_map_model_is_refused_pointing_at_config_path(
     assert message.startswith("spec.model.configMapRef: ") and "model.configPath" in message
 
 
+def test_an_sglang_cr_is_refused_naming_the_engine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`dsv4 up` runs our worker only: the committed SGLang sample names spec.engine.name."""
+    text = (SAMPLES / "sglang-flash-pd.yaml").read_text()
+    message = up_error(tmp_path, capsys, text)
+    assert message.startswith("spec.engine.name: ") and "dsv4 render" in message
+
+
 def test_a_context_that_does_not_fit_is_named(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

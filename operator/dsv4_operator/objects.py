@@ -5,20 +5,23 @@ Each object carries an applied-hash annotation (a hash of the object as planned)
 reconciler can skip objects the cluster already holds; each pod template carries a
 template-hash annotation (template + the config it reads) so a change rolls its pods.
 A role's `podTemplate` is merged into its pod templates (`podtemplate.py`); what it may not set
-raises `SpecError`, naming the field.
+raises `SpecError`, naming the field. Engine `sglang` swaps the worker and router containers
+for SGLang's (`sglang_workloads.py`), checks each role's engineArgs (`engine_args.py`) and adds
+the router's static list of the groups that exist (surge groups in use included).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from dsv4_common.api.deployment import MemoryPlan
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec, PodTemplate, SpecError
 from dsv4_operator import labels as L
+from dsv4_operator.engine_args import check_sglang_spec
 from dsv4_operator.gang import POD_GROUP_KINDS, build_pod_group
 from dsv4_operator.manifests import (
     Obj,
@@ -31,6 +34,11 @@ from dsv4_operator.manifests import (
     build_service_account,
 )
 from dsv4_operator.podtemplate import merge_pod_template
+from dsv4_operator.sglang_workloads import (
+    DEFAULT_SGLANG_IMAGE,
+    sglang_router_container,
+    sglang_worker_container,
+)
 from dsv4_operator.workerconfig import ROUTER_CONFIG_KEY, config_data, role_config_data
 from dsv4_operator.workloads import (
     DEFAULT_WORKER_IMAGE,
@@ -43,6 +51,11 @@ from dsv4_operator.workloads import (
 )
 
 ObjKey = tuple[str, str, str]  # (apiVersion, kind, name)
+# Engine sglang: a podTemplate's main-container `args` (worker, router) and where to go instead.
+_SGLANG_ARGS_REFUSED: dict[bool, str] = {
+    False: "not supported with engine sglang: put SGLang flags in spec.<role>.engineArgs",
+    True: "not supported with engine sglang: the operator owns sglang-router's command line",
+}
 
 # Every kind the operator creates (the pruner lists exactly these).
 MANAGED_KINDS: tuple[tuple[str, str], ...] = (
@@ -77,6 +90,9 @@ class DesiredState:
     # surge groups a roll could add included.
     template_hashes: dict[str, str]
     surge_groups: tuple[SurgeGroup, ...] = ()
+    # Engine sglang: sglang-router lists the groups that exist, so a roll's surge groups change
+    # its Deployment (it rolls to the new list); None where the router finds groups itself.
+    router_with_surge: Callable[[Mapping[L.WorkerRole, int]], Obj] | None = None
 
     def keys(self) -> set[ObjKey]:
         return {object_key(o) for o in self.objects}
@@ -84,7 +100,11 @@ class DesiredState:
     def with_surge(self, surge: Mapping[L.WorkerRole, int]) -> DesiredState:
         """This state plus the first `surge[role]` surge groups of each role."""
         extra = [o for g in self.surge_groups if g.slot < surge.get(g.role, 0) for o in g.objects]
-        return replace(self, objects=(*self.objects, *extra))
+        objects = (*self.objects, *extra)
+        if self.router_with_surge is not None and any(surge.values()):
+            router = self.router_with_surge(surge)
+            objects = tuple(router if object_key(o) == object_key(router) else o for o in objects)
+        return replace(self, objects=objects)
 
 
 def object_key(obj: dict[str, Any]) -> ObjKey:
@@ -113,7 +133,8 @@ def build_desired_state(
     metrics_scrape_namespace: str = "",
     model_config_hash: str | None = None,  # of a configMapRef's config.json: rolls workers
 ) -> DesiredState:
-    image = spec.image or default_image
+    sglang = spec.engine.sglang
+    image = (spec.engine.image or DEFAULT_SGLANG_IMAGE) if sglang else spec.image or default_image
     data = config_data(spec, meta, memory)
     objects: list[Obj] = [
         build_service_account(meta),
@@ -124,6 +145,11 @@ def build_desired_state(
     workloads: list[Obj] = []
     surge_groups: list[SurgeGroup] = []
     errors: list[str] = []
+    if sglang:
+        try:
+            check_sglang_spec(spec, meta, memory)
+        except SpecError as exc:
+            errors.extend(exc.errors)
 
     def merged(base: Obj, user: PodTemplate | None, role: str, **defaults: str) -> Obj:
         """The base template with the role's podTemplate merged in (errors collected)."""
@@ -134,6 +160,7 @@ def build_desired_state(
                 path=f"spec.{role}.podTemplate",
                 main="router" if role == "router" else "worker",
                 default_requests=defaults,
+                args_refused=_SGLANG_ARGS_REFUSED[role == "router"] if sglang else None,
             )
         except SpecError as exc:
             errors.extend(e for e in exc.errors if e not in errors)
@@ -148,7 +175,17 @@ def build_desired_state(
         for replica in range(replicas + spec.role(role).rollout.max_surge):
             group = L.group_name(meta.name, role, replica)
             base = worker_pod_template(
-                meta, spec, role, replica, image, model_config_hash=model_config_hash
+                meta,
+                spec,
+                role,
+                replica,
+                image,
+                model_config_hash=model_config_hash,
+                container=(
+                    sglang_worker_container(meta, spec, memory, role, replica, image)
+                    if sglang
+                    else None
+                ),
             )
             template = merged(base, spec.role(role).pod_template, role, **defaults)
             hashes[group] = stable_hash(template, role_data)
@@ -165,21 +202,33 @@ def build_desired_state(
             else:
                 stamped = tuple(_stamp_applied_hash(o) for o in (*group_objects, statefulset))
                 surge_groups.append(SurgeGroup(role, replica - replicas, stamped))
-    router_template = merged(
-        router_pod_template(meta, spec, image), spec.router.pod_template, "router"
-    )
+    router_image = spec.engine.router_image or image
+
+    def router_deployment(surge: Mapping[L.WorkerRole, int]) -> tuple[Obj, str]:
+        """The router Deployment and its template hash (engine sglang: for `surge`)."""
+        container = sglang_router_container(meta, spec, router_image, surge) if sglang else None
+        base = router_pod_template(
+            meta, spec, router_image if sglang else image, container=container
+        )
+        template = merged(base, spec.router.pod_template, "router")
+        template_hash = stable_hash(template, data[ROUTER_CONFIG_KEY])
+        deployment = build_router_deployment(
+            meta, spec, with_template_hash(template, template_hash)
+        )
+        return deployment, template_hash
+
+    router, hashes[L.router_name(meta.name)] = router_deployment({})
     if errors:
         raise SpecError(errors)
-    router = L.router_name(meta.name)
-    hashes[router] = stable_hash(router_template, data[ROUTER_CONFIG_KEY])
     objects.append(build_router_service(meta, spec.router.port))
-    workloads.append(
-        build_router_deployment(meta, spec, with_template_hash(router_template, hashes[router]))
-    )
+    workloads.append(router)
     objects.extend(workloads)  # last: everything they mount or join exists first
     return DesiredState(
         objects=tuple(_stamp_applied_hash(o) for o in objects),
         prune_selector=L.prune_selector(meta.name),
         template_hashes=hashes,
         surge_groups=tuple(surge_groups),
+        router_with_surge=(
+            (lambda surge: _stamp_applied_hash(router_deployment(surge)[0])) if sglang else None
+        ),
     )

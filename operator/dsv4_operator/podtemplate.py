@@ -13,7 +13,8 @@ Merge rules:
   terms is appended to the operator's; the operator sets no `nodeAffinity`, so its required
   `nodeSelectorTerms` (which Kubernetes ORs) are the user's as written.
 - `spec.containers`: matched by name. The main container (`worker`, or `router` for the router)
-  takes `args` (appended after the operator's; flags the operator computes are refused), `env`,
+  takes `args` (appended after the operator's; flags the operator computes are refused; with
+  engine sglang none at all: SGLang flags go through the checked `engineArgs`), `env`,
   `envFrom`, `volumeMounts` (appended; an env name or mount path the operator uses is refused,
   and a mount must name a volume of the pod) and `resources` (merged per resource; the GPU count
   is refused). Containers of other names are sidecars, appended as written.
@@ -52,7 +53,7 @@ OWNED_POD_FIELDS: Final = frozenset(
     }
 )
 OWNED_CONTAINER_FIELDS: Final = {
-    "image": " (set spec.image)",
+    "image": " (set spec.image; spec.engine.image with engine sglang)",
     "imagePullPolicy": "",
     "command": "",
     "ports": "",
@@ -101,11 +102,13 @@ def merge_pod_template(
     path: str,
     main: str,
     default_requests: Mapping[str, str] | None = None,
+    args_refused: str | None = None,
 ) -> Obj:
     """`base` (generated; left unchanged) with `user` merged in. `default_requests` go to the
-    main container for each resource the user sets neither a request nor a limit for."""
+    main container for each resource the user sets neither a request nor a limit for.
+    `args_refused`: why the main container takes no `args` (engine sglang), if it takes none."""
     out = copy.deepcopy(base)
-    merger = _Merger(path)
+    merger = _Merger(path, args_refused)
     if user:
         merger.metadata(out["metadata"], user.get("metadata") or {})
         merger.pod_spec(out["spec"], user.get("spec") or {}, main)
@@ -138,8 +141,9 @@ def _named(items: list[Obj], name: str) -> Obj:
 class _Merger:
     """Merges one user template section by section, recording an error per refused field."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, args_refused: str | None = None) -> None:
         self.path = path
+        self.args_refused = args_refused
         self.errors: list[str] = []
 
     def fail(self, where: str, message: str) -> None:
@@ -319,7 +323,9 @@ class _Merger:
             else:
                 supported = ", ".join(MAIN_CONTAINER_FIELDS)
                 self.fail(f"{where}.{key}", f"not supported (supported: {supported})")
-        if "args" in user:
+        if "args" in user and self.args_refused is not None:
+            self.fail(f"{where}.args", self.args_refused)
+        elif "args" in user:
             self._args(out, user["args"], f"{where}.args")
         if "env" in user:
             names = {e["name"] for e in out.get("env", [])}

@@ -150,7 +150,7 @@ def reconcile(
 
     # Step 5: what runs decides the restarts and the roll (which surge groups exist).
     live = _list_owned(kube, meta, desired.prune_selector)
-    observed = _observe(kube, probe, meta)
+    observed = _observe(kube, probe, meta, spec)
     surge_live = _live_surge(live, spec)
     groups = group_states(spec, meta.name, desired.template_hashes, observed.pods, surge_live)
     group_plan = plan_groups(spec, groups, records_from_status(previous), now)
@@ -174,7 +174,7 @@ def reconcile(
         selector = L.selector_string(L.group_selector(meta.name, action.group))
         kube.delete_pods(meta.namespace, selector)
     if group_plan.actions or pruned:
-        observed = _observe(kube, probe, meta)
+        observed = _observe(kube, probe, meta, spec)
     groups = group_states(spec, meta.name, desired.template_hashes, observed.pods, group_plan.surge)
 
     # Step 8.
@@ -244,15 +244,19 @@ def _owned_by(obj: Mapping[str, Any], meta: DeploymentMeta) -> bool:
     return any(r.get("uid") == meta.uid for r in refs)
 
 
-def _observe(kube: Kube, probe: WorkerProbe, meta: DeploymentMeta) -> Observed:
+def _observe(
+    kube: Kube, probe: WorkerProbe, meta: DeploymentMeta, spec: DeploymentSpec
+) -> Observed:
     pods = tuple(
         pod_state(p) for p in kube.list("v1", "Pod", meta.namespace, L.worker_selector(meta.name))
     )
     router = kube.get("apps/v1", "Deployment", meta.namespace, L.router_name(meta.name))
     ready_replicas = int(((router or {}).get("status") or {}).get("readyReplicas") or 0)
+    # SGLang workers serve no /status document (engine sglang): nothing to fetch.
+    raw = {} if spec.engine.sglang else probe.fetch(pods)
     return Observed(
         pods=pods,
-        reports=parse_reports(probe.fetch(pods)),
+        reports=parse_reports(raw),
         router_ready_replicas=ready_replicas,
     )
 

@@ -215,6 +215,15 @@ def _plan_entries(plan: MemoryPlan, observed: Observed) -> list[dict[str, Any]]:
 
 def _kv_transfer(spec: DeploymentSpec, reports: Mapping[str, WorkerStatus]) -> Cond:
     backend = spec.kv.transfer
+    if spec.engine.sglang:
+        # NOTE: SGLang workers publish no /status: Unknown, and Ready does not wait on it.
+        return Cond(
+            "KVTransferReady",
+            "Unknown",
+            "NotReported",
+            f"engine sglang: SGLang workers do not report their {backend} transfer engine; "
+            "Ready follows the workers' and the router's readiness",
+        )
     wrong = sorted(n for n, r in reports.items() if r.kv_backend not in (None, backend))
     if wrong:
         return Cond(
@@ -330,7 +339,7 @@ def _serving(
     if missing:
         reason = f"{missing[0].capitalize()}NotReady"
         ready = Cond("Ready", "False", reason, f"ready: {counts}")
-    elif kv.status != "True":
+    elif kv.status == "False":
         ready = Cond("Ready", "False", "KVTransferNotReady", kv.message)
     else:
         ready = Cond(

@@ -37,6 +37,7 @@ STARTUP_FAILURES: Final = 360
 # limit replaces it.
 WEIGHT_MEMORY_MARGIN: Final = 0.10
 RUNTIME_MEMORY_BYTES: Final = 8 * GIB
+SGLANG_TMP_LIMIT: Final = "16Gi"
 
 
 def _env_field(name: str, path: str) -> Obj:
@@ -52,7 +53,7 @@ def _probe(path: str, period_s: int, failures: int) -> Obj:
     }
 
 
-def _container_security() -> Obj:
+def container_security() -> Obj:
     return {
         "runAsNonRoot": True,
         "allowPrivilegeEscalation": False,
@@ -101,9 +102,11 @@ def weight_memory_requests(spec: DeploymentSpec, plan: Plan) -> dict[str, str]:
 
 def _volumes(meta: DeploymentMeta, spec: DeploymentSpec) -> tuple[list[Obj], list[Obj]]:
     shm_limit = "1Gi" if spec.gpu.cpu_mode else "32Gi"
+    # SGLang compiles kernels at start-up (Triton, DeepGEMM, FlashInfer) into caches under /tmp.
+    tmp_limit = SGLANG_TMP_LIMIT if spec.engine.sglang else "1Gi"
     volumes: list[Obj] = [
         {"name": "config", "configMap": {"name": L.config_name(meta.name)}},
-        {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": tmp_limit}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_limit}},
     ]
     mounts: list[Obj] = [
@@ -148,6 +151,48 @@ def _pod_spec(meta: DeploymentMeta, spec: DeploymentSpec, container: Obj, *, gpu
     return pod
 
 
+def worker_env(meta: DeploymentMeta, role: L.WorkerRole) -> list[Obj]:
+    """What every worker container is told about itself (either engine)."""
+    return [
+        {"name": "DSV4_DEPLOYMENT", "value": meta.name},
+        {"name": "DSV4_ROLE", "value": role},
+        {"name": "DSV4_CONFIG_DIR", "value": CONFIG_DIR},
+        {"name": "HOME", "value": "/tmp"},
+        _env_field("DSV4_GROUP", f"metadata.labels['{L.GROUP_LABEL}']"),
+        _env_field("DSV4_PP_RANK", f"metadata.labels['{L.POD_INDEX_LABEL}']"),
+        _env_field("DSV4_POD_NAME", "metadata.name"),
+        _env_field("DSV4_NAMESPACE", "metadata.namespace"),
+        _env_field("DSV4_POD_IP", "status.podIP"),
+    ]
+
+
+def worker_ports() -> list[Obj]:
+    """Named worker ports (the Services and the NetworkPolicy refer to the names)."""
+    return [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in WORKER_PORTS.items()]
+
+
+def worker_container(
+    meta: DeploymentMeta, spec: DeploymentSpec, role: L.WorkerRole, image: str
+) -> Obj:
+    """The `worker` container of engine dsv4: `dsv4 serve` reading its rank config."""
+    return {
+        "name": "worker",
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["dsv4", "serve"],
+        "args": ["--role", role, "--config-dir", CONFIG_DIR],
+        "env": worker_env(meta, role),
+        "ports": worker_ports(),
+        "resources": worker_resources(spec),
+        "startupProbe": _probe("/live", STARTUP_PERIOD_S, STARTUP_FAILURES),
+        "livenessProbe": _probe("/live", 10, 3),
+        # Every rank has it; on the serving rank /ready means "the whole PP group is up", and
+        # only serving ranks are endpoints of the routing Service.
+        "readinessProbe": _probe("/ready", 5, 2),
+        "securityContext": container_security(),
+    }
+
+
 def worker_pod_template(
     meta: DeploymentMeta,
     spec: DeploymentSpec,
@@ -156,38 +201,14 @@ def worker_pod_template(
     image: str,
     *,
     model_config_hash: str | None = None,
+    container: Obj | None = None,
 ) -> Obj:
     """The template of one group's pods, without the template-hash annotation. The hash of a
     configMapRef model's config.json is an annotation: editing that ConfigMap changes the
-    template, so the group rolls."""
-    container: Obj = {
-        "name": "worker",
-        "image": image,
-        "imagePullPolicy": "IfNotPresent",
-        "command": ["dsv4", "serve"],
-        "args": ["--role", role, "--config-dir", CONFIG_DIR],
-        "env": [
-            {"name": "DSV4_DEPLOYMENT", "value": meta.name},
-            {"name": "DSV4_ROLE", "value": role},
-            {"name": "DSV4_CONFIG_DIR", "value": CONFIG_DIR},
-            {"name": "HOME", "value": "/tmp"},
-            _env_field("DSV4_GROUP", f"metadata.labels['{L.GROUP_LABEL}']"),
-            _env_field("DSV4_PP_RANK", f"metadata.labels['{L.POD_INDEX_LABEL}']"),
-            _env_field("DSV4_POD_NAME", "metadata.name"),
-            _env_field("DSV4_NAMESPACE", "metadata.namespace"),
-            _env_field("DSV4_POD_IP", "status.podIP"),
-        ],
-        "ports": [
-            {"name": n, "containerPort": p, "protocol": "TCP"} for n, p in WORKER_PORTS.items()
-        ],
-        "resources": worker_resources(spec),
-        "startupProbe": _probe("/live", STARTUP_PERIOD_S, STARTUP_FAILURES),
-        "livenessProbe": _probe("/live", 10, 3),
-        # Every rank has it; on the serving rank /ready means "the whole PP group is up", and
-        # only serving ranks are endpoints of the routing Service.
-        "readinessProbe": _probe("/ready", 5, 2),
-        "securityContext": _container_security(),
-    }
+    template, so the group rolls. `container`: the engine's `worker` container (default: ours,
+    `worker_container`)."""
+    if container is None:
+        container = worker_container(meta, spec, role, image)
     pod = _pod_spec(meta, spec, container, gpu=not spec.gpu.cpu_mode)
     metadata: Obj = {"labels": L.group_labels(meta.name, role, replica)}
     gang = pod_fields(spec.scheduling.gang, L.group_name(meta.name, role, replica))
@@ -227,8 +248,9 @@ def build_group_statefulset(
     }
 
 
-def router_pod_template(meta: DeploymentMeta, spec: DeploymentSpec, image: str) -> Obj:
-    container: Obj = {
+def router_container(meta: DeploymentMeta, spec: DeploymentSpec, image: str) -> Obj:
+    """The `router` container of engine dsv4: `dsv4 serve --role router`."""
+    return {
         "name": "router",
         "image": image,
         "imagePullPolicy": "IfNotPresent",
@@ -247,8 +269,21 @@ def router_pod_template(meta: DeploymentMeta, spec: DeploymentSpec, image: str) 
         "resources": {"requests": dict(ROUTER_REQUESTS), "limits": dict(ROUTER_LIMITS)},
         "livenessProbe": _probe("/live", 10, 3),
         "readinessProbe": _probe("/ready", 5, 2),
-        "securityContext": _container_security(),
+        "securityContext": container_security(),
     }
+
+
+def router_pod_template(
+    meta: DeploymentMeta,
+    spec: DeploymentSpec,
+    image: str,
+    *,
+    container: Obj | None = None,
+) -> Obj:
+    """The router's pod template. `container`: the engine's `router` container (default:
+    ours, `router_container`)."""
+    if container is None:
+        container = router_container(meta, spec, image)
     pod = _pod_spec(meta, spec, container, gpu=False)
     # The router needs the config only (no weights, little shared memory).
     pod["volumes"] = [v for v in pod["volumes"] if v["name"] in ("config", "tmp")]

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from support import crd_support as S
 
-from dsv4_common.api.names import GPU_RESOURCE
+from dsv4_common.api.names import GPU_RESOURCE, SGLANG_TRANSFERS
 
 SCHEMA: dict[str, Any] = S.crd_schema()
 
@@ -29,6 +29,11 @@ def _tp_ok(role: str) -> Callable[[dict[str, Any]], bool]:
 
 
 _SPLIT = "layerSplit"
+
+
+def _sglang(spec: dict[str, Any]) -> bool:
+    return bool(spec["engine"]["name"] == "sglang")
+
 
 # (schema path, rule text) -> the same condition in Python, on the defaulted object at that path.
 PREDICATES: dict[tuple[str, str], Callable[[Any], bool]] = {
@@ -89,6 +94,41 @@ PREDICATES: dict[tuple[str, str], Callable[[Any], bool]] = {
     ("spec.scheduling", "!has(self.queue) || self.gang == 'volcano'"): lambda s: (
         "queue" not in s or s["gang"] == "volcano"
     ),
+    **{
+        ("spec", f"self.engine.name == 'sglang' || !has(self.{role}.engineArgs)"): (
+            lambda s, role=role: _sglang(s) or "engineArgs" not in s[role]
+        )
+        for role in ("prefill", "decode")
+    },
+    ("spec", "self.engine.name != 'sglang' || !has(self.image)"): lambda s: (
+        not _sglang(s) or "image" not in s
+    ),
+    ("spec", "self.engine.name != 'sglang' || self.kv.transfer != 'zmq'"): lambda s: (
+        not _sglang(s) or s["kv"]["transfer"] in SGLANG_TRANSFERS
+    ),
+    (
+        "spec",
+        "self.engine.name != 'sglang' || has(self.gpu.type) || self.gpu.memoryGiB > 0.0",
+    ): lambda s: not _sglang(s) or "type" in s["gpu"] or s["gpu"]["memoryGiB"] > 0,
+    ("spec", "self.engine.name != 'sglang' || has(self.model.weights)"): lambda s: (
+        not _sglang(s) or "weights" in s["model"]
+    ),
+    ("spec", "self.engine.name != 'sglang' || self.speculativeDraftTokens == 0"): lambda s: (
+        not _sglang(s) or s["speculativeDraftTokens"] == 0
+    ),
+    (
+        "spec",
+        "self.engine.name != 'sglang' || self.decode.pipelineParallel == 1 || "
+        "self.decode.pipelineParallel == self.prefill.pipelineParallel",
+    ): lambda s: (
+        not _sglang(s) or s["decode"]["pipelineParallel"] in (1, s["prefill"]["pipelineParallel"])
+    ),
+    **{
+        ("spec.engine", f"self.name == 'sglang' || !has(self.{key})"): (
+            lambda e, key=key: e["name"] == "sglang" or key not in e
+        )
+        for key in ("image", "routerImage")
+    },
 }
 
 # Samples whose OpenAPI validation passes (CEL only sees well-typed objects): the valid ones and

@@ -348,7 +348,11 @@ REFUSED: list[tuple[str, Body, str]] = [
         spec_of(worker(securityContext={"privileged": True})),
         f"{W}.securityContext: owned by the operator",
     ),
-    ("image", spec_of(worker(image="evil")), f"{W}.image: owned by the operator (set spec.image)"),
+    (
+        "image",
+        spec_of(worker(image="evil")),
+        f"{W}.image: owned by the operator (set spec.image; spec.engine.image with engine sglang)",
+    ),
     (
         "pod securityContext",
         spec_of(securityContext={}),

@@ -27,6 +27,16 @@ Transfer = Literal["nixl", "mooncake", "zmq"]
 TRANSFERS: Final[tuple[Transfer, ...]] = ("nixl", "mooncake", "zmq")
 DEFAULT_TRANSFER: Final[Transfer] = "nixl"
 
+# The engine that serves a DSV4Deployment (`spec.engine.name`): our worker, or SGLang
+# (`python3 -m sglang.launch_server`, fronted by sglang-router).
+Engine = Literal["dsv4", "sglang"]
+ENGINES: Final[tuple[Engine, ...]] = ("dsv4", "sglang")
+DEFAULT_ENGINE: Final[Engine] = "dsv4"
+# The transfer backends both engines have (SGLang's --disaggregation-transfer-backend).
+SGLANG_TRANSFERS: Final[tuple[Transfer, ...]] = ("nixl", "mooncake")
+MAX_ENGINE_ARGS: Final = 64  # entries of spec.<role>.engineArgs
+MAX_ENGINE_ARG_LENGTH: Final = 1024
+
 # Presets `spec.model.preset` may name: every built-in preset. CPU mode (no GPU) runs only
 # the CPU-sized ones.
 MODEL_PRESETS: Final[tuple[str, ...]] = tuple(PRESETS)

@@ -18,18 +18,24 @@ from dsv4_common.api.errors import SpecError
 from dsv4_common.api.fields import FieldReader
 from dsv4_common.api.names import (
     CPU_PRESETS,
+    DEFAULT_ENGINE,
     DEFAULT_TRANSFER,
+    ENGINES,
     GANG_SCHEDULERS,
     GPU_RESOURCE,
+    MAX_ENGINE_ARG_LENGTH,
+    MAX_ENGINE_ARGS,
     MAX_LAYERS_PER_RANK,
     MAX_PIPELINE_PARALLEL,
     MAX_ROLE_REPLICAS,
     MAX_SURGE,
     MAX_TENSOR_PARALLEL,
     MODEL_PRESETS,
+    SGLANG_TRANSFERS,
     TOPOLOGY_POLICIES,
     TRANSFERS,
     WORKER_ROLES,
+    Engine,
     GangScheduler,
     TopologyPolicy,
     Transfer,
@@ -116,6 +122,21 @@ class KVSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """Which engine the workers run. `dsv4`: our worker (`spec.image`). `sglang`: SGLang's
+    server, launched with the flags the operator computes from the memory plan (`image`, and
+    `router_image` for sglang-router; None = the operator's defaults)."""
+
+    name: Engine = DEFAULT_ENGINE
+    image: str | None = None
+    router_image: str | None = None
+
+    @property
+    def sglang(self) -> bool:
+        return self.name == "sglang"
+
+
+@dataclass(frozen=True, slots=True)
 class RolloutSpec:
     """How a role's PP groups move to a new template: up to `max_surge` extra groups at the new
     template, and up to `max_unavailable` ready groups taken down at once (never both 0)."""
@@ -146,6 +167,9 @@ class RoleSpec:
     pod_template: PodTemplate | None = None
     layer_split: tuple[int, ...] | None = None  # target layers per PP rank; None = balanced
     rollout: RolloutSpec = RolloutSpec()
+    # Extra engine flags (engine sglang only), appended after the operator's; the operator
+    # checks them against SGLang's flags (dsv4_operator.engine_args).
+    engine_args: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +213,7 @@ class DeploymentSpec:
     resources: ResourcesSpec = ResourcesSpec()
     scheduling: SchedulingSpec = SchedulingSpec()
     group_restarts: GroupRestartSpec = GroupRestartSpec()
+    engine: EngineSpec = EngineSpec()
 
     def role(self, role: WorkerRole) -> RoleSpec:
         return self.prefill if role == "prefill" else self.decode
@@ -235,7 +260,7 @@ def parse_spec(body: Mapping[str, Any]) -> DeploymentSpec:
         "spec",
         {"model", "maxContextTokens", "gpu", "kv", "prefill", "decode", "router"}
         | {"speculativeDraftTokens", "memFraction", "image", "resources", "scheduling"}
-        | {"groupRestarts"},
+        | {"groupRestarts", "engine"},
     )
     model = _model(r, spec.get("model"))
     max_context = r.integer(spec, "maxContextTokens", "spec", None, 1, 16_777_216, required=True)
@@ -255,6 +280,7 @@ def parse_spec(body: Mapping[str, Any]) -> DeploymentSpec:
     resources = _resources(r, spec.get("resources"))
     scheduling = _scheduling(r, spec.get("scheduling"))
     group_restarts = _group_restarts(r, spec.get("groupRestarts"))
+    engine = _engine(r, spec.get("engine"))
 
     # Cross-field rules (the CRD's CEL rules say the same).
     if model is not None and gpu.cpu_mode and model.preset not in CPU_PRESETS:
@@ -272,6 +298,7 @@ def parse_spec(body: Mapping[str, Any]) -> DeploymentSpec:
                 f"must equal gpu.perPod ({expected_tp}; 1 in CPU mode): one pod holds one "
                 f"tensor-parallel group, got {role_spec.tensor_parallel}",
             )
+    _engine_rules(r, engine, gpu, kv, roles, image, model, draft)
     r.raise_if_any()
     assert model is not None and max_context is not None
     return DeploymentSpec(
@@ -288,7 +315,71 @@ def parse_spec(body: Mapping[str, Any]) -> DeploymentSpec:
         resources=resources,
         scheduling=scheduling,
         group_restarts=group_restarts,
+        engine=engine,
     )
+
+
+def _engine(r: FieldReader, raw: object) -> EngineSpec:
+    path = "spec.engine"
+    m = r.obj(raw, path)
+    r.keys(m, path, {"name", "image", "routerImage"})
+    name = r.string(m, "name", path, enum=ENGINES) or DEFAULT_ENGINE
+    engine = EngineSpec(
+        name=cast(Engine, name),
+        image=r.string(m, "image", path, min_length=1, max_length=512),
+        router_image=r.string(m, "routerImage", path, min_length=1, max_length=512),
+    )
+    if not engine.sglang:
+        for key in ("image", "routerImage"):
+            if m.get(key) is not None:
+                r.fail(f"{path}.{key}", "is an SGLang image: it needs engine.name sglang")
+    return engine
+
+
+def _engine_rules(
+    r: FieldReader,
+    engine: EngineSpec,
+    gpu: GpuSpec,
+    kv: KVSpec,
+    roles: Mapping[WorkerRole, RoleSpec],
+    image: str | None,
+    model: ModelSpec | None,
+    draft: int,
+) -> None:
+    """What each engine accepts (the CRD's CEL rules say the same)."""
+    if not engine.sglang:
+        for role, role_spec in roles.items():
+            if role_spec.engine_args:
+                r.fail(
+                    f"spec.{role}.engineArgs",
+                    "are SGLang flags: they need engine.name sglang (our worker takes none)",
+                )
+        return
+    why = "with engine.name sglang"
+    if image is not None:
+        r.fail("spec.image", f"is our worker's image; {why} set engine.image")
+    if kv.transfer not in SGLANG_TRANSFERS:
+        r.fail(
+            "spec.kv.transfer",
+            f"must be one of {list(SGLANG_TRANSFERS)} {why} (SGLang has no {kv.transfer} backend)",
+        )
+    if gpu.cpu_mode:
+        r.fail("spec.gpu.type", f"required {why}: SGLang runs on GPUs only")
+    if model is not None and model.weights is None:
+        r.fail("spec.model.weights", f"required {why}: SGLang loads the model from it")
+    if draft:
+        r.fail(
+            "spec.speculativeDraftTokens",
+            f"must be 0 {why}: the operator does not plan SGLang's speculative decoding",
+        )
+    prefill_pp, decode_pp = roles["prefill"].pipeline_parallel, roles["decode"].pipeline_parallel
+    if decode_pp not in (1, prefill_pp):
+        r.fail(
+            "spec.decode.pipelineParallel",
+            f"must be 1 or prefill.pipelineParallel ({prefill_pp}) {why}: SGLang's decode takes "
+            "each prefill stage's KV on the stage of the same rank, or all on one, got "
+            f"{decode_pp}",
+        )
 
 
 def _model(r: FieldReader, raw: object) -> ModelSpec | None:
@@ -400,7 +491,7 @@ def _role(r: FieldReader, raw: object, path: str) -> RoleSpec:
         path,
         {"replicas", "pipelineParallel", "tensorParallel"}
         | {"chunkedPrefillTokens", "maxRunningRequests", "podTemplate", "layerSplit"}
-        | {"rollout"},
+        | {"rollout", "engineArgs"},
     )
     pipeline_parallel = r.integer(m, "pipelineParallel", path, 1, 1, MAX_PIPELINE_PARALLEL) or 1
     return RoleSpec(
@@ -412,7 +503,23 @@ def _role(r: FieldReader, raw: object, path: str) -> RoleSpec:
         pod_template=_pod_template(r, m.get("podTemplate"), f"{path}.podTemplate"),
         layer_split=_layer_split(r, m.get("layerSplit"), f"{path}.layerSplit", pipeline_parallel),
         rollout=_rollout(r, m.get("rollout"), f"{path}.rollout"),
+        engine_args=_engine_args(r, m.get("engineArgs"), f"{path}.engineArgs"),
     )
+
+
+def _engine_args(r: FieldReader, raw: object, path: str) -> tuple[str, ...]:
+    """The CRD's shape only (strings, bounded); which flags are allowed is the operator's."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        r.fail(path, f"must be a list of strings such as [--log-level, debug], got {raw!r}")
+        return ()
+    if len(raw) > MAX_ENGINE_ARGS:
+        r.fail(path, f"at most {MAX_ENGINE_ARGS} entries, got {len(raw)}")
+    for i, arg in enumerate(raw):
+        if not isinstance(arg, str) or not 1 <= len(arg) <= MAX_ENGINE_ARG_LENGTH:
+            r.fail(f"{path}[{i}]", f"must be a string of 1 to {MAX_ENGINE_ARG_LENGTH} characters")
+    return tuple(a for a in raw if isinstance(a, str))
 
 
 def _rollout(r: FieldReader, raw: object, path: str) -> RolloutSpec:

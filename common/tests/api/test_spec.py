@@ -9,6 +9,7 @@ import pytest
 
 from dsv4_common.api.spec import (
     DeploymentSpec,
+    EngineSpec,
     GpuSpec,
     KVSpec,
     RoleSpec,
@@ -348,4 +349,124 @@ def test_layer_split_is_read_per_role() -> None:
 def test_bad_layer_split_names_the_field(role: str, patch: dict[str, Any], needle: str) -> None:
     with pytest.raises(SpecError) as info:
         parse_spec(body_with({role: patch}))
+    assert any(e.startswith(needle) for e in info.value.errors), info.value.errors
+
+
+# --- spec.engine and spec.<role>.engineArgs ---------------------------------------------------
+
+SGLANG: dict[str, Any] = {
+    "engine": {"name": "sglang"},
+    "model": {
+        "preset": "deepseek-v4-flash",
+        "weights": {"persistentVolumeClaim": "w", "path": "/models/flash"},
+    },
+    "gpu": {"type": "h200", "perPod": 4},
+    "prefill": {"tensorParallel": 4},
+    "decode": {"tensorParallel": 4},
+}
+
+
+def sglang_with(**patch: Any) -> dict[str, Any]:
+    """The SGLang spec with each patched section merged into (not replacing) its own."""
+    spec = copy.deepcopy(SGLANG)
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(spec.get(key), dict):
+            spec[key] = {**spec[key], **value}
+        else:
+            spec[key] = value
+    return body_with(spec)
+
+
+def test_the_engine_defaults_to_ours() -> None:
+    spec = parse_spec(BASE)
+    assert spec.engine == EngineSpec(name="dsv4", image=None, router_image=None)
+    assert not spec.engine.sglang and spec.prefill.engine_args == ()
+
+
+def test_an_sglang_spec_reads_engine_images_and_engine_args() -> None:
+    spec = parse_spec(
+        sglang_with(
+            engine={"image": "lmsysorg/sglang:v0.5.23", "routerImage": "r:1"},
+            decode={"engineArgs": ["--log-level", "debug", "--decode-log-interval=10"]},
+        )
+    )
+    assert spec.engine == EngineSpec("sglang", "lmsysorg/sglang:v0.5.23", "r:1")
+    assert spec.engine.sglang
+    assert spec.decode.engine_args == ("--log-level", "debug", "--decode-log-interval=10")
+    assert spec.prefill.engine_args == ()
+
+
+ENGINE_ERRORS: list[tuple[str, dict[str, Any], str]] = [
+    ("unknown engine", body_with({"engine": {"name": "vllm"}}), "spec.engine.name: must be one of"),
+    ("engine field", body_with({"engine": {"version": "1"}}), "spec.engine.version: unknown"),
+    (
+        "engine image with dsv4",
+        body_with({"engine": {"image": "lmsysorg/sglang:v0.5.23"}}),
+        "spec.engine.image: is an SGLang image",
+    ),
+    (
+        "router image with dsv4",
+        body_with({"engine": {"name": "dsv4", "routerImage": "r:1"}}),
+        "spec.engine.routerImage: is an SGLang image",
+    ),
+    (
+        "engine args with dsv4",
+        body_with({"prefill": {"engineArgs": ["--log-level", "debug"]}}),
+        "spec.prefill.engineArgs: are SGLang flags",
+    ),
+    (
+        "engine args not a list",
+        sglang_with(decode={"engineArgs": "--log-level debug"}),
+        "spec.decode.engineArgs: must be a list",
+    ),
+    (
+        "engine arg not a string",
+        sglang_with(decode={"engineArgs": ["--decode-log-interval", 10]}),
+        "spec.decode.engineArgs[1]: must be a string",
+    ),
+    (
+        "engine arg empty",
+        sglang_with(prefill={"engineArgs": [""]}),
+        "spec.prefill.engineArgs[0]: must be a string of 1 to",
+    ),
+    (
+        "too many engine args",
+        sglang_with(prefill={"engineArgs": ["--enable-metrics"] * 65}),
+        "spec.prefill.engineArgs: at most 64 entries",
+    ),
+    (
+        "worker image with sglang",
+        sglang_with(image="ghcr.io/dsv4-serve/worker:0.1.0"),
+        "spec.image: is our worker's image",
+    ),
+    ("zmq with sglang", sglang_with(kv={"transfer": "zmq"}), "spec.kv.transfer: must be one of"),
+    (
+        "sglang in cpu mode",
+        body_with(
+            {
+                "engine": {"name": "sglang"},
+                "model": {"preset": "tiny", "weights": SGLANG["model"]["weights"]},
+            }
+        ),
+        "spec.gpu.type: required with engine.name sglang",
+    ),
+    (
+        "sglang without weights",
+        body_with({**SGLANG, "model": {"preset": "deepseek-v4-flash"}}),
+        "spec.model.weights: required with engine.name sglang",
+    ),
+    (
+        "sglang speculating",
+        sglang_with(speculativeDraftTokens=1),
+        "spec.speculativeDraftTokens: must be 0 with engine.name sglang",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "body", "needle"), ENGINE_ERRORS, ids=[e[0] for e in ENGINE_ERRORS]
+)
+def test_engine_errors_name_their_field(case: str, body: dict[str, Any], needle: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_spec(body)
     assert any(e.startswith(needle) for e in info.value.errors), info.value.errors
