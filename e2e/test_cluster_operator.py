@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+import cluster_support
 import pytest
 import yaml
 from repo_paths import SAMPLES, TOOLS_BIN
@@ -79,25 +79,10 @@ def wait_condition(ns: str, name: str, ctype: str, status: str) -> dict[str, Any
 
 @contextlib.contextmanager
 def port_forward(ns: str, service: str, port: int) -> Iterator[int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        local = s.getsockname()[1]
     kubectl_bin = kubectl_path()
     assert kubectl_bin is not None
-    proc = subprocess.Popen(
-        [kubectl_bin, "port-forward", "-n", ns, f"svc/{service}", f"{local}:{port}"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        for _ in range(100):
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", local), 1):
-                break
-            time.sleep(0.2)
+    with cluster_support.port_forward(kubectl_bin, ns, service, port) as local:
         yield local
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def owned_by(ns: str, uid: str) -> list[str]:

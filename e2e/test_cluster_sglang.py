@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+import cluster_support
 import pytest
 import yaml
 from repo_paths import ROOT, TOOLS_BIN
@@ -65,24 +65,9 @@ def conditions(name: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
 
 @contextlib.contextmanager
 def port_forward(service: str, port: int) -> Iterator[int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        local = int(s.getsockname()[1])
     binary = str(TOOLS_BIN / "kubectl") if (TOOLS_BIN / "kubectl").exists() else "kubectl"
-    proc = subprocess.Popen(
-        [binary, "port-forward", "-n", NAMESPACE, f"svc/{service}", f"{local}:{port}"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        for _ in range(100):
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", local), 1):
-                break
-            time.sleep(0.2)
+    with cluster_support.port_forward(binary, NAMESPACE, service, port) as local:
         yield local
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 @pytest.fixture
