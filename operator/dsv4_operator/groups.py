@@ -135,13 +135,12 @@ def plan_groups(
         spec.group_restarts,
         now,
     )
-    actions = [
-        GroupAction(g, _role_of(groups, g), broken[g][0], broken[g][1]) for g in restarts.restart
-    ]
+    role = {g.name: g.role for g in groups}
+    actions = [GroupAction(g, role[g], broken[g][0], broken[g][1]) for g in restarts.restart]
     down = set(broken)  # restarted, backing off or failed: none of them serves
     roll = plan_rollout(spec, groups, down)
     for group, message in roll.delete:
-        actions.append(GroupAction(group, _role_of(groups, group), "Outdated", message))
+        actions.append(GroupAction(group, role[group], "Outdated", message))
     return GroupPlan(
         actions=tuple(actions),
         surge=roll.surge,
@@ -149,7 +148,3 @@ def plan_groups(
         failed=restarts.newly_failed,
         waiting=restarts.waiting,
     )
-
-
-def _role_of(groups: Sequence[GroupState], name: str) -> L.WorkerRole:
-    return next(g.role for g in groups if g.name == name)

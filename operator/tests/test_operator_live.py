@@ -199,12 +199,7 @@ def test_workers_at_planned_capacity_make_it_ready_and_a_restart_deletes_the_gro
     assert live.cr("tiny")["status"]["restartingGroups"] == ["tiny-prefill-0"]  # type: ignore[index]
     # The pod-triggered restart was posted as a Warning Event on the CR.
     events = live.wait(
-        "a PodRestarted Warning event",
-        lambda: [
-            e
-            for e in live.server.list("v1", "Event", NS)
-            if e["involvedObject"]["name"] == "tiny" and e["reason"] == "PodRestarted"
-        ],
+        "a PodRestarted Warning event", lambda: live.events("tiny", reason="PodRestarted")
     )
     assert events[0]["type"] == "Warning" and "tiny-prefill-0" in events[0]["message"]
     ready = live.wait(
@@ -238,11 +233,7 @@ def test_rejected_specs_apply_no_workers_and_say_why_in_status(live: Live) -> No
     # The handler's warning became a Kubernetes Event on the CR (kopf posts WARNING and up).
     events = live.wait(
         "a Warning event about pro",
-        lambda: [
-            e
-            for e in live.server.list("v1", "Event", NS)
-            if e["involvedObject"]["name"] == "pro" and e["type"] == "Warning"
-        ],
+        lambda: [e for e in live.events("pro") if e["type"] == "Warning"],
     )
     assert "PlanFailed" in events[0]["message"]
     # The CRD's admission refuses what it can check itself (here: a zero context) with 422.

@@ -11,34 +11,22 @@ workers (support/live_operator.py).
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import kubernetes
 import pytest
+from support.clock import Clock
 from support.live_operator import NS, Live
 
 from dsv4_operator import handlers
 from dsv4_operator import labels as L
 
 
-class Clock:
-    """The operator's clock for restart backoff (kopf's own timers keep real time)."""
-
-    def __init__(self) -> None:
-        self.now = datetime.now(UTC)
-
-    def __call__(self) -> datetime:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += timedelta(seconds=seconds)
-
-
 @pytest.fixture(autouse=True)
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
-    """Patched before the `live` operator starts (autouse fixtures come first)."""
+    """The operator's clock for restart backoff (kopf's own timers keep real time); patched
+    before the `live` operator starts (autouse fixtures come first)."""
     fake = Clock()
     monkeypatch.setattr(handlers, "utc_clock", fake)
     return fake
@@ -125,21 +113,14 @@ def test_a_crash_looping_group_backs_off_and_stops_at_the_budget(live: Live, clo
     degraded = live.wait("GroupFailed", lambda: _degraded(live, "GroupFailed", group))
     assert degraded["status"] == "True" and "budget 2" in degraded["message"]
     events = live.wait(
-        "a GroupFailed Warning event",
-        lambda: [
-            e
-            for e in live.server.list("v1", "Event", NS)
-            if e["involvedObject"]["name"] == "tiny" and e["reason"] == "GroupFailed"
-        ],
+        "a GroupFailed Warning event", lambda: live.events("tiny", reason="GroupFailed")
     )
     assert events[0]["type"] == "Warning" and group in events[0]["message"]
     clock.advance(3600)
     live.set_pod("tiny-decode-0-0", restarts=5)  # more events, more reconciles
     live.settle(quiet=0.5)
     assert _group_deletes(live, group, since=mark) == 0
-    assert (
-        len([e for e in live.server.list("v1", "Event", NS) if e["reason"] == "GroupFailed"]) == 1
-    )
+    assert len(live.events("tiny", reason="GroupFailed")) == 1
     (record,) = live.cr("tiny")["status"]["groupRestarts"]  # type: ignore[index]
     assert record["failed"] and record["restarts"] == 2
 

@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from support.expected import SERVING_CONDITIONS
+from support.fake_kube import conditions
 
 from dsv4_operator import labels as L
 from dsv4_operator.config import OperatorConfig
@@ -19,10 +20,6 @@ NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
 def run(kube: Any, probe: Any) -> ReconcileResult:
     return reconcile(kube.cr, kube, probe, clock=lambda: NOW)
-
-
-def conditions(kube: Any) -> dict[str, dict[str, Any]]:
-    return {c["type"]: c for c in kube.cr["status"]["conditions"]}
 
 
 def serving(kube: Any, probe: Any) -> None:

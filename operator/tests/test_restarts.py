@@ -5,11 +5,13 @@ through reconcile against the in-memory API with a driven clock."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
+from support.clock import Clock
+from support.fake_kube import conditions
 from test_groups import T0, group, healthy, pod
 
 from dsv4_common.api.spec import GroupRestartSpec
@@ -91,26 +93,11 @@ def test_malformed_status_entries_are_dropped() -> None:
 # --- through reconcile ---------------------------------------------------------------------------
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = datetime(2026, 1, 1, tzinfo=UTC)
-
-    def __call__(self) -> datetime:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += timedelta(seconds=seconds)
-
-
-def conditions(kube: Any) -> dict[str, dict[str, Any]]:
-    return {c["type"]: c for c in kube.cr["status"]["conditions"]}
-
-
 def test_a_crash_looping_group_backs_off_and_is_left_failed_at_the_budget(
     make_cluster: Callable[..., tuple[Any, Any]],
 ) -> None:
     kube, probe = make_cluster(groupRestarts={"budget": 2, "backoffSeconds": 30})
-    clock = Clock()
+    clock = Clock(T0)
 
     def run() -> ReconcileResult:
         return reconcile(kube.cr, kube, probe, clock=clock)
@@ -147,7 +134,7 @@ def test_while_backing_off_degraded_says_how_long(
     make_cluster: Callable[..., tuple[Any, Any]],
 ) -> None:
     kube, probe = make_cluster(groupRestarts={"backoffSeconds": 40, "maxBackoffSeconds": 40})
-    clock = Clock()
+    clock = Clock(T0)
     reconcile(kube.cr, kube, probe, clock=clock)
     kube.run_controllers()
     kube.set_pod("tiny-decode-0-0", restarts=1)

@@ -25,6 +25,11 @@ def _matches(obj: Mapping[str, Any], selector: str) -> bool:
     return selector_matches(selector, obj.get("metadata", {}).get("labels") or {})
 
 
+def conditions(kube: FakeKube) -> dict[str, dict[str, Any]]:
+    """The CR's status conditions by type."""
+    return {c["type"]: c for c in kube.cr["status"]["conditions"]}
+
+
 class FakeKube:
     """Objects keyed by (apiVersion, kind, namespace, name). Apply replaces what the field
     manager owns (the whole object here) and keeps server-set metadata and status."""

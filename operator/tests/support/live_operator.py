@@ -137,6 +137,14 @@ class Live:
     def children(self, kind: str, api_version: str) -> dict[str, dict[str, Any]]:
         return {o["metadata"]["name"]: o for o in self.server.list(api_version, kind, NS)}
 
+    def events(self, name: str, *, reason: str | None = None) -> list[dict[str, Any]]:
+        """The Events posted on the CR `name` (those with `reason`, when given)."""
+        return [
+            e
+            for e in self.server.list("v1", "Event", NS)
+            if e["involvedObject"]["name"] == name and reason in (None, e["reason"])
+        ]
+
     # --- the StatefulSet controller, the kubelet and the workers -----------------------------
     def create_pods(self) -> list[str]:
         """The StatefulSet controller: every missing pod of every StatefulSet, from its
