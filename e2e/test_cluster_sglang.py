@@ -1,7 +1,8 @@
 """The SGLang GPU variant (opt-in): on a real cluster with GPUs, the chart installed and the
 DeepSeek-V4-Flash weights on a PersistentVolumeClaim, the engine-sglang CR becomes Ready without
-worker reports (KVTransferReady Unknown), answers a completion through sglang-router, and its
-children carry the rendered SGLang command lines.
+worker reports (KVTransferReady Unknown), shows what SGLang realized next to the plan (from its
+/server_info, within a page: CapacityMatchesPlan True), answers a completion through
+sglang-router, and its children carry the rendered SGLang command lines.
 
 Environment: KUBECONFIG (required, as for every `cluster` test); DSV4_E2E_SGLANG_PVC (required:
 the PersistentVolumeClaim holding the weights; the test creates none); DSV4_E2E_NAMESPACE (where
@@ -95,6 +96,17 @@ def test_sglang_serves_a_completion_through_its_router(deployed: str) -> None:
     kv = cond["KVTransferReady"]
     assert (kv["status"], kv["reason"]) == ("Unknown", "NotReported")
     assert cr["status"]["roles"]["prefill"]["ready"] == "1/1"
+
+    # The operator read /server_info from rank 0 of each group (on a reconcile after Ready,
+    # within its 15 s timer): observed capacity next to the plan, within a page of it.
+    while "observed" not in (cr["status"].get("plan") or [{}])[0]:
+        assert time.monotonic() < deadline, json.dumps(cr.get("status"))
+        time.sleep(5)
+        cr, cond = conditions(deployed)
+    fits = cond["CapacityMatchesPlan"]
+    print(f"CapacityMatchesPlan: {fits['status']} {fits['reason']}: {fits['message']}")
+    print(json.dumps([e.get("observed") for e in cr["status"]["plan"]]))
+    assert fits["status"] == "True", fits["message"]
 
     sts = json.loads(
         kubectl("get", "statefulset", f"{deployed}-decode-0", "-n", NAMESPACE, "-o", "json")

@@ -53,6 +53,11 @@ GROUP_LABEL: Final = f"{GROUP}/group"
 REPLICA_LABEL: Final = f"{GROUP}/replica"
 # Set by the StatefulSet controller on every pod (Kubernetes >= 1.28): the PP rank.
 POD_INDEX_LABEL: Final = "apps.kubernetes.io/pod-index"
+# Value `sglang`, on engine sglang's worker pods only: the chart's PodMonitor scrapes those on
+# `http`, not `status`. NOTE: never on engine dsv4's pods (a new label in their template would
+# change its hash and roll every existing deployment on an operator upgrade) nor on routers, and
+# never in a selector (selectors are immutable).
+ENGINE_LABEL: Final = f"{GROUP}/engine"
 
 APP_NAME_VALUE: Final = "dsv4-serve"
 MANAGED_BY_VALUE: Final = "dsv4-operator"

@@ -134,9 +134,17 @@ def build_pdb(meta: DeploymentMeta, role: L.WorkerRole) -> Obj:
     }
 
 
-def metrics_ingress(scrape_namespace: str) -> list[Obj]:
-    """Every pod of `scrape_namespace` (Prometheus) on the status port, which serves /metrics
-    (by port name); no rule when it is empty."""
+def observed_port_name(sglang: bool) -> str:
+    """The worker port the operator and the metrics scrapers reach. Engine dsv4: `status`
+    (8081: /status, /metrics, on every rank). Engine sglang: `http` (8080: /server_info,
+    /metrics, on PP rank 0 only); SGLang serves nothing on `status`."""
+    return "http" if sglang else "status"
+
+
+def metrics_ingress(scrape_namespace: str, *, sglang: bool = False) -> list[Obj]:
+    """Every pod of `scrape_namespace` (Prometheus) on the port serving /metrics, by name
+    (`observed_port_name`: `status` for engine dsv4, `http` for sglang); no rule when it is
+    empty."""
     if not scrape_namespace:
         return []
     return [
@@ -144,18 +152,23 @@ def metrics_ingress(scrape_namespace: str) -> list[Obj]:
             "from": [
                 {"namespaceSelector": {"matchLabels": {L.NAMESPACE_NAME_LABEL: scrape_namespace}}}
             ],
-            "ports": [{"protocol": "TCP", "port": "status"}],
+            "ports": [{"protocol": "TCP", "port": observed_port_name(sglang)}],
         }
     ]
 
 
-def build_network_policy(meta: DeploymentMeta, scrape_namespace: str = "") -> Obj:
+def build_network_policy(
+    meta: DeploymentMeta, scrape_namespace: str = "", *, sglang: bool = False
+) -> Obj:
     """Worker ingress: peer workers of this deployment on any port (PP activations and KV
-    transfer; UCX/NIXL data paths use ephemeral ports), the router on the serving port, the
-    operator on the status port and, when given, the metrics scrapers' namespace on the status
-    port (`metrics_ingress`). Everything else is denied."""
+    transfer; UCX/NIXL data paths use ephemeral ports), the router on the serving and status
+    ports, the operator (any namespace) on the port it observes and, when given, the metrics
+    scrapers' namespace (`metrics_ingress`). Everything else is denied. The operator and the
+    scrapers get the status port (8081) with engine dsv4, the HTTP port (8080) with sglang
+    (`observed_port_name`)."""
     workers = L.component_selector(meta.name, "worker")
     router = L.component_selector(meta.name, "router")
+    observed_port = WORKER_PORTS[observed_port_name(sglang)]
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -181,9 +194,9 @@ def build_network_policy(meta: DeploymentMeta, scrape_namespace: str = "") -> Ob
                             "podSelector": {"matchLabels": dict(L.OPERATOR_POD_LABELS)},
                         }
                     ],
-                    "ports": [{"protocol": "TCP", "port": STATUS_PORT}],
+                    "ports": [{"protocol": "TCP", "port": observed_port}],
                 },
-                *metrics_ingress(scrape_namespace),
+                *metrics_ingress(scrape_namespace, sglang=sglang),
             ],
         },
     }

@@ -97,9 +97,10 @@ def capacity_series(
         if not seen:
             continue
         key = (namespace, name, str(entry["role"]), str(entry["ppRank"]))
-        out.extend(
+        out.extend(  # a figure the engine does not report has no series
             Series(OBSERVED_PREFIX + suffix, key, seen[field])
             for field, suffix in CAPACITY_FIELDS.items()
+            if field in seen
         )
     return tuple(out)
 

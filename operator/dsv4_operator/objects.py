@@ -139,7 +139,7 @@ def build_desired_state(
     objects: list[Obj] = [
         build_service_account(meta),
         build_config_map(meta, data),
-        build_network_policy(meta, metrics_scrape_namespace),
+        build_network_policy(meta, metrics_scrape_namespace, sglang=sglang),
     ]
     hashes: dict[str, str] = {}
     workloads: list[Obj] = []

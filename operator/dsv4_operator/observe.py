@@ -1,6 +1,7 @@
 """What the operator observes: worker pods (as small frozen records), the router's readiness and
-each worker's self-reported realized capacity (the `/status` document of
-`dsv4_common.api.worker_status`). Pure: `probe.HttpWorkerProbe` fetches the documents.
+each worker's realized capacity: our workers' `/status` documents
+(`dsv4_common.api.worker_status`), or SGLang's `/server_info` from PP rank 0 of each group
+(`sglang_info`). Pure: `probe.HttpWorkerProbe` fetches the documents.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any, Protocol
 from dsv4_common.api.documents import DocumentError
 from dsv4_common.api.worker_status import WorkerStatus, parse_worker_status
 from dsv4_operator import labels as L
+from dsv4_operator.sglang_info import ServerInfo, ServerInfoError, parse_server_info
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,11 +39,20 @@ class Observed:
     pods: tuple[PodState, ...] = ()
     reports: Mapping[str, WorkerStatus] = field(default_factory=dict)  # by pod name
     router_ready_replicas: int = 0
+    # Engine sglang: /server_info of each group's PP rank 0, by pod name; and the pods whose
+    # document could not be read as one, with why.
+    server_info: Mapping[str, ServerInfo] = field(default_factory=dict)
+    unreadable: Mapping[str, str] = field(default_factory=dict)
 
 
 class WorkerProbe(Protocol):
     def fetch(self, pods: Sequence[PodState]) -> dict[str, Mapping[str, Any]]:
-        """Raw status documents by pod name; pods that do not answer are left out."""
+        """Raw /status documents by pod name; pods that do not answer are left out."""
+        ...
+
+    def server_info(self, pods: Sequence[PodState]) -> dict[str, Mapping[str, Any]]:
+        """Raw SGLang /server_info documents of the PP rank 0 pods, by pod name; pods that do
+        not answer are left out."""
         ...
 
 
@@ -93,3 +104,17 @@ def parse_report(doc: Mapping[str, Any]) -> WorkerStatus | None:
 
 def parse_reports(raw: Mapping[str, Mapping[str, Any]]) -> dict[str, WorkerStatus]:
     return {name: r for name, doc in raw.items() if (r := parse_report(doc)) is not None}
+
+
+def parse_server_infos(
+    raw: Mapping[str, Mapping[str, Any]],
+) -> tuple[dict[str, ServerInfo], dict[str, str]]:
+    """(parsed documents, why the others were refused), both by pod name."""
+    parsed: dict[str, ServerInfo] = {}
+    refused: dict[str, str] = {}
+    for name, doc in raw.items():
+        try:
+            parsed[name] = parse_server_info(doc)
+        except ServerInfoError as exc:
+            refused[name] = f"/server_info: {exc}"
+    return parsed, refused

@@ -1,5 +1,6 @@
-"""`HttpWorkerProbe`: GETs each running worker's `/status` document. The operator's only network
-call besides the Kubernetes API."""
+"""`HttpWorkerProbe`: GETs each running worker's `/status` document (engine dsv4), or SGLang's
+`/server_info` from PP rank 0 of each group (engine sglang). The operator's only network calls
+besides the Kubernetes API."""
 
 from __future__ import annotations
 
@@ -10,33 +11,57 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
 from dsv4_operator.observe import PodState
-from dsv4_operator.workerconfig import STATUS_PORT
+from dsv4_operator.sglang_info import SERVER_INFO_PATH
+from dsv4_operator.workerconfig import HTTP_PORT, STATUS_PORT
 
 PROBE_TIMEOUT_S: Final = 2.0
 PROBE_THREADS: Final = 8
 
 
+def _serving(pod: PodState) -> bool:
+    return bool(pod.ip) and pod.phase == "Running" and not pod.deleting
+
+
 class HttpWorkerProbe:
-    """GETs each running worker's /status on its pod IP (the NetworkPolicy admits the operator
-    on the status port only)."""
+    """GETs JSON documents from worker pods on their pod IPs (the NetworkPolicy admits the
+    operator on the status port of our workers and the HTTP port of SGLang's)."""
 
-    def __init__(self, timeout_s: float = PROBE_TIMEOUT_S, port: int = STATUS_PORT) -> None:
+    def __init__(
+        self,
+        timeout_s: float = PROBE_TIMEOUT_S,
+        port: int = STATUS_PORT,
+        http_port: int = HTTP_PORT,
+    ) -> None:
         self.timeout_s = timeout_s
-        self.port = port  # the rendered pods' status port; other values are for tests
+        # The rendered pods' ports; other values are for tests.
+        self.port = port
+        self.http_port = http_port
 
-    def _one(self, pod: PodState) -> tuple[str, Mapping[str, Any] | None]:
-        url = f"http://{pod.ip}:{self.port}/status"
+    def _get(self, url: str) -> Mapping[str, Any] | None:
         try:
             with urllib.request.urlopen(url, timeout=self.timeout_s) as resp:
                 doc = json.loads(resp.read())
         except (OSError, ValueError):
-            return pod.name, None
-        return pod.name, doc if isinstance(doc, Mapping) else None
+            return None
+        return doc if isinstance(doc, Mapping) else None
 
-    def fetch(self, pods: Sequence[PodState]) -> dict[str, Mapping[str, Any]]:
-        targets = [p for p in pods if p.ip and p.phase == "Running" and not p.deleting]
+    def _fan_out(
+        self, targets: Sequence[PodState], port: int, path: str
+    ) -> dict[str, Mapping[str, Any]]:
         if not targets:
             return {}
+
+        def one(pod: PodState) -> tuple[str, Mapping[str, Any] | None]:
+            return pod.name, self._get(f"http://{pod.ip}:{port}{path}")
+
         with ThreadPoolExecutor(max_workers=min(PROBE_THREADS, len(targets))) as pool:
-            results = list(pool.map(self._one, targets))
+            results = list(pool.map(one, targets))
         return {name: doc for name, doc in results if doc is not None}
+
+    def fetch(self, pods: Sequence[PodState]) -> dict[str, Mapping[str, Any]]:
+        return self._fan_out([p for p in pods if _serving(p)], self.port, "/status")
+
+    def server_info(self, pods: Sequence[PodState]) -> dict[str, Mapping[str, Any]]:
+        # Only PP rank 0 of an SGLang group runs the HTTP server.
+        targets = [p for p in pods if _serving(p) and p.pp_rank == 0]
+        return self._fan_out(targets, self.http_port, SERVER_INFO_PATH)

@@ -27,7 +27,13 @@ from dsv4_operator.objects import (
     ObjKey,
     build_desired_state,
 )
-from dsv4_operator.observe import Observed, WorkerProbe, parse_reports, pod_state
+from dsv4_operator.observe import (
+    Observed,
+    WorkerProbe,
+    parse_reports,
+    parse_server_infos,
+    pod_state,
+)
 from dsv4_operator.restarts import format_time, records_from_status
 from dsv4_operator.status import STATUS_KEYS, Problem, summarize
 
@@ -252,11 +258,17 @@ def _observe(
     )
     router = kube.get("apps/v1", "Deployment", meta.namespace, L.router_name(meta.name))
     ready_replicas = int(((router or {}).get("status") or {}).get("readyReplicas") or 0)
-    # SGLang workers serve no /status document (engine sglang): nothing to fetch.
-    raw = {} if spec.engine.sglang else probe.fetch(pods)
+    if spec.engine.sglang:  # no /status documents: SGLang's /server_info on PP rank 0
+        info, unreadable = parse_server_infos(probe.server_info(pods))
+        return Observed(
+            pods=pods,
+            router_ready_replicas=ready_replicas,
+            server_info=info,
+            unreadable=unreadable,
+        )
     return Observed(
         pods=pods,
-        reports=parse_reports(raw),
+        reports=parse_reports(probe.fetch(pods)),
         router_ready_replicas=ready_replicas,
     )
 

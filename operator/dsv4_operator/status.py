@@ -16,6 +16,7 @@ from dsv4_common.api.deployment import MemoryPlan
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec
 from dsv4_common.api.worker_status import WorkerStatus
 from dsv4_operator import labels as L
+from dsv4_operator.capacity import Seen, mismatches, seen_capacity
 from dsv4_operator.groups import GroupAction, GroupPlan, GroupState
 from dsv4_operator.observe import Observed
 from dsv4_operator.restarts import RestartRecord, records_to_status
@@ -27,6 +28,7 @@ CONDITION_TYPES: Final = (
     "PlanValid",
     "ContextFits",
     "KVTransferReady",
+    "CapacityMatchesPlan",
 )
 # The status keys this module owns (anything else under status, e.g. kopf's, is left alone).
 STATUS_KEYS: Final = (
@@ -72,17 +74,20 @@ def summarize(
     now: str,
 ) -> dict[str, Any]:
     status: dict[str, Any] = {"observedGeneration": generation}
+    # Pods of an outdated template realized an older plan: not compared with this one.
+    stale = {p.name for g in groups for p in g.pods if p.template_hash != g.desired_hash}
+    seen = seen_capacity(spec, observed, stale) if spec is not None else ()
     if spec is None or plan is None:
         assert problem is not None, "no plan without a problem"
         conds = _rejected(problem)
     elif not plan.context_fits:
         conds = _rejected(Problem("ContextTooLong", plan.context_message()), plan=plan)
         status["maxContextTokens"] = plan.max_context_tokens
-        status["plan"] = _plan_entries(plan, observed)
+        status["plan"] = _plan_entries(plan, seen)
     else:
         roles = _roles(spec, groups, observed)
         status["roles"] = roles
-        status["plan"] = _plan_entries(plan, observed)
+        status["plan"] = _plan_entries(plan, seen)
         status["maxContextTokens"] = plan.max_context_tokens
         if observed.router_ready_replicas > 0:
             status["endpoint"] = f"http://{L.router_name(meta.name)}.{meta.namespace}.svc:" + str(
@@ -101,7 +106,7 @@ def summarize(
             failed=_failed(groups, records),
             waiting=dict(group_plan.waiting) if group_plan is not None else {},
         )
-        conds = _serving(spec, plan, groups, observed, roles, health)
+        conds = _serving(spec, plan, groups, observed, seen, roles, health)
     status["conditions"] = merge_conditions(
         conds, (previous or {}).get("conditions") or [], generation, now
     )
@@ -145,6 +150,7 @@ def _rejected(problem: Problem, plan: MemoryPlan | None = None) -> list[Cond]:
         if fits
         else Cond("ContextFits", "Unknown", "NotPlanned", "no memory plan"),
         Cond("KVTransferReady", "Unknown", "NotPlanned", "no workers planned"),
+        Cond("CapacityMatchesPlan", "Unknown", "NotPlanned", "no plan to compare against"),
     ]
 
 
@@ -175,19 +181,24 @@ def _roles(
     return out
 
 
-def _observed_for(role: str, rank: int, observed: Observed) -> dict[str, int] | None:
-    reports = [r for r in observed.reports.values() if r.role == role and r.pp_rank == rank]
-    if not reports:
+def _observed_for(role: str, rank: int, seen: Sequence[Seen]) -> dict[str, int] | None:
+    """The least over the replicas of what the rank realized (a figure no replica reports is
+    left out)."""
+    mine = [s for s in seen if s.role == role and rank in s.pp_ranks]
+    if not mine:
         return None
-    return {
-        "fullTokens": min(r.full_tokens for r in reports),
-        "swaTokens": min(r.swa_tokens for r in reports),
-        "maxRunningRequests": min(r.max_running_requests for r in reports),
-        "maxContextTokens": min(r.max_context_tokens for r in reports),
+    out = {
+        "fullTokens": min(s.full_tokens for s in mine),
+        "maxContextTokens": min(s.max_context_tokens for s in mine),
     }
+    if swa := [s.swa_tokens for s in mine if s.swa_tokens is not None]:
+        out["swaTokens"] = min(swa)
+    if requests := [s.max_running_requests for s in mine if s.max_running_requests is not None]:
+        out["maxRunningRequests"] = min(requests)
+    return out
 
 
-def _plan_entries(plan: MemoryPlan, observed: Observed) -> list[dict[str, Any]]:
+def _plan_entries(plan: MemoryPlan, seen: Sequence[Seen]) -> list[dict[str, Any]]:
     entries = []
     for role in L.WORKER_ROLES:
         p = plan.role(role)
@@ -207,8 +218,8 @@ def _plan_entries(plan: MemoryPlan, observed: Observed) -> list[dict[str, Any]]:
                 "maxContextTokens": r.max_context_tokens,
                 "bottleneck": r.pp_rank == p.bottleneck_rank,
             }
-            if (seen := _observed_for(role, r.pp_rank, observed)) is not None:
-                entry["observed"] = seen
+            if (realized := _observed_for(role, r.pp_rank, seen)) is not None:
+                entry["observed"] = realized
             entries.append(entry)
     return entries
 
@@ -288,7 +299,7 @@ def _failed(
     return tuple(r for r in records if r.failed and r.group not in healthy)
 
 
-def _degraded(spec: DeploymentSpec, health: _Health, reports: Mapping[str, WorkerStatus]) -> Cond:
+def _degraded(spec: DeploymentSpec, health: _Health, seen: Sequence[Seen]) -> Cond:
     if health.failed:
         return Cond(
             "Degraded",
@@ -313,7 +324,7 @@ def _degraded(spec: DeploymentSpec, health: _Health, reports: Mapping[str, Worke
             for g, left in sorted(health.waiting.items())
         ]
         return Cond("Degraded", "True", "GroupRestarted", "; ".join(parts))
-    short = sorted(n for n, r in reports.items() if r.max_context_tokens < spec.max_context_tokens)
+    short = sorted(s.worker for s in seen if s.max_context_tokens < spec.max_context_tokens)
     if short:
         return Cond(
             "Degraded",
@@ -330,6 +341,7 @@ def _serving(
     plan: MemoryPlan,
     groups: Sequence[GroupState],
     observed: Observed,
+    seen: Sequence[Seen],
     roles: Mapping[str, Mapping[str, Any]],
     health: _Health,
 ) -> list[Cond]:
@@ -362,8 +374,37 @@ def _serving(
     return [
         ready,
         progressing,
-        _degraded(spec, health, observed.reports),
+        _degraded(spec, health, seen),
         Cond("PlanValid", "True", "Planned", _plan_summary(plan)),
         Cond("ContextFits", "True", "Fits", plan.context_message()),
         kv,
+        _capacity_matches(spec, plan, observed, seen),
     ]
+
+
+def _capacity_matches(
+    spec: DeploymentSpec, plan: MemoryPlan, observed: Observed, seen: Sequence[Seen]
+) -> Cond:
+    """False when a worker realized other figures than it was asked to (capacity.mismatches);
+    else Unknown while a role has no report (or a report could not be read); else True."""
+    source = "/server_info" if spec.engine.sglang else "/status"
+    differ = mismatches(spec, plan, seen)
+    if differ:
+        return Cond(
+            "CapacityMatchesPlan",
+            "False",
+            "CapacityDiffers",
+            "; ".join(differ) + " (tolerance: one page of tokens per rank)",
+        )
+    missing = [role for role in L.WORKER_ROLES if not any(s.role == role for s in seen)]
+    if observed.unreadable or missing:
+        parts = [f"{pod}: {why}" for pod, why in sorted(observed.unreadable.items())]
+        if missing:
+            parts.append(f"no {' or '.join(missing)} worker has answered {source} yet")
+        return Cond("CapacityMatchesPlan", "Unknown", "NotObserved", "; ".join(parts))
+    return Cond(
+        "CapacityMatchesPlan",
+        "True",
+        "AsPlanned",
+        f"{len(seen)} worker(s) realized the plan within a page per rank ({source})",
+    )

@@ -206,11 +206,14 @@ def worker_pod_template(
     """The template of one group's pods, without the template-hash annotation. The hash of a
     configMapRef model's config.json is an annotation: editing that ConfigMap changes the
     template, so the group rolls. `container`: the engine's `worker` container (default: ours,
-    `worker_container`)."""
+    `worker_container`). Engine sglang's pods also carry `ENGINE_LABEL` (the PodMonitor tells
+    them apart by it)."""
     if container is None:
         container = worker_container(meta, spec, role, image)
     pod = _pod_spec(meta, spec, container, gpu=not spec.gpu.cpu_mode)
     metadata: Obj = {"labels": L.group_labels(meta.name, role, replica)}
+    if spec.engine.sglang:  # NOTE: not on engine dsv4's pods, whose template hash it would change
+        metadata["labels"][L.ENGINE_LABEL] = spec.engine.name
     gang = pod_fields(spec.scheduling.gang, L.group_name(meta.name, role, replica))
     metadata["labels"].update(gang.labels)
     annotations = dict(gang.annotations)

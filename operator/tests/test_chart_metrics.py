@@ -24,6 +24,7 @@ from dsv4_operator.objects import build_desired_state
 
 MONITORING_CRDS = Path(__file__).parent / "data" / "prometheus-operator"
 DASHBOARD = CHART / "dashboards" / "dsv4.json"
+SGLANG_SAMPLE = "sglang-flash-pd.yaml"
 ON = [
     *("--set", "metrics.podMonitor.enabled=true"),
     *("--set", "metrics.serviceMonitor.enabled=true"),
@@ -124,18 +125,34 @@ def test_operator_metrics_can_be_turned_off() -> None:
         helm(*args, "--set", "metrics.serviceMonitor.enabled=true")
 
 
-def _pod_templates(make_body: Callable[..., dict[str, Any]]) -> list[dict[str, Any]]:
-    body = make_body()
+def _pod_templates(body: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Workload name -> the pod template the operator plans for it."""
     spec = parse_spec(body)
     state = build_desired_state(spec, parse_meta(body), plan_memory(spec))
-    return [
-        o["spec"]["template"] for o in state.objects if o["kind"] in ("StatefulSet", "Deployment")
-    ]
+    kinds = ("StatefulSet", "Deployment")
+    return {
+        o["metadata"]["name"]: o["spec"]["template"] for o in state.objects if o["kind"] in kinds
+    }
 
 
 def _prometheus_label(label: str) -> str:
     """The `__meta_kubernetes_pod_label_*` name Prometheus gives a pod label."""
     return "__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", label)
+
+
+def _port_numbers(template: dict[str, Any]) -> dict[str, int]:
+    return {
+        p["name"]: p["containerPort"] for c in template["spec"]["containers"] for p in c["ports"]
+    }
+
+
+LABEL_COPIES = {
+    "deployment": [_prometheus_label(L.DEPLOYMENT_LABEL)],
+    "component": [_prometheus_label(L.APP_COMPONENT)],
+    "role": [_prometheus_label(L.ROLE_LABEL)],
+    "pp_rank": [_prometheus_label(L.POD_INDEX_LABEL)],
+    "group": [_prometheus_label(L.GROUP_LABEL)],
+}
 
 
 @needs_helm
@@ -146,35 +163,127 @@ def test_pod_monitor_scrapes_the_operators_workers_and_routers(
     assert monitor["metadata"]["labels"]["release"] == "prom"
     spec = monitor["spec"]
     assert spec["namespaceSelector"] == {"any": True}
-    (endpoint,) = spec["podMetricsEndpoints"]
+    status, http = spec["podMetricsEndpoints"]
     (component,) = spec["selector"]["matchExpressions"]
     assert component == {"key": L.APP_COMPONENT, "operator": "In", "values": ["worker", "router"]}
-    # Every worker and router pod the operator plans matches, and serves /metrics on that port.
-    templates = _pod_templates(make_body)
-    assert {t["metadata"]["labels"][L.APP_COMPONENT] for t in templates} == {"worker", "router"}
-    for template in templates:
+    # Every worker and router pod the operator plans (either engine) matches; our engine's serve
+    # /metrics on `status` (8081), SGLang's server on `http` (8080).
+    templates = {**_pod_templates(make_body()), **_pod_templates(make_body(SGLANG_SAMPLE))}
+    assert {t["metadata"]["labels"][L.APP_COMPONENT] for t in templates.values()} == {
+        "worker",
+        "router",
+    }
+    for template in templates.values():
         labels = template["metadata"]["labels"]
         assert spec["selector"]["matchLabels"].items() <= labels.items()
-        ports = {
-            p["name"]: p["containerPort"]
-            for c in template["spec"]["containers"]
-            for p in c["ports"]
-        }
-        assert ports[endpoint["port"]] == 8081
-    assert endpoint["path"] == "/metrics"
-    # The pod labels that place a series on a rank of a deployment become target labels.
-    relabel = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"]}
-    assert relabel == {
-        "deployment": [_prometheus_label(L.DEPLOYMENT_LABEL)],
-        "component": [_prometheus_label(L.APP_COMPONENT)],
-        "role": [_prometheus_label(L.ROLE_LABEL)],
-        "pp_rank": [_prometheus_label(L.POD_INDEX_LABEL)],
-        "group": [_prometheus_label(L.GROUP_LABEL)],
+        ports = _port_numbers(template)
+        assert ports[status["port"]] == 8081
+        if labels[L.APP_COMPONENT] == "worker":
+            assert ports[http["port"]] == 8080
+    assert status["path"] == http["path"] == "/metrics"
+    # The pod labels that place a series on a rank of a deployment become target labels, on both.
+    for endpoint in (status, http):
+        relabel = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"][1:]}
+        assert relabel == LABEL_COPIES
+    # The first relabeling picks the engine's pods, by the meta-label names of the operator's keys.
+    engine_component = [_prometheus_label(k) for k in (L.ENGINE_LABEL, L.APP_COMPONENT)]
+    assert status["relabelings"][0] == {
+        "sourceLabels": engine_component,
+        "separator": ";",
+        "regex": "sglang;worker",
+        "action": "drop",
+    }
+    assert http["relabelings"][0] == {
+        "sourceLabels": [*engine_component, _prometheus_label(L.POD_INDEX_LABEL)],
+        "separator": ";",
+        "regex": "sglang;worker;0",
+        "action": "keep",
     }
     watched = by_kind(render(*VALUE_SETS["monitors-watch-list"]), "PodMonitor")[0]
     assert watched["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
     namespaced = by_kind(render(*VALUE_SETS["monitors-namespaced"]), "PodMonitor")[0]
     assert namespaced["spec"]["namespaceSelector"] == {"matchNames": ["dsv4-system"]}
+
+
+# --- which pods each PodMonitor endpoint scrapes: a tiny model of prometheus-operator ----------
+
+
+def _selected(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A label selector of matchLabels and `In` matchExpressions."""
+    expressions = selector.get("matchExpressions", [])
+    assert all(e["operator"] == "In" for e in expressions)
+    return selector["matchLabels"].items() <= labels.items() and all(
+        labels.get(e["key"]) in e["values"] for e in expressions
+    )
+
+
+def _relabel_keeps(relabelings: list[dict[str, Any]], meta: dict[str, str]) -> bool:
+    """Prometheus' keep and drop: the source labels' values (an absent label is "") joined by
+    the separator (default ";") must match the whole regex (Prometheus anchors it)."""
+    for rule in relabelings:
+        action = rule.get("action", "replace").lower()
+        if action not in ("keep", "drop"):
+            continue  # a label copy never drops a target
+        value = rule.get("separator", ";").join(meta.get(s, "") for s in rule["sourceLabels"])
+        if (re.fullmatch(rule.get("regex", "(.*)"), value) is not None) != (action == "keep"):
+            return False
+    return True
+
+
+def _scrapes(monitor: dict[str, Any], endpoint: dict[str, Any], pod: dict[str, Any]) -> bool:
+    """A pod is a target of an endpoint iff the monitor selects it, it has a container port of
+    the endpoint's name, and the endpoint's relabelings keep it."""
+    labels = pod["metadata"]["labels"]
+    meta = {_prometheus_label(k): v for k, v in labels.items()}
+    return (
+        _selected(monitor["spec"]["selector"], labels)
+        and endpoint["port"] in _port_numbers(pod)
+        and _relabel_keeps(endpoint["relabelings"], meta)
+    )
+
+
+def _as_pod(template: dict[str, Any], rank: int | None = None) -> dict[str, Any]:
+    """A pod of `template`; a StatefulSet's carries its ordinal (the PP rank) as pod-index."""
+    labels = dict(template["metadata"]["labels"])
+    if rank is not None:
+        labels[L.POD_INDEX_LABEL] = str(rank)
+    return {**template, "metadata": {**template["metadata"], "labels": labels}}
+
+
+def test_relabel_model_follows_prometheus() -> None:
+    rule = {"sourceLabels": ["a", "b"], "separator": ";", "regex": "x;y", "action": "keep"}
+    assert _relabel_keeps([rule], {"a": "x", "b": "y"})
+    assert not _relabel_keeps([rule], {"a": "x", "b": "yy"})  # anchored: the whole value
+    assert not _relabel_keeps([rule], {"a": "x"})  # absent: ""
+    assert not _relabel_keeps([{**rule, "action": "drop"}], {"a": "x", "b": "y"})
+    assert _relabel_keeps([{"sourceLabels": ["a"], "targetLabel": "t"}], {})
+
+
+@needs_helm
+def test_each_endpoint_scrapes_the_pods_that_serve_metrics_on_its_port(
+    make_body: Callable[..., dict[str, Any]],
+) -> None:
+    """`status`: our workers (every rank) and both routers; `http`: PP rank 0 of SGLang's workers
+    only (its ranks > 0 serve no HTTP, and nothing of SGLang's is on `status`)."""
+    (monitor,) = by_kind(render(*ON), "PodMonitor")
+    ours, sglang = _pod_templates(make_body()), _pod_templates(make_body(SGLANG_SAMPLE))
+    pods = {
+        "dsv4 worker 0": _as_pod(ours["tiny-prefill-0"], 0),
+        "dsv4 worker 1": _as_pod(ours["tiny-prefill-0"], 1),
+        "dsv4 router": _as_pod(ours["tiny-router"]),
+        "sglang worker 0": _as_pod(sglang["flash-sgl-prefill-0"], 0),
+        "sglang worker 1": _as_pod(sglang["flash-sgl-prefill-0"], 1),
+        "sglang router": _as_pod(sglang["flash-sgl-router"]),
+    }
+    assert L.ENGINE_LABEL not in pods["sglang router"]["metadata"]["labels"]
+    status, http = monitor["spec"]["podMetricsEndpoints"]
+    assert {n for n, pod in pods.items() if _scrapes(monitor, status, pod)} == {
+        "dsv4 worker 0",
+        "dsv4 worker 1",
+        "dsv4 router",
+        "sglang router",
+    }
+    assert {n for n, pod in pods.items() if _scrapes(monitor, http, pod)} == {"sglang worker 0"}
 
 
 @needs_helm

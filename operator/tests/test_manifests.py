@@ -202,6 +202,33 @@ def test_network_policy_admits_only_peers_router_and_operator(
     assert [p["port"] for p in operator["ports"]] == [8081]
 
 
+def test_network_policy_admits_the_metrics_scrapers_on_the_status_port(
+    make_body: Callable[..., Body],
+) -> None:
+    body = make_body()
+    spec = parse_spec(body)
+    state = build_desired_state(
+        spec, parse_meta(body), plan_memory(spec), metrics_scrape_namespace="monitoring"
+    )
+    *_, operator, scrapers = by_kind(state)["NetworkPolicy"]["tiny-workers"]["spec"]["ingress"]
+    assert operator["ports"] == [{"protocol": "TCP", "port": 8081}]
+    assert scrapers == {
+        "from": [{"namespaceSelector": {"matchLabels": {L.NAMESPACE_NAME_LABEL: "monitoring"}}}],
+        "ports": [{"protocol": "TCP", "port": "status"}],
+    }
+
+
+@pytest.mark.parametrize("sample", SAMPLES)
+def test_our_engines_pods_carry_no_engine_label(
+    make_body: Callable[..., Body], sample: str
+) -> None:
+    """Only SGLang's worker pods carry it: on ours it would change every template hash and roll
+    every existing deployment on an operator upgrade."""
+    for obj in desired(make_body(sample)).objects:
+        if obj["kind"] in ("StatefulSet", "Deployment"):
+            assert L.ENGINE_LABEL not in obj["spec"]["template"]["metadata"]["labels"]
+
+
 def test_service_account_has_no_token(make_body: Callable[..., Body]) -> None:
     sa = by_kind(desired(make_body()))["ServiceAccount"]["tiny-workload"]
     assert sa["automountServiceAccountToken"] is False

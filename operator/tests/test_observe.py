@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from contract_samples import DECODE_STATUS
+from support.sglang_stand_in import server_info_doc
 from support.status_servers import HANG, StatusServers
 
 from dsv4_common.api.worker_status import build_worker_status
@@ -127,13 +128,19 @@ def workers() -> Iterator[StatusServers]:
     servers.close()
 
 
-def _state(name: str, ip: str | None, phase: str = "Running", deleting: bool = False) -> PodState:
+def _state(
+    name: str,
+    ip: str | None,
+    phase: str = "Running",
+    deleting: bool = False,
+    pp_rank: int | None = 0,
+) -> PodState:
     return PodState(
         name=name,
         uid=name,
         role="decode",
         group="g",
-        pp_rank=0,
+        pp_rank=pp_rank,
         phase=phase,
         ready=True,
         restart_count=0,
@@ -166,3 +173,22 @@ def test_probe_with_no_running_pods_sends_nothing(workers: StatusServers) -> Non
     pending = [_state("p", "127.0.0.2", phase="Pending")]
     assert HttpWorkerProbe(port=workers.port).fetch(pending) == {}
     assert workers.hits == []
+
+
+def test_server_info_asks_pp_rank_0_of_running_pods_on_the_http_port(
+    workers: StatusServers,
+) -> None:
+    info = server_info_doc(full_tokens=8192, context_tokens=4096)
+    workers.info.update({"127.0.0.2": info, "127.0.0.3": 503, "127.0.0.4": b"{", "127.0.0.5": HANG})
+    pods = [
+        _state("sgl-0", "127.0.0.2"),
+        _state("sgl-1", "127.0.0.2", pp_rank=1),  # runs no HTTP server
+        _state("unhealthy-0", "127.0.0.3"),
+        _state("garbage-0", "127.0.0.4"),
+        _state("slow-0", "127.0.0.5"),
+        _state("pending-0", "127.0.0.2", phase="Pending"),
+        _state("unlabelled", "127.0.0.2", pp_rank=None),
+    ]
+    probe = HttpWorkerProbe(timeout_s=2.0, port=1, http_port=workers.port)  # not the status port
+    assert probe.server_info(pods) == {"sgl-0": info}
+    assert sorted(workers.hits) == [f"127.0.0.{n}/server_info" for n in (2, 3, 4, 5)]

@@ -62,6 +62,7 @@ import sglang_cmdlines as C
 from repo_paths import ROOT
 
 from dsv4_operator import sglang_flags as F
+from dsv4_operator.sglang_info import parse_server_info
 from dsv4_operator.sglang_snapshot import SglangArgsError
 
 pytestmark = pytest.mark.sglang
@@ -145,6 +146,55 @@ def test_real_server_args_from_the_command_line(
 ) -> None:
     record = server_args.prepare_server_args(C.server_argv("prefill"))  # parse + from_cli_args
     assert {k: getattr(record, k) for k in C.SERVER_VALUES} == C.SERVER_VALUES
+
+
+# ---- /server_info (what the operator reads of it: sglang_info.py) ------------------------
+
+
+def _source(server_args: ModuleType, relative: str) -> str:
+    """A module's source text from the installed package (importing the scheduler would start
+    CUDA-only imports)."""
+    return (Path(server_args.__file__).parent / relative).read_text("utf-8")
+
+
+def test_real_server_info_carries_the_fields_the_operator_reads(
+    server_args: ModuleType, sealed_process: None
+) -> None:
+    """The document's layout in this version: http_server.server_info spreads the resolved
+    server arguments (context_length among them) and the scheduler's start-up info
+    (max_total_num_tokens) and lists one internal state per DP scheduler, built with
+    build_memory_usage (token_capacity_swa) and effective_max_running_requests_per_dp."""
+    record = server_args.prepare_server_args(C.server_argv("decode"))
+    assert record.context_length == C.SERVER_VALUES["context_length"]
+    http = _source(server_args, "entrypoints/http_server.py")
+    assert '"internal_states": internal_states' in http and "build_server_info(" in http
+    assert '"max_total_num_tokens": self.max_total_num_tokens' in _source(
+        server_args, "managers/scheduler.py"
+    )
+    internal = _source(server_args, "managers/scheduler_components/internal_state.py")
+    assert 'state["effective_max_running_requests_per_dp"]' in internal
+    assert 'state["memory_usage"] = build_memory_usage(' in internal
+    usage = need(
+        "sglang.srt.managers.scheduler_components.memory_usage", OPT_IN in ("1", "full")
+    ).build_memory_usage(
+        weight_gb=38.1,
+        kv_cache_gb=61.7,
+        startup_available_gb=139.5,
+        token_capacity=491_520,
+        token_capacity_swa=49_152,
+        target_graph_memory_usage=None,
+        draft_graph_memory_usage=None,
+    )
+    doc = {
+        "context_length": record.context_length,
+        "max_total_num_tokens": 491_520,
+        "internal_states": [
+            {"memory_usage": usage, "effective_max_running_requests_per_dp": 128},
+            {"memory_usage": usage, "effective_max_running_requests_per_dp": 128},
+        ],
+    }
+    info = parse_server_info(doc)
+    assert (info.full_tokens, info.swa_tokens, info.max_running_requests) == (491_520, 49_152, 256)
 
 
 # ---- resolution (SGLang's post-processing) ----------------------------------------------

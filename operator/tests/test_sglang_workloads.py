@@ -156,18 +156,83 @@ def test_the_router_runs_sglang_router_in_pd_mode(make_body: Callable[..., Body]
     assert images == {"s:1"}
 
 
-def test_services_and_network_policy_are_those_of_our_engine(
+def _as_our_engine(body: Body) -> Body:
+    ours = {**body, "spec": {**body["spec"], "engine": {"name": "dsv4"}}}
+    for role in ("prefill", "decode"):
+        ours["spec"][role] = {k: v for k, v in body["spec"][role].items() if k != "engineArgs"}
+    return ours
+
+
+def test_services_are_those_of_our_engine(make_body: Callable[..., Body]) -> None:
+    """Same ports by the same names and the same selectors."""
+    sgl = make_body(SAMPLE)
+    for kind in ("Service", "PodDisruptionBudget"):
+        mine = {n: o["spec"] for n, o in named(desired(sgl), kind).items()}
+        theirs = {n: o["spec"] for n, o in named(desired(_as_our_engine(sgl)), kind).items()}
+        assert mine == theirs, kind
+
+
+def _network_policy(body: Body) -> Body:
+    spec = parse_spec(body)
+    state = build_desired_state(
+        spec, parse_meta(body), plan_memory(spec), metrics_scrape_namespace="monitoring"
+    )
+    (policy,) = named(state, "NetworkPolicy").values()
+    rules: Body = policy["spec"]
+    return rules
+
+
+def test_network_policy_admits_the_operator_and_scrapers_on_http(
     make_body: Callable[..., Body],
 ) -> None:
-    """Same ports by the same names: nothing but the pods changes with the engine."""
+    """SGLang serves nothing on `status`: the operator (/server_info) and the metrics scrapers
+    (/metrics) reach PP rank 0's HTTP server. Peers and the router as with our engine."""
     sgl = make_body(SAMPLE)
-    ours = make_body(SAMPLE, engine={"name": "dsv4"})
-    for role in ("prefill", "decode"):
-        del ours["spec"][role]["engineArgs"]
-    for kind in ("Service", "NetworkPolicy", "PodDisruptionBudget"):
-        mine = {n: o["spec"] for n, o in named(desired(sgl), kind).items()}
-        theirs = {n: o["spec"] for n, o in named(desired(ours), kind).items()}
-        assert mine == theirs, kind
+    mine, theirs = _network_policy(sgl), _network_policy(_as_our_engine(sgl))
+    peers, router, operator, scrapers = mine["ingress"]
+    assert [peers, router] == theirs["ingress"][:2]
+    assert operator["from"][0]["podSelector"]["matchLabels"] == L.OPERATOR_POD_LABELS
+    assert operator["ports"] == [{"protocol": "TCP", "port": 8080}]
+    assert theirs["ingress"][2]["ports"] == [{"protocol": "TCP", "port": 8081}]
+    assert scrapers["from"] == theirs["ingress"][3]["from"]
+    assert scrapers["ports"] == [{"protocol": "TCP", "port": "http"}]
+    assert theirs["ingress"][3]["ports"] == [{"protocol": "TCP", "port": "status"}]
+    assert {k: v for k, v in mine.items() if k != "ingress"} == {
+        k: v for k, v in theirs.items() if k != "ingress"
+    }
+
+
+def test_only_sglangs_worker_pods_carry_the_engine_label(make_body: Callable[..., Body]) -> None:
+    """The PodMonitor tells SGLang's workers apart by it; routers and our engine's pods (whose
+    template hash it would change) carry none, and no selector names it (they are immutable)."""
+    sgl = desired(make_body(SAMPLE)).with_surge({"prefill": 1, "decode": 1})
+    for state, expected in ((sgl, "sglang"), (desired(_as_our_engine(make_body(SAMPLE))), None)):
+        workloads = [o for o in state.objects if o["kind"] in ("StatefulSet", "Deployment")]
+        assert len(workloads) == (6 if expected else 4)
+        for obj in workloads:
+            labels = obj["spec"]["template"]["metadata"]["labels"]
+            worker = obj["kind"] == "StatefulSet"
+            assert labels.get(L.ENGINE_LABEL) == (expected if worker else None), obj["kind"]
+            assert L.ENGINE_LABEL not in obj["spec"]["selector"]["matchLabels"]
+            assert L.ENGINE_LABEL not in obj["metadata"]["labels"]
+        selectors = [
+            o["spec"][k]
+            for o in state.objects
+            for k in ("selector", "podSelector")
+            if k in o.get("spec", {})
+        ]
+        assert len(selectors) > len(workloads)  # Services, PDBs and the NetworkPolicy too
+        assert not [s for s in selectors if L.ENGINE_LABEL in str(s)]
+
+
+def test_a_pod_template_cannot_set_the_engine_label(make_body: Callable[..., Body]) -> None:
+    """Else our engine's pods could pass for SGLang's and go unscraped."""
+    body = make_body("tiny-cpu.yaml")
+    body["spec"]["prefill"]["podTemplate"] = {"metadata": {"labels": {L.ENGINE_LABEL: "sglang"}}}
+    with pytest.raises(SpecError) as info:
+        desired(body)
+    needle = f"spec.prefill.podTemplate.metadata.labels[{L.ENGINE_LABEL}]: owned by the operator"
+    assert needle in str(info.value), info.value.errors
 
 
 # --- probes ----------------------------------------------------------------------------------
@@ -323,10 +388,14 @@ def test_our_engines_router_does_not_depend_on_surge(make_body: Callable[..., Bo
 
 
 class _NoStatusProbe:
-    """SGLang workers have no /status document: the reconcile must not ask."""
+    """SGLang workers have no /status document: the reconcile must not ask. Their /server_info
+    does not answer here (test_sglang_observed.py has workers that do)."""
 
     def fetch(self, pods: Sequence[PodState]) -> dict[str, Any]:
         raise AssertionError(f"fetched /status of {[p.name for p in pods]}")
+
+    def server_info(self, pods: Sequence[PodState]) -> dict[str, Any]:
+        return {}
 
 
 def _conditions(kube: FakeKube) -> dict[str, Body]:

@@ -13,4 +13,5 @@ SERVING_CONDITIONS: Final = {
     "PlanValid": "True",
     "ContextFits": "True",
     "KVTransferReady": "True",
+    "CapacityMatchesPlan": "True",
 }

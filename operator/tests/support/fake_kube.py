@@ -1,6 +1,6 @@
 """In-memory stand-ins for the reconciler's two ports: `FakeKube` (the `Kube` protocol, recording
 every write, plus the StatefulSet/Deployment controllers' and the kubelet's part) and
-`FakeProbe` (the workers' `GET :8081/status`)."""
+`FakeProbe` (the workers' `GET :8081/status`, SGLang's `GET :8080/server_info`)."""
 
 from __future__ import annotations
 
@@ -152,13 +152,18 @@ class FakeKube:
 
 
 class FakeProbe:
-    """Worker status documents by pod name (what GET :8081/status would return)."""
+    """Worker status documents by pod name (what GET :8081/status would return), and SGLang's
+    /server_info documents by pod name (GET :8080/server_info on PP rank 0)."""
 
     def __init__(self) -> None:
         self.docs: dict[str, dict[str, Any]] = {}
+        self.infos: dict[str, dict[str, Any]] = {}
 
     def fetch(self, pods: Sequence[PodState]) -> dict[str, Mapping[str, Any]]:
         return {p.name: self.docs[p.name] for p in pods if p.name in self.docs}
+
+    def server_info(self, pods: Sequence[PodState]) -> dict[str, Mapping[str, Any]]:
+        return {p.name: self.infos[p.name] for p in pods if p.name in self.infos}
 
     def report_planned(self, kube: FakeKube, *, backend: str = "nixl", scale: float = 1.0) -> None:
         """Every worker reports the capacity its ConfigMap planned (times `scale`)."""

@@ -270,7 +270,7 @@ def running_operator(
     monkeypatch.setattr(
         operator_settings,
         "HttpWorkerProbe",
-        lambda: HttpWorkerProbe(timeout_s=1.0, port=workers.port),
+        lambda: HttpWorkerProbe(timeout_s=1.0, port=workers.port, http_port=workers.port),
     )
     metrics = OperatorMetrics()
     monkeypatch.setattr(operator_settings, "OperatorMetrics", lambda: metrics)

@@ -1,0 +1,199 @@
+"""Realized capacity next to the plan (capacity.py): what each engine's worker is asked to
+realize, and a difference of more than one page per rank (or any in requests) reported naming
+the worker, the figure and both values."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+from repo_paths import SAMPLES
+from support.sglang_stand_in import flag
+
+from dsv4_common.api.deployment import MemoryPlan, plan_memory
+from dsv4_common.api.spec import DeploymentSpec, parse_meta, parse_spec
+from dsv4_common.api.worker_status import WorkerStatus
+from dsv4_operator import labels as L
+from dsv4_operator.capacity import Seen, mismatches, pinned, seen_capacity
+from dsv4_operator.observe import Observed, PodState
+from dsv4_operator.sglang_command import server_args
+from dsv4_operator.sglang_info import ServerInfo
+
+
+def _load(sample: str, **model: str) -> tuple[DeploymentSpec, MemoryPlan, dict[str, Any]]:
+    body = yaml.safe_load((SAMPLES / sample).read_text())
+    body["metadata"]["namespace"] = "ns"
+    if model:
+        body["spec"]["model"] = model
+    spec = parse_spec(body)
+    return spec, plan_memory(spec), body
+
+
+# Our engine, PP > 1 in both roles (its configPath stands for the preset's config).
+PRO_PP = _load("pro-pd-pp.yaml", preset="deepseek-v4-pro")
+SGL = _load("sglang-flash-pd.yaml")  # SGLang, prefill PP 2
+
+
+def _seen_as_planned(spec: DeploymentSpec, plan: MemoryPlan, role: L.WorkerRole) -> list[Seen]:
+    return [
+        Seen(
+            worker=f"w-{role}-{r.pp_rank}",
+            role=role,
+            pp_ranks=(r.pp_rank,),
+            full_tokens=r.full_tokens,
+            max_context_tokens=r.max_context_tokens,
+            swa_tokens=r.swa_tokens,
+            max_running_requests=r.max_running_requests,
+        )
+        for r in plan.role(role).ranks
+    ]
+
+
+def test_our_workers_are_asked_for_their_own_ranks_plan() -> None:
+    spec, plan, _ = PRO_PP
+    for role in L.WORKER_ROLES:
+        ranks = plan.role(role).ranks
+        assert len(ranks) > 1
+        for r in ranks:
+            want = pinned(spec, plan, role, r.pp_rank)
+            assert (want.full_tokens, want.swa_tokens, want.max_running_requests) == (
+                r.full_tokens,
+                r.swa_tokens,
+                r.max_running_requests,
+            )
+        seen = _seen_as_planned(spec, plan, role)
+        assert mismatches(spec, plan, seen) == []
+
+
+def test_sglang_is_asked_for_what_its_command_line_says_on_every_rank() -> None:
+    """The figures come from the rendered argv (SGLang's SWA pool: the ratio's tokens, floored to
+    a page), the same for every PP rank."""
+    spec, plan, body = SGL
+    for role in L.WORKER_ROLES:
+        argv = server_args(spec, parse_meta(body), plan, role, 0)
+        full, page = int(flag(argv, "--max-total-tokens")), int(flag(argv, "--page-size"))
+        swa = int(full * float(flag(argv, "--swa-full-tokens-ratio"))) // page * page
+        for r in plan.role(role).ranks:
+            want = pinned(spec, plan, role, r.pp_rank)
+            assert (want.full_tokens, want.swa_tokens, want.page_size) == (full, swa, page)
+            assert want.max_running_requests == int(flag(argv, "--max-running-requests"))
+
+
+@given(delta_pages=st.floats(-3.0, 3.0, allow_nan=False), rank=st.integers(0, 1))
+def test_a_difference_of_more_than_a_page_is_reported_and_one_within_is_not(
+    delta_pages: float, rank: int
+) -> None:
+    spec, plan, _ = PRO_PP
+    seen = _seen_as_planned(spec, plan, "prefill")
+    page = plan.role("prefill").inputs.resolved_page_size
+    delta = round(delta_pages * page)
+    seen[rank] = Seen(**{**_fields(seen[rank]), "full_tokens": seen[rank].full_tokens + delta})
+    lines = mismatches(spec, plan, seen)
+    if abs(delta) <= page:
+        assert lines == []
+    else:
+        planned = plan.role("prefill").ranks[rank].full_tokens
+        assert lines == [
+            f"w-prefill-{rank} (prefill, PP rank {rank}): fullTokens {planned + delta} realized, "
+            f"{planned} planned ({delta / page:+.1f} pages)"
+        ]
+
+
+def _fields(s: Seen) -> dict[str, Any]:
+    return {k: getattr(s, k) for k in Seen.__dataclass_fields__}
+
+
+def test_requests_must_match_exactly_and_unreported_figures_are_not_compared() -> None:
+    spec, plan, _ = SGL
+    want = pinned(spec, plan, "decode", 0)
+    base = Seen(
+        worker="flash-sgl-decode-1-0",
+        role="decode",
+        pp_ranks=(0,),
+        full_tokens=want.full_tokens,
+        max_context_tokens=131072,
+    )
+    assert mismatches(spec, plan, [base]) == []  # swa and requests unknown
+    fewer = Seen(**{**_fields(base), "max_running_requests": want.max_running_requests - 1})
+    (line,) = mismatches(spec, plan, [fewer])
+    assert line == (
+        f"flash-sgl-decode-1-0 (decode, PP rank 0): maxRunningRequests "
+        f"{want.max_running_requests - 1} realized, {want.max_running_requests} planned"
+    )
+
+
+def test_an_sglang_group_reports_once_for_all_its_ranks() -> None:
+    spec, plan, _ = SGL
+    want = pinned(spec, plan, "prefill", 0)
+    short = Seen(
+        worker="flash-sgl-prefill-0-0",
+        role="prefill",
+        pp_ranks=(0, 1),
+        full_tokens=want.full_tokens - 4 * want.page_size,
+        max_context_tokens=131072,
+        swa_tokens=want.swa_tokens,
+    )
+    assert mismatches(spec, plan, [short]) == [
+        f"flash-sgl-prefill-0-0 (prefill, PP ranks 0-1): fullTokens "
+        f"{short.full_tokens} realized, {want.full_tokens} planned (-4.0 pages)"
+    ]
+
+
+def test_a_rank_the_plan_does_not_have_is_a_difference() -> None:
+    spec, plan, _ = SGL
+    seen = Seen(worker="x-0", role="decode", pp_ranks=(0, 1), full_tokens=0, max_context_tokens=0)
+    (line,) = mismatches(spec, plan, [seen])
+    assert "PP rank 1 is not in the plan (1 ranks)" in line and "fullTokens 0 realized" in line
+
+
+def _pod(name: str, role: str, rank: int) -> PodState:
+    return PodState(
+        name=name,
+        uid=name,
+        role=role,
+        group=name.rsplit("-", 1)[0],
+        pp_rank=rank,
+        phase="Running",
+        ready=True,
+        restart_count=0,
+        deleting=False,
+        template_hash="h",
+        created_at=None,
+        started_at=None,
+        ip="127.0.0.2",
+    )
+
+
+def test_seen_capacity_takes_both_engines_reports_and_skips_stale_pods() -> None:
+    spec, _, _ = SGL
+    info = ServerInfo(full_tokens=4096, context_tokens=8192, swa_tokens=512)
+    report = WorkerStatus(
+        role="decode",
+        pp_rank=0,
+        full_tokens=100,
+        swa_tokens=10,
+        max_running_requests=3,
+        max_context_tokens=50,
+    )
+    observed = Observed(
+        pods=(_pod("p-0-0", "prefill", 0), _pod("d-0-0", "decode", 0), _pod("d-1-0", "decode", 0)),
+        reports={"r-0": report, "old-0": report},
+        server_info={"p-0-0": info, "d-0-0": info, "d-1-0": info, "gone-0": info},
+    )
+    seen = seen_capacity(spec, observed, stale={"old-0", "d-1-0"})
+    assert [(s.worker, s.role, s.pp_ranks) for s in seen] == [
+        ("d-0-0", "decode", (0,)),
+        ("p-0-0", "prefill", (0, 1)),  # prefill PP 2: rank 0 speaks for both
+        ("r-0", "decode", (0,)),
+    ]
+    assert seen[1].max_context_tokens == 4096 and seen[1].swa_tokens == 512
+
+
+@pytest.mark.parametrize("role", L.WORKER_ROLES)
+def test_sglang_figures_are_a_groups_least(role: L.WorkerRole) -> None:
+    spec, plan, _ = SGL
+    ranks = plan.role(role).ranks
+    assert pinned(spec, plan, role, 0).full_tokens == min(r.full_tokens for r in ranks)
