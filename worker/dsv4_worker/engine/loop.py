@@ -28,7 +28,7 @@ import torch
 
 from dsv4_common.core.index_space import pages_for_tokens
 from dsv4_worker.engine.paged import PagedModel, Segment
-from dsv4_worker.engine.sampler import SamplingParams, make_generator, sample
+from dsv4_worker.engine.sampler import SamplingParams, greedy_tokens, make_generator, sample
 from dsv4_worker.mem.errors import KVMemoryError
 from dsv4_worker.mem.offload import OffloadedRequest, offload_request, reload_request
 from dsv4_worker.sched.budget import NOTHING, Capacity, Need
@@ -97,6 +97,7 @@ class Engine:
         self.on_cancel = on_cancel
         self.requests: dict[int, Request] = {}  # unfinished, by rid
         self.held: dict[int, Request] = {}  # finished but holding pages until release()
+        self._held_needs: dict[tuple[int, int], Need] = {}  # _views' shared Need per count
         self._finished_between: list[Request] = []  # finished outside step()
         self._rids = itertools.count()
         self.new_token_ratio = RATIO_MAX
@@ -243,7 +244,7 @@ class Engine:
         return self.sample(self.paged.forward(segments), sample_at)
 
     def sample(self, logits: torch.Tensor, sample_at: list[tuple[int, Request]]) -> list[int]:
-        greedy = logits.argmax(dim=-1).tolist()  # one sync for every greedy request
+        greedy = greedy_tokens(logits)  # one sync for every greedy request
         return [
             greedy[i] if req.generator is None else sample(logits[i], req.params, req.generator)
             for i, req in sample_at
@@ -327,17 +328,24 @@ class Engine:
         sample_at: list[tuple[int, Request]] = []
         decoders = [self.requests[rid] for rid in plan.decodes]
         if decoders:
-            slots = torch.tensor([r.slot for r in decoders], dtype=torch.int64, device=dev)
+            slot_ids = [r.slot for r in decoders if r.slot is not None]
+            assert len(slot_ids) == len(decoders), "a decoding request holds a slot"
+            slots = torch.tensor(slot_ids, dtype=torch.int64, device=dev)
             try:  # the command checks before it writes: no separate can_decode pass
                 self.mem.pages.decode(slots)
             except KVMemoryError as exc:
                 raise AssertionError(
                     f"the scheduler planned a decode the allocator refuses: {exc}"
                 ) from exc
+            # Decodes come first: segment i is decoders[i]. tuple.__new__ builds the NamedTuple
+            # without its Python-level __new__ (half the cost, once per request per step).
+            make = tuple.__new__
+            segments = [
+                make(Segment, (slot, r.num_tokens, (r.output[-1],)))
+                for slot, r in zip(slot_ids, decoders, strict=True)
+            ]
+            sample_at = list(enumerate(decoders))
             for req in decoders:
-                assert req.slot is not None
-                sample_at.append((len(segments), req))
-                segments.append(Segment(req.slot, req.num_tokens, (req.output[-1],)))
                 req.num_tokens += 1
         for rid, tokens in plan.chunks:
             req = self.requests[rid]
@@ -384,30 +392,38 @@ class Engine:
     def _views(self) -> list[ReqView]:
         """Every unfinished request as the scheduler sees it. Pages held follow from the page
         table's invariant (columns below ceil(n/P) have a full page; those at or past
-        swa_start/P also an SWA page): two host reads for the whole batch."""
+        swa_start/P also an SWA page): two host reads for the whole batch.
+
+        Runs once per step over every request (the engine's largest per-request cost at
+        1024 running), hence the plain loop: positional tuples and one `Need` per distinct
+        (full, swa) count, shared (they are immutable)."""
         page = self.config.page_size
         pages = self.mem.pages
         num_tokens = pages.num_tokens.tolist()
         swa_start = pages.swa_start_tokens.tolist()
-        views = []
+        shared = self._held_needs
+        make = tuple.__new__
+        views: list[ReqView] = []
         for req in self.requests.values():
             held = resume = NOTHING
-            if req.slot is not None:
-                full = pages_for_tokens(num_tokens[req.slot], page)
-                held = Need(full, max(0, full - swa_start[req.slot] // page), 1)
+            slot = req.slot
+            if slot is not None:
+                full = -(-num_tokens[slot] // page)
+                swa = full - swa_start[slot] // page
+                key = (full, swa if swa > 0 else 0)
+                held = shared.get(key) or shared.setdefault(key, Need(*key, 1))
             if req.snapshot is not None:
                 full = pages_for_tokens(req.snapshot.num_tokens, page)
                 resume = Need(full, int(req.snapshot.swa_mask.sum()))
-            views.append(
-                ReqView(
-                    rid=req.rid,
-                    phase=req.phase,
-                    prompt_len=len(req.prompt),
-                    max_new_tokens=req.params.max_new_tokens,
-                    num_tokens=req.num_tokens,
-                    generated=len(req.output),
-                    held=held,
-                    resume=resume,
-                )
+            fields = (
+                req.rid,
+                req.phase,
+                len(req.prompt),
+                req.params.max_new_tokens,
+                req.num_tokens,
+                len(req.output),
+                held,
+                resume,
             )
+            views.append(make(ReqView, fields))
         return views

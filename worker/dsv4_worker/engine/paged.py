@@ -32,9 +32,9 @@ from dsv4_worker.model.layers import Params
 from dsv4_worker.model.ops import COMPUTE, rms_norm, stored
 
 
-@dataclass(frozen=True, slots=True)
-class Segment:
-    """One request's tokens in a forward batch: positions [start, start + len(token_ids))."""
+class Segment(NamedTuple):
+    """One request's tokens in a forward batch: positions [start, start + len(token_ids)).
+    (A NamedTuple: the engine builds one per request per step.)"""
 
     slot: int  # request slot
     start: int

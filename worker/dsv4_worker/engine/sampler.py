@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -50,3 +51,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | 
         keep = torch.cumsum(sorted_probs, 0) - sorted_probs < params.top_p  # at least the top one
         probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
     return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax, for logits [batch, vocab]: the first maximum, a NaN counting as the
+    maximum (torch.argmax's rule). On CPU, float32/64 logits go through numpy's argmax, which
+    keeps that rule and is several times faster than torch's CPU kernel at batch 1024."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        rows: np.ndarray = logits.detach().numpy()
+        out: list[int] = rows.argmax(axis=-1).tolist()
+        return out
+    tokens: list[int] = logits.argmax(dim=-1).tolist()
+    return tokens
