@@ -196,7 +196,8 @@ class Engine:
         return self.execute(self.plan())
 
     def plan(self) -> StepPlan:
-        """This step's decisions (pure: the scheduler over the requests' views)."""
+        """This step's decisions (pure: the scheduler over the requests' views, or the
+        steady-decode shortcut where it gives the scheduler's answer)."""
         steady = self._steady_decode()
         if steady is not None:
             return steady
@@ -417,9 +418,9 @@ class Engine:
         table's invariant (columns below ceil(n/P) have a full page; those at or past
         swa_start/P also an SWA page): two host reads for the whole batch.
 
-        Runs once per step over every request (the engine's largest per-request cost at
-        1024 running), hence the plain loop: positional tuples and one `Need` per distinct
-        (full, swa) count, shared (they are immutable)."""
+        Runs over every request on each step the shortcut declines, hence the plain loop:
+        positional tuples (ReqView's field order) and one `Need` per distinct (full, swa)
+        count, shared (they are immutable)."""
         page = self.config.page_size
         pages = self.mem.pages
         num_tokens = pages.num_tokens.tolist()

@@ -45,7 +45,8 @@ class Phase(StrEnum):
 
 class ReqView(NamedTuple):
     """One request as the scheduler sees it (a NamedTuple: built once per request per step,
-    so its construction cost is part of the engine's per-step overhead)."""
+    so its construction cost is part of the engine's per-step overhead). NOTE: Engine._views
+    builds it positionally; test_steady_decode checks its views field by field."""
 
     rid: int  # arrival order: smaller = older
     phase: Phase

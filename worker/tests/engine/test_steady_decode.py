@@ -17,7 +17,7 @@ from dsv4_worker.engine.loop import Engine
 from dsv4_worker.engine.paged import Segment
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.mem.memory import KVMemory
-from dsv4_worker.sched.scheduler import SchedulerConfig, StepPlan, plan_step
+from dsv4_worker.sched.scheduler import ReqView, SchedulerConfig, StepPlan, plan_step
 
 VOCAB = 256
 
@@ -105,3 +105,25 @@ def test_it_answers_the_steady_state_and_declines_under_pressure() -> None:
     assert answered > 20 and declined > 3 and retracted > 0, (answered, declined, retracted)
     eng.run_until_idle()
     eng.mem.check_integrity()
+
+
+def test_views_carry_each_field_by_name() -> None:
+    """Engine._views builds ReqViews positionally: each field must hold what its name says."""
+    eng = _engine(full_pages=13, swa_pages=16, slots=4)
+    _run(eng, [(0, 30, 40), (0, 5, 9), (3, 20, 40)], steps=6)
+    page = eng.config.page_size
+    for view in eng._views():
+        req = eng.requests[view.rid]
+        assert view == ReqView(
+            rid=req.rid,
+            phase=req.phase,
+            prompt_len=len(req.prompt),
+            max_new_tokens=req.params.max_new_tokens,
+            num_tokens=req.num_tokens,
+            generated=len(req.output),
+            held=view.held,
+            resume=view.resume,
+        )
+        if req.slot is not None:
+            assert view.held.full_pages == -(-req.num_tokens // page)
+            assert view.held.request_slots == 1
