@@ -141,10 +141,15 @@ class EngineRunner:
     def _run(self) -> None:
         try:
             while True:
-                if not self._drain(block=not self.engine.has_work):
+                calls = self._drain(block=not self.engine.has_work)
+                if calls is None:
                     self.engine.close()
                     return
                 finished = self.engine.take_finished()
+                if calls or finished:
+                    # What changed outside a step (a PD decode's first token, which a call
+                    # delivers; a failed transfer) goes out now, not after the next forward.
+                    self._publish(finished)
                 if self.engine.has_work:
                     finished += self.engine.step()
                 finished += self.engine.take_finished()
@@ -157,21 +162,23 @@ class EngineRunner:
                 _emit(loop, handle, Done("error", repr(exc)))
             raise
 
-    def _drain(self, *, block: bool) -> bool:
-        """Take every queued command; False on stop."""
+    def _drain(self, *, block: bool) -> int | None:
+        """Take every queued command; how many calls ran, or None on stop."""
+        calls = 0
         while True:
             try:
                 item = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
             except queue.Empty:
-                return True
+                return calls
             block = False
             if item is None:
-                return False
+                return None
             if isinstance(item, int):
                 self._abort(item)
                 continue
             if isinstance(item, _Call):
                 item.fn()
+                calls += 1
                 continue
             try:
                 req = self.engine.submit(item.prompt, item.params, prefill=item.prefill)

@@ -1,19 +1,21 @@
 """The engine runner thread: a request the engine refuses is answered with an error event and
-the runner keeps serving; an abort frees the request's pages at the runner's next turn."""
+the runner keeps serving; an abort frees the request's pages at the runner's next turn; a PD
+decode's first token (delivered by a call when its KV lands) goes out before the next step."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 from mem_helpers import small_memory
 
 from dsv4_common.core.presets import tiny
-from dsv4_worker.engine.loop import Engine
+from dsv4_worker.engine.loop import Engine, Request
 from dsv4_worker.engine.paged import PagedModel
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.model.weights import init_weights
-from dsv4_worker.sched.scheduler import SchedulerConfig
+from dsv4_worker.sched.scheduler import Phase, SchedulerConfig
 from dsv4_worker.server.runner import Done, EngineRunner, Token
 
 
@@ -58,3 +60,51 @@ def test_refused_requests_and_aborts_keep_the_runner_serving() -> None:
             time.sleep(0.02)
     finally:
         r.stop()
+
+
+def test_a_pd_first_token_goes_out_before_the_next_step() -> None:
+    """The step after the KV lands is a forward (the second token): the first token, which the
+    prefill side sampled, must not wait for it. The step is held until the token arrived."""
+    model = tiny()
+    memory = small_memory("tiny", full_pages=64, swa_pages=32, slots=4, max_pages=64)
+    sched = SchedulerConfig(page_size=16, chunk_tokens=64, max_tokens_per_request=1024)
+    preallocated: list[Request] = []
+    eng = Engine(
+        PagedModel(model, init_weights(model, seed=1), memory),
+        sched,
+        on_prealloc=preallocated.append,
+    )
+    gate, real_step = threading.Event(), eng.step
+
+    def gated_step() -> list[Request]:
+        if any(q.phase is Phase.DECODE for q in eng.requests.values()):
+            gate.wait(20)  # the forward after the KV landed
+        return real_step()
+
+    eng.step = gated_step  # type: ignore[method-assign]
+    r = EngineRunner(eng)
+
+    async def drive() -> tuple[Token | Done, bool, list[Token | Done]]:
+        loop = asyncio.get_running_loop()
+        handle = r.submit((1, 2, 3), SamplingParams(max_new_tokens=3), loop, prefill="p")
+        while not preallocated:  # the engine thread preallocates it and calls the hook
+            await asyncio.sleep(0.01)
+        rid = preallocated[0].rid
+        r.call(lambda: eng.complete_transfer(rid, 7))
+        first = await asyncio.wait_for(handle.events.get(), 10)
+        before_the_step = not gate.is_set()
+        gate.set()
+        rest = [first]
+        while not isinstance(rest[-1], Done):
+            rest.append(await asyncio.wait_for(handle.events.get(), 30))
+        return first, before_the_step, rest
+
+    r.start()
+    try:
+        first, before_the_step, events = asyncio.run(drive())
+    finally:
+        gate.set()
+        r.stop()
+    assert isinstance(first, Token) and first.token_id == 7
+    assert before_the_step, "the first token waited for the next forward"
+    assert [type(e) for e in events] == [Token, Token, Token, Done]
