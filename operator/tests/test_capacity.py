@@ -4,6 +4,7 @@ the worker, the figure and both values."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 from repo_paths import SAMPLES
-from support.sglang_stand_in import flag
+from support.sglang_stand_in import flag, realized
 
 from dsv4_common.api.deployment import MemoryPlan, plan_memory
 from dsv4_common.api.spec import DeploymentSpec, parse_meta, parse_spec
@@ -69,13 +70,14 @@ def test_our_workers_are_asked_for_their_own_ranks_plan() -> None:
 
 
 def test_sglang_is_asked_for_what_its_command_line_says_on_every_rank() -> None:
-    """The figures come from the rendered argv (SGLang's SWA pool: the ratio's tokens, floored to
-    a page), the same for every PP rank."""
+    """The figures come from the rendered argv (the pools as the SGLang stand-in sizes them
+    from it), the same for every PP rank."""
     spec, plan, body = SGL
     for role in L.WORKER_ROLES:
         argv = server_args(spec, parse_meta(body), plan, role, 0)
-        full, page = int(flag(argv, "--max-total-tokens")), int(flag(argv, "--page-size"))
-        swa = int(full * float(flag(argv, "--swa-full-tokens-ratio"))) // page * page
+        info = realized(argv)
+        full, page = info["max_total_num_tokens"], int(flag(argv, "--page-size"))
+        swa = info["internal_states"][0]["memory_usage"]["token_capacity_swa"]
         for r in plan.role(role).ranks:
             want = pinned(spec, plan, role, r.pp_rank)
             assert (want.full_tokens, want.swa_tokens, want.page_size) == (full, swa, page)
@@ -90,7 +92,7 @@ def test_a_difference_of_more_than_a_page_is_reported_and_one_within_is_not(
     seen = _seen_as_planned(spec, plan, "prefill")
     page = plan.role("prefill").inputs.resolved_page_size
     delta = round(delta_pages * page)
-    seen[rank] = Seen(**{**_fields(seen[rank]), "full_tokens": seen[rank].full_tokens + delta})
+    seen[rank] = replace(seen[rank], full_tokens=seen[rank].full_tokens + delta)
     lines = mismatches(spec, plan, seen)
     if abs(delta) <= page:
         assert lines == []
@@ -100,10 +102,6 @@ def test_a_difference_of_more_than_a_page_is_reported_and_one_within_is_not(
             f"w-prefill-{rank} (prefill, PP rank {rank}): fullTokens {planned + delta} realized, "
             f"{planned} planned ({delta / page:+.1f} pages)"
         ]
-
-
-def _fields(s: Seen) -> dict[str, Any]:
-    return {k: getattr(s, k) for k in Seen.__dataclass_fields__}
 
 
 def test_requests_must_match_exactly_and_unreported_figures_are_not_compared() -> None:
@@ -117,7 +115,7 @@ def test_requests_must_match_exactly_and_unreported_figures_are_not_compared() -
         max_context_tokens=131072,
     )
     assert mismatches(spec, plan, [base]) == []  # swa and requests unknown
-    fewer = Seen(**{**_fields(base), "max_running_requests": want.max_running_requests - 1})
+    fewer = replace(base, max_running_requests=want.max_running_requests - 1)
     (line,) = mismatches(spec, plan, [fewer])
     assert line == (
         f"flash-sgl-decode-1-0 (decode, PP rank 0): maxRunningRequests "

@@ -198,18 +198,19 @@ class Engine:
     def plan(self) -> StepPlan:
         """This step's decisions (pure: the scheduler over the requests' views, or the
         steady-decode shortcut where it gives the scheduler's answer)."""
-        steady = self._steady_decode()
+        free = self._free()
+        steady = self._steady_decode(free)
         if steady is not None:
             return steady
         return plan_step(
             self._views(),
-            self._free(),
+            free,
             self.total,
             self.config,
             self.new_token_ratio,
         )
 
-    def _steady_decode(self) -> StepPlan | None:
+    def _steady_decode(self, free: Capacity) -> StepPlan | None:
         """The plan `plan_step` returns when every request decodes (or awaits its KV, PD) and
         the pools give each decoder its next token: all of them decode, nothing else happens.
         None in any other case, which goes to `plan_step`. Saves building a view per request
@@ -224,7 +225,6 @@ class Engine:
                 rollovers += req.num_tokens % page == 0
             elif phase is not transfer:
                 return None
-        free = self._free()
         if not rids or rollovers > free.full_pages or rollovers > free.swa_pages:
             return None
         return StepPlan(decodes=tuple(sorted(rids)))

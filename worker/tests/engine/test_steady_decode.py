@@ -66,7 +66,7 @@ def _run(eng: Engine, arrivals: Sequence[Arrival], steps: int) -> tuple[int, int
         if eng.idle:
             continue
         want = _scheduler_plan(eng)
-        got = eng._steady_decode()
+        got = eng._steady_decode(eng._free())
         if got is None:
             declined += 1
         else:
