@@ -41,15 +41,12 @@ def _start(argv: list[str], port: int, procs: list[subprocess.Popen[bytes]]) -> 
     http_bench._wait_ready(port, proc)
 
 
-def _pd(device: str, transfer: str, procs: list[subprocess.Popen[bytes]]) -> int:
+def _pd(device: str, transfer: str, threads: int, procs: list[subprocess.Popen[bytes]]) -> int:
     free = http_bench._free_port
     pp, kv, dp, rp = free(), free(), free(), free()
     dev = ["--device", device, "--transfer", transfer]
-    _start(
-        serve("--role", "prefill", *COMMON, *dev, "--port", str(pp), "--kv-port", str(kv)),
-        pp,
-        procs,
-    )
+    prefill = ("--port", str(pp), "--kv-port", str(kv), "--transfer-threads", str(threads))
+    _start(serve("--role", "prefill", *COMMON, *dev, *prefill), pp, procs)
     _start(
         serve("--role", "decode", *COMMON, *dev, "--port", str(dp), "--prefill", f"127.0.0.1:{kv}"),
         dp,
@@ -81,22 +78,31 @@ def serving(args: argparse.Namespace) -> None:
             colo,
             procs,
         )
-        router = _pd(args.device, args.transfer, procs)
-        for port in (colo, router):
+        ports = {"colocated": colo}
+        for threads in args.transfer_threads:
+            name = "disaggregated"
+            if len(args.transfer_threads) > 1:
+                name = f"PD threads={threads}"
+            ports[name] = _pd(args.device, args.transfer, threads, procs)
+        for port in ports.values():
             http_bench._round(port, 1, 1, 4)  # warm-up
         print(
             f"tiny over HTTP, device={args.device}, transfer={args.transfer}, "
             f"{args.max_tokens} tokens/request, {os.cpu_count()} CPUs; medians of {args.rounds}"
         )
-        print(f"{'clients':>8}  {'mode':>13}  {'tokens/s':>9}  {'TTFT ms':>8}  {'TTFT ratio':>10}")
+        width = max(13, *map(len, ports))
+        print(
+            f"{'clients':>8}  {'mode':>{width}}  {'tokens/s':>9}  {'TTFT ms':>8}  "
+            f"{'TTFT ratio':>10}"
+        )
         for clients in args.clients:
-            ports = {"colocated": colo, "disaggregated": router}
             figures = http_bench.interleaved(
                 ports, clients, args.requests, args.max_tokens, args.rounds
             )
             base = figures["colocated"][1]
             for name, (tps, ttft) in figures.items():
-                print(f"{clients:>8}  {name:>13}  {tps:>9.1f}  {ttft:>8.1f}  {ttft / base:>10.2f}")
+                ratio = ttft / base
+                print(f"{clients:>8}  {name:>{width}}  {tps:>9.1f}  {ttft:>8.1f}  {ratio:>10.2f}")
     finally:
         for proc in procs:
             proc.terminate()
@@ -148,6 +154,13 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--transfer", default="nixl", choices=("nixl", "zmq"))
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--transfer-threads",
+        type=int,
+        nargs="+",
+        default=[2],
+        help="prefill's nixl poster threads; several values run one PD stack each, side by side",
+    )
     parser.add_argument("--requests", type=int, default=2, help="requests per client per round")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--clients", type=int, nargs="*", default=[1, 32])

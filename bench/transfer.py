@@ -3,13 +3,17 @@ table; not a test).
 
     .venv/bin/python bench/transfer.py [--total-mib 256] [--page-kib 1024] [--device cpu|cuda]
                                        [--repeats N] [--backends nixl,zmq]
+                                       [--nixl-threads 0,2,4]
 
 A region of `--total-mib` split into pages of `--page-kib`; every source page goes to a shuffled
 destination page (few blocks merge). nixl and zmq: the target (decode) runs in a spawned child,
-the initiator (prefill) here; a write is timed until `write` returns (every byte landed). memcpy:
-`index_select` of the same pages into another tensor of this process. GB/s = 1e9 bytes/s: the
-median of `--repeats` after one warm-up, [min - max]; each ratio is to memcpy's median. The
-child checks the bytes it received against the memcpy result (sha256).
+the initiator (prefill) here; a write is timed until `write` returns (every byte landed). nixl
+runs one initiator per `--nixl-threads` entry (its poster threads; the worker's default is 2)
+into the same target, timed in turn within each repeat so the rows share the machine's noise.
+memcpy: `index_select` of the same pages into another tensor of this process (torch's threads).
+GB/s = 1e9 bytes/s: the median of `--repeats` after one warm-up, [min - max]; each ratio is to
+memcpy's median. Each initiator's first write goes into a zeroed target, which then checks the
+bytes against the memcpy result (sha256).
 """
 
 from __future__ import annotations
@@ -21,12 +25,19 @@ import multiprocessing
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 
 import torch
 
-from dsv4_worker.pd.transfer import Block, Region, TransferError, make_initiator, make_target
+from dsv4_worker.pd.transfer import (
+    Block,
+    Region,
+    TransferError,
+    TransferInitiator,
+    make_initiator,
+    make_target,
+)
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 REGION = "kv"
@@ -51,7 +62,7 @@ def page_blocks(perm: torch.Tensor, page_bytes: int) -> list[Block]:
 
 
 def target_main(conn: Connection, backend: str, shape: tuple[int, int], device: str) -> None:
-    """The decode side: a zeroed region; answer "digest" with its sha256, stop on "stop"."""
+    """The decode side: a region; "zero" zeroes it, "digest" answers its sha256, "stop"."""
     torch.set_num_threads(1)
     target = make_target(backend, host="127.0.0.1")
     region = torch.zeros(shape, dtype=torch.uint8, device=device)
@@ -61,10 +72,16 @@ def target_main(conn: Connection, backend: str, shape: tuple[int, int], device: 
         while True:
             while not conn.poll(0.05):
                 target.poll_landed()
-            if conn.recv() == "stop":
+            command = conn.recv()
+            if command == "stop":
                 return
             target.poll_landed()
-            conn.send(_digest(region))
+            if command == "zero":
+                region.zero_()
+                _sync(region.device)
+                conn.send("zeroed")
+            else:
+                conn.send(_digest(region))
     finally:
         target.close()
 
@@ -82,49 +99,76 @@ def bench_memcpy(src: torch.Tensor, perm: torch.Tensor, repeats: int) -> tuple[l
 
 
 def bench_backend(
-    backend: str, src: torch.Tensor, perm: torch.Tensor, repeats: int, want: str
-) -> tuple[list[float], bool]:
-    """Seconds per write of every page to a spawned target; whether its bytes matched `want`."""
+    backend: str,
+    variants: Sequence[int | None],
+    src: torch.Tensor,
+    perm: torch.Tensor,
+    repeats: int,
+    want: str,
+) -> list[tuple[list[float], bool]]:
+    """For each variant (an initiator with that many write threads): seconds per write of every
+    page to one spawned target, the variants timed in turn within each repeat; and whether its
+    first write, into a zeroed target, left exactly `want`."""
     ctx = multiprocessing.get_context("spawn")
     here, there = ctx.Pipe()
     shape = (src.shape[0], src.shape[1])
     proc = ctx.Process(target=target_main, args=(there, backend, shape, src.device.type))
     proc.start()
-    initiator = make_initiator(backend, name="bench")
+    initiators: list[TransferInitiator] = []
+
+    def ask(command: str) -> str:
+        here.send(command)
+        if not here.poll(WAIT_S):
+            raise TransferError(f"{backend}: the target did not answer {command!r}")
+        answer: str = here.recv()
+        return answer
+
     try:
         if not here.poll(WAIT_S):
             raise TransferError(f"{backend}: the target process did not start")
-        initiator.register([Region(REGION, src)])
-        initiator.connect("target", here.recv())
+        descriptor = here.recv()
         blocks = page_blocks(perm, src.shape[1])
         count = iter(range(1 << 30))
+        writes, checks = [], []
+        for threads in variants:
+            initiator = make_initiator(backend, name="bench", threads=threads)
+            initiators.append(initiator)
+            initiator.register([Region(REGION, src)])
+            initiator.connect("target", descriptor)
 
-        def write() -> None:
-            initiator.write("target", blocks, f"w{next(count)}", timeout_s=WAIT_S)
+            def write(i: TransferInitiator = initiator) -> None:
+                i.write("target", blocks, f"w{next(count)}", timeout_s=WAIT_S)
 
-        times = _timed(write, repeats, src.device)
-        here.send("digest")
-        ok = here.poll(WAIT_S) and here.recv() == want
+            ask("zero")
+            write()  # also the warm-up: page faults, connections
+            checks.append(ask("digest") == want)
+            writes.append(write)
+        times: list[list[float]] = [[] for _ in variants]
+        for _ in range(repeats):
+            for fn, spent in zip(writes, times, strict=True):
+                spent.append(_time_once(fn, src.device))
         here.send("stop")
         proc.join(WAIT_S)
-        return times, ok
+        return list(zip(times, checks, strict=True))
     finally:
-        initiator.close()
+        for initiator in initiators:
+            initiator.close()
         if proc.is_alive():
             proc.kill()
             proc.join()
 
 
+def _time_once(fn: Callable[[], None], device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
 def _timed(fn: Callable[[], None], repeats: int, device: torch.device) -> list[float]:
-    fn()  # warm-up: page faults, connections
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return times
+    fn()  # warm-up: page faults
+    return [_time_once(fn, device) for _ in range(repeats)]
 
 
 def _versions() -> str:
@@ -144,6 +188,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--backends", default="nixl,zmq")
+    parser.add_argument(
+        "--nixl-threads",
+        default="0,2,4",
+        help="nixl initiators to compare, by write threads (2: the worker's default)",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     page_bytes = args.page_kib << 10
@@ -162,16 +211,20 @@ def main() -> None:
         f"device={device}  region={nbytes >> 20} MiB  pages={num_pages} x {args.page_kib} KiB  "
         f"(GB/s: median of {args.repeats} after a warm-up, [min - max]; x memcpy)"
     )
-    print(f"{'backend':<10}{'GB/s':>8}{'[min - max]':>18}{'x memcpy':>10}  check")
+    print(f"{'backend':<12}{'GB/s':>8}{'[min - max]':>18}{'x memcpy':>10}  check")
     memcpy_times, want = bench_memcpy(src, perm, args.repeats)
     base = _row("memcpy", memcpy_times, nbytes, None, "-")
+    nixl_threads = [int(t) for t in args.nixl_threads.split(",")]
     for backend in args.backends.split(","):
+        variants: list[int | None] = list(nixl_threads) if backend == "nixl" else [None]
         try:
-            times, ok = bench_backend(backend, src, perm, args.repeats, want)
+            results = bench_backend(backend, variants, src, perm, args.repeats, want)
         except TransferError as exc:
-            print(f"{backend:<10}skipped: {exc}", flush=True)
+            print(f"{backend:<12}skipped: {exc}", flush=True)
             continue
-        _row(backend, times, nbytes, base, "bytes ok" if ok else "BYTES DIFFER")
+        for threads, (times, ok) in zip(variants, results, strict=True):
+            name = backend if threads is None else f"{backend} t={threads}"
+            _row(name, times, nbytes, base, "bytes ok" if ok else "BYTES DIFFER")
 
 
 def _row(name: str, times: list[float], nbytes: int, base: float | None, check: str) -> float:
@@ -179,7 +232,7 @@ def _row(name: str, times: list[float], nbytes: int, base: float | None, check: 
     median = statistics.median(rates)
     spread = f"[{min(rates):.2f} - {max(rates):.2f}]"
     ratio = f"{median / base:.2f}" if base else "1.00"
-    print(f"{name:<10}{median:>8.2f}{spread:>18}{ratio:>10}  {check}", flush=True)
+    print(f"{name:<12}{median:>8.2f}{spread:>18}{ratio:>10}  {check}", flush=True)
     return median
 
 

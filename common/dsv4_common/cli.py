@@ -248,6 +248,14 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="decode: fail a request (and free its preallocation) when its prefill has not "
         "delivered by then; prefill: give up on it after this long",
     )
+    pd.add_argument(
+        "--transfer-threads",
+        type=_bounded(int, 0, inclusive=True, maximum=64),
+        default=None,
+        help="prefill, nixl: threads that post a big write's byte shares at once, each on "
+        "its own UCX worker (default 2; writes under 256 KiB per thread stay on the engine "
+        "thread; 0: none)",
+    )
     pp = p.add_argument_group("pipeline parallelism (quick form)")
     pp.add_argument("--pp-size", type=_positive_int, default=1, help="stages in the PP group")
     pp.add_argument("--pp-rank", type=_non_negative_int, default=0, help="this stage's rank")

@@ -69,6 +69,21 @@ def test_cli_bad_number_exits_2_naming_the_flag(
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--transfer-threads", "65"], "--transfer-threads: must be <= 64, got 65"),
+        (["--transfer-threads", "-1"], "--transfer-threads: must be >= 0, got -1"),
+        (["--transfer-timeout-s", "0"], "--transfer-timeout-s: must be > 0, got 0"),
+    ],
+)
+def test_serve_bad_number_exits_2_naming_the_flag(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = run_cli(["serve", "--role", "prefill", *argv], capsys)
+    assert code == 2 and needle in err and "Traceback" not in err
+
+
 def test_cli_tp_256_on_128_heads_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["plan", "--model", "deepseek-v4-pro", "--gpu", "h200", "--tp", "256"]
     code, err = run_cli(argv, capsys)

@@ -283,7 +283,9 @@ def _pd_agent(
             if stage.link is not None:  # every stage's manifest, for the handshake check
                 docs = stage.link.all_gather(manifest_to_dict(manifest))
                 stages = tuple(parse_manifest(d) for d in docs)
-            initiator = make_initiator(backend, name=f"prefill-{os.getpid()}")
+            initiator = make_initiator(
+                backend, name=f"prefill-{os.getpid()}", threads=args.transfer_threads
+            )
             initiator.register(regions)
             if stage.link is not None and not stage.link.first:
                 follower = PrefillFollower(

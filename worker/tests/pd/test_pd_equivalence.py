@@ -1,7 +1,8 @@
-"""Disaggregated == colocated, token for token, on both transfer backends: prompts shorter and
-longer than the window and than several compression blocks, chunked prefill, many requests at
-once, seeded sampling, the hybrid family; a prefill SWA pool smaller than one prompt; a decode
-SWA pool that only window tails fit. Every pool on both sides is back to zero afterwards."""
+"""Disaggregated == colocated, token for token, on both transfer backends (nixl also with
+every write cut into shares by its poster threads): prompts shorter and longer than the window
+and than several compression blocks, chunked prefill, many requests at once, seeded sampling,
+the hybrid family; a prefill SWA pool smaller than one prompt; a decode SWA pool that only
+window tails fit. Every pool on both sides is back to zero afterwards."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from dsv4_common.core.presets import hybrid_tiny, tiny
 from dsv4_worker.engine.loop import Engine
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.model.weights import init_weights
+from dsv4_worker.pd.transfer import nixl_backend
 
 BACKENDS = ["zmq", "nixl"]
 WEIGHTS = {m.name: init_weights(m, seed=33) for m in (tiny(), hybrid_tiny())}
@@ -42,9 +44,14 @@ def _check(pair_outputs, want: list[list[int]]) -> None:  # type: ignore[no-unty
     assert got == want
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [*BACKENDS, "nixl-shares"])
 @pytest.mark.parametrize("model", [tiny(), hybrid_tiny()], ids=lambda m: m.name)
-def test_greedy_disaggregated_equals_colocated(backend: str, model: ModelConfig) -> None:
+def test_greedy_disaggregated_equals_colocated(
+    backend: str, model: ModelConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if backend == "nixl-shares":  # every write in byte shares from nixl's poster threads
+        monkeypatch.setattr(nixl_backend, "PARALLEL_MIN_BYTES", 1)
+        backend = "nixl"
     # lengths: < window, == a page, several c16 blocks, several pages, not page aligned
     prompts = [prompt(n, i) for i, n in enumerate((3, 16, 40, 70, 97, 33, 5, 64))]
     params = [SamplingParams(max_new_tokens=n) for n in (6, 9, 12, 5, 8, 20, 1, 7)]

@@ -34,10 +34,17 @@ from dsv4_worker.pd.transfer import (
     make_initiator,
     make_target,
     merge_blocks,
+    nixl_backend,
     zmq_backend,
 )
-from dsv4_worker.pd.transfer.base import region_bytes
-from dsv4_worker.pd.transfer.nixl_backend import load_nixl
+from dsv4_worker.pd.transfer.base import region_bytes, split_blocks
+from dsv4_worker.pd.transfer.nixl_backend import (
+    MAX_WRITE_THREADS,
+    PARALLEL_MIN_BYTES,
+    WRITE_THREADS,
+    load_nixl,
+    ucx_params,
+)
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
@@ -63,6 +70,22 @@ def backend(request: pytest.FixtureRequest) -> str:
         except TransferError:
             pytest.skip("NIXL is not installed")
     return name
+
+
+@pytest.fixture(params=[None, 0], ids=["default-threads", "no-threads"])
+def threads(request: pytest.FixtureRequest, backend: str) -> int | None:
+    """The initiator's write threads: the default (nixl: poster threads that post a big
+    write's byte shares in parallel) and none (nixl: every write on the calling thread)."""
+    value: int | None = request.param
+    if value is not None and backend != "nixl":
+        pytest.skip(f"{backend} has no write threads")
+    return value
+
+
+@pytest.fixture
+def every_write_parallel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """nixl posters take any write, however small: shares cut blocks at odd offsets."""
+    monkeypatch.setattr(nixl_backend, "PARALLEL_MIN_BYTES", 1)
 
 
 # ---- helpers ---------------------------------------------------------------------------------
@@ -148,10 +171,10 @@ class Pair:
 
 
 @pytest.fixture
-def pair(backend: str) -> Iterator[Pair]:
+def pair(backend: str, threads: int | None, every_write_parallel: None) -> Iterator[Pair]:
     """A target and an initiator in this process, connected as peer "t"."""
     target = make_target(backend, host="127.0.0.1")
-    initiator = make_initiator(backend, name="test")
+    initiator = make_initiator(backend, name="test", threads=threads)
     try:
         src, dst = make_regions(REGIONS, seed=1), make_regions(REGIONS, seed=100)
         target.register(dst)
@@ -266,6 +289,58 @@ def test_connect_refuses_a_bad_descriptor(backend: str, descriptor: bytes) -> No
         initiator.close()
 
 
+def test_ucx_params_give_each_poster_a_shared_worker() -> None:
+    assert ucx_params(0) == {}
+    assert ucx_params(3) == {"num_workers": "4"}
+    for bad in (-1, MAX_WRITE_THREADS + 1):
+        with pytest.raises(TransferError, match=f"write threads {bad}: expected 0 to 64"):
+            ucx_params(bad)
+
+
+def test_nixl_big_writes_go_to_the_posters_small_ones_stay(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Which thread posts what: a write of PARALLEL_MIN_BYTES per poster or more is posted by
+    every poster, one share each, then its tag by the calling thread; a smaller one by the
+    calling thread alone, tag included. Bytes and tags land either way."""
+    if backend != "nixl":
+        pytest.skip("nixl only")
+    posts: list[tuple[str, int, bytes]] = []
+    real_post = nixl_backend._post
+
+    def spy(agent: Any, peer: str, job: Any, notif: bytes, what: str) -> Any:
+        nbytes = int(job.local[:, 1].sum())
+        posts.append((threading.current_thread().name, nbytes, notif))
+        return real_post(agent, peer, job, notif, what)
+
+    monkeypatch.setattr(nixl_backend, "_post", spy)
+    monkeypatch.setattr(nixl_backend, "PARALLEL_MIN_BYTES", 1000)
+    target = make_target(backend)
+    initiator = make_initiator(backend, name="spy", threads=3)
+    try:
+        src, dst = make_regions(REGIONS, seed=1), make_regions(REGIONS, seed=100)
+        target.register(dst)
+        initiator.register(src)
+        initiator.connect("t", target.descriptor())
+        want = as_bytes(dst)
+        big = [Block("kv", 0, 100, 2000), Block("state", 8, 0, 1001)]
+        small = [Block("kv", 4000, 4500, 2999)]
+        for blocks, tag in ((big, "big"), (small, "small")):
+            initiator.write("t", blocks, tag, timeout_s=WAIT_S)
+            want = apply(want, as_bytes(src), blocks)
+        wait_tags(target, ["big", "small"], [])
+        assert_bytes_equal(dst, want)
+    finally:
+        initiator.close()
+        target.close()
+    me = threading.current_thread().name
+    shares, (tag_post, small_post) = posts[:3], posts[3:]
+    by_poster = sorted((name.removeprefix(f"{initiator.name}-poster-"), n) for name, n, _ in shares)
+    assert by_poster == [("0", 1001), ("1", 1000), ("2", 1000)]
+    assert all(notif == b"" for _, _, notif in shares)
+    assert tag_post == (me, 1, b"big") and small_post == (me, 2999, b"small")
+
+
 def test_unknown_backend_names_the_choices() -> None:
     for make in (lambda: make_target("rdma"), lambda: make_initiator("rdma", name="x")):
         with pytest.raises(TransferError) as err:
@@ -357,16 +432,17 @@ def kv_blocks(rng: np.random.Generator) -> list[Block]:
     return blocks
 
 
-def test_kv_pages_land_in_another_process(backend: str, child: Child) -> None:
+def test_kv_pages_land_in_another_process(backend: str, threads: int | None, child: Child) -> None:
     src = make_regions(kv_spec(SRC_UNITS), seed=200)
     want = as_bytes(make_regions(kv_spec(DST_UNITS), seed=300))  # the child's start
-    initiator = make_initiator(backend, name="prefill")
+    initiator = make_initiator(backend, name="prefill", threads=threads)
     try:
         initiator.register(src)
         initiator.connect("decode", child.descriptor)
         rng = np.random.default_rng(11)
         for step in range(3):
             blocks = kv_blocks(rng)
+            assert sum(b.nbytes for b in blocks) >= WRITE_THREADS * PARALLEL_MIN_BYTES
             initiator.write("decode", blocks, f"room:{step}", timeout_s=WAIT_S)
             want = apply(want, as_bytes(src), blocks)
         child.conn.send(("wait", "room:2"))
@@ -379,13 +455,16 @@ def test_kv_pages_land_in_another_process(backend: str, child: Child) -> None:
 
 
 def test_hung_then_dead_target_fails_writes_within_their_timeout(
-    backend: str, child: Child
+    backend: str, threads: int | None, child: Child
 ) -> None:
-    """Stopped (SIGSTOP): the write times out, no sooner; resumed: writes work again; killed:
-    the write fails (NIXL: at once, zmq: on its timeout); the initiator still works after."""
+    """Stopped (SIGSTOP): the write times out, no sooner, or (nixl's posters: the kernel
+    copies into a stopped process, and the tag waits in the socket) returns with every byte in
+    place; resumed: writes work again, and each tag lands once; killed: the write fails
+    (NIXL: at once, zmq: on its timeout); the initiator still works after. The writes are big
+    enough for nixl's posters."""
     regions = make_regions(kv_spec(SRC_UNITS), seed=200)
-    initiator = make_initiator(backend, name="prefill")
-    blocks = [Block("full", 0, 0, UNIT_BYTES), Block("swa", 0, UNIT_BYTES, 2 * UNIT_BYTES)]
+    initiator = make_initiator(backend, name="prefill", threads=threads)
+    blocks = kv_blocks(np.random.default_rng(5))
     try:
         initiator.register(regions)
         initiator.connect("decode", child.descriptor)
@@ -396,12 +475,16 @@ def test_hung_then_dead_target_fails_writes_within_their_timeout(
             error, elapsed_s = write_in_thread(initiator, "decode", blocks, "hung", 1.5)
         finally:
             os.kill(child.proc.pid, signal.SIGCONT)
-        assert isinstance(error, TransferError), (error, elapsed_s, landed(child, "before"))
-        assert "timed out after 1.5 s" in str(error) and elapsed_s >= 1.5
+        if error is None:
+            assert backend == "nixl" and threads is None, (elapsed_s, landed(child, "before"))
+        else:
+            assert isinstance(error, TransferError), error
+            assert "timed out after 1.5 s" in str(error) and elapsed_s >= 1.5
 
         initiator.write("decode", blocks, "after", timeout_s=WAIT_S)
         seen = landed(child, "after")
         assert seen["before"] == 1 and seen["after"] == 1, seen
+        assert seen["hung"] == 1 if error is None else seen["hung"] <= 1, seen
 
         child.proc.kill()
         child.proc.join(WAIT_S)
@@ -528,6 +611,25 @@ def test_merged_blocks_copy_the_same_bytes(blocks: list[Block], data: st.DataObj
     assert _copy(merged) == _copy(blocks)
     assert sum(b.nbytes for b in merged) == sum(b.nbytes for b in blocks)
     assert merge_blocks(merged) == merged  # nothing left to merge
+
+
+@settings(deadline=None)
+@given(st.lists(block_st, max_size=20), st.integers(1, 9))
+def test_split_blocks_cuts_equal_shares_of_the_same_bytes(blocks: list[Block], parts: int) -> None:
+    shares = split_blocks(blocks, parts)
+    assert len(shares) == parts
+    sizes = [sum(b.nbytes for b in share) for share in shares]
+    total = sum(b.nbytes for b in blocks)
+    assert sizes == [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+    pieces = [b for share in shares for b in share]
+    assert all(b.nbytes > 0 for b in pieces)
+    assert merge_blocks(pieces) == merge_blocks(blocks)  # the same bytes, in the same order
+    assert _copy(pieces) == _copy(blocks)
+
+
+def test_split_blocks_refuses_no_parts() -> None:
+    with pytest.raises(ValueError, match="parts must be >= 1, got 0"):
+        split_blocks([], 0)
 
 
 def test_merge_blocks_merges_runs_and_keeps_order() -> None:

@@ -49,15 +49,16 @@ def _zmq_target(host: str) -> TransferTarget:
     return ZmqTarget(host)
 
 
-def _nixl_initiator(name: str) -> TransferInitiator:
-    from dsv4_worker.pd.transfer.nixl_backend import NixlInitiator
+def _nixl_initiator(name: str, threads: int | None) -> TransferInitiator:
+    from dsv4_worker.pd.transfer.nixl_backend import WRITE_THREADS, NixlInitiator
 
-    return NixlInitiator(name)
+    return NixlInitiator(name, WRITE_THREADS if threads is None else threads)
 
 
-def _zmq_initiator(name: str) -> TransferInitiator:
+def _zmq_initiator(name: str, threads: int | None) -> TransferInitiator:
     from dsv4_worker.pd.transfer.zmq_backend import ZmqInitiator
 
+    del threads  # writes are sends on the calling thread
     return ZmqInitiator(name)
 
 
@@ -65,7 +66,7 @@ _TARGETS: Final[dict[str, Callable[[str], TransferTarget]]] = {
     "nixl": _nixl_target,
     "zmq": _zmq_target,
 }
-_INITIATORS: Final[dict[str, Callable[[str], TransferInitiator]]] = {
+_INITIATORS: Final[dict[str, Callable[[str, int | None], TransferInitiator]]] = {
     "nixl": _nixl_initiator,
     "zmq": _zmq_initiator,
 }
@@ -77,9 +78,10 @@ def make_target(backend: str, *, host: str = "127.0.0.1") -> TransferTarget:
     return _choose(_TARGETS, backend)(host)
 
 
-def make_initiator(backend: str, *, name: str) -> TransferInitiator:
-    """The sending side; `name` shows in the peer's logs."""
-    return _choose(_INITIATORS, backend)(name)
+def make_initiator(backend: str, *, name: str, threads: int | None = None) -> TransferInitiator:
+    """The sending side; `name` shows in the peer's logs; `threads`: nixl's poster threads
+    for big writes (None: the backend's default; zmq ignores it)."""
+    return _choose(_INITIATORS, backend)(name, threads)
 
 
 def _choose(registry: dict[str, T], backend: str) -> T:

@@ -114,6 +114,29 @@ def merge_blocks(blocks: Sequence[Block]) -> list[Block]:
     return merged
 
 
+def split_blocks(blocks: Sequence[Block], parts: int) -> list[list[Block]]:
+    """`blocks` as `parts` consecutive shares of equal bytes (the first ones take the
+    remainder, one byte each), cutting a block where a share ends; together the shares copy
+    exactly the same bytes. A share is empty only when there are fewer bytes than parts."""
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    total = sum(b.nbytes for b in blocks)
+    quota, extra = divmod(total, parts)
+    shares: list[list[Block]] = [[] for _ in range(parts)]
+    share, room = 0, quota + (1 if extra > 0 else 0)
+    for b in blocks:
+        done = 0
+        while done < b.nbytes:
+            while room == 0:  # only a byte-less share (total < parts) can open with no room
+                share += 1
+                room = quota + (1 if share < extra else 0)
+            take = min(room, b.nbytes - done)
+            shares[share].append(Block(b.region, b.src_offset + done, b.dst_offset + done, take))
+            done += take
+            room -= take
+    return shares
+
+
 def check_blocks(
     blocks: Sequence[Block],
     local_sizes: Mapping[str, int],

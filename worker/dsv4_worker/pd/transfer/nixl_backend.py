@@ -6,6 +6,22 @@ metadata and region addresses travel in its descriptor over our own control chan
 target thread polls notifications every `PUMP_INTERVAL_S`, which also progresses UCX (without
 it, writes over TCP never complete).
 NOTE: after `register`, only that thread touches the target's agent (until `close`).
+
+Parallel writes: on one host UCX copies with the kernel (`process_vm_writev`, one call per
+descriptor, in the thread that posts), so one posting thread holds a write to one core's copy
+rate. An initiator with `threads` > 0 keeps that many poster threads, and its agent one shared
+UCX worker per poster plus one for the calling thread. NIXL binds a thread to a shared worker
+at its first post (round robin), so the posters, all of which first post in the same write,
+get distinct workers. A write of at least `PARALLEL_MIN_BYTES` per poster is cut into equal
+byte shares that the posters post at once while the calling thread waits; the calling thread
+then polls them, and sends the tag on a scratch write once every share is done. Smaller writes
+go out from the calling thread as one transfer carrying the tag.
+NOTE: the posters touch the agent only while the calling thread waits for them, so at any time
+the agent is used by one thread, or by the posters on their own workers; every shared worker,
+the posters' included, is progressed by `get_new_notifs` (see `_progress`).
+(NIXL's own thread pool, `num_threads`, splits by descriptor count, and its dedicated workers
+are progressed only while they post: after a failed write, destroying them trips the UCX
+assertion `_progress` avoids for shared workers.)
 """
 
 from __future__ import annotations
@@ -14,9 +30,11 @@ import base64
 import binascii
 import functools
 import importlib
+import itertools
 import json
 import logging
 import os
+import queue
 import threading
 import time
 import uuid
@@ -37,6 +55,7 @@ from dsv4_worker.pd.transfer.base import (
     check_same_regions,
     drain,
     merge_blocks,
+    split_blocks,
 )
 
 log = logging.getLogger(__name__)
@@ -50,6 +69,9 @@ SPIN_POLLS: Final = 1000  # initiator: polls with sleep(0) before backing off to
 POLL_SLEEP_S: Final = 0.0001
 PROGRESS_CALLS: Final = 4  # after a failed write and before close; see `_progress`
 SCRATCH_NBYTES: Final = 64  # each side's scratch, for tags that travel without data
+WRITE_THREADS: Final = 2  # an initiator's default poster threads (0: the calling thread only)
+MAX_WRITE_THREADS: Final = 64
+PARALLEL_MIN_BYTES: Final = 256 << 10  # per poster: smaller writes are not worth the hand-off
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,9 +198,10 @@ class NixlInitiator:
 
     backend: str = BACKEND
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, threads: int = WRITE_THREADS) -> None:
         self.name = f"{name}-{uuid.uuid4().hex[:8]}"
-        self._agent: Any = _new_agent(self.name)
+        self._agent: Any = _new_agent(self.name, ucx_params(threads))
+        self._posters = _Posters(self._agent, threads, self.name) if threads else None
         self._registered: list[Any] = []
         self._regions: list[Region] = []  # NOTE: keeps the registered memory alive
         self._segments: dict[str, Segment] = {}
@@ -222,15 +245,25 @@ class NixlInitiator:
         check_blocks(blocks, _sizes(self._segments), _sizes(p.segments), peer=peer)
         deadline = time.monotonic() + timeout_s
         what = f"write {tag!r} to peer {peer!r}"
-        groups = _by_mem_types(merge_blocks(blocks), self._segments, p.segments)
+        merged = merge_blocks(blocks)
+        groups = _by_mem_types(merged, self._segments, p.segments)
         jobs = [_job(group, self._segments, p.segments) for group in groups]
+        posters = self._posters
+        parallel = posters is not None and sum(b.nbytes for b in merged) >= (
+            posters.count * PARALLEL_MIN_BYTES
+        )
         try:
-            if len(jobs) == 1:  # the usual case: the tag rides on the one transfer
+            if len(jobs) == 1 and not parallel:  # the usual case: the tag rides on the transfer
                 self._run(p, jobs, tag.encode(), deadline, what, timeout_s)
                 return
-            # None or several memory-type pairs: the tag follows, once those are done, on a
-            # 1-byte scratch write (a bare notification is not progressed without a transfer)
-            self._run(p, jobs, b"", deadline, what, timeout_s)
+            # In shares, or none or several memory-type pairs: the tag follows, once those are
+            # done, on a 1-byte scratch write (a bare notification is not progressed without a
+            # transfer)
+            if parallel:
+                assert posters is not None
+                self._run_shares(posters, p, groups, deadline, what, timeout_s)
+            else:
+                self._run(p, jobs, b"", deadline, what, timeout_s)
             self._run(
                 p, [_scratch_job(self._scratch, p.scratch)], tag.encode(), deadline, what, timeout_s
             )
@@ -246,6 +279,9 @@ class NixlInitiator:
             self._remove(p.agent)
 
     def close(self) -> None:
+        if self._posters is not None:
+            self._posters.close()
+            self._posters = None
         for peer in list(self._peers):
             self.disconnect(peer)
         if self._agent is not None:
@@ -269,23 +305,43 @@ class NixlInitiator:
         timeout_s: float,
     ) -> None:
         """Post every job, then poll until all are done; release the handles in any case."""
-        agent, handles = self._agent, []
+        handles: list[Any] = []
         try:
             for job in jobs:
-                handle = agent.initialize_xfer(
-                    "WRITE",
-                    agent.get_xfer_descs(job.local, job.local_mem),
-                    agent.get_xfer_descs(job.remote, job.remote_mem),
-                    p.agent,
-                    notif_msg=notif,
-                )
-                handles.append(handle)
-                if agent.transfer(handle) == "ERR":
-                    raise TransferError(f"kv transfer nixl: {what}: posting failed")
+                handles.append(_post(self._agent, p.agent, job, notif, what))
             self._wait(handles, deadline, what, timeout_s)
         finally:
             for h in handles:
-                _release(agent, h)
+                _release(self._agent, h)
+
+    def _run_shares(
+        self,
+        posters: _Posters,
+        p: _Peer,
+        groups: Sequence[Sequence[Block]],
+        deadline: float,
+        what: str,
+        timeout_s: float,
+    ) -> None:
+        """Each memory-type group cut into one equal share per poster; the posters post their
+        shares at once, this thread polls them all until done; the handles are released in
+        any case."""
+        # The posters' workers are progressed only here and by polls: let them see a peer that
+        # went away since (else they post into its failed endpoints and UCX keeps requests)
+        self._agent.get_new_notifs()
+        cut = [split_blocks(group, posters.count) for group in groups]
+        shares = [
+            [_job(parts[i], self._segments, p.segments) for parts in cut if parts[i]]
+            for i in range(posters.count)
+        ]
+        handles, error = posters.post(p.agent, shares, what, deadline, timeout_s)
+        try:
+            if error is not None:
+                raise error
+            self._wait(handles, deadline, what, timeout_s)
+        finally:
+            for h in handles:
+                _release(self._agent, h)
 
     def _wait(self, handles: Sequence[Any], deadline: float, what: str, timeout_s: float) -> None:
         pending, polls = list(handles), 0
@@ -304,6 +360,82 @@ class NixlInitiator:
             self._agent.remove_remote_agent(agent)
         except Exception:
             log.warning("kv transfer nixl: removing remote agent %s", agent, exc_info=True)
+
+
+class _Posters:
+    """`count` threads, each posting its share of a parallel write on its own shared UCX
+    worker (module docstring). NOTE: they touch the agent only between `post`'s hand-out and
+    its return."""
+
+    def __init__(self, agent: Any, count: int, name: str) -> None:
+        self.count = count
+        self._agent = agent
+        self._inboxes: list[queue.SimpleQueue[tuple[int, str, list[_Job], str] | None]] = [
+            queue.SimpleQueue() for _ in range(count)
+        ]
+        self._results: queue.SimpleQueue[tuple[int, list[Any], BaseException | None]] = (
+            queue.SimpleQueue()
+        )
+        self._rounds = itertools.count()
+        self._threads = [
+            threading.Thread(
+                target=self._serve, args=(inbox,), name=f"{name}-poster-{i}", daemon=True
+            )
+            for i, inbox in enumerate(self._inboxes)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def post(
+        self,
+        peer_agent: str,
+        shares: Sequence[list[_Job]],
+        what: str,
+        deadline: float,
+        timeout_s: float,
+    ) -> tuple[list[Any], BaseException | None]:
+        """Poster i posts `shares[i]`; every handle posted, and the first error (a poster
+        that has not answered by `deadline` is one)."""
+        round_ = next(self._rounds)
+        for inbox, jobs in zip(self._inboxes, shares, strict=True):
+            inbox.put((round_, peer_agent, jobs, what))
+        handles: list[Any] = []
+        error: BaseException | None = None
+        answered = 0
+        while answered < len(shares):
+            try:
+                got, posted, failed = self._results.get(
+                    timeout=max(0.0, deadline - time.monotonic())
+                )
+            except queue.Empty:
+                error = TransferError(f"kv transfer nixl: {what} timed out after {timeout_s:g} s")
+                break
+            if got != round_:  # a late answer of a round that timed out
+                for h in posted:
+                    _release(self._agent, h)
+                continue
+            answered += 1
+            handles.extend(posted)
+            error = error or failed
+        return handles, error
+
+    def close(self) -> None:
+        for inbox in self._inboxes:
+            inbox.put(None)
+        for t in self._threads:
+            t.join()
+
+    def _serve(self, inbox: queue.SimpleQueue[tuple[int, str, list[_Job], str] | None]) -> None:
+        while (task := inbox.get()) is not None:
+            round_, peer_agent, jobs, what = task
+            posted: list[Any] = []
+            failed: BaseException | None = None
+            try:
+                for job in jobs:
+                    posted.append(_post(self._agent, peer_agent, job, b"", what))
+            except Exception as exc:  # NIXL raises its own types
+                failed = exc
+            self._results.put((round_, posted, failed))
 
 
 def encode_descriptor(
@@ -347,18 +479,48 @@ def _segment(raw: object) -> Segment:
     return Segment(addr, nbytes, mem, dev)
 
 
-def _new_agent(name: str) -> Any:
+def ucx_params(threads: int) -> dict[str, str]:
+    """The UCX backend's parameters for `threads` posters: a shared worker for each and one
+    for the calling thread (no posters: NIXL's defaults)."""
+    if not 0 <= threads <= MAX_WRITE_THREADS:
+        raise TransferError(
+            f"kv transfer nixl: write threads {threads}: expected 0 to {MAX_WRITE_THREADS}"
+        )
+    return {"num_workers": str(threads + 1)} if threads else {}
+
+
+def _new_agent(name: str, params: Mapping[str, str] | None = None) -> Any:
     nixl = load_nixl()
-    config = nixl.agent_config(
-        enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"]
-    )
+    config = nixl.agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[])
     try:
         agent = nixl.agent(name, config)
+        agent.create_backend("UCX", dict(params or {}))
     except Exception as exc:
-        raise TransferError(f"kv transfer nixl: cannot create agent {name!r}: {exc!r}") from exc
+        raise TransferError(
+            f"kv transfer nixl ({nixl.module}): cannot create agent {name!r} with the UCX "
+            f"backend: {exc!r}"
+        ) from exc
     if "UCX" not in agent.backends:
         raise TransferError(f"kv transfer nixl ({nixl.module}): the UCX plugin is missing")
     return agent
+
+
+def _post(agent: Any, peer_agent: str, job: _Job, notif: bytes, what: str) -> Any:
+    """Create and post one WRITE; its handle (released here when posting fails or raises)."""
+    handle = agent.initialize_xfer(
+        "WRITE",
+        agent.get_xfer_descs(job.local, job.local_mem),
+        agent.get_xfer_descs(job.remote, job.remote_mem),
+        peer_agent,
+        notif_msg=notif,
+    )
+    try:
+        if agent.transfer(handle) == "ERR":
+            raise TransferError(f"kv transfer nixl: {what}: posting failed")
+    except BaseException:
+        _release(agent, handle)
+        raise
+    return handle
 
 
 def _register(agent: Any, segments: Sequence[tuple[str, Segment]]) -> list[Any]:
