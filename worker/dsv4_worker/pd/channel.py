@@ -6,6 +6,7 @@ PUSH socket guarded by a lock that wakes the owner's poller at once (no polling 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 from collections.abc import Sequence
@@ -29,6 +30,12 @@ class Outbox:
         """Queue one multipart message for the owner thread (any thread)."""
         with self._lock:
             self._push.send_multipart(list(frames))
+
+    def kick(self, frame: bytes) -> None:
+        """Queue a one-frame wake-up that may be dropped: never blocks (any thread)."""
+        # zmq.Again: the owner is far behind; it will see the state anyway
+        with self._lock, contextlib.suppress(zmq.Again):
+            self._push.send(frame, zmq.NOBLOCK)
 
     def close(self) -> None:
         with self._lock:

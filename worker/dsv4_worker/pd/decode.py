@@ -38,7 +38,7 @@ from dsv4_worker.pd.transfer import TransferTarget
 log = logging.getLogger(__name__)
 
 POLL_MS = 50
-LANDED_POLL_S = 0.001  # a decode follower's wait between target polls when nothing landed
+LANDED_POLL_S = 0.05  # a decode follower's wait for its target's wake-up (a safety net)
 HANDSHAKE_TIMEOUT_S = 10.0
 
 
@@ -98,7 +98,9 @@ class DecodeAgent:
         self._outbox = Outbox(self._ctx, "decode")
         self._prefills: dict[str, _Prefill] = {}
         self._flights: dict[str, _Flight] = {}  # room -> in flight
+        self._expecting = False  # told the target: flights exist
         self._landed: set[str] = set()
+        target.on_landed(lambda: self._outbox.kick(b"wake"))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dsv4-pd-decode", daemon=True)
         self._lock = threading.Lock()
@@ -113,6 +115,7 @@ class DecodeAgent:
 
     def stop(self) -> None:
         self._stop.set()
+        self._outbox.kick(b"wake")
         self._thread.join(timeout=5)
         self._outbox.close()
         for p in self._prefills.values():
@@ -164,8 +167,7 @@ class DecodeAgent:
         if self._landed_in is not None:
             poller.register(self._landed_in, zmq.POLLIN)
         while not self._stop.is_set():
-            wait_ms = 1 if any(f.done for f in self._flights.values()) else POLL_MS
-            for sock, _ in poller.poll(wait_ms):
+            for sock, _ in poller.poll(POLL_MS):  # a landed tag or stop() kicks the outbox
                 if sock is self._outbox.pull:
                     self._outgoing(self._outbox.pull.recv_multipart(), poller)
                 elif self._landed_in is not None and sock is self._landed_in:
@@ -175,6 +177,9 @@ class DecodeAgent:
             self._landed.update(self.target.poll_landed())
             self._complete_landed()
             self._expire(time.monotonic())
+            if bool(self._flights) != self._expecting:
+                self._expecting = not self._expecting
+                self.target.expect(self._expecting)
 
     def _peer(self, address: str, poller: zmq.Poller) -> _Prefill:
         peer = self._prefills.get(address)
@@ -197,6 +202,8 @@ class DecodeAgent:
 
     def _outgoing(self, frames: list[bytes], poller: zmq.Poller) -> None:
         kind = frames[0]
+        if kind == b"wake":  # a tag landed (the loop polls the target next), or stop
+            return
         if kind == b"connect":
             self._peer(frames[1].decode(), poller)
         elif kind == b"prefill":
@@ -329,6 +336,8 @@ class DecodeFollower:
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.connect(leader_landed)
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by the target when tags land, and on stop
+        target.on_landed(self._wake.set)
         self._thread = threading.Thread(target=self._run, name="dsv4-pd-landed", daemon=True)
 
     def start(self) -> None:
@@ -336,14 +345,15 @@ class DecodeFollower:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=5)
         self._push.close(linger=0)
         self._ctx.term()
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._wake.wait(LANDED_POLL_S)
+            self._wake.clear()  # before draining: a tag landing from here on sets it again
             tags = self.target.poll_landed()
             if tags:
                 self._push.send_multipart([t.encode() for t in tags])
-            else:
-                self._stop.wait(LANDED_POLL_S)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import multiprocessing
 import os
 import runpy
@@ -214,6 +215,32 @@ def test_random_blocks_land_exactly_where_asked_and_tags_once(
     wait_tags(pair.target, [*tags, "end"], seen)
     assert Counter(seen) == Counter([*tags, "end"])
     assert_bytes_equal(pair.dst, want)
+
+
+def test_on_landed_wakes_the_owner_after_the_tag_is_there(pair: Pair) -> None:
+    woke: list[list[str]] = []
+    ready = threading.Event()
+
+    def landed() -> None:  # on the target's thread: the tag is already queued
+        woke.append(pair.target.poll_landed())
+        ready.set()
+
+    pair.target.on_landed(landed)
+    pair.target.expect(True)
+    pair.initiator.write("t", [Block("kv", 0, 0, 64)], "a", timeout_s=WAIT_S)
+    assert ready.wait(WAIT_S), "on_landed was not called"
+    assert woke[0] == ["a"]
+    pair.target.expect(False)
+
+
+def test_nixl_pump_polls_fast_while_busy_and_backs_off_while_idle() -> None:
+    busy, idle = nixl_backend.PUMP_INTERVAL_S, nixl_backend.PUMP_IDLE_INTERVAL_S
+    assert nixl_backend.pump_interval_s(idle, busy=True) == busy
+    periods = [busy]
+    for _ in range(12):
+        periods.append(nixl_backend.pump_interval_s(periods[-1], busy=False))
+    assert periods[1] == 2 * busy and periods[-1] == idle
+    assert all(b == min(2 * a, idle) for a, b in itertools.pairwise(periods))
 
 
 def test_empty_write_delivers_its_tag_and_moves_nothing(pair: Pair) -> None:

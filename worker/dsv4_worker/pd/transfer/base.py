@@ -8,7 +8,7 @@ name of a target (decode). A write is tagged; the target reports the tag once ev
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Protocol
@@ -60,8 +60,20 @@ class TransferTarget(Protocol):
     def poll_landed(self) -> list[str]:
         """Tags whose writes fully landed since the last call, each once. Never blocks."""
 
+    def on_landed(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (from the target's own thread; it must not block) whenever a tag
+        has landed, so the owner need not poll `poll_landed` on a timer."""
+
+    def expect(self, expecting: bool) -> None:
+        """A hint: writes are due (a request awaits its KV). A target that polls its transport
+        polls at its busy rate while expecting; one woken by its transport ignores it."""
+
     def close(self) -> None:
         """Idempotent."""
+
+
+def nothing() -> None:
+    """A target's `on_landed` callback until its owner sets one."""
 
 
 def drain(landed: deque[str]) -> list[str]:

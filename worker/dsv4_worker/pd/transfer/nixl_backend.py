@@ -39,7 +39,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, NamedTuple
 
@@ -55,6 +55,7 @@ from dsv4_worker.pd.transfer.base import (
     check_same_regions,
     drain,
     merge_blocks,
+    nothing,
     split_blocks,
 )
 
@@ -63,7 +64,7 @@ log = logging.getLogger(__name__)
 BACKEND: Final = "nixl"
 NIXL_MODULES: Final = ("nixl_cu12", "nixl_cu13", "nixl")
 MEM_TYPES: Final = ("DRAM", "VRAM")
-PUMP_INTERVAL_S: Final = 0.0002  # the target's notification poll period while busy
+PUMP_INTERVAL_S: Final = 0.0002  # the target's notification poll period while busy/expecting
 PUMP_IDLE_INTERVAL_S: Final = 0.002  # ... and at most, while idle
 SPIN_POLLS: Final = 1000  # initiator: polls with sleep(0) before backing off to POLL_SLEEP_S
 POLL_SLEEP_S: Final = 0.0001
@@ -127,7 +128,10 @@ class NixlTarget:
         self._scratch = torch.zeros(SCRATCH_NBYTES, dtype=torch.uint8)
         self._descriptor: bytes | None = None
         self._landed: deque[str] = deque()
+        self._on_landed: Callable[[], None] = nothing
+        self._expecting = False
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set: poll now (expecting began, or closing)
         self._thread: threading.Thread | None = None
 
     def register(self, regions: Sequence[Region]) -> None:
@@ -151,8 +155,17 @@ class NixlTarget:
     def poll_landed(self) -> list[str]:
         return drain(self._landed)
 
+    def on_landed(self, callback: Callable[[], None]) -> None:
+        self._on_landed = callback
+
+    def expect(self, expecting: bool) -> None:
+        if expecting and not self._expecting:
+            self._wake.set()  # leave the idle interval at once
+        self._expecting = expecting
+
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -161,10 +174,14 @@ class NixlTarget:
             self._registered, self._regions, self._agent = [], [], None
 
     def _pump(self) -> None:
-        """Poll notifications (and so progress UCX); the period doubles while idle, up to
-        PUMP_IDLE_INTERVAL_S, and drops back to PUMP_INTERVAL_S when a tag arrives."""
+        """Poll notifications (and so progress UCX, which the initiator's writes also wait
+        for) every `pump_interval_s`; call `on_landed` after tags arrive."""
         interval_s = PUMP_INTERVAL_S
-        while not self._stop.wait(interval_s):
+        while not self._stop.is_set():
+            self._wake.wait(interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 notifs: dict[str, list[bytes]] = self._agent.get_new_notifs()
             except Exception:
@@ -173,8 +190,15 @@ class NixlTarget:
                 continue
             for messages in notifs.values():
                 self._landed.extend(m.decode("utf-8", "replace") for m in messages)
-            idle = not notifs
-            interval_s = min(2 * interval_s, PUMP_IDLE_INTERVAL_S) if idle else PUMP_INTERVAL_S
+            if notifs:
+                self._on_landed()
+            interval_s = pump_interval_s(interval_s, busy=bool(notifs) or self._expecting)
+
+
+def pump_interval_s(previous_s: float, *, busy: bool) -> float:
+    """A target's next poll period: PUMP_INTERVAL_S while busy (expecting writes, or a tag
+    just arrived), else twice the last, up to PUMP_IDLE_INTERVAL_S."""
+    return PUMP_INTERVAL_S if busy else min(2 * previous_s, PUMP_IDLE_INTERVAL_S)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -32,6 +32,7 @@ from dsv4_worker.pd.transfer.base import (
     check_same_regions,
     drain,
     merge_blocks,
+    nothing,
     region_bytes,
 )
 
@@ -89,6 +90,7 @@ class ZmqTarget:
         self._regions: dict[str, torch.Tensor] = {}  # name -> flat uint8 view
         self._descriptor: bytes | None = None
         self._landed: deque[str] = deque()
+        self._on_landed: Callable[[], None] = nothing
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failed: dict[bytes, tuple[int, str]] = {}  # identity -> (seq, error); thread only
@@ -122,6 +124,12 @@ class ZmqTarget:
 
     def poll_landed(self) -> list[str]:
         return drain(self._landed)
+
+    def on_landed(self, callback: Callable[[], None]) -> None:
+        self._on_landed = callback
+
+    def expect(self, expecting: bool) -> None:
+        del expecting  # the receiver thread wakes on each message
 
     def close(self) -> None:
         self._stop.set()
@@ -167,6 +175,7 @@ class ZmqTarget:
         if error is None:
             self._sync_cuda()
             self._landed.append(header.tag)
+            self._on_landed()
         reply = {"seq": header.seq, "error": error}
         sock.send_multipart([identity, json.dumps(reply).encode()])
 

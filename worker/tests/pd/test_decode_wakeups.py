@@ -1,0 +1,61 @@
+"""The decode agent drives its transfer target's hints: `expect(True)` when a request starts
+waiting for its KV, `expect(False)` once none waits. Its control loop needs no timer: with the
+poll timeout patched to ten minutes, requests complete (messages and the target's `on_landed`
+kicks wake it) and the agent stops cleanly (`stop()` kicks it; without the kick the thread
+would outlive `stop` and fail on its closed sockets)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import pytest
+from engine_helpers import engine
+from pd_support import drained, pd_pair, wait_until
+
+from dsv4_common.core.presets import tiny
+from dsv4_worker.engine.loop import Engine
+from dsv4_worker.engine.sampler import SamplingParams
+from dsv4_worker.model.weights import init_weights
+from dsv4_worker.pd import decode
+from dsv4_worker.pd.transfer.nixl_backend import NixlTarget
+from dsv4_worker.pd.transfer.zmq_backend import ZmqTarget
+
+WEIGHTS = init_weights(tiny(), seed=5)
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("backend", ["zmq", "nixl"])
+def test_decode_waits_on_wakeups_and_tells_its_target_when_writes_are_due(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[bool] = []
+    lock = threading.Lock()
+    cls = NixlTarget if backend == "nixl" else ZmqTarget
+    real = cls.expect
+
+    def record(self: ZmqTarget | NixlTarget, expecting: bool) -> None:
+        with lock:
+            calls.append(expecting)
+        real(self, expecting)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cls, "expect", record)
+    # no timer: only messages and the target's on_landed kicks wake the control loop
+    monkeypatch.setattr(decode, "POLL_MS", 600_000)
+
+    def make() -> Engine:
+        return engine(tiny(), WEIGHTS)
+
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(20 + 9 * i)] for i in range(4)]
+    params = [SamplingParams(max_new_tokens=3) for _ in prompts]
+    with pd_pair(backend, make, make) as pair:
+        for _ in range(2):  # two bursts: waiting starts and ends twice
+            outputs = pair.generate(prompts, params)
+            assert all(len(tokens) == 3 for tokens, _ in outputs)
+            wait_until(lambda: drained(pair.decode_runner), "the decode pools to drain")
+            wait_until(lambda: bool(calls) and not calls[-1], "expect(False) after the burst")
+    with lock:
+        seen = list(calls)
+    assert seen[0] is True and seen[-1] is False
+    assert all(a != b for a, b in itertools.pairwise(seen)), seen  # transitions only
+    assert len(seen) >= 4, seen
