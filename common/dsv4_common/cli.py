@@ -254,7 +254,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=None,
         help="prefill, nixl: threads that post a big write's byte shares at once, each on "
         "its own UCX worker (default 2; writes under 256 KiB per thread stay on the engine "
-        "thread; 0: none)",
+        "thread; 0 or 1: the engine thread posts everything)",
     )
     pp = p.add_argument_group("pipeline parallelism (quick form)")
     pp.add_argument("--pp-size", type=_positive_int, default=1, help="stages in the PP group")

@@ -32,9 +32,10 @@ class Outbox:
             self._push.send_multipart(list(frames))
 
     def kick(self, frame: bytes) -> None:
-        """Queue a one-frame wake-up that may be dropped: never blocks (any thread)."""
-        # zmq.Again: the owner is far behind; it will see the state anyway
-        with self._lock, contextlib.suppress(zmq.Again):
+        """Queue a one-frame wake-up that may be dropped: never blocks or raises (any thread;
+        also after `close`)."""
+        # zmq.Again: the owner is far behind and will see the state anyway; other errors: closed
+        with self._lock, contextlib.suppress(zmq.ZMQError):
             self._push.send(frame, zmq.NOBLOCK)
 
     def close(self) -> None:

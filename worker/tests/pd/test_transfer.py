@@ -62,8 +62,9 @@ CHILD_RUN_NAME = "__transfer_target_child__"
 LAYERS, SRC_UNITS, DST_UNITS, UNIT_BYTES = 4, 48, 64, 4096
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture
 def backend(request: pytest.FixtureRequest) -> str:
+    """Each of BACKENDS (`pytest_generate_tests`); skips nixl when it is not installed."""
     name: str = request.param
     if name == "nixl":
         try:
@@ -73,14 +74,28 @@ def backend(request: pytest.FixtureRequest) -> str:
     return name
 
 
-@pytest.fixture(params=[None, 0], ids=["default-threads", "no-threads"])
-def threads(request: pytest.FixtureRequest, backend: str) -> int | None:
-    """The initiator's write threads: the default (nixl: poster threads that post a big
-    write's byte shares in parallel) and none (nixl: every write on the calling thread)."""
-    value: int | None = request.param
-    if value is not None and backend != "nixl":
-        pytest.skip(f"{backend} has no write threads")
-    return value
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every test runs on each backend; one that takes `threads` runs nixl with its default
+    poster threads (a big write's byte shares posted in parallel) and with none (every write
+    on the calling thread), and zmq once (it has no write threads)."""
+    if "threads" in metafunc.fixturenames:
+        metafunc.parametrize(
+            ("backend", "threads"),
+            [("nixl", None), ("nixl", 0), ("zmq", None)],
+            ids=["nixl-default-threads", "nixl-no-threads", "zmq"],
+            indirect=["backend"],
+        )
+    elif "backend" in metafunc.fixturenames and not _marks_backend(metafunc):
+        metafunc.parametrize("backend", BACKENDS, indirect=True)
+
+
+def _marks_backend(metafunc: pytest.Metafunc) -> bool:
+    """The test chose its own backends with a parametrize mark."""
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        names = mark.args[0]
+        if "backend" in (names.split(",") if isinstance(names, str) else names):
+            return True
+    return False
 
 
 @pytest.fixture
@@ -317,21 +332,20 @@ def test_connect_refuses_a_bad_descriptor(backend: str, descriptor: bytes) -> No
 
 
 def test_ucx_params_give_each_poster_a_shared_worker() -> None:
-    assert ucx_params(0) == {}
+    assert ucx_params(0) == ucx_params(1) == {}
     assert ucx_params(3) == {"num_workers": "4"}
     for bad in (-1, MAX_WRITE_THREADS + 1):
         with pytest.raises(TransferError, match=f"write threads {bad}: expected 0 to 64"):
             ucx_params(bad)
 
 
+@pytest.mark.parametrize("backend", ["nixl"], indirect=True)
 def test_nixl_big_writes_go_to_the_posters_small_ones_stay(
     backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Which thread posts what: a write of PARALLEL_MIN_BYTES per poster or more is posted by
     every poster, one share each, then its tag by the calling thread; a smaller one by the
     calling thread alone, tag included. Bytes and tags land either way."""
-    if backend != "nixl":
-        pytest.skip("nixl only")
     posts: list[tuple[str, int, bytes]] = []
     real_post = nixl_backend._post
 
@@ -343,7 +357,7 @@ def test_nixl_big_writes_go_to_the_posters_small_ones_stay(
     monkeypatch.setattr(nixl_backend, "_post", spy)
     monkeypatch.setattr(nixl_backend, "PARALLEL_MIN_BYTES", 1000)
     target = make_target(backend)
-    initiator = make_initiator(backend, name="spy", threads=3)
+    initiator = nixl_backend.NixlInitiator("spy", threads=3)
     try:
         src, dst = make_regions(REGIONS, seed=1), make_regions(REGIONS, seed=100)
         target.register(dst)

@@ -9,16 +9,18 @@ NOTE: after `register`, only that thread touches the target's agent (until `clos
 
 Parallel writes: on one host UCX copies with the kernel (`process_vm_writev`, one call per
 descriptor, in the thread that posts), so one posting thread holds a write to one core's copy
-rate. An initiator with `threads` > 0 keeps that many poster threads, and its agent one shared
-UCX worker per poster plus one for the calling thread. NIXL binds a thread to a shared worker
+rate. An initiator with `threads` >= 2 keeps that many poster threads, and its agent one
+shared UCX worker per poster plus one for the calling thread. NIXL binds a thread to a shared worker
 at its first post (round robin), so the posters, all of which first post in the same write,
 get distinct workers. A write of at least `PARALLEL_MIN_BYTES` per poster is cut into equal
 byte shares that the posters post at once while the calling thread waits; the calling thread
 then polls them, and sends the tag on a scratch write once every share is done. Smaller writes
 go out from the calling thread as one transfer carrying the tag.
-NOTE: the posters touch the agent only while the calling thread waits for them, so at any time
-the agent is used by one thread, or by the posters on their own workers; every shared worker,
-the posters' included, is progressed by `get_new_notifs` (see `_progress`).
+NOTE: the posters touch the agent only while the calling thread waits for all of them to have
+posted (posting never waits for the peer, so this wait is as bounded as posting on the calling
+thread), so at any time the agent is used by one thread, or by the posters on their own
+workers; every shared worker, the posters' included, is progressed by `get_new_notifs` (see
+`_progress`).
 (NIXL's own thread pool, `num_threads`, splits by descriptor count, and its dedicated workers
 are progressed only while they post: after a failed write, destroying them trips the UCX
 assertion `_progress` avoids for shared workers.)
@@ -30,7 +32,6 @@ import base64
 import binascii
 import functools
 import importlib
-import itertools
 import json
 import logging
 import os
@@ -70,7 +71,7 @@ SPIN_POLLS: Final = 1000  # initiator: polls with sleep(0) before backing off to
 POLL_SLEEP_S: Final = 0.0001
 PROGRESS_CALLS: Final = 4  # after a failed write and before close; see `_progress`
 SCRATCH_NBYTES: Final = 64  # each side's scratch, for tags that travel without data
-WRITE_THREADS: Final = 2  # an initiator's default poster threads (0: the calling thread only)
+WRITE_THREADS: Final = 2  # an initiator's default poster threads (0 or 1: the calling thread)
 MAX_WRITE_THREADS: Final = 64
 PARALLEL_MIN_BYTES: Final = 256 << 10  # per poster: smaller writes are not worth the hand-off
 
@@ -191,7 +192,10 @@ class NixlTarget:
             for messages in notifs.values():
                 self._landed.extend(m.decode("utf-8", "replace") for m in messages)
             if notifs:
-                self._on_landed()
+                try:
+                    self._on_landed()
+                except Exception:  # the owner's bug: keep receiving
+                    log.exception("kv transfer nixl: target %s: on_landed", self.name)
             interval_s = pump_interval_s(interval_s, busy=bool(notifs) or self._expecting)
 
 
@@ -225,7 +229,7 @@ class NixlInitiator:
     def __init__(self, name: str, threads: int = WRITE_THREADS) -> None:
         self.name = f"{name}-{uuid.uuid4().hex[:8]}"
         self._agent: Any = _new_agent(self.name, ucx_params(threads))
-        self._posters = _Posters(self._agent, threads, self.name) if threads else None
+        self._posters = _Posters(self._agent, threads, self.name) if threads >= 2 else None
         self._registered: list[Any] = []
         self._regions: list[Region] = []  # NOTE: keeps the registered memory alive
         self._segments: dict[str, Segment] = {}
@@ -271,23 +275,23 @@ class NixlInitiator:
         what = f"write {tag!r} to peer {peer!r}"
         merged = merge_blocks(blocks)
         groups = _by_mem_types(merged, self._segments, p.segments)
-        jobs = [_job(group, self._segments, p.segments) for group in groups]
         posters = self._posters
-        parallel = posters is not None and sum(b.nbytes for b in merged) >= (
+        if posters is not None and sum(b.nbytes for b in merged) < (
             posters.count * PARALLEL_MIN_BYTES
-        )
+        ):
+            posters = None
         try:
-            if len(jobs) == 1 and not parallel:  # the usual case: the tag rides on the transfer
-                self._run(p, jobs, tag.encode(), deadline, what, timeout_s)
-                return
+            if posters is not None:
+                self._run_shares(posters, p, groups, deadline, what, timeout_s)
+            else:
+                jobs = [_job(group, self._segments, p.segments) for group in groups]
+                if len(jobs) == 1:  # the usual case: the tag rides on the one transfer
+                    self._run(p, jobs, tag.encode(), deadline, what, timeout_s)
+                    return
+                self._run(p, jobs, b"", deadline, what, timeout_s)
             # In shares, or none or several memory-type pairs: the tag follows, once those are
             # done, on a 1-byte scratch write (a bare notification is not progressed without a
             # transfer)
-            if parallel:
-                assert posters is not None
-                self._run_shares(posters, p, groups, deadline, what, timeout_s)
-            else:
-                self._run(p, jobs, b"", deadline, what, timeout_s)
             self._run(
                 p, [_scratch_job(self._scratch, p.scratch)], tag.encode(), deadline, what, timeout_s
             )
@@ -358,7 +362,7 @@ class NixlInitiator:
             [_job(parts[i], self._segments, p.segments) for parts in cut if parts[i]]
             for i in range(posters.count)
         ]
-        handles, error = posters.post(p.agent, shares, what, deadline, timeout_s)
+        handles, error = posters.post(p.agent, shares, what)
         try:
             if error is not None:
                 raise error
@@ -394,13 +398,12 @@ class _Posters:
     def __init__(self, agent: Any, count: int, name: str) -> None:
         self.count = count
         self._agent = agent
-        self._inboxes: list[queue.SimpleQueue[tuple[int, str, list[_Job], str] | None]] = [
+        self._inboxes: list[queue.SimpleQueue[tuple[str, list[_Job], str] | None]] = [
             queue.SimpleQueue() for _ in range(count)
         ]
-        self._results: queue.SimpleQueue[tuple[int, list[Any], BaseException | None]] = (
+        self._results: queue.SimpleQueue[tuple[list[Any], BaseException | None]] = (
             queue.SimpleQueue()
         )
-        self._rounds = itertools.count()
         self._threads = [
             threading.Thread(
                 target=self._serve, args=(inbox,), name=f"{name}-poster-{i}", daemon=True
@@ -411,34 +414,16 @@ class _Posters:
             t.start()
 
     def post(
-        self,
-        peer_agent: str,
-        shares: Sequence[list[_Job]],
-        what: str,
-        deadline: float,
-        timeout_s: float,
+        self, peer_agent: str, shares: Sequence[list[_Job]], what: str
     ) -> tuple[list[Any], BaseException | None]:
-        """Poster i posts `shares[i]`; every handle posted, and the first error (a poster
-        that has not answered by `deadline` is one)."""
-        round_ = next(self._rounds)
+        """Poster i posts `shares[i]`; once every poster has answered: every handle posted,
+        and the first error."""
         for inbox, jobs in zip(self._inboxes, shares, strict=True):
-            inbox.put((round_, peer_agent, jobs, what))
+            inbox.put((peer_agent, jobs, what))
         handles: list[Any] = []
         error: BaseException | None = None
-        answered = 0
-        while answered < len(shares):
-            try:
-                got, posted, failed = self._results.get(
-                    timeout=max(0.0, deadline - time.monotonic())
-                )
-            except queue.Empty:
-                error = TransferError(f"kv transfer nixl: {what} timed out after {timeout_s:g} s")
-                break
-            if got != round_:  # a late answer of a round that timed out
-                for h in posted:
-                    _release(self._agent, h)
-                continue
-            answered += 1
+        for _ in shares:
+            posted, failed = self._results.get()
             handles.extend(posted)
             error = error or failed
         return handles, error
@@ -449,9 +434,9 @@ class _Posters:
         for t in self._threads:
             t.join()
 
-    def _serve(self, inbox: queue.SimpleQueue[tuple[int, str, list[_Job], str] | None]) -> None:
+    def _serve(self, inbox: queue.SimpleQueue[tuple[str, list[_Job], str] | None]) -> None:
         while (task := inbox.get()) is not None:
-            round_, peer_agent, jobs, what = task
+            peer_agent, jobs, what = task
             posted: list[Any] = []
             failed: BaseException | None = None
             try:
@@ -459,7 +444,7 @@ class _Posters:
                     posted.append(_post(self._agent, peer_agent, job, b"", what))
             except Exception as exc:  # NIXL raises its own types
                 failed = exc
-            self._results.put((round_, posted, failed))
+            self._results.put((posted, failed))
 
 
 def encode_descriptor(
@@ -505,12 +490,12 @@ def _segment(raw: object) -> Segment:
 
 def ucx_params(threads: int) -> dict[str, str]:
     """The UCX backend's parameters for `threads` posters: a shared worker for each and one
-    for the calling thread (no posters: NIXL's defaults)."""
+    for the calling thread (0 or 1: no posters, NIXL's defaults)."""
     if not 0 <= threads <= MAX_WRITE_THREADS:
         raise TransferError(
             f"kv transfer nixl: write threads {threads}: expected 0 to {MAX_WRITE_THREADS}"
         )
-    return {"num_workers": str(threads + 1)} if threads else {}
+    return {"num_workers": str(threads + 1)} if threads >= 2 else {}
 
 
 def _new_agent(name: str, params: Mapping[str, str] | None = None) -> Any:

@@ -1,0 +1,48 @@
+"""The control plane's outbox: messages reach the owner's PULL socket in order from any thread;
+a kick never blocks or raises, also when the owner is far behind or the outbox is closed."""
+
+from __future__ import annotations
+
+import threading
+
+import zmq
+
+from dsv4_worker.pd.channel import Outbox
+
+
+def test_messages_from_many_threads_arrive_whole_and_in_each_threads_order() -> None:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    box = Outbox(ctx, "test")
+    try:
+
+        def send(k: int) -> None:
+            for i in range(50):
+                box.put([str(k).encode(), str(i).encode()])
+
+        threads = [threading.Thread(target=send, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        got: dict[int, list[int]] = {k: [] for k in range(4)}
+        for _ in range(200):
+            assert box.pull.poll(30_000), "a message did not arrive"
+            k, i = box.pull.recv_multipart()
+            got[int(k)].append(int(i))
+        for t in threads:
+            t.join()
+        assert got == {k: list(range(50)) for k in range(4)}
+    finally:
+        box.close()
+        ctx.term()
+
+
+def test_kick_never_blocks_when_nobody_reads_and_never_raises_after_close() -> None:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    box = Outbox(ctx, "test")
+    hwm = int(box.pull.getsockopt(zmq.RCVHWM)) + int(box._push.getsockopt(zmq.SNDHWM))
+    for _ in range(hwm + 100):  # past both queues' high-water marks: the rest are dropped
+        box.kick(b"wake")
+    assert box.pull.poll(30_000)
+    assert box.pull.recv() == b"wake"
+    box.close()
+    box.kick(b"wake")  # after close: dropped
+    ctx.term()
