@@ -78,22 +78,22 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Every test runs on each backend; one that takes `threads` runs nixl with its default
     poster threads (a big write's byte shares posted in parallel) and with none (every write
     on the calling thread), and zmq once (it has no write threads)."""
-    if "threads" in metafunc.fixturenames:
+    if "threads" in metafunc.fixturenames and not _marks(metafunc, "threads"):
         metafunc.parametrize(
             ("backend", "threads"),
             [("nixl", None), ("nixl", 0), ("zmq", None)],
             ids=["nixl-default-threads", "nixl-no-threads", "zmq"],
             indirect=["backend"],
         )
-    elif "backend" in metafunc.fixturenames and not _marks_backend(metafunc):
+    elif "backend" in metafunc.fixturenames and not _marks(metafunc, "backend"):
         metafunc.parametrize("backend", BACKENDS, indirect=True)
 
 
-def _marks_backend(metafunc: pytest.Metafunc) -> bool:
-    """The test chose its own backends with a parametrize mark."""
+def _marks(metafunc: pytest.Metafunc, name: str) -> bool:
+    """The test chose its own values of `name` with a parametrize mark."""
     for mark in metafunc.definition.iter_markers("parametrize"):
         names = mark.args[0]
-        if "backend" in (names.split(",") if isinstance(names, str) else names):
+        if name in (names.split(",") if isinstance(names, str) else names):
             return True
     return False
 
@@ -124,7 +124,7 @@ def make_regions(
 
 
 def as_bytes(regions: Sequence[Region]) -> dict[str, np.ndarray[Any, Any]]:
-    return {r.name: region_bytes(r.tensor).numpy().copy() for r in regions}
+    return {r.name: region_bytes(r.tensor).cpu().numpy().copy() for r in regions}
 
 
 def apply(
@@ -230,6 +230,40 @@ def test_random_blocks_land_exactly_where_asked_and_tags_once(
     wait_tags(pair.target, [*tags, "end"], seen)
     assert Counter(seen) == Counter([*tags, "end"])
     assert_bytes_equal(pair.dst, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("threads", [None, 0], ids=["default-threads", "no-threads"])
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_cuda_regions_land_exactly_where_asked(
+    backend: str, threads: int | None, every_write_parallel: None
+) -> None:
+    """GPU pools on both sides (nixl: VRAM_SEG; zmq: through host frames), writes in shares
+    too: the bytes and tags are exactly those of the CPU case."""
+    src = [Region(r.name, r.tensor.cuda()) for r in make_regions(REGIONS, seed=1)]
+    dst = [Region(r.name, r.tensor.cuda()) for r in make_regions(REGIONS, seed=100)]
+    target = make_target(backend, host="127.0.0.1")
+    initiator = make_initiator(backend, name="test", threads=threads)
+    try:
+        target.register(dst)
+        initiator.register(src)
+        initiator.connect("t", target.descriptor())
+        rng = np.random.default_rng(3)
+        want = as_bytes(dst)
+        tags = [f"w{i}" for i in range(3)]
+        for tag in tags:
+            blocks = random_blocks(rng, {r.name: r.nbytes for r in dst})
+            initiator.write("t", blocks, tag, timeout_s=WAIT_S)
+            want = apply(want, as_bytes(src), blocks)
+        seen: list[str] = []
+        wait_tags(target, tags, seen)
+        assert Counter(seen) == Counter(tags)
+        torch.cuda.synchronize()
+        assert_bytes_equal(dst, want)
+    finally:
+        initiator.close()
+        target.close()
 
 
 def test_on_landed_wakes_the_owner_after_the_tag_is_there(pair: Pair) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 from serve_support import Deployment, free_port, post, serve_argv, wait_until
 
 from dsv4_common.core.presets import tiny
@@ -24,16 +25,45 @@ COMMON = ["--model", "tiny", "--gpu-memory-gib", "0.25", "--page-size", "16"]
 FAIL_WITHIN_S = 20.0  # the group's PP timeout (5 s) plus slack for a loaded machine
 
 
-def group(pp_size: int) -> Deployment:
+def group(pp_size: int, *, cuda: bool = False) -> Deployment:
+    """A PP group; `cuda`: each stage on its own GPU (CUDA_VISIBLE_DEVICES=rank), so its
+    activations travel over NCCL."""
     d = Deployment()
     addr = f"127.0.0.1:{free_port()}"
     for rank in range(pp_size):
         port = free_port()
         argv = serve_argv(*COMMON, "--port", str(port), "--pp-size", str(pp_size))
         argv += ["--pp-rank", str(rank), "--pp-addr", addr, "--pp-timeout-s", "5"]
-        d.start(f"rank-{rank}", argv, port)
+        env = None
+        if cuda:
+            argv += ["--device", "cuda"]
+            env = {"CUDA_VISIBLE_DEVICES": str(rank)}
+        d.start(f"rank-{rank}", argv, port, env)
     d.ready()
     return d
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL)")
+def test_a_cuda_pp_group_over_nccl_equals_one_stage() -> None:
+    """PP=2 on two GPUs (activations over NCCL) answers token for token as one GPU does."""
+    prompts = [[(7 * i + n) % 250 for i in range(n)] for n in (5, 70, 300)]
+    answers = []
+    for size in (1, 2):
+        d = group(size, cuda=True)
+        try:
+            got = []
+            for ids in prompts:
+                body = {"prompt": ids, "max_tokens": 12, "return_token_ids": True}
+                status, out = post(d.procs["rank-0"].port, body)
+                assert status == 200, out
+                got.append(out["choices"][0]["token_ids"])
+            answers.append(got)
+            for p in d.procs.values():
+                wait_until(lambda p=p: p.used_pages() == 0, f"{p.name} to free every page")
+        finally:
+            d.stop()
+    assert answers[0] == answers[1]
 
 
 @pytest.fixture

@@ -77,8 +77,13 @@ class Proc:
 class Deployment:
     procs: dict[str, Proc] = field(default_factory=dict)
 
-    def start(self, name: str, argv: list[str], port: int) -> Proc:
-        proc = subprocess.Popen(argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    def start(
+        self, name: str, argv: list[str], port: int, env: dict[str, str] | None = None
+    ) -> Proc:
+        """`env`: added to ENV for this process."""
+        proc = subprocess.Popen(
+            argv, env={**ENV, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
         self.procs[name] = Proc(name, port, proc)
         return self.procs[name]
 
