@@ -12,6 +12,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 from repo_paths import SAMPLES
+from support.pods import running_pod
 from support.sglang_stand_in import flag, realized
 
 from dsv4_common.api.deployment import MemoryPlan, plan_memory
@@ -148,21 +149,7 @@ def test_a_rank_the_plan_does_not_have_is_a_difference() -> None:
 
 
 def _pod(name: str, role: str, rank: int) -> PodState:
-    return PodState(
-        name=name,
-        uid=name,
-        role=role,
-        group=name.rsplit("-", 1)[0],
-        pp_rank=rank,
-        phase="Running",
-        ready=True,
-        restart_count=0,
-        deleting=False,
-        template_hash="h",
-        created_at=None,
-        started_at=None,
-        ip="127.0.0.2",
-    )
+    return running_pod(name, role=role, pp_rank=rank, template_hash="h", ip="127.0.0.2")
 
 
 def test_seen_capacity_takes_both_engines_reports_and_skips_stale_pods() -> None:

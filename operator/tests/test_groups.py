@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.pods import running_pod
 
 from dsv4_common.api.spec import DeploymentSpec, parse_spec
 from dsv4_operator import labels as L
@@ -37,22 +38,16 @@ def make_spec(
 
 
 def pod(group: str, rank: int, **kw: object) -> PodState:
-    base = PodState(
-        name=f"{group}-{rank}",
-        uid=f"{group}-{rank}",
-        role=group.split("-")[1],
-        group=group,
-        pp_rank=rank,
-        phase="Running",
-        ready=True,
-        restart_count=0,
-        deleting=False,
-        template_hash="new",
-        created_at=T0,
-        started_at=T0 + timedelta(seconds=30),
-        ip="10.0.0.1",
-    )
-    return dataclasses.replace(base, **kw)  # type: ignore[arg-type]
+    fields: dict[str, object] = {
+        "role": group.split("-")[1],
+        "group": group,
+        "pp_rank": rank,
+        "template_hash": "new",
+        "created_at": T0,
+        "started_at": T0 + timedelta(seconds=30),
+        "ip": "10.0.0.1",
+    }
+    return running_pod(f"{group}-{rank}", **{**fields, **kw})
 
 
 def group(name: str, *pods: PodState, pp: int = 2, surge: bool = False) -> GroupState:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from contract_samples import DECODE_STATUS
+from support.pods import running_pod
 from support.sglang_stand_in import server_info_doc
 from support.status_servers import HANG, StatusServers
 
@@ -135,21 +136,7 @@ def _state(
     deleting: bool = False,
     pp_rank: int | None = 0,
 ) -> PodState:
-    return PodState(
-        name=name,
-        uid=name,
-        role="decode",
-        group="g",
-        pp_rank=pp_rank,
-        phase=phase,
-        ready=True,
-        restart_count=0,
-        deleting=deleting,
-        template_hash=None,
-        created_at=None,
-        started_at=None,
-        ip=ip,
-    )
+    return running_pod(name, group="g", pp_rank=pp_rank, phase=phase, deleting=deleting, ip=ip)
 
 
 def test_probe_keeps_answers_and_drops_failures(workers: StatusServers) -> None:

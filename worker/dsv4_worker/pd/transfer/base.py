@@ -139,7 +139,7 @@ def split_blocks(blocks: Sequence[Block], parts: int) -> list[list[Block]]:
     for b in blocks:
         done = 0
         while done < b.nbytes:
-            while room == 0:  # only a byte-less share (total < parts) can open with no room
+            while room == 0:  # this share is full: on to the next that has room
                 share += 1
                 room = quota + (1 if share < extra else 0)
             take = min(room, b.nbytes - done)
