@@ -14,12 +14,14 @@ token. A request aborted while its KV may still be landing keeps its pages until
 side confirms (`on_cancel`, then `release`/`fail_transfer`).
 
 NOTE: every pool is back to zero used units once every request has finished and every held
-request was released; `check_integrity` runs whenever the engine goes idle.
+request was released; `check_integrity` checks it once the engine has stayed idle a while
+(`check_if_idle`: off every request's latency path).
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -102,6 +104,7 @@ class Engine:
         self._rids = itertools.count()
         self.new_token_ratio = RATIO_MAX
         self.steps = 0
+        self._idle_since_s: float | None = None  # a step left the engine idle, unchecked since
         self.waits: dict[str, int] = {}  # why the head of the queue waited -> steps
         self.failure: str | None = None  # set: the engine cannot serve (fail_all)
         totals = {u.pool: u.total for u in self.mem.usage()}
@@ -257,9 +260,24 @@ class Engine:
             self.new_token_ratio = RATIO_MAX
         else:
             self.new_token_ratio = max(RATIO_MIN, self.new_token_ratio - RATIO_DECAY)
-        if self.idle:
-            self.mem.check_integrity()
+        if not self.idle:
+            self._idle_since_s = None
+        elif self._idle_since_s is None:
+            self._idle_since_s = time.monotonic()
         return finished
+
+    def check_if_idle(self, settled_s: float = 0.0) -> None:
+        """The whole-state check (`check_integrity`, milliseconds) once the engine has stayed
+        idle `settled_s` since a step left it idle. The serving loop waits a while, so the
+        check delays neither the step's results (a PD prefill's `done`, a client's last token)
+        nor a request that arrives right after them."""
+        since = self._idle_since_s
+        if since is None or not self.idle:
+            self._idle_since_s = None
+            return
+        if time.monotonic() - since >= settled_s:
+            self._idle_since_s = None
+            self.mem.check_integrity()
 
     always_run_batch = False  # a PP stage takes part in every step's exchange, even empty ones
 
@@ -298,6 +316,7 @@ class Engine:
     def run_until_idle(self, max_steps: int = 100_000) -> None:
         for _ in range(max_steps):
             if self.idle:
+                self.check_if_idle()
                 return
             self.step()
         raise RuntimeError(f"engine not idle after {max_steps} steps")

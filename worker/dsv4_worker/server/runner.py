@@ -22,6 +22,7 @@ from dsv4_worker.mem.usage import PoolUsage
 from dsv4_worker.sched.scheduler import Phase
 
 IDLE_WAIT_S = 0.05  # how long the idle runner blocks waiting for work
+IDLE_CHECK_S = 0.05  # the engine's integrity check waits for this much quiet (it is slow)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +157,7 @@ class EngineRunner:
                 if self.after_step is not None:
                     self.after_step(finished)
                 self._publish(finished)
+                self.engine.check_if_idle(settled_s=IDLE_CHECK_S)
         except BaseException as exc:  # surface to /ready; fail every waiting client
             self.error = exc
             for handle, loop, _ in self._listeners.values():

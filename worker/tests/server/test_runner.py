@@ -108,3 +108,39 @@ def test_a_pd_first_token_goes_out_before_the_next_step() -> None:
     assert isinstance(first, Token) and first.token_id == 7
     assert before_the_step, "the first token waited for the next forward"
     assert [type(e) for e in events] == [Token, Token, Token, Done]
+
+
+def test_the_idle_check_runs_after_the_last_event_went_out() -> None:
+    """`check_integrity` takes milliseconds: a request's last event (a PD prefill's `done`
+    goes out the same way, in `after_step`) must not wait for it. The check is held until the
+    client has its Done; it must still run once the engine is idle."""
+    r = runner()
+    mem = r.engine.mem
+    gate, checked, real_check = threading.Event(), threading.Event(), mem.check_integrity
+
+    def gated_check() -> None:
+        gate.wait(20)
+        real_check()
+        checked.set()
+
+    mem.check_integrity = gated_check  # type: ignore[method-assign]
+
+    async def drive() -> tuple[list[Token | Done], bool]:
+        loop = asyncio.get_running_loop()
+        handle = r.submit((1, 2, 3), SamplingParams(max_new_tokens=2), loop)
+        events = [await asyncio.wait_for(handle.events.get(), 10)]
+        while not isinstance(events[-1], Done):
+            events.append(await asyncio.wait_for(handle.events.get(), 10))
+        before_the_check = not checked.is_set()
+        gate.set()
+        return events, before_the_check
+
+    r.start()
+    try:
+        events, before_the_check = asyncio.run(drive())
+        assert checked.wait(30), "the idle check never ran"
+    finally:
+        gate.set()
+        r.stop()
+    assert [type(e) for e in events] == [Token, Token, Done]
+    assert before_the_check, "the last event waited for the idle check"
