@@ -49,7 +49,7 @@ class _Prefill:
     state: str = "connecting"  # connecting | ready | failed
     error: str = ""
     since_s: float = field(default_factory=time.monotonic)
-    queued: list[C.PrefillRequest] = field(default_factory=list)
+    queued: list[tuple[str, list[bytes]]] = field(default_factory=list)  # (room, encoded)
 
 
 @dataclass(slots=True)
@@ -154,7 +154,9 @@ class DecodeAgent:
             dst_slot=req.slot,
             timeout_s=self.transfer_timeout_s,
         )
-        self._outbox.put([b"prefill", address.encode(), str(req.rid).encode(), *C.encode(msg)])
+        # Encoded here, once: the control thread forwards the frames as they are.
+        head = [b"prefill", address.encode(), str(req.rid).encode(), room.encode()]
+        self._outbox.put([*head, *C.encode(msg)])
 
     def on_cancel(self, req: Request) -> None:
         self._outbox.put([b"abort", str(req.rid).encode(), f"{self.peer_id}:{req.rid}".encode()])
@@ -207,17 +209,14 @@ class DecodeAgent:
         if kind == b"connect":
             self._peer(frames[1].decode(), poller)
         elif kind == b"prefill":
-            address, rid = frames[1].decode(), int(frames[2])
-            msg = C.decode(frames[3:])
-            assert isinstance(msg, C.PrefillRequest)
+            address, rid, encoded = frames[1].decode(), int(frames[2]), frames[4:]
+            room = frames[3].decode()
             peer = self._peer(address, poller)
-            self._flights[msg.room] = _Flight(
-                rid, address, time.monotonic() + self.transfer_timeout_s
-            )
+            self._flights[room] = _Flight(rid, address, time.monotonic() + self.transfer_timeout_s)
             if peer.state == "ready":
-                peer.sock.send_multipart(C.encode(msg))
+                peer.sock.send_multipart(encoded)
             else:
-                peer.queued.append(msg)
+                peer.queued.append((room, encoded))
         elif kind == b"abort":
             room = frames[2].decode()
             flight = self._flights.get(room)
@@ -229,7 +228,7 @@ class DecodeAgent:
             if sender is not None and sender.state == "ready":
                 sender.sock.send_multipart(C.encode(C.Abort(room)))
             elif sender is not None:  # never sent: nothing can land
-                sender.queued = [m for m in sender.queued if m.room != room]
+                sender.queued = [q for q in sender.queued if q[0] != room]
                 self._end(room, self.engine.release)
 
     def _incoming(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
@@ -257,8 +256,8 @@ class DecodeAgent:
             peer.state = "ready"
             with self._lock:
                 self._status = (True, None)
-            for queued in peer.queued:
-                peer.sock.send_multipart(C.encode(queued))
+            for _, encoded in peer.queued:
+                peer.sock.send_multipart(encoded)
             peer.queued.clear()
             log.info("KV transfer handshake with prefill %s: ok", peer.address)
             return
@@ -269,8 +268,8 @@ class DecodeAgent:
         peer.state, peer.error = "failed", why
         with self._lock:
             self._status = (False, why)
-        for queued in peer.queued:
-            self._end(queued.room, functools.partial(self._fail, why=why))
+        for room, _ in peer.queued:
+            self._end(room, functools.partial(self._fail, why=why))
         peer.queued.clear()
 
     def _complete_landed(self) -> None:
