@@ -5,7 +5,7 @@ with an error naming the field (`dsv4_common.api.documents`).
     decode -> prefill   hello     its manifest, transfer backend and transfer descriptor
     prefill -> decode   welcome   ok, or the first manifest field that differs
     decode -> prefill   prefill   a preallocated request: prompt, sampling, destination units
-    prefill -> decode   done      every chunk and the state landed; the first token
+    prefill -> decode   done      the first token and every write's tag (complete once all landed)
     prefill -> decode   failed    the request cannot be served (the message says why)
     decode -> prefill   abort     stop and forget the request (client gone, timeout)
     prefill -> decode   aborted   nothing more will be written for it

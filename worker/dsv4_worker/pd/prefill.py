@@ -7,9 +7,10 @@ runs on the engine thread, between steps (`after_step`), so the pools have one w
 
 Per request (a `_Tx`): after each step, the full pages its chunks completed travel
 (`columns.send_step`); when prefill samples the first token (the engine keeps the finished
-request's pages: `keep_pages`), the last step sends the remaining pages, the window tail, the
-request state, then `done` with the first token; only then are the pages freed. A transfer
-error, a decode `abort` or the request's own timeout frees everything at once.
+request's pages: `keep_pages`), `done` with the first token and every write's tag goes out,
+then the last step writes the remaining pages, the window tail and the request state; only
+then are the pages freed. A transfer error, a decode `abort` or the request's own timeout
+frees everything at once.
 
 PP: every stage of a prefill group writes its own layers (`transfer_blocks` filters by layer
 id). The leader (rank 0) owns the control socket, the handshake and every decision; it tells
@@ -348,11 +349,13 @@ class PrefillAgent(_StageWriter):
                 if now > tx.deadline_s:
                     raise _Fail(f"prefill did not finish within {tx.msg.timeout_s:g} s")
                 if req.finished:
-                    self._send_step(tx, last=True)
+                    # `done` goes first and travels while the last step is written: decode
+                    # completes once it and every tag it lists arrived (the last step always
+                    # writes, with the request state). A failed write follows it with `failed`.
                     state = req.generator.get_state() if req.generator is not None else None
                     tags = tuple(
                         write_tag(room, stage, d, k)
-                        for k in range(tx.writes)
+                        for k in range(tx.writes + 1)
                         for stage, d in self._pairs[tx.peer]
                     )
                     self._send(
@@ -364,6 +367,7 @@ class PrefillAgent(_StageWriter):
                             tags,
                         ),
                     )
+                    self._send_step(tx, last=True)
                     del self._txs[room]
                     self.engine.release(req.rid)
                 elif req.slot is not None:  # admitted: send the pages its chunks finished

@@ -6,12 +6,13 @@ would outlive `stop` and fail on its closed sockets)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import threading
 
 import pytest
 from engine_helpers import engine
-from pd_support import drained, pd_pair, wait_until
+from pd_support import drained, on_engine, pd_pair, wait_until
 
 from dsv4_common.core.presets import tiny
 from dsv4_worker.engine.loop import Engine
@@ -20,6 +21,7 @@ from dsv4_worker.model.weights import init_weights
 from dsv4_worker.pd import decode
 from dsv4_worker.pd.transfer.nixl_backend import NixlTarget
 from dsv4_worker.pd.transfer.zmq_backend import ZmqTarget
+from dsv4_worker.server.runner import Done, Token
 
 WEIGHTS = init_weights(tiny(), seed=5)
 
@@ -59,3 +61,63 @@ def test_decode_waits_on_wakeups_and_tells_its_target_when_writes_are_due(
     assert seen[0] is True and seen[-1] is False
     assert all(a != b for a, b in itertools.pairwise(seen)), seen  # transitions only
     assert len(seen) >= 4, seen
+
+
+@pytest.mark.parametrize("backend", ["zmq", "nixl"])
+def test_a_done_that_arrives_before_its_tags_waits_for_them(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefill sends `done` before its last write: decode must complete a request only
+    once every tag `done` lists has landed. Here every tag is withheld until the test opens a
+    gate; the request must stay silent after its `done` arrived, then finish with the same
+    tokens as an ungated run."""
+    cls = NixlTarget if backend == "nixl" else ZmqTarget
+    real_poll = cls.poll_landed
+    gate = threading.Event()
+    withheld: list[str] = []
+
+    def poll(self: ZmqTarget | NixlTarget) -> list[str]:
+        landed = real_poll(self)  # type: ignore[arg-type]
+        if not gate.is_set():
+            withheld.extend(landed)
+            return []
+        out = [*withheld, *landed]
+        withheld.clear()
+        return out
+
+    def make() -> Engine:
+        return engine(tiny(), WEIGHTS)
+
+    prompt = tuple((5 * j) % 200 + 3 for j in range(70))
+    params = SamplingParams(max_new_tokens=4)
+    with pd_pair(backend, make, make) as pair:
+        [(expected, _)] = pair.generate([prompt], [params])
+        monkeypatch.setattr(cls, "poll_landed", poll)
+        agent = pair.decode_agent
+
+        async def gated() -> tuple[bool, list[int]]:
+            loop = asyncio.get_running_loop()
+            handle = pair.decode_runner.submit(prompt, params, loop, prefill=pair.address)
+            deadline = loop.time() + 60
+            # until `done` arrived (or, wrongly, the request completed without its tags)
+            while handle.events.empty() and not any(
+                f.done is not None for f in list(agent._flights.values())
+            ):
+                assert loop.time() < deadline, "no done from the prefill"
+                await asyncio.sleep(0.005)
+            # Two engine turns: whatever the decode posted on `done` has run and been published.
+            for _ in range(2):
+                await asyncio.to_thread(on_engine, pair.decode_runner, lambda: None)
+            await asyncio.sleep(0)
+            silent = handle.events.empty()
+            gate.set()
+            tokens = []
+            while isinstance(event := await asyncio.wait_for(handle.events.get(), 60), Token):
+                tokens.append(event.token_id)
+            assert isinstance(event, Done) and event.reason == "length", event
+            return silent, tokens
+
+        silent, tokens = asyncio.run(gated())
+        assert withheld == [] and silent, "decode completed before the tags landed"
+        assert tokens == expected
+        wait_until(lambda: drained(pair.decode_runner), "the decode pools to drain")
