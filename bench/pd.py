@@ -2,9 +2,12 @@
 
     .venv/bin/python bench/pd.py [--device cpu|cuda] [--rounds R] [--transfer nixl|zmq]
 
-1. Serving `tiny` over HTTP on loopback: TTFT and generated tokens/s, colocated (one `dsv4
-   serve`) vs disaggregated (router + prefill + decode processes), at 1 and 32 concurrent
-   streaming clients, measured side by side in one run (medians over `--rounds`).
+1. Serving `tiny` over HTTP on loopback, colocated (one `dsv4 serve`) vs disaggregated
+   (router + prefill + decode processes), side by side in one run:
+   - TTFT at low load (the PD target): `--ttft-requests` single requests per server, one at a
+     time, the servers visited request by request in a shuffled order (median, p90, ratio);
+   - TTFT and generated tokens/s at 1 and 32 concurrent streaming clients, each server in turn
+     per round (medians over `--rounds`).
 2. Decode admission capacity for a DSV4-Pro decode plan (TP=8 on an H200, SWA ratio 0.1):
    how many 32K-token prompts one decode rank preallocates at once when it reserves SWA for the
    page-floored window tail only (this project; ref. #24036/#24857) vs for the whole prompt
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -85,7 +89,8 @@ def serving(args: argparse.Namespace) -> None:
                 name = f"PD threads={threads}"
             ports[name] = _pd(args.device, args.transfer, threads, procs)
         for port in ports.values():
-            http_bench._round(port, 1, 1, 4)  # warm-up
+            http_bench._round(port, 1, 2, 4)  # warm-up
+        low_load_ttft(ports, args)
         print(
             f"tiny over HTTP, device={args.device}, transfer={args.transfer}, "
             f"{args.max_tokens} tokens/request, {os.cpu_count()} CPUs; medians of {args.rounds}"
@@ -108,6 +113,25 @@ def serving(args: argparse.Namespace) -> None:
             proc.terminate()
         for proc in procs:
             proc.wait(timeout=30)
+
+
+def low_load_ttft(ports: dict[str, int], args: argparse.Namespace) -> None:
+    """The TTFT target's figure: one request at a time, servers visited request by request."""
+    if args.ttft_requests <= 0:
+        return
+    ttfts = http_bench.ttft_side_by_side(ports, args.ttft_requests, args.max_tokens)
+    base = statistics.median(ttfts["colocated"])
+    print(
+        f"TTFT at low load: {args.ttft_requests} single requests per server, one at a time, "
+        f"servers interleaved request by request; {os.cpu_count()} CPUs"
+    )
+    width = max(13, *map(len, ports))
+    print(f"  {'mode':>{width}}  {'median ms':>9}  {'p90 ms':>7}  {'ratio':>5}")
+    for name, values in ttfts.items():
+        median = statistics.median(values)
+        p90 = http_bench.percentile(values, 0.9)
+        print(f"  {name:>{width}}  {median:>9.1f}  {p90:>7.1f}  {median / base:>5.2f}")
+    print()
 
 
 def admission(prompt_tokens: int, max_new_tokens: int) -> None:
@@ -162,6 +186,12 @@ def main() -> None:
         help="prefill's nixl poster threads; several values run one PD stack each, side by side",
     )
     parser.add_argument("--requests", type=int, default=2, help="requests per client per round")
+    parser.add_argument(
+        "--ttft-requests",
+        type=int,
+        default=40,
+        help="single requests per server for the low-load TTFT figure (0: skip it)",
+    )
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--clients", type=int, nargs="*", default=[1, 32])
     parser.add_argument("--prompt-tokens", type=int, default=32768)

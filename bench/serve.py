@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import random
 import socket
 import statistics
 import subprocess
@@ -112,6 +113,27 @@ def interleaved(
         k: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v))
         for k, v in runs.items()
     }
+
+
+def ttft_side_by_side(
+    ports: dict[K, int], requests: int, max_tokens: int, seed: int = 0
+) -> dict[K, list[float]]:
+    """TTFT ms of `requests` single requests per server at low load (one at a time), visiting
+    every server once per cycle in a shuffled order, so each pair of figures shares the
+    machine's noise of the same moment."""
+    order, rng = list(ports), random.Random(seed)
+    ttfts: dict[K, list[float]] = {k: [] for k in ports}
+    for _ in range(requests):
+        rng.shuffle(order)
+        for key in order:
+            ttfts[key].append(_one(ports[key], max_tokens)[0] * 1e3)
+    return ttfts
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank `q`-quantile (0 < q <= 1)."""
+    ranked = sorted(values)
+    return ranked[max(0, min(len(ranked) - 1, round(q * len(ranked)) - 1))]
 
 
 def main() -> None:
