@@ -26,6 +26,10 @@ from dsv4_worker.server.runner import Done, Token
 WEIGHTS = init_weights(tiny(), seed=5)
 
 
+def _make() -> Engine:
+    return engine(tiny(), WEIGHTS)
+
+
 @pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 @pytest.mark.parametrize("backend", ["zmq", "nixl"])
 def test_decode_waits_on_wakeups_and_tells_its_target_when_writes_are_due(
@@ -45,12 +49,9 @@ def test_decode_waits_on_wakeups_and_tells_its_target_when_writes_are_due(
     # no timer: only messages and the target's on_landed kicks wake the control loop
     monkeypatch.setattr(decode, "POLL_MS", 600_000)
 
-    def make() -> Engine:
-        return engine(tiny(), WEIGHTS)
-
     prompts = [[(7 * i + j) % 200 + 3 for j in range(20 + 9 * i)] for i in range(4)]
     params = [SamplingParams(max_new_tokens=3) for _ in prompts]
-    with pd_pair(backend, make, make) as pair:
+    with pd_pair(backend, _make, _make) as pair:
         for _ in range(2):  # two bursts: waiting starts and ends twice
             outputs = pair.generate(prompts, params)
             assert all(len(tokens) == 3 for tokens, _ in outputs)
@@ -85,12 +86,9 @@ def test_a_done_that_arrives_before_its_tags_waits_for_them(
         withheld.clear()
         return out
 
-    def make() -> Engine:
-        return engine(tiny(), WEIGHTS)
-
     prompt = tuple((5 * j) % 200 + 3 for j in range(70))
     params = SamplingParams(max_new_tokens=4)
-    with pd_pair(backend, make, make) as pair:
+    with pd_pair(backend, _make, _make) as pair:
         [(expected, _)] = pair.generate([prompt], [params])
         monkeypatch.setattr(cls, "poll_landed", poll)
         agent = pair.decode_agent

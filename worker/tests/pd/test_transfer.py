@@ -186,13 +186,15 @@ class Pair:
         return {r.name: r.nbytes for r in self.dst}
 
 
-@pytest.fixture
-def pair(backend: str, threads: int | None, every_write_parallel: None) -> Iterator[Pair]:
-    """A target and an initiator in this process, connected as peer "t"."""
+@contextlib.contextmanager
+def connected(
+    backend: str, threads: int | None, src: list[Region], dst: list[Region]
+) -> Iterator[Pair]:
+    """A target over `dst` and an initiator over `src` in this process, connected as peer
+    "t"; both closed on exit."""
     target = make_target(backend, host="127.0.0.1")
     initiator = make_initiator(backend, name="test", threads=threads)
     try:
-        src, dst = make_regions(REGIONS, seed=1), make_regions(REGIONS, seed=100)
         target.register(dst)
         initiator.register(src)
         initiator.connect("t", target.descriptor())
@@ -200,6 +202,14 @@ def pair(backend: str, threads: int | None, every_write_parallel: None) -> Itera
     finally:
         initiator.close()
         target.close()
+
+
+@pytest.fixture
+def pair(backend: str, threads: int | None, every_write_parallel: None) -> Iterator[Pair]:
+    """CPU regions on both sides, connected (`connected`)."""
+    src, dst = make_regions(REGIONS, seed=1), make_regions(REGIONS, seed=100)
+    with connected(backend, threads, src, dst) as p:
+        yield p
 
 
 def assert_bytes_equal(got: Sequence[Region], want: Mapping[str, np.ndarray[Any, Any]]) -> None:
@@ -243,27 +253,19 @@ def test_cuda_regions_land_exactly_where_asked(
     too: the bytes and tags are exactly those of the CPU case."""
     src = [Region(r.name, r.tensor.cuda()) for r in make_regions(REGIONS, seed=1)]
     dst = [Region(r.name, r.tensor.cuda()) for r in make_regions(REGIONS, seed=100)]
-    target = make_target(backend, host="127.0.0.1")
-    initiator = make_initiator(backend, name="test", threads=threads)
-    try:
-        target.register(dst)
-        initiator.register(src)
-        initiator.connect("t", target.descriptor())
+    with connected(backend, threads, src, dst) as p:
         rng = np.random.default_rng(3)
         want = as_bytes(dst)
         tags = [f"w{i}" for i in range(3)]
         for tag in tags:
-            blocks = random_blocks(rng, {r.name: r.nbytes for r in dst})
-            initiator.write("t", blocks, tag, timeout_s=WAIT_S)
+            blocks = random_blocks(rng, p.sizes)
+            p.initiator.write("t", blocks, tag, timeout_s=WAIT_S)
             want = apply(want, as_bytes(src), blocks)
         seen: list[str] = []
-        wait_tags(target, tags, seen)
+        wait_tags(p.target, tags, seen)
         assert Counter(seen) == Counter(tags)
         torch.cuda.synchronize()
         assert_bytes_equal(dst, want)
-    finally:
-        initiator.close()
-        target.close()
 
 
 def test_on_landed_wakes_the_owner_after_the_tag_is_there(pair: Pair) -> None:
