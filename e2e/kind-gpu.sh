@@ -21,7 +21,7 @@ done
 export KUBECONFIG=${KUBECONFIG:-$PWD/.tools/kubeconfig-$CLUSTER}
 trap '[ "${KEEP:-0}" = 1 ] || kind delete cluster --name "$CLUSTER" >/dev/null 2>&1 || true' EXIT
 
-if ! kind get clusters | grep -qx "$CLUSTER"; then
+if ! kind get clusters | grep -x "$CLUSTER" >/dev/null; then
   kind create cluster --name "$CLUSTER" --wait 120s --config - <<'KIND'
 kind: Cluster
 apiVersion: kind.x-k8s.io/v1alpha4

@@ -28,7 +28,7 @@ cleanup() {
 trap cleanup EXIT
 
 step "cluster $CLUSTER"
-if ! kind get clusters | grep -qx "$CLUSTER"; then
+if ! kind get clusters | grep -x "$CLUSTER" >/dev/null; then
   kind create cluster --name "$CLUSTER" ${KIND_NODE_IMAGE:+--image "$KIND_NODE_IMAGE"} --wait 120s
 fi
 kind export kubeconfig --name "$CLUSTER"
@@ -60,7 +60,7 @@ kubectl port-forward -n "$NS" "svc/$svc" 18000:"$port" >/dev/null 2>&1 &
 pf_pid=$!
 for _ in $(seq 50); do curl -fsS -o /dev/null http://127.0.0.1:18000/health 2>/dev/null && break; sleep 0.2; done
 curl -fsS http://127.0.0.1:18000/v1/completions -H 'Content-Type: application/json' \
-  -d '{"prompt": "Hello", "max_tokens": 8, "temperature": 0}' | tee /dev/stderr | grep -q '"choices"'
+  -d '{"prompt": "Hello", "max_tokens": 8, "temperature": 0}' | tee /dev/stderr | grep '"choices"' >/dev/null
 kill "$pf_pid"; pf_pid=""
 
 step "delete and check owned objects are gone"
