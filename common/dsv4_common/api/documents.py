@@ -10,10 +10,11 @@ writer may add fields within one version). Pure.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
-from collections.abc import Mapping
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from collections.abc import Callable, Mapping
+from typing import Any, Final, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 T = TypeVar("T")
 
@@ -22,12 +23,17 @@ class DocumentError(ValueError):
     """A document does not match its schema; the message names the field path."""
 
 
+_SCALARS: Final = (int, float, bool, str, type(None))
+
+
 def to_document(obj: Any) -> Any:
     """A dataclass (or a value inside one) as plain JSON-able data: tuples become lists."""
+    if type(obj) in _SCALARS:
+        return obj
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_document(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {name: to_document(getattr(obj, name)) for name in _field_names(type(obj))}
     if isinstance(obj, tuple | list):
-        return [to_document(v) for v in obj]
+        return [v if type(v) in _SCALARS else to_document(v) for v in obj]
     if isinstance(obj, Mapping):
         return {str(k): to_document(v) for k, v in obj.items()}
     return obj
@@ -43,92 +49,171 @@ def check_version(doc: object, name: str, version: int) -> None:
 
 def from_document(cls: type[T], doc: object, path: str = "") -> T:
     """Decode `doc` into the dataclass `cls`, checking every field (errors name the path)."""
-    return _decode(cls, doc, path or cls.__name__)  # type: ignore[no-any-return]
+    return _decoder(cls)(doc, path or cls.__name__)  # type: ignore[no-any-return]
 
 
-def _decode(tp: Any, value: object, path: str) -> Any:
+# A decoder takes (value, path) and returns the decoded value or raises DocumentError naming
+# `path`. One is built per schema type and cached: the type hints are read once per dataclass,
+# not once per document (control messages are decoded on the PD request path).
+_Decoder = Callable[[object, str], Any]
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+@functools.cache
+def _decoder(tp: Any) -> _Decoder:
     origin = get_origin(tp)
     if dataclasses.is_dataclass(tp):
-        return _decode_dataclass(tp, value, path)
+        return _dataclass_decoder(tp)
     if origin is Union or origin is types.UnionType:
+        return _union_decoder(get_args(tp))
+    if origin is Literal:
+        return _literal_decoder(get_args(tp))
+    if origin is tuple:
         args = get_args(tp)
-        if value is None and type(None) in args:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return _variadic_tuple_decoder(args[0])
+        return _fixed_tuple_decoder(args)
+    if origin is dict:
+        return _dict_decoder(*get_args(tp))
+    if tp in _SCALAR_DECODERS:
+        return _SCALAR_DECODERS[tp]
+    raise TypeError(f"unsupported schema type {tp!r}")
+
+
+def _bool(value: object, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise DocumentError(f"{path}: must be true or false, got {value!r}")
+    return value
+
+
+def _int(value: object, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DocumentError(f"{path}: must be an integer, got {value!r}")
+    return value
+
+
+def _float(value: object, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise DocumentError(f"{path}: must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise DocumentError(f"{path}: must be finite, got {value!r}")
+    return float(value)
+
+
+def _str(value: object, path: str) -> str:
+    if not isinstance(value, str):
+        raise DocumentError(f"{path}: must be a string, got {value!r}")
+    return value
+
+
+_SCALAR_DECODERS: Final[dict[type, _Decoder]] = {bool: _bool, int: _int, float: _float, str: _str}
+# A variadic tuple of these keeps its items as they are when every item has exactly this type.
+_EXACT: Final[dict[type, type]] = {int: int, str: str, bool: bool}
+
+
+def _union_decoder(args: tuple[Any, ...]) -> _Decoder:
+    optional = type(None) in args
+    options = [_decoder(a) for a in args if a is not type(None)]
+
+    def decode(value: object, path: str) -> Any:
+        if value is None and optional:
             return None
         errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
+        for option in options:
             try:
-                return _decode(arg, value, path)
+                return option(value, path)
             except DocumentError as exc:
                 errors.append(str(exc))
         raise DocumentError(errors[0] if len(errors) == 1 else f"{path}: got {value!r}")
-    if origin is Literal:
-        allowed = get_args(tp)
+
+    return decode
+
+
+def _literal_decoder(allowed: tuple[Any, ...]) -> _Decoder:
+    def decode(value: object, path: str) -> Any:
         if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
             raise DocumentError(f"{path}: must be one of {list(allowed)}, got {value!r}")
         return value
-    if origin is tuple:
-        if not isinstance(value, list | tuple):
-            raise DocumentError(f"{path}: must be a list, got {_kind(value)}")
-        args = get_args(tp)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_decode(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
-        if len(value) != len(args):
-            raise DocumentError(f"{path}: must have {len(args)} items, got {len(value)}")
-        return tuple(
-            _decode(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True))
-        )
-    if origin is dict:
+
+    return decode
+
+
+def _as_list(value: object, path: str) -> list[Any] | tuple[Any, ...]:
+    if not isinstance(value, list | tuple):
+        raise DocumentError(f"{path}: must be a list, got {_kind(value)}")
+    return value
+
+
+def _variadic_tuple_decoder(item_tp: Any) -> _Decoder:
+    item = _decoder(item_tp)
+    exact = _EXACT.get(item_tp)
+
+    def decode(value: object, path: str) -> tuple[Any, ...]:
+        items = _as_list(value, path)
+        if exact is not None and all(type(v) is exact for v in items):
+            return tuple(items)  # the item decoder would return each unchanged
+        return tuple(item(v, f"{path}[{i}]") for i, v in enumerate(items))
+
+    return decode
+
+
+def _fixed_tuple_decoder(args: tuple[Any, ...]) -> _Decoder:
+    items = [_decoder(a) for a in args]
+
+    def decode(value: object, path: str) -> tuple[Any, ...]:
+        values = _as_list(value, path)
+        if len(values) != len(items):
+            raise DocumentError(f"{path}: must have {len(items)} items, got {len(values)}")
+        return tuple(d(v, f"{path}[{i}]") for i, (d, v) in enumerate(zip(items, values)))
+
+    return decode
+
+
+def _dict_decoder(key_tp: Any, val_tp: Any) -> _Decoder:
+    key, val = _decoder(key_tp), _decoder(val_tp)
+
+    def decode(value: object, path: str) -> dict[Any, Any]:
         if not isinstance(value, Mapping):
             raise DocumentError(f"{path}: must be an object, got {_kind(value)}")
-        key_tp, val_tp = get_args(tp)
-        return {
-            _decode(key_tp, k, f"{path} key"): _decode(val_tp, v, f"{path}.{k}")
-            for k, v in value.items()
-        }
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise DocumentError(f"{path}: must be true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise DocumentError(f"{path}: must be an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise DocumentError(f"{path}: must be a number, got {value!r}")
-        if not math.isfinite(value):
-            raise DocumentError(f"{path}: must be finite, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise DocumentError(f"{path}: must be a string, got {value!r}")
-        return value
-    raise TypeError(f"{path}: unsupported schema type {tp!r}")
+        return {key(k, f"{path} key"): val(v, f"{path}.{k}") for k, v in value.items()}
+
+    return decode
 
 
-def _decode_dataclass(cls: Any, value: object, path: str) -> Any:
-    if not isinstance(value, Mapping):
-        raise DocumentError(f"{path}: must be an object, got {_kind(value)}")
+def _dataclass_decoder(cls: Any) -> _Decoder:
     hints = get_type_hints(cls)
-    kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        where = f"{path}.{f.name}"
-        if f.name not in value:
-            has_default = (
-                f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-            )
-            if has_default:
-                continue
-            raise DocumentError(f"{where}: required")
-        kwargs[f.name] = _decode(hints[f.name], value[f.name], where)
-    try:
-        return cls(**kwargs)
-    except ValueError as exc:  # the dataclass's own invariants (__post_init__)
-        raise DocumentError(f"{path}: {exc}") from exc
+    # (name, has a default, decoder); the field decoders are built on first use, so a
+    # dataclass may refer to itself.
+    fields = [
+        (
+            f.name,
+            f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING,
+            hints[f.name],
+        )
+        for f in dataclasses.fields(cls)
+        if f.init
+    ]
+
+    def decode(value: object, path: str) -> Any:
+        if not isinstance(value, Mapping):
+            raise DocumentError(f"{path}: must be an object, got {_kind(value)}")
+        kwargs: dict[str, Any] = {}
+        for name, has_default, tp in fields:
+            if name not in value:
+                if has_default:
+                    continue
+                raise DocumentError(f"{path}.{name}: required")
+            kwargs[name] = _decoder(tp)(value[name], f"{path}.{name}")
+        try:
+            return cls(**kwargs)
+        except ValueError as exc:  # the dataclass's own invariants (__post_init__)
+            raise DocumentError(f"{path}: {exc}") from exc
+
+    return decode
 
 
 def _kind(value: object) -> str:
