@@ -49,7 +49,8 @@ def check_version(doc: object, name: str, version: int) -> None:
 
 def from_document(cls: type[T], doc: object, path: str = "") -> T:
     """Decode `doc` into the dataclass `cls`, checking every field (errors name the path)."""
-    return _decoder(cls)(doc, path or cls.__name__)  # type: ignore[no-any-return]
+    schema: Any = cls
+    return _decoder(schema)(doc, path or cls.__name__)  # type: ignore[no-any-return]
 
 
 # A decoder takes (value, path) and returns the decoded value or raises DocumentError naming
@@ -168,7 +169,9 @@ def _fixed_tuple_decoder(args: tuple[Any, ...]) -> _Decoder:
         values = _as_list(value, path)
         if len(values) != len(items):
             raise DocumentError(f"{path}: must have {len(items)} items, got {len(values)}")
-        return tuple(d(v, f"{path}[{i}]") for i, (d, v) in enumerate(zip(items, values)))
+        return tuple(
+            d(v, f"{path}[{i}]") for i, (d, v) in enumerate(zip(items, values, strict=True))
+        )
 
     return decode
 

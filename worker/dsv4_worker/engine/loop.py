@@ -8,10 +8,12 @@ runs the paged forward, samples, finishes requests and frees their pages.
 PD disaggregation uses the same loop. A prefill worker submits with `keep_pages=True`: a
 finished request keeps its pages (in `held`) until the transfer is done and `release` frees
 them. A decode worker sets `on_prealloc`: requests start in PREALLOC, the scheduler
-preallocates them (full pages for the prompt, SWA for the window tail), the hook tells the
-prefill side where to write, and `complete_transfer` turns them into decoders with the first
-token. A request aborted while its KV may still be landing keeps its pages until the prefill
-side confirms (`on_cancel`, then `release`/`fail_transfer`).
+preallocates them (full pages for the prompt, SWA for the window tail), and
+`complete_transfer` turns them into decoders with the first token. Two hooks tell the prefill
+side: `on_admit` as soon as the step's plan admits a request (prefill starts computing while
+this step allocates and runs its batch), `on_prealloc` once its pages exist on every stage
+(where to write). A request aborted while its KV may still be landing keeps its pages until
+the prefill side confirms (`on_cancel`, then `release`/`fail_transfer`).
 
 NOTE: every pool is back to zero used units once every request has finished and every held
 request was released; `check_integrity` checks it once the engine has stayed idle a while
@@ -96,6 +98,7 @@ class Engine:
         self.mem = paged.memory
         self.config = config
         self.on_prealloc = on_prealloc  # set: a PD decode engine
+        self.on_admit: Hook | None = None  # PD decode: a preallocation was planned (optional)
         self.on_cancel = on_cancel
         self.requests: dict[int, Request] = {}  # unfinished, by rid
         self.held: dict[int, Request] = {}  # finished but holding pages until release()
@@ -236,6 +239,9 @@ class Engine:
         """Carry `plan` out: admission, page tables, one batch, sampling, finishing."""
         self.steps += 1
         finished: list[Request] = []
+        if self.on_admit is not None:
+            for rid in plan.preallocs:  # the plan is final: their allocation cannot fail
+                self.on_admit(self.requests[rid])
         self._apply_admin(plan, finished)
         if plan.waiting is not None:
             why = plan.waiting[1]

@@ -4,13 +4,16 @@ with an error naming the field (`dsv4_common.api.documents`).
 
     decode -> prefill   hello     its manifest, transfer backend and transfer descriptor
     prefill -> decode   welcome   ok, or the first manifest field that differs
-    decode -> prefill   prefill   a preallocated request: prompt, sampling, destination units
+    decode -> prefill   prefill   an admitted request: prompt, sampling (prefill starts computing)
+    decode -> prefill   destination  its preallocated units (prefill writes only once it has them)
     prefill -> decode   done      the first token and every write's tag (complete once all landed)
     prefill -> decode   failed    the request cannot be served (the message says why)
     decode -> prefill   abort     stop and forget the request (client gone, timeout)
     prefill -> decode   aborted   nothing more will be written for it
 
-Versioned with the manifest: `hello` carries the manifest version, checked first.
+`hello` carries the manifest (with its version) and the control protocol version (`PROTOCOL`);
+prefill refuses either mismatch at handshake, naming it. Protocol 2 split protocol 1's
+`prefill` (which carried the destination) in two, so prefill computes while decode allocates.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from dsv4_common.api.documents import DocumentError, from_document, to_document
 from dsv4_common.api.manifest import Manifest
 
 T = TypeVar("T")
+
+PROTOCOL: Final = 2  # this side's control protocol; a `hello` without one speaks 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +47,7 @@ class Hello:
     manifest: Manifest
     descriptor: str  # base64 of the transfer target's descriptor
     stages: tuple[StageTarget, ...] = ()  # a decode PP group: every stage, this one first
+    protocol: int = 1
 
 
 def hello_targets(msg: Hello) -> tuple[StageTarget, ...]:
@@ -70,10 +76,18 @@ class PrefillRequest:
     prompt: tuple[int, ...]
     sampling: Sampling
     stop_token_ids: tuple[int, ...]
+    timeout_s: float  # the prefill side gives up (and frees) past this
+
+
+@dataclass(frozen=True, slots=True)
+class Destination:
+    """Where a request's KV and state go: decode's units, sent once they are allocated on every
+    decode stage. Prefill writes nothing for the request before this arrives."""
+
+    room: str
     dst_full_pages: tuple[int, ...]  # one per page column of the prompt
     dst_swa_pages: tuple[int, ...]  # one per column of the window tail (`columns.tail_cols`)
     dst_slot: int
-    timeout_s: float  # the prefill side gives up (and frees) past this
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,11 +114,12 @@ class Aborted:
     room: str
 
 
-Message = Hello | Welcome | PrefillRequest | Done | Failed | Abort | Aborted
+Message = Hello | Welcome | PrefillRequest | Destination | Done | Failed | Abort | Aborted
 TYPES: Final[dict[str, type[Any]]] = {
     "hello": Hello,
     "welcome": Welcome,
     "prefill": PrefillRequest,
+    "destination": Destination,
     "done": Done,
     "failed": Failed,
     "abort": Abort,

@@ -1,11 +1,14 @@
 """The decode side of PD: preallocates arriving requests (the engine's scheduler decides when,
-under the one admission function), tells their prefill instance where to write, and turns
-them into decoders when their KV, state and first token have landed.
+under the one admission function), sends each to its prefill instance as soon as the plan
+admits it (`prefill`: prefill computes while this side allocates and runs its step), then
+where to write once the pages exist (`destination`), and turns them into decoders when their
+KV, state and first token have landed.
 
 Threads: the control thread owns one DEALER socket per prefill instance (handshake first:
 manifest, backend and this side's transfer descriptor; a mismatch fails every request sent
 there with the prefill's message naming the field) and the transfer target's landed tags;
-the engine thread hands it messages through the outbox (`on_prealloc`, `on_cancel`) and gets
+the engine thread hands it messages through the outbox (`on_admit`, `on_prealloc`,
+`on_cancel`) and gets
 results back through `post` (`complete_transfer`, `fail_transfer`, `release`).
 
 A request completes when `done` arrived and every tag it lists landed. A request whose prefill
@@ -105,6 +108,7 @@ class DecodeAgent:
         self._thread = threading.Thread(target=self._run, name="dsv4-pd-decode", daemon=True)
         self._lock = threading.Lock()
         self._status: tuple[bool, str | None] = (False, None)
+        engine.on_admit = self.on_admit
         engine.on_prealloc = self.on_prealloc
         engine.on_cancel = self.on_cancel
 
@@ -131,35 +135,49 @@ class DecodeAgent:
 
     # -- engine thread ---------------------------------------------------------------------------
 
-    def on_prealloc(self, req: Request) -> None:
-        """The request's pages are preallocated: send it to its prefill instance."""
-        assert req.slot is not None
+    def on_admit(self, req: Request) -> None:
+        """The step's plan preallocates the request: send it to its prefill instance now."""
         address = req.prefill or self.default_prefill
-        room = f"{self.peer_id}:{req.rid}"
         if not address:
             self.post(lambda: self.engine.fail_transfer(req.rid, "no prefill instance given"))
             return
-        m = self.manifest
-        n = len(req.prompt)
-        full, swa = self.engine.mem.pages.request_pages(req.slot)
-        tail = tail_cols(n, m.page_size, m.window_tokens + m.draft_tokens)
         p = req.params
         msg = C.PrefillRequest(
-            room=room,
+            room=self._room(req),
             prompt=req.prompt,
             sampling=C.Sampling(p.temperature, p.top_p, p.top_k, p.seed),
             stop_token_ids=p.stop_token_ids,
+            timeout_s=self.transfer_timeout_s,
+        )
+        self._forward(b"prefill", address, req, msg)
+
+    def on_prealloc(self, req: Request) -> None:
+        """The request's pages exist on every stage: tell its prefill instance where to write."""
+        assert req.slot is not None
+        address = req.prefill or self.default_prefill
+        if not address:  # on_admit failed it
+            return
+        m = self.manifest
+        full, swa = self.engine.mem.pages.request_pages(req.slot)
+        tail = tail_cols(len(req.prompt), m.page_size, m.window_tokens + m.draft_tokens)
+        msg = C.Destination(
+            room=self._room(req),
             dst_full_pages=tuple(full.tolist()),
             dst_swa_pages=tuple(swa[tail.start : tail.stop].tolist()),
             dst_slot=req.slot,
-            timeout_s=self.transfer_timeout_s,
         )
+        self._forward(b"destination", address, req, msg)
+
+    def _room(self, req: Request) -> str:
+        return f"{self.peer_id}:{req.rid}"
+
+    def _forward(self, kind: bytes, address: str, req: Request, msg: C.Message) -> None:
         # Encoded here, once: the control thread forwards the frames as they are.
-        head = [b"prefill", address.encode(), str(req.rid).encode(), room.encode()]
+        head = [kind, address.encode(), str(req.rid).encode(), self._room(req).encode()]
         self._outbox.put([*head, *C.encode(msg)])
 
     def on_cancel(self, req: Request) -> None:
-        self._outbox.put([b"abort", str(req.rid).encode(), f"{self.peer_id}:{req.rid}".encode()])
+        self._outbox.put([b"abort", str(req.rid).encode(), self._room(req).encode()])
 
     # -- control thread --------------------------------------------------------------------------
 
@@ -197,7 +215,12 @@ class DecodeAgent:
         peer = _Prefill(address, sock)
         self._prefills[address] = peer
         hello = C.Hello(
-            self.peer_id, self.target.backend, self.manifest, self._descriptor, self.stages
+            self.peer_id,
+            self.target.backend,
+            self.manifest,
+            self._descriptor,
+            self.stages,
+            protocol=C.PROTOCOL,
         )
         sock.send_multipart(C.encode(hello))
         return peer
@@ -217,6 +240,16 @@ class DecodeAgent:
                 peer.sock.send_multipart(encoded)
             else:
                 peer.queued.append((room, encoded))
+        elif kind == b"destination":  # always after its `prefill`: the outbox keeps order
+            room, encoded = frames[3].decode(), frames[4:]
+            flight = self._flights.get(room)
+            to = self._prefills.get(frames[1].decode())
+            if flight is None or flight.cancelled or to is None:
+                return  # ended (failed, aborted): nothing will be written
+            if to.state == "ready":
+                to.sock.send_multipart(encoded)
+            elif to.state == "connecting":
+                to.queued.append((room, encoded))
         elif kind == b"abort":
             room = frames[2].decode()
             flight = self._flights.get(room)

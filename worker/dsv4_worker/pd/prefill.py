@@ -1,11 +1,14 @@
-"""The prefill side of PD: takes preallocated requests from decode workers, runs their chunked
+"""The prefill side of PD: takes admitted requests from decode workers, runs their chunked
 prefill in the ordinary engine, and writes their KV and state into decode's memory.
 
 Threads: the control thread owns the ROUTER socket decode workers connect to and hands every
 message to the engine thread (`post`); everything else (handshake, submit, transfers, frees)
 runs on the engine thread, between steps (`after_step`), so the pools have one writer.
 
-Per request (a `_Tx`): after each step, the full pages its chunks completed travel
+Per request (a `_Tx`): decode sends the prompt as soon as its scheduler admits the request
+(`prefill`), and where to write once its pages exist (`destination`); the request computes
+from the first message on and nothing is written before the second, after which what was held
+back goes at once. Then, after each step, the full pages its chunks completed travel
 (`columns.send_step`); when prefill samples the first token (the engine keeps the finished
 request's pages: `keep_pages`), `done` with the first token and every write's tag goes out,
 then the last step writes the remaining pages, the window tail and the request state; only
@@ -76,12 +79,19 @@ class ConnectNote:
 
 @dataclass(frozen=True, slots=True)
 class TransferNote:
-    """Leader -> followers: request `rid` is a transfer to `peer` (destination in `msg`)."""
+    """Leader -> followers: request `rid` is a transfer to `peer`."""
 
     room: str
     peer: str
     rid: int
     msg: C.PrefillRequest
+
+
+@dataclass(frozen=True, slots=True)
+class DestinationNote:
+    """Leader -> followers: the transfer's destination arrived (and passed the checks)."""
+
+    dest: C.Destination
 
 
 @dataclass(slots=True)
@@ -91,6 +101,7 @@ class _Tx:
     req: Request
     msg: C.PrefillRequest
     deadline_s: float
+    dest: C.Destination | None = None  # nothing is written before it arrives
     sent_cols: int = 0
     writes: int = 0
 
@@ -129,8 +140,8 @@ class _StageWriter:
         self._routes[peer] = routes
 
     def _send_step(self, tx: _Tx, *, last: bool) -> None:
-        req, msg, m = tx.req, tx.msg, self.manifest
-        assert req.slot is not None
+        req, msg, m = tx.req, tx.dest, self.manifest
+        assert req.slot is not None and msg is not None
         step = send_step(
             tx.sent_cols,
             req.num_tokens if not last else len(req.prompt),
@@ -251,6 +262,8 @@ class PrefillAgent(_StageWriter):
             self._hello(identity, msg)
         elif isinstance(msg, C.PrefillRequest):
             self._prefill(identity, msg)
+        elif isinstance(msg, C.Destination):
+            self._destination(identity, msg)
         elif isinstance(msg, C.Abort):
             self._abort(msg.room)
             self._send_settled(identity, C.Aborted(msg.room))
@@ -259,7 +272,10 @@ class PrefillAgent(_StageWriter):
 
     def _hello(self, identity: bytes, msg: C.Hello) -> None:
         targets = C.hello_targets(msg)
-        if len(self.stages) == 1 and len(targets) == 1:
+        why: str | None = None
+        if msg.protocol != C.PROTOCOL:
+            why = f"control protocol: prefill speaks {C.PROTOCOL}, decode {msg.protocol}"
+        elif len(self.stages) == 1 and len(targets) == 1:
             why = manifest_mismatch(self.manifest, msg.manifest)
         else:
             why = group_mismatch(self.stages, tuple(t.manifest for t in targets))
@@ -308,7 +324,6 @@ class PrefillAgent(_StageWriter):
                 seed=s.seed,
                 stop_token_ids=msg.stop_token_ids,
             )
-            self._check_destination(msg)
             req = self.engine.submit(msg.prompt, params, keep_pages=True)
         except ValueError as exc:
             self._send(identity, C.Failed(msg.room, str(exc)))
@@ -316,10 +331,22 @@ class PrefillAgent(_StageWriter):
         self._txs[msg.room] = _Tx(msg.room, peer, req, msg, time.monotonic() + msg.timeout_s)
         self.engine.note(TransferNote(msg.room, peer, req.rid, msg))
 
-    def _check_destination(self, msg: C.PrefillRequest) -> None:
+    def _destination(self, identity: bytes, dest: C.Destination) -> None:
+        tx = self._txs.get(dest.room)
+        if tx is None or tx.dest is not None or self._peers[tx.peer].identity != identity:
+            return  # ended already (aborted, failed, timed out), or not this peer's
+        try:
+            self._check_destination(len(tx.msg.prompt), dest)
+        except ValueError as exc:
+            self._fail(dest.room, tx, str(exc))
+            return
+        tx.dest = dest
+        self.engine.note(DestinationNote(dest))
+        self._advance(dest.room, tx, time.monotonic())
+
+    def _check_destination(self, n: int, msg: C.Destination) -> None:
         page, retained = self.manifest.page_size, self.manifest.window_tokens
         retained += self.manifest.draft_tokens
-        n = len(msg.prompt)
         cols, tail = pages_for_tokens(n, page), len(tail_cols(n, page, retained))
         if len(msg.dst_full_pages) != cols or len(msg.dst_swa_pages) != tail:
             raise ValueError(
@@ -342,43 +369,55 @@ class PrefillAgent(_StageWriter):
         self._unsettled = [u for u in self._unsettled if u[0] >= steps]
         now = time.monotonic()
         for room, tx in list(self._txs.items()):
-            req = tx.req
-            try:
-                if req.finish_reason is not None and req.finish_reason not in ("stop", "length"):
-                    raise _Fail(req.error or f"prefill ended: {req.finish_reason}")
-                if now > tx.deadline_s:
-                    raise _Fail(f"prefill did not finish within {tx.msg.timeout_s:g} s")
-                if req.finished:
-                    # `done` goes first and travels while the last step is written: decode
-                    # completes once it and every tag it lists arrived (the last step always
-                    # writes, with the request state). A failed write follows it with `failed`.
-                    state = req.generator.get_state() if req.generator is not None else None
-                    tags = tuple(
-                        write_tag(room, stage, d, k)
-                        for k in range(tx.writes + 1)
-                        for stage, d in self._pairs[tx.peer]
-                    )
-                    self._send(
-                        self._peers[tx.peer].identity,
-                        C.Done(
-                            room,
-                            req.output[0],
-                            C.b64(state.numpy().tobytes()) if state is not None else None,
-                            tags,
-                        ),
-                    )
-                    self._send_step(tx, last=True)
-                    del self._txs[room]
-                    self.engine.release(req.rid)
-                elif req.slot is not None:  # admitted: send the pages its chunks finished
-                    self._send_step(tx, last=False)
-            except (_Fail, TransferError) as exc:
-                log.warning("request %s failed: %s", room, exc)
+            self._advance(room, tx, now)
+
+    def _advance(self, room: str, tx: _Tx, now: float) -> None:
+        """Write what the request's steps computed, if its destination is known; end it when
+        its first token is out (or it failed, or ran out of time)."""
+        req = tx.req
+        try:
+            if req.finish_reason is not None and req.finish_reason not in ("stop", "length"):
+                raise _Fail(req.error or f"prefill ended: {req.finish_reason}")
+            if now > tx.deadline_s:
+                what = "finish" if tx.dest is not None else "get its destination from decode"
+                raise _Fail(f"prefill did not {what} within {tx.msg.timeout_s:g} s")
+            if tx.dest is None:
+                return  # computing on; the finished columns go once the destination is here
+            if req.finished:
+                # `done` goes first and travels while the last step is written: decode
+                # completes once it and every tag it lists arrived (the last step always
+                # writes, with the request state). A failed write follows it with `failed`.
+                state = req.generator.get_state() if req.generator is not None else None
+                tags = tuple(
+                    write_tag(room, stage, d, k)
+                    for k in range(tx.writes + 1)
+                    for stage, d in self._pairs[tx.peer]
+                )
+                self._send(
+                    self._peers[tx.peer].identity,
+                    C.Done(
+                        room,
+                        req.output[0],
+                        C.b64(state.numpy().tobytes()) if state is not None else None,
+                        tags,
+                    ),
+                )
+                self._send_step(tx, last=True)
                 del self._txs[room]
-                self.engine.abort(req.rid)
-                peer = self._peers.get(tx.peer)
-                if peer is not None:
-                    self._send_settled(peer.identity, C.Failed(room, str(exc)))
+                self.engine.release(req.rid)
+            elif req.slot is not None:  # admitted: send the pages its chunks finished
+                self._send_step(tx, last=False)
+        except (_Fail, TransferError) as exc:
+            self._fail(room, tx, str(exc))
+
+    def _fail(self, room: str, tx: _Tx, why: str) -> None:
+        """End the transfer: free the request's pages, tell decode why."""
+        log.warning("request %s failed: %s", room, why)
+        del self._txs[room]
+        self.engine.abort(tx.req.rid)
+        peer = self._peers.get(tx.peer)
+        if peer is not None:
+            self._send_settled(peer.identity, C.Failed(room, why))
 
 
 class PrefillFollower(_StageWriter):
@@ -414,23 +453,37 @@ class PrefillFollower(_StageWriter):
             req = self.engine.requests.get(note.rid)
             if req is not None and note.peer not in self._failed:
                 self._txs[note.room] = _Tx(note.room, note.peer, req, note.msg, deadline_s=0.0)
+        elif isinstance(note, DestinationNote):
+            tx = self._txs.get(note.dest.room)
+            if tx is not None:
+                tx.dest = note.dest
+                self._advance(note.dest.room, tx)
 
     def after_step(self, finished: list[Request]) -> None:
         for room, tx in list(self._txs.items()):
-            req = tx.req
-            try:
-                if req.finish_reason is not None and req.finish_reason not in ("stop", "length"):
-                    del self._txs[room]  # the leader aborted or failed it
-                elif req.finished:
-                    self._send_step(tx, last=True)
-                    del self._txs[room]  # the leader's release frees the pages
-                elif req.slot is not None:
-                    self._send_step(tx, last=False)
-            except (_Fail, TransferError) as exc:
-                # Decode never sees this stage's tags: it fails the request on its timeout,
-                # and the leader's abort or deadline frees the pages on every stage.
-                log.warning("stage %d: request %s: %s", self.rank, room, exc)
-                del self._txs[room]
+            self._advance(room, tx)
+
+    def _advance(self, room: str, tx: _Tx) -> None:
+        """What the leader's `_advance` writes, for this stage's layers (its replica of the
+        leader's state gives the same columns at the same points)."""
+        req, engine = tx.req, self.engine
+        try:
+            if req.finish_reason is not None and req.finish_reason not in ("stop", "length"):
+                del self._txs[room]  # the leader aborted or failed it
+            elif req.rid not in engine.requests and req.rid not in engine.held:
+                del self._txs[room]  # the leader released it (failed before its destination)
+            elif tx.dest is None:
+                return
+            elif req.finished:
+                self._send_step(tx, last=True)
+                del self._txs[room]  # the leader's release frees the pages
+            elif req.slot is not None:
+                self._send_step(tx, last=False)
+        except (_Fail, TransferError) as exc:
+            # Decode never sees this stage's tags: it fails the request on its timeout,
+            # and the leader's abort or deadline frees the pages on every stage.
+            log.warning("stage %d: request %s: %s", self.rank, room, exc)
+            del self._txs[room]
 
     def stop(self) -> None:
         """Nothing runs on its own thread."""

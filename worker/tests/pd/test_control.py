@@ -31,10 +31,14 @@ messages = st.one_of(
         prompt=int_tuples,
         sampling=sampling,
         stop_token_ids=int_tuples,
+        timeout_s=st.floats(allow_nan=False, allow_infinity=False),
+    ),
+    st.builds(
+        C.Destination,
+        room=texts,
         dst_full_pages=int_tuples,
         dst_swa_pages=int_tuples,
         dst_slot=ints,
-        timeout_s=st.floats(allow_nan=False, allow_infinity=False),
     ),
     st.builds(
         C.Done,
@@ -57,35 +61,35 @@ def test_every_message_round_trips_exactly(msg: C.Message) -> None:
         assert not isinstance(getattr(decoded, field.name), list)  # tuples stay tuples
 
 
-def _prefill_body() -> dict[str, object]:
-    msg = C.PrefillRequest(
-        "r1", (1, 2, 3), C.Sampling(0.0, 1.0, 0, None), (7,), (4, 5), (6,), 0, 60.0
-    )
-    body: dict[str, object] = json.loads(C.encode(msg)[1])
-    return body
+MESSAGES = {
+    "prefill": C.PrefillRequest("r1", (1, 2, 3), C.Sampling(0.0, 1.0, 0, None), (7,), 60.0),
+    "destination": C.Destination("r1", (4, 5), (6,), 1),
+}
 
 
 @pytest.mark.parametrize(
-    ("field", "value", "needle"),
+    ("kind", "field", "value", "needle"),
     [
-        ("prompt", [1, "2", 3], "prefill.prompt[1]: must be an integer, got '2'"),
-        ("prompt", [1, True], "prefill.prompt[1]: must be an integer, got True"),
-        ("prompt", [1, 2.0], "prefill.prompt[1]: must be an integer, got 2.0"),
-        ("prompt", "123", "prefill.prompt: must be a list, got str"),
-        ("dst_swa_pages", None, "prefill.dst_swa_pages: must be a list, got null"),
-        ("dst_slot", KeyError, "prefill.dst_slot: required"),
-        ("sampling", {"temperature": 0.0}, "prefill.sampling.top_p: required"),
-        ("timeout_s", float("inf"), "prefill.timeout_s: must be finite"),
+        ("prefill", "prompt", [1, "2", 3], "prefill.prompt[1]: must be an integer, got '2'"),
+        ("prefill", "prompt", [1, True], "prefill.prompt[1]: must be an integer, got True"),
+        ("prefill", "prompt", [1, 2.0], "prefill.prompt[1]: must be an integer, got 2.0"),
+        ("prefill", "prompt", "123", "prefill.prompt: must be a list, got str"),
+        ("prefill", "sampling", {"temperature": 0.0}, "prefill.sampling.top_p: required"),
+        ("prefill", "timeout_s", float("inf"), "prefill.timeout_s: must be finite"),
+        ("destination", "dst_swa_pages", None, "destination.dst_swa_pages: must be a list"),
+        ("destination", "dst_slot", KeyError, "destination.dst_slot: required"),
     ],
 )
-def test_a_bad_field_is_refused_naming_it(field: str, value: object, needle: str) -> None:
-    body = _prefill_body()
+def test_a_bad_field_is_refused_naming_it(
+    kind: str, field: str, value: object, needle: str
+) -> None:
+    body = json.loads(C.encode(MESSAGES[kind])[1])
     if value is KeyError:
         del body[field]
     else:
         body[field] = value
     with pytest.raises(C.ControlError) as info:
-        C.decode([b"prefill", json.dumps(body).encode()])
+        C.decode([kind.encode(), json.dumps(body).encode()])
     assert needle in str(info.value)
 
 
