@@ -8,8 +8,8 @@ Threads: the control thread owns one DEALER socket per prefill instance (handsha
 manifest, backend and this side's transfer descriptor; a mismatch fails every request sent
 there with the prefill's message naming the field) and the transfer target's landed tags;
 the engine thread hands it messages through the outbox (`on_admit`, `on_prealloc`,
-`on_cancel`) and gets
-results back through `post` (`complete_transfer`, `fail_transfer`, `release`).
+`on_cancel`) and gets results back through `post` (`complete_transfer`, `fail_transfer`,
+`release`).
 
 A request completes when `done` arrived and every tag it lists landed. A request whose prefill
 does not answer within `transfer_timeout_s` fails (the client may retry elsewhere); a cancelled
@@ -137,7 +137,7 @@ class DecodeAgent:
 
     def on_admit(self, req: Request) -> None:
         """The step's plan preallocates the request: send it to its prefill instance now."""
-        address = req.prefill or self.default_prefill
+        address = self._address(req)
         if not address:
             self.post(lambda: self.engine.fail_transfer(req.rid, "no prefill instance given"))
             return
@@ -149,12 +149,12 @@ class DecodeAgent:
             stop_token_ids=p.stop_token_ids,
             timeout_s=self.transfer_timeout_s,
         )
-        self._forward(b"prefill", address, req, msg)
+        self._forward(b"prefill", address, req.rid, msg)
 
     def on_prealloc(self, req: Request) -> None:
         """The request's pages exist on every stage: tell its prefill instance where to write."""
         assert req.slot is not None
-        address = req.prefill or self.default_prefill
+        address = self._address(req)
         if not address:  # on_admit failed it
             return
         m = self.manifest
@@ -166,14 +166,20 @@ class DecodeAgent:
             dst_swa_pages=tuple(swa[tail.start : tail.stop].tolist()),
             dst_slot=req.slot,
         )
-        self._forward(b"destination", address, req, msg)
+        self._forward(b"destination", address, req.rid, msg)
+
+    def _address(self, req: Request) -> str | None:
+        """The request's prefill instance (the router's pick, else this worker's default)."""
+        return req.prefill or self.default_prefill
 
     def _room(self, req: Request) -> str:
         return f"{self.peer_id}:{req.rid}"
 
-    def _forward(self, kind: bytes, address: str, req: Request, msg: C.Message) -> None:
+    def _forward(
+        self, kind: bytes, address: str, rid: int, msg: C.PrefillRequest | C.Destination
+    ) -> None:
         # Encoded here, once: the control thread forwards the frames as they are.
-        head = [kind, address.encode(), str(req.rid).encode(), self._room(req).encode()]
+        head = [kind, address.encode(), str(rid).encode(), msg.room.encode()]
         self._outbox.put([*head, *C.encode(msg)])
 
     def on_cancel(self, req: Request) -> None:

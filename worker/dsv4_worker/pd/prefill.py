@@ -140,8 +140,8 @@ class _StageWriter:
         self._routes[peer] = routes
 
     def _send_step(self, tx: _Tx, *, last: bool) -> None:
-        req, msg, m = tx.req, tx.dest, self.manifest
-        assert req.slot is not None and msg is not None
+        req, dest, m = tx.req, tx.dest, self.manifest
+        assert req.slot is not None and dest is not None
         step = send_step(
             tx.sent_cols,
             req.num_tokens if not last else len(req.prompt),
@@ -155,9 +155,9 @@ class _StageWriter:
         full_l, swa_l = full.tolist(), swa.tolist()
         tail0 = step.swa_cols.start
         pairs: dict[str, list[tuple[int, int]]] = {
-            IndexSpace.FULL_PAGE: [(full_l[c], msg.dst_full_pages[c]) for c in step.full_cols],
-            IndexSpace.SWA_PAGE: [(swa_l[c], msg.dst_swa_pages[c - tail0]) for c in step.swa_cols],
-            IndexSpace.REQ_SLOT: [(req.slot, msg.dst_slot)] if step.request_state else [],
+            IndexSpace.FULL_PAGE: [(full_l[c], dest.dst_full_pages[c]) for c in step.full_cols],
+            IndexSpace.SWA_PAGE: [(swa_l[c], dest.dst_swa_pages[c - tail0]) for c in step.swa_cols],
+            IndexSpace.REQ_SLOT: [(req.slot, dest.dst_slot)] if step.request_state else [],
         }
         if any(src < 1 for src, _ in pairs[IndexSpace.SWA_PAGE]):
             raise _Fail("internal: a window-tail column has no SWA page on the prefill side")
@@ -344,13 +344,13 @@ class PrefillAgent(_StageWriter):
         self.engine.note(DestinationNote(dest))
         self._advance(dest.room, tx, time.monotonic())
 
-    def _check_destination(self, n: int, msg: C.Destination) -> None:
+    def _check_destination(self, n: int, dest: C.Destination) -> None:
         page, retained = self.manifest.page_size, self.manifest.window_tokens
         retained += self.manifest.draft_tokens
         cols, tail = pages_for_tokens(n, page), len(tail_cols(n, page, retained))
-        if len(msg.dst_full_pages) != cols or len(msg.dst_swa_pages) != tail:
+        if len(dest.dst_full_pages) != cols or len(dest.dst_swa_pages) != tail:
             raise ValueError(
-                f"destination: {len(msg.dst_full_pages)} full / {len(msg.dst_swa_pages)} SWA "
+                f"destination: {len(dest.dst_full_pages)} full / {len(dest.dst_swa_pages)} SWA "
                 f"pages for a {n}-token prompt, expected {cols} / {tail}"
             )
 

@@ -144,3 +144,9 @@ def drained(runner: EngineRunner) -> bool:
         return True
 
     return bool(on_engine(runner, check))
+
+
+def wait_drained(pair: Pair) -> None:
+    """Wait until both sides hold no request and every pool is back to zero (`drained`)."""
+    wait_until(lambda: drained(pair.prefill_runner), "the prefill side to drain")
+    wait_until(lambda: drained(pair.decode_runner), "the decode side to drain")

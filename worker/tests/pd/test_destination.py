@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import pytest
 import zmq
 from engine_helpers import engine
-from pd_support import Pair, drained, on_engine, pd_pair, wait_until
+from pd_support import Pair, on_engine, pd_pair, wait_drained, wait_until
 
 from dsv4_common.core.presets import tiny
 from dsv4_worker.engine.loop import Engine, Phase, Request
@@ -88,8 +88,7 @@ def test_prefill_computes_before_the_destination_and_writes_only_after_it(backen
         assert (done.reason, done.error) == ("length", None)
         assert tokens == _colocated(PROMPT)
         assert writes  # the held-back columns and the last step went once it arrived
-        wait_until(lambda: drained(pair.prefill_runner), "prefill to free the request")
-        wait_until(lambda: drained(pair.decode_runner), "decode to free the request")
+        wait_drained(pair)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -103,8 +102,7 @@ def test_a_destination_that_never_comes_frees_the_prefill_side(backend: str) -> 
         assert done.error is not None
         assert "did not get its destination from decode within 1 s" in done.error
         assert writes == [] and len(kept) == 1
-        wait_until(lambda: drained(pair.prefill_runner), "prefill to free the request")
-        wait_until(lambda: drained(pair.decode_runner), "decode to free the preallocation")
+        wait_drained(pair)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -115,10 +113,12 @@ def test_a_destination_of_the_wrong_size_is_refused(backend: str) -> None:
         agent = pair.decode_agent
         real = agent._forward
 
-        def short(kind: bytes, address: str, req: Request, msg: C.Message) -> None:
+        def short(
+            kind: bytes, address: str, rid: int, msg: C.PrefillRequest | C.Destination
+        ) -> None:
             if isinstance(msg, C.Destination):
                 msg = dataclasses.replace(msg, dst_full_pages=msg.dst_full_pages[:-1])
-            real(kind, address, req, msg)
+            real(kind, address, rid, msg)
 
         agent._forward = short  # type: ignore[method-assign]
         [(tokens, done)] = pair.generate([PROMPT], [PARAMS])
@@ -128,8 +128,7 @@ def test_a_destination_of_the_wrong_size_is_refused(backend: str) -> None:
             done.error
         )
         assert writes == []
-        wait_until(lambda: drained(pair.prefill_runner), "prefill to free the request")
-        wait_until(lambda: drained(pair.decode_runner), "decode to free the preallocation")
+        wait_drained(pair)
 
 
 def test_a_decode_speaking_another_protocol_is_refused_at_handshake() -> None:

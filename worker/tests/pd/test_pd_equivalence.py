@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import pytest
 from engine_helpers import engine
-from pd_support import drained, pd_pair, wait_until
+from pd_support import pd_pair, wait_drained
 
 from dsv4_common.core.model import ModelConfig
 from dsv4_common.core.presets import hybrid_tiny, tiny
@@ -62,8 +62,7 @@ def test_greedy_disaggregated_equals_colocated(
 
     with pd_pair(backend, make, make) as pair:
         _check(pair.generate(prompts, params), want)
-        wait_until(lambda: drained(pair.prefill_runner), "the prefill pools to drain")
-        wait_until(lambda: drained(pair.decode_runner), "the decode pools to drain")
+        wait_drained(pair)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -96,5 +95,4 @@ def test_small_swa_pools_on_both_sides(backend: str) -> None:
         lambda: engine(model, WEIGHTS[model.name], swa_pages=6),
     ) as pair:
         _check(pair.generate(prompts, params), want)
-        wait_until(lambda: drained(pair.prefill_runner), "the prefill pools to drain")
-        wait_until(lambda: drained(pair.decode_runner), "the decode pools to drain")
+        wait_drained(pair)

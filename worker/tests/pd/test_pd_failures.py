@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from engine_helpers import engine
-from pd_support import drained, on_engine, pd_pair, wait_until
+from pd_support import drained, on_engine, pd_pair, wait_drained, wait_until
 
 from dsv4_common.core.presets import tiny
 from dsv4_worker.engine.loop import Engine
@@ -37,8 +37,7 @@ def test_manifest_mismatch_is_refused_at_handshake(backend: str) -> None:
         [(tokens, done)] = pair.generate([prompt(20)], [SamplingParams(max_new_tokens=4)])
         assert tokens == [] and done.reason == "error"
         assert done.error is not None and "page_size" in done.error
-        wait_until(lambda: drained(pair.decode_runner), "decode to free the preallocation")
-        wait_until(lambda: drained(pair.prefill_runner), "prefill to stay empty")
+        wait_drained(pair)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -74,8 +73,7 @@ def test_client_abort_frees_both_sides(backend: str) -> None:
                 runner.abort(h)
 
         asyncio.run(abort_some())
-        wait_until(lambda: drained(pair.decode_runner), "decode to free everything")
-        wait_until(lambda: drained(pair.prefill_runner), "prefill to free everything")
+        wait_drained(pair)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
