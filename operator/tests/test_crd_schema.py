@@ -78,8 +78,6 @@ def test_schema_is_structural(path: str, node: dict[str, Any]) -> None:
     for rule in node.get("x-kubernetes-validations", []):
         target = node
         field_path = rule.get("fieldPath", "")
-        if path == "<root>" and field_path == ".metadata.name":
-            continue  # metadata's schema is the API server's, not ours
         for part in field_path.split(".")[1:]:
             assert part in target.get("properties", {}), f"{path}: bad fieldPath {rule}"
             target = target["properties"][part]
@@ -103,9 +101,13 @@ def test_admission_keeps_a_pod_templates_spec_as_written() -> None:
     assert "name" not in S.admit(body, SCHEMA)["spec"]["decode"]["podTemplate"]["metadata"]
 
 
-def test_root_metadata_is_unconstrained() -> None:
-    # The API server rejects CRDs that constrain metadata beyond its type.
-    assert SCHEMA["properties"]["metadata"] == {"type": "object"}
+def test_root_metadata_declares_only_name() -> None:
+    # The API server lets root metadata declare name and generateName, nothing else
+    # (validateStructuralMetadataInvariants); name is declared for the root rules' fieldPath.
+    assert SCHEMA["properties"]["metadata"] == {
+        "type": "object",
+        "properties": {"name": {"type": "string"}},
+    }
 
 
 def test_printer_columns_point_at_schema_fields() -> None:

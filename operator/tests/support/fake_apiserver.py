@@ -59,6 +59,7 @@ from typing import Any, Final
 
 import yaml
 from aiohttp import web
+from support import crd_rules
 
 Obj = dict[str, Any]
 Admission = Callable[[Obj], Obj]  # returns the (defaulted) object or raises AdmissionError
@@ -545,6 +546,7 @@ class FakeApiServer:
         self.port = 0
         for rtype in BUILTIN_TYPES:
             self._types[(rtype.group, rtype.version, rtype.plural)] = rtype
+        self._admission[("apiextensions.k8s.io", "customresourcedefinitions")] = _admit_crd
         for crd in crds:
             self.add_crd(crd)
         for ns in namespaces:
@@ -630,9 +632,10 @@ class FakeApiServer:
 
     # --- configuration ---------------------------------------------------------------------
     def add_crd(self, crd: Mapping[str, Any]) -> None:
+        """Create the CRD (refused as the real server refuses it), then serve its kinds."""
+        self.create(copy.deepcopy(dict(crd)))
         for rtype in crd_types(crd):
             self._types[(rtype.group, rtype.version, rtype.plural)] = rtype
-        self.create(copy.deepcopy(dict(crd)))
 
     def add_admission(self, api_version: str, kind: str, hook: Admission) -> None:
         rtype = self.rtype(api_version, kind)
@@ -1413,6 +1416,14 @@ class FakeApiServer:
         elif kind != "BOOKMARK" and not visible(event.obj):
             return None
         return (json.dumps({"type": kind, "object": event.obj}) + "\n").encode()
+
+
+def _admit_crd(crd: Obj) -> Obj:
+    """The API server's CRD validation (the parts support/crd_rules.py restates)."""
+    errors = crd_rules.crd_errors(crd)
+    if errors:
+        raise AdmissionError(errors)
+    return crd
 
 
 def load_crd(path: Path) -> Obj:
