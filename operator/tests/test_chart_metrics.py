@@ -99,7 +99,7 @@ def test_default_install_serves_operator_metrics_without_monitors() -> None:
     assert env["DSV4_OPERATOR_METRICS_PORT"] == "8090"
     assert env["DSV4_METRICS_SCRAPE_NAMESPACE"] == "monitoring"
     assert {"name": "metrics", "containerPort": 8090, "protocol": "TCP"} in container["ports"]
-    (service,) = by_kind(objects, "Service")
+    (service,) = _metrics_services(objects)
     assert service["metadata"]["name"] == "dsv4-dsv4-operator-metrics"
     (sts,) = by_kind(objects, "StatefulSet")
     pod_labels = sts["spec"]["template"]["metadata"]["labels"]
@@ -114,7 +114,7 @@ def test_default_install_serves_operator_metrics_without_monitors() -> None:
 @needs_helm
 def test_operator_metrics_can_be_turned_off() -> None:
     objects = render(*VALUE_SETS["operator-metrics-off"])
-    assert not by_kind(objects, "Service")
+    assert not _metrics_services(objects)
     container = operator_container(objects)
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["DSV4_OPERATOR_METRICS_PORT"] == "0"
@@ -290,7 +290,7 @@ def test_each_endpoint_scrapes_the_pods_that_serve_metrics_on_its_port(
 def test_service_monitor_scrapes_the_operators_metrics_service() -> None:
     objects = render(*ON)
     (monitor,) = by_kind(objects, "ServiceMonitor")
-    (service,) = by_kind(objects, "Service")
+    (service,) = _metrics_services(objects)
     assert monitor["metadata"]["labels"]["release"] == "prom"
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["dsv4-system"]}
     selector = monitor["spec"]["selector"]["matchLabels"]
@@ -386,3 +386,12 @@ def test_dashboard_is_well_formed() -> None:
         text = json.dumps(panel)
         for var in re.findall(r"\$(\w+)", text):
             assert var in variables or var.startswith("__"), (panel["title"], var)
+
+
+def _metrics_services(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The operator's metrics Service (the chart also renders the StatefulSet's headless one)."""
+    return [
+        s
+        for s in by_kind(objects, "Service")
+        if s["metadata"]["labels"].get("app.kubernetes.io/component") == "metrics"
+    ]

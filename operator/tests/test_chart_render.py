@@ -7,6 +7,7 @@ missing, which CI never allows (scripts/setup.sh runs tools.sh).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import kubernetes_validate
@@ -17,6 +18,7 @@ from support import crd_support as S
 from support.chart_support import CHART, K8S_VERSIONS, helm, needs_helm, render
 
 from dsv4_operator.objects import MANAGED_KINDS
+from dsv4_operator.render import render as render_cr
 
 # Value sets the chart must render cleanly with.
 VALUE_SETS: dict[str, list[str]] = {
@@ -201,6 +203,7 @@ EXPECTED_RULES = {
     },
     ("", "pods"): {"get", "list", "watch", "delete", "deletecollection"},
     ("", "events"): {"create"},
+    ("serving.dsv4.io", "dsv4deployments/finalizers"): {"update"},
 }
 
 
@@ -240,6 +243,43 @@ def test_every_kind_the_operator_manages_is_granted() -> None:
         group = api_version.rpartition("/")[0]
         plural = kind.lower().removesuffix("y") + ("ies" if kind.endswith("y") else "s")
         assert {"list", "create", "patch", "delete"} <= grants.get((group, plural), set()), kind
+
+
+@needs_helm
+def test_owner_references_that_block_deletion_are_granted(
+    make_body: Callable[..., dict[str, Any]],
+) -> None:
+    """OwnerReferencesPermissionEnforcement: setting blockOwnerDeletion on a child needs
+    update on the owner's finalizers subresource; without it every child apply is refused."""
+    children = list(yaml.safe_load_all(render_cr(make_body("tiny-pd.yaml"))))
+    blocking = {
+        (ref["apiVersion"].rpartition("/")[0], ref["kind"])
+        for child in children
+        for ref in child["metadata"].get("ownerReferences", [])
+        if ref.get("blockOwnerDeletion")
+    }
+    assert blocking == {("serving.dsv4.io", "DSV4Deployment")}
+    for values in VALUE_SETS.values():
+        objects = render(*values)
+        for role in by_kind(objects, "ClusterRole") + by_kind(objects, "Role"):
+            grants = _grants(role)
+            if ("serving.dsv4.io", "dsv4deployments") in grants:
+                assert "update" in grants.get(("serving.dsv4.io", "dsv4deployments/finalizers"), ())
+
+
+@needs_helm
+def test_every_statefulset_names_a_rendered_governing_service() -> None:
+    """A StatefulSet's serviceName is the headless Service that gives its pods DNS names."""
+    for values in VALUE_SETS.values():
+        objects = render(*values)
+        services = {s["metadata"]["name"]: s for s in by_kind(objects, "Service")}
+        for sts in by_kind(objects, "StatefulSet"):
+            service = services.get(sts["spec"]["serviceName"])
+            assert service is not None, sts["spec"]["serviceName"]
+            assert service["spec"].get("clusterIP") == "None"
+            selector = service["spec"]["selector"]
+            labels = sts["spec"]["template"]["metadata"]["labels"]
+            assert selector.items() <= labels.items()
 
 
 @needs_helm

@@ -57,6 +57,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: [serving.dsv4.io]
   resources: [dsv4deployments/status]
   verbs: [get, patch]
+# Children carry ownerReferences with blockOwnerDeletion: true; clusters that enforce
+# OwnerReferencesPermissionEnforcement (OpenShift) require update on the owner's finalizers.
+- apiGroups: [serving.dsv4.io]
+  resources: [dsv4deployments/finalizers]
+  verbs: [update]
 - apiGroups: [apps]
   resources: [statefulsets, deployments]
   verbs: [get, list, watch, create, patch, delete]
