@@ -3,6 +3,9 @@
 
 Differences from OpenAI: `temperature` defaults to 0 (greedy), not 1; `n` must be 1;
 `stop` may also hold token ids; an explicit null for an optional field means its default.
+A chat message's content is a string or a list of text parts (joined with "\n"); other
+parts (image_url, ...) are refused. The tokenizer's EOS ids join the request's stop ids, so
+generation ends at EOS (finish_reason "stop").
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from dsv4_worker.engine.sampler import SamplingParams
+from dsv4_worker.server.chat_template import ChatTemplateError
 from dsv4_worker.server.tokenizer import Tokenizer
 
 MAX_STOP = 4
@@ -35,6 +39,8 @@ _COMMON_FIELDS = (
 COMPLETION_FIELDS = ("prompt", *_COMMON_FIELDS)
 CHAT_FIELDS = ("messages", *_COMMON_FIELDS)
 _MESSAGE_FIELDS = ("role", "content")
+_PART_FIELDS = ("type", "text")
+PART_SEPARATOR = "\n"  # between the text parts of one message
 
 
 class RequestError(ValueError):
@@ -63,16 +69,20 @@ def parse_completion(
     """A /v1/completions body -> CompletionRequest."""
     obj = _as_object(body, COMPLETION_FIELDS)
     ids, text = _parse_prompt(obj, tok, vocab_size)
-    return _finish(obj, ids, text, vocab_size, max_context_tokens)
+    return _finish(obj, ids, text, tok.eos_token_ids, vocab_size, max_context_tokens)
 
 
 def parse_chat(
     body: object, tok: Tokenizer, *, vocab_size: int, max_context_tokens: int
 ) -> CompletionRequest:
-    """A /v1/chat/completions body -> CompletionRequest (messages rendered by the tokenizer)."""
+    """A /v1/chat/completions body -> CompletionRequest (messages rendered and tokenized by
+    the tokenizer: its chat template, or the built-in one)."""
     obj = _as_object(body, CHAT_FIELDS)
-    text = tok.apply_chat_template(_parse_messages(obj))
-    return _finish(obj, tuple(tok.encode(text)), text, vocab_size, max_context_tokens)
+    try:
+        prompt = tok.encode_chat(_parse_messages(obj))
+    except ChatTemplateError as exc:
+        raise RequestError("messages", str(exc)) from exc
+    return _finish(obj, prompt.ids, prompt.text, tok.eos_token_ids, vocab_size, max_context_tokens)
 
 
 # ---- the body and the prompt -----------------------------------------------------------------
@@ -126,12 +136,42 @@ def _parse_message(where: str, message: object) -> dict[str, str]:
     unknown = sorted(str(k) for k in message if k not in _MESSAGE_FIELDS)
     if unknown:
         raise RequestError(f"{where}.{unknown[0]}", "unknown field; allowed are role, content")
-    role, content = message.get("role"), message.get("content")
+    role = message.get("role")
     if role not in CHAT_ROLES:
         raise RequestError(f"{where}.role", f"must be one of {', '.join(CHAT_ROLES)}")
-    if not isinstance(content, str):
-        raise RequestError(f"{where}.content", f"must be a string, not {_json_type(content)}")
-    return {"role": str(role), "content": content}
+    return {"role": str(role), "content": _parse_content(f"{where}.content", message)}
+
+
+def _parse_content(where: str, message: Mapping[str, object]) -> str:
+    """A string, or a list of {"type": "text", "text": ...} parts joined into one string."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(
+            where, f"must be a string or a list of text parts, not {_json_type(content)}"
+        )
+    if not content:
+        raise RequestError(where, "must not be an empty list")
+    texts = []
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        if not isinstance(part, dict):
+            raise RequestError(at, f"must be an object, not {_json_type(part)}")
+        kind = part.get("type")
+        if kind != "text":
+            got = repr(kind) if isinstance(kind, str) else _json_type(kind)
+            raise RequestError(
+                f"{at}.type", f'must be "text" (only text parts are supported), got {got}'
+            )
+        unknown = sorted(str(k) for k in part if k not in _PART_FIELDS)
+        if unknown:
+            raise RequestError(f"{at}.{unknown[0]}", "unknown field; allowed are type, text")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise RequestError(f"{at}.text", f"must be a string, not {_json_type(text)}")
+        texts.append(text)
+    return PART_SEPARATOR.join(texts)
 
 
 # ---- sampling fields and the context check ---------------------------------------------------
@@ -141,11 +181,13 @@ def _finish(
     obj: Mapping[str, object],
     prompt_ids: tuple[int, ...],
     prompt_text: str,
+    eos_ids: tuple[int, ...],
     vocab_size: int,
     max_context_tokens: int,
 ) -> CompletionRequest:
     max_tokens = _int(obj, "max_tokens", 16, 1, max_context_tokens)
     stop_strings, stop_ids = _parse_stop(obj.get("stop"), vocab_size)
+    stop_ids = tuple(dict.fromkeys((*stop_ids, *eos_ids)))  # the request's first, then EOS
     params = SamplingParams(
         max_new_tokens=max_tokens,
         temperature=_float(obj, "temperature", 0.0, 0.0, MAX_TEMPERATURE, low_open=False),

@@ -1,21 +1,52 @@
-"""Tokenizers behind one small Protocol (bytes for the tiny models, a local HuggingFace
-tokenizer.json otherwise), the incremental detokenizer for streaming, and stop-string search."""
+"""Tokenizers behind one small Protocol (bytes for the tiny models, a HuggingFace model
+directory's `tokenizer.json` and chat template otherwise), the incremental detokenizer for
+streaming, and stop-string search.
+
+Prompt tokens (HFTokenizer):
+
+    prompt                       text                       BOS
+    completion (a string)        as given                   `add_bos_token` when the config
+                                                            sets it (true: exactly one BOS in
+                                                            front, false: none); else what
+                                                            tokenizer.json's post-processor adds
+    chat, with a template        the rendered template      none added: the template writes
+                                                            its own (HF's add_special_tokens=False)
+    chat, without a template     `render_chat`              as for a completion
+
+Generation ends at any of `eos_token_ids`: tokenizer_config.json's eos_token, then
+generation_config.json's eos_token_id(s). The byte tokenizer has no EOS and no template.
+"""
 
 from __future__ import annotations
 
 import importlib
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
+
+from dsv4_worker.server.chat_template import ChatTemplate
+from dsv4_worker.server.tokenizer_config import (
+    CONFIG_FILE,
+    GENERATION_FILE,
+    AddedTokenSpec,
+    TokenizerConfig,
+    read_tokenizer_config,
+)
 
 _REPLACEMENT = "\ufffd"
 _BYTE_VOCAB = 256
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class ChatPrompt(NamedTuple):
+    text: str  # the rendered conversation
+    ids: tuple[int, ...]  # its tokens, BOS by the table above
 
 
 class Tokenizer(Protocol):
     vocab_size: int
-    eos_token_id: int | None
+    eos_token_id: int | None  # the first of eos_token_ids (None: no EOS)
+    eos_token_ids: tuple[int, ...]  # every id that ends generation
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -23,10 +54,12 @@ class Tokenizer(Protocol):
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str: ...
 
+    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> ChatPrompt: ...
+
 
 def render_chat(messages: Sequence[Mapping[str, str]]) -> str:
-    """The built-in chat template: "<|{role}|>\\n{content}\\n" per message, then
-    "<|assistant|>\\n" to open the reply."""
+    """The built-in chat template, for tokenizers without one: "<|{role}|>\\n{content}\\n"
+    per message, then "<|assistant|>\\n" to open the reply."""
     parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
     return "".join(parts) + "<|assistant|>\n"
 
@@ -42,6 +75,7 @@ class ByteTokenizer:
     def __init__(self) -> None:
         self.vocab_size: int = _BYTE_VOCAB
         self.eos_token_id: int | None = None
+        self.eos_token_ids: tuple[int, ...] = ()
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -53,13 +87,15 @@ class ByteTokenizer:
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
         return render_chat(messages)
 
+    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> ChatPrompt:
+        text = render_chat(messages)
+        return ChatPrompt(text, tuple(self.encode(text)))
+
 
 class HFTokenizer:
-    """A local HuggingFace `tokenizer.json`, through the `tokenizers` package (imported here).
-
-    EOS comes from `eos_token` in a `tokenizer_config.json` beside it, when present.
-    Jinja chat templates are not supported yet: chat uses the built-in `render_chat` template.
-    """
+    """A local HuggingFace `tokenizer.json`, through the `tokenizers` package (imported here),
+    with what the files beside it say (`tokenizer_config.py`): special tokens, add_bos_token,
+    added tokens, the chat template (none: `render_chat`) and the EOS ids."""
 
     def __init__(self, path: Path) -> None:
         try:
@@ -68,43 +104,119 @@ class HFTokenizer:
             raise RuntimeError(
                 f"loading {path} needs the `tokenizers` package: pip install tokenizers"
             ) from exc
-        self._tok: Any = lib.Tokenizer.from_file(str(path))
+        try:
+            self._tok: Any = lib.Tokenizer.from_file(str(path))
+        except Exception as exc:  # the Rust side raises a bare Exception
+            raise ValueError(f"{path}: the tokenizers package cannot read it ({exc})") from exc
+        config = read_tokenizer_config(path.parent)
+        where = str(path.parent / CONFIG_FILE)
+        _add_missing_tokens(lib, self._tok, config.added_tokens, where, path)
         self.vocab_size: int = int(self._tok.get_vocab_size(with_added_tokens=True))
-        self.eos_token_id: int | None = self._read_eos(path.parent / "tokenizer_config.json")
-
-    def _read_eos(self, config_path: Path) -> int | None:
-        if not config_path.is_file():
-            return None
-        token = json.loads(config_path.read_text(encoding="utf-8")).get("eos_token")
-        if isinstance(token, dict):  # {"content": "</s>", ...} in older configs
-            token = token.get("content")
-        if not isinstance(token, str):
-            return None
-        token_id = self._tok.token_to_id(token)
-        return None if token_id is None else int(token_id)
+        self.bos_token_id: int | None = self._special_id(config.bos_token, "bos_token", where)
+        self.eos_token_ids: tuple[int, ...] = self._eos_ids(config, where, path.parent)
+        self.eos_token_id: int | None = self.eos_token_ids[0] if self.eos_token_ids else None
+        self._add_bos = config.add_bos_token
+        if self._add_bos and self.bos_token_id is None:
+            raise ValueError(f"{where}: add_bos_token is true but no bos_token is set")
+        template = config.chat_template
+        self.chat_template: ChatTemplate | None = (
+            None
+            if template is None
+            else ChatTemplate(
+                template.text, origin=template.origin, special_tokens=config.special_tokens
+            )
+        )
 
     def encode(self, text: str) -> list[int]:
-        return [int(i) for i in self._tok.encode(text).ids]
+        """A plain prompt (a completion, or chat without a template): BOS as the module's
+        table says."""
+        if self._add_bos is False:
+            return self._ids(text, special=False)
+        ids = self._ids(text, special=True)
+        if self._add_bos and ids[:1] != [self.bos_token_id]:
+            assert self.bos_token_id is not None
+            ids.insert(0, self.bos_token_id)
+        return ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids)))
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
-        return render_chat(messages)
+        """The conversation as text (ChatTemplateError when the template refuses it)."""
+        if self.chat_template is None:
+            return render_chat(messages)
+        return self.chat_template.render(messages, add_generation_prompt=True)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> ChatPrompt:
+        text = self.apply_chat_template(messages)
+        if self.chat_template is None:
+            return ChatPrompt(text, tuple(self.encode(text)))
+        # NOTE: the template writes the BOS text itself; adding special tokens would double it.
+        return ChatPrompt(text, tuple(self._ids(text, special=False)))
+
+    def _ids(self, text: str, *, special: bool) -> list[int]:
+        return [int(i) for i in self._tok.encode(text, add_special_tokens=special).ids]
+
+    def _special_id(self, token: str | None, key: str, where: str) -> int | None:
+        if token is None:
+            return None
+        token_id = self._tok.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"{where}: {key} {token!r} is not a token of the tokenizer")
+        return int(token_id)
+
+    def _eos_ids(self, config: TokenizerConfig, where: str, directory: Path) -> tuple[int, ...]:
+        eos = self._special_id(config.eos_token, "eos_token", where)
+        for i in config.generation_eos_ids:
+            if i >= self.vocab_size:
+                raise ValueError(
+                    f"{directory / GENERATION_FILE}: eos_token_id {i} is outside the "
+                    f"tokenizer's {self.vocab_size} tokens"
+                )
+        return tuple(dict.fromkeys([*([] if eos is None else [eos]), *config.generation_eos_ids]))
 
 
-def load_tokenizer(path: str | None, vocab_size: int) -> Tokenizer:
-    """None -> ByteTokenizer (needs vocab_size >= 256); a tokenizer.json, or a directory
-    holding one -> HFTokenizer (its vocab must fit in the model's vocab_size)."""
-    if path is None:
+def _add_missing_tokens(
+    lib: Any, tok: Any, specs: Sequence[AddedTokenSpec], where: str, path: Path
+) -> None:
+    """Check `added_tokens_decoder` against tokenizer.json; add the tokens it lacks (as
+    transformers does), each of which must land on its declared id."""
+    for spec in specs:
+        known = tok.token_to_id(spec.content)
+        if known is None:
+            token = lib.AddedToken(
+                spec.content,
+                single_word=spec.single_word,
+                lstrip=spec.lstrip,
+                rstrip=spec.rstrip,
+                normalized=spec.normalized,
+                special=spec.special,
+            )
+            tok.add_tokens([token])
+            known = tok.token_to_id(spec.content)
+        if known != spec.token_id:
+            raise ValueError(
+                f"{where}: added_tokens_decoder gives {spec.content!r} id {spec.token_id}, "
+                f"but {path} gives it id {known}"
+            )
+
+
+def load_tokenizer(path: str | None, vocab_size: int, *, byte_fallback: bool = False) -> Tokenizer:
+    """None -> ByteTokenizer (needs vocab_size >= 256); a tokenizer.json, or a model directory
+    holding one -> HFTokenizer (its vocab must fit in the model's vocab_size). A directory
+    without tokenizer.json is an error, or the byte tokenizer with `byte_fallback` (for a
+    model directory that may hold no tokenizer, like the tiny test models')."""
+    file = None if path is None else Path(path)
+    if file is not None and file.is_dir():
+        file = file / TOKENIZER_FILE
+        if byte_fallback and not file.is_file():
+            file = None
+    if file is None:
         if vocab_size < _BYTE_VOCAB:
             raise ValueError(
                 f"the byte tokenizer needs vocab_size >= {_BYTE_VOCAB}, the model has {vocab_size}"
             )
         return ByteTokenizer()
-    file = Path(path)
-    if file.is_dir():
-        file = file / "tokenizer.json"
     if not file.is_file():
         raise ValueError(f"no tokenizer.json at {path}")
     tok = HFTokenizer(file)

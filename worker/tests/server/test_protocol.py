@@ -78,11 +78,25 @@ BAD: list[tuple[str, Any, Any, str, str]] = [
         "one of",
     ),
     (
-        "message-content-list",
+        "message-content-part-without-text",
         _chat,
         {"messages": [*MSG, {"role": "user", "content": [{"type": "text"}]}]},
-        "messages[1].content",
+        "messages[1].content[0].text",
         "string",
+    ),
+    (
+        "message-content-image-part",
+        _chat,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        "messages[0].content[0].type",
+        "only text parts are supported), got 'image_url'",
+    ),
+    (
+        "message-content-number",
+        _chat,
+        {"messages": [{"role": "user", "content": 3}]},
+        "messages[0].content",
+        "a string or a list of text parts, not a number",
     ),
     (
         "message-no-content",
@@ -277,6 +291,15 @@ GOOD: list[tuple[str, Any, Any, dict[str, Any]]] = [
             "prompt_ids": tuple(b"<|system|>\nbe brief\n<|user|>\n\n<|assistant|>\n"),
             "params": SamplingParams(max_new_tokens=2),
             "stream": True,
+        },
+    ),
+    (
+        "chat-text-parts",
+        _chat,
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 2}]},
+        {
+            "echo_prompt_text": "<|user|>\na\na\n<|assistant|>\n",
+            "prompt_ids": tuple(b"<|user|>\na\na\n<|assistant|>\n"),
         },
     ),
 ]

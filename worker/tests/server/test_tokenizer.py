@@ -34,6 +34,7 @@ def test_byte_tokenizer_facts() -> None:
     tok = ByteTokenizer()
     assert tok.vocab_size == 256
     assert tok.eos_token_id is None
+    assert tok.eos_token_ids == ()
     assert tok.decode([0xC3]) == "\ufffd"  # invalid UTF-8 is replaced, never raised
     assert tok.decode([104, 300, 105]) == "hi"  # ids past the bytes have no text
 
@@ -49,6 +50,9 @@ def test_chat_template_exact() -> None:
         "<|system|>\nsys\n<|user|>\nq?\n<|assistant|>\na.\n<|user|>\nmore\n<|assistant|>\n"
     )
     assert ByteTokenizer().apply_chat_template([]) == "<|assistant|>\n"
+    prompt = ByteTokenizer().encode_chat(messages)
+    assert prompt.text == ByteTokenizer().apply_chat_template(messages)
+    assert prompt.ids == tuple(prompt.text.encode("utf-8"))
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -148,21 +152,49 @@ def test_hf_tokenizer_round_trip(tmp_path: Path) -> None:
     assert isinstance(tok, HFTokenizer)
     assert tok.vocab_size == 5
     assert tok.eos_token_id == 1
+    assert tok.eos_token_ids == (1,)
     ids = tok.encode("hello world again")
     assert ids == [2, 3, 4]
     assert tok.decode(ids) == "hello world again"
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == (
         "<|user|>\nx\n<|assistant|>\n"
-    )
+    )  # no chat_template in the config: the built-in one
     assert isinstance(load_tokenizer(str(path), 5), HFTokenizer)
 
 
 def test_hf_tokenizer_eos_as_object_and_absent(tmp_path: Path) -> None:
     _write_word_level(tmp_path)
     assert HFTokenizer(tmp_path / "tokenizer.json").eos_token_id is None
+    assert HFTokenizer(tmp_path / "tokenizer.json").eos_token_ids == ()
     config = {"eos_token": {"content": "</s>", "lstrip": False}}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     assert HFTokenizer(tmp_path / "tokenizer.json").eos_token_id == 1
+
+
+def test_hf_tokenizer_eos_ids_from_generation_config(tmp_path: Path) -> None:
+    _write_word_level(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [4, 1, 4]}))
+    tok = load_tokenizer(str(tmp_path), 8)
+    assert tok.eos_token_ids == (1, 4)  # the config's eos_token first, no repeats
+    assert tok.eos_token_id == 1
+
+
+def test_hf_tokenizer_file_path_reads_the_configs_beside_it(tmp_path: Path) -> None:
+    path = _write_word_level(tmp_path)
+    template = "{% for m in messages %}{{ m.content }} {% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    tok = load_tokenizer(str(path), 8)
+    prompt = tok.encode_chat([{"role": "user", "content": "hello world"}])
+    assert prompt == ("hello world ", (2, 3))
+
+
+def test_load_tokenizer_byte_fallback_for_a_model_dir_without_tokenizer_json(
+    tmp_path: Path,
+) -> None:
+    assert isinstance(load_tokenizer(str(tmp_path), 300, byte_fallback=True), ByteTokenizer)
+    _write_word_level(tmp_path)
+    assert isinstance(load_tokenizer(str(tmp_path), 8, byte_fallback=True), HFTokenizer)
 
 
 def test_hf_tokenizer_larger_than_the_model_is_rejected(tmp_path: Path) -> None:
