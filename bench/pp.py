@@ -3,7 +3,7 @@
     .venv/bin/python bench/pp.py [--device cpu|cuda] [--pp 1 2 4]
 
 1. The planner: DSV4-Pro, decode and prefill roles, TP=8 on H200 with the settings that give
-   the even PP=4 split the 40.7M full tokens per rank of the issue (SWA ratio 0.1, memory
+   the issue's PP=4 figure of 40.7M full tokens per rank (SWA ratio 0.1, memory
    fraction 0.88, online HCA state). Per PP rank: KV capacity (full tokens, max running
    requests, max context) and full tokens gained vs PP=1; then the bottleneck (the worst
    rank) of the even split, SGLang's default split (extra layers on the last ranks) and the

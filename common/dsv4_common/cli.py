@@ -202,7 +202,12 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "dsv4 serve --role R --config-dir DIR (the rank or router config the operator or "
         "dsv4 up renders).",
     )
-    p.add_argument("--model", default="tiny", help="preset or a HuggingFace config.json path")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="a preset, a config.json, or a HuggingFace model directory (its config.json, "
+        "safetensors weights and tokenizer are used)",
+    )
     p.add_argument("--role", choices=(*ROLES, "router"), default="colocated")
     p.add_argument("--config-dir", default=None, help="the rank config the operator renders")
     p.add_argument(
@@ -212,9 +217,19 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     p.add_argument("--port", type=_bounded(int, 1, inclusive=True, maximum=65535), default=8000)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--weights", default=None, help="a .safetensors file (default: seeded random)")
+    p.add_argument(
+        "--weights",
+        default=None,
+        help="a .safetensors file or a model directory (default: --model's directory, else "
+        "seeded random)",
+    )
     p.add_argument("--seed", type=_non_negative_int, default=0, help="seed of random weights")
-    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: bytes, for tiny)")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer.json, or a HuggingFace model directory with one and its "
+        "tokenizer_config.json (default: bytes, for tiny)",
+    )
     p.add_argument(
         "--gpu-memory-gib",
         type=_gpu_memory_gib,

@@ -57,7 +57,7 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         ),
         (["--gpu", "h200", "--layer-split", "4,x"], "--layer-split: expected comma-separated"),
         (["--gpu", "h200", "--pp", "2", "--layer-split", "5,2"], "--layer-split: layer_split="),
-        (["--gpu-memory-gib", "0.001"], "weights need 1.25 MiB per GPU but only 943.7 KiB"),
+        (["--gpu-memory-gib", "0.001"], "weights need 1.46 MiB per GPU but only 943.7 KiB"),
     ],
 )
 def test_cli_bad_number_exits_2_naming_the_flag(
@@ -120,6 +120,18 @@ def dsv4_hf() -> dict[str, Any]:
         "vocab_size": 1000,
         "num_attention_heads": 16,
         "max_position_embeddings": 65536,
+        "index_head_dim": 128,
+        "index_n_heads": 8,
+        "index_topk": 512,
+        "q_lora_rank": 256,
+        "o_lora_rank": 256,
+        "o_groups": 4,
+        "hc_mult": 4,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 256,
+        "num_hash_layers": 1,
     }
 
 

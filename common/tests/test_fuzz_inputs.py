@@ -7,10 +7,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import json
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from repo_paths import MODEL_DATA
 from test_bad_inputs import dsv4_hf, hybrid_hf
 
 from dsv4_common.api.deployment import MemoryPlanError, plan_memory
@@ -55,11 +57,52 @@ def mutated(draw: st.DrawFn, base: dict[str, Any], extra_keys: tuple[str, ...]) 
 
 
 HF_EXTRA = ("head_dim", "layer_types", "first_k_dense_replace", "n_routed_experts", "index_topk")
+# The published DeepSeek-V4-Flash config.json in both forms, and keys either may carry.
+FLASH = {
+    form: json.loads((MODEL_DATA / f"deepseek-v4-flash{form}" / "config.json").read_text())
+    for form in ("", "-transformers")
+}
+DSV4_EXTRA = (
+    "compress_ratios",
+    "layer_types",
+    "compress_rates",
+    "mlp_layer_types",
+    "num_hash_layers",
+    "rope_parameters",
+    "rope_scaling",
+    "partial_rotary_factor",
+    "qk_nope_head_dim",
+    "quantization_config",
+    "expert_dtype",
+    "dtype",
+)
+
+
+@st.composite
+def mutated_nested(draw: st.DrawFn, base: dict[str, Any]) -> dict[str, Any]:
+    """`base` with one value inside a nested object or list replaced."""
+    raw = copy.deepcopy(base)
+    key = draw(st.sampled_from(sorted(k for k, v in raw.items() if isinstance(v, dict | list))))
+    target = raw[key]
+    if isinstance(target, dict) and target:
+        inner = draw(st.sampled_from(sorted(target)))
+        if isinstance(target[inner], dict) and target[inner] and draw(st.booleans()):
+            target = target[inner]
+            inner = draw(st.sampled_from(sorted(target)))
+        target[inner] = draw(JSON_VALUES)
+    elif isinstance(target, list) and target:
+        target[draw(st.integers(0, len(target) - 1))] = draw(JSON_VALUES)
+    return raw
 
 
 @FUZZ
 @given(
-    raw=st.one_of(mutated(hybrid_hf(), HF_EXTRA), mutated(dsv4_hf(), HF_EXTRA)),
+    raw=st.one_of(
+        mutated(hybrid_hf(), HF_EXTRA),
+        mutated(dsv4_hf(), HF_EXTRA),
+        *(mutated(doc, DSV4_EXTRA) for doc in FLASH.values()),
+        *(mutated_nested(doc) for doc in FLASH.values()),
+    ),
     tp=st.sampled_from([1, 2, 3, 8]),
     pp=st.integers(1, 8),
     memory_gib=st.sampled_from([0.01, 1.0, 80.0, 1e5]),

@@ -79,13 +79,13 @@ def cr(name: str, sample: str = "tiny-cpu.yaml", **spec: Any) -> dict[str, Any]:
 
 
 def unfit(name: str) -> dict[str, Any]:
-    """DeepSeek-V4-Flash on 52 GiB GPUs: decode's KV pool holds 286208 tokens, not 1M."""
+    """DeepSeek-V4-Flash on 52 GiB GPUs: decode's KV pool holds 215296 tokens, not 1M."""
     return cr(
         name, "flash-gpu.yaml", maxContextTokens=1_000_000, gpu={"memoryGiB": 52, "perPod": 4}
     )
 
 
-LARGEST_FIT = "the largest context that fits is 286208 tokens"
+LARGEST_FIT = "the largest context that fits is 215296 tokens"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,9 +266,9 @@ def test_the_api_server_refuses_an_unfit_cr_with_the_webhooks_message_also_on_dr
 
     # The largest fit it named passes; as a dry run, nothing is stored.
     largest = unfit("flash")
-    largest["spec"]["maxContextTokens"] = 286208
+    largest["spec"]["maxContextTokens"] = 215296
     created = served.create(largest, dry_run="All")
-    assert created["spec"]["maxContextTokens"] == 286208
+    assert created["spec"]["maxContextTokens"] == 215296
     assert served.cr("flash") is None
 
 

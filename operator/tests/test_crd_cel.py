@@ -44,11 +44,13 @@ PREDICATES: dict[tuple[str, str], Callable[[Any], bool]] = {
     ),
     (
         "spec",
-        "has(self.gpu.type) || self.gpu.memoryGiB > 0.0 || (has(self.model.preset) "
-        "&& (self.model.preset == 'tiny' || self.model.preset == 'hybrid-tiny'))",
+        "has(self.gpu.type) || self.gpu.memoryGiB > 0.0 || has(self.model.configPath) "
+        "|| (has(self.model.preset) && (self.model.preset == 'tiny' || "
+        "self.model.preset == 'hybrid-tiny'))",
     ): lambda s: (
         "type" in s["gpu"]
         or s["gpu"]["memoryGiB"] > 0
+        or "configPath" in s["model"]
         or s["model"].get("preset") in ("tiny", "hybrid-tiny")
     ),
     (

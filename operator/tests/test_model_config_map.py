@@ -5,6 +5,7 @@ the file instead. The live scenario is test_operator_configmap.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Callable, Mapping
@@ -16,7 +17,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from model_samples import tiny_hf_config
-from repo_paths import SAMPLES
+from repo_paths import MODEL_DATA, SAMPLES
 from support.chart_support import needs_helm, render
 from support.fake_kube import FakeKube, FakeProbe
 
@@ -24,6 +25,7 @@ from dsv4_common.api.deployment import MemoryPlanError, plan_memory
 from dsv4_common.api.rank_config import parse_rank_config
 from dsv4_common.api.spec import SpecError, parse_meta, parse_spec
 from dsv4_common.cli import main
+from dsv4_common.core.presets import deepseek_v4_flash
 from dsv4_operator import labels as L
 from dsv4_operator import main as operator_main
 from dsv4_operator.config import OperatorConfig
@@ -256,6 +258,24 @@ def test_the_config_map_model_is_planned_and_an_edit_replans(body: Body) -> None
     assert applied == {("ConfigMap", "tiny-config")} | {("StatefulSet", n) for n in sts}
 
 
+@pytest.mark.parametrize("form", ["", "-transformers"], ids=["release", "transformers"])
+def test_the_flash_sample_plans_from_the_published_config_json(
+    make_body: Callable[..., Body], form: str
+) -> None:
+    """crds/samples/flash-configmap.yaml with DeepSeek-V4-Flash's own config.json (as released
+    or as transformers writes it) in its ConfigMap: planned like the preset."""
+    sample = make_body("flash-configmap.yaml")
+    ref = sample["spec"]["model"]["configMapRef"]
+    text = (MODEL_DATA / f"deepseek-v4-flash{form}" / "config.json").read_text()
+    kube = FakeKube(sample)
+    put(kube, {**config_map(text), "metadata": {"name": ref["name"], "namespace": NS}})
+    run(kube)
+    assert plan_valid(kube)["status"] == "True", plan_valid(kube)
+    spec = parse_spec(sample)
+    model = dataclasses.replace(model_from_text(spec, text).config, name="deepseek-v4-flash")
+    assert plan_memory(spec, model) == plan_memory(spec, deepseek_v4_flash())
+
+
 def test_a_deleted_config_map_leaves_the_running_workers_alone(body: Body) -> None:
     kube = FakeKube(body)
     put(kube, config_map())
@@ -329,8 +349,7 @@ def test_cli_render_takes_the_config_as_a_file(
     err = capsys.readouterr().err
     assert err.startswith("dsv4 render: error: spec.model.configMapRef: ")
     assert "--model-config" in err
-    config = tmp_path / "config.json"
-    config.write_text(tiny_hf_config(max_position_embeddings=1 << 20))  # the sample's context
+    config = MODEL_DATA / "deepseek-v4-flash" / "config.json"  # the published file
     assert main(["render", sample, "--model-config", str(config)]) == 0
     docs: list[Mapping[str, Any]] = list(yaml.safe_load_all(capsys.readouterr().out))
     volumes = [

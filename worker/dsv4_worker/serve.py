@@ -43,6 +43,8 @@ from dsv4_common.core.model import DSV4Config, ModelConfig, ModelConfigError
 from dsv4_common.core.presets import load_model_config
 from dsv4_common.core.units import GIB
 from dsv4_common.plan.inputs import PlanError, PlanInputs
+from dsv4_worker.model.checkpoint import is_model_dir, load_checkpoint
+from dsv4_worker.model.ops import COMPUTE
 from dsv4_worker.model.weights import WeightsError, init_weights, load_weights, stage_weights
 from dsv4_worker.pd import control as C
 from dsv4_worker.pd.decode import DecodeAgent, DecodeFollower, new_peer_id
@@ -54,7 +56,7 @@ from dsv4_worker.pp.stage import FollowerEngine
 from dsv4_worker.server.app import KVState, ServeInfo, build_app, build_status_app
 from dsv4_worker.server.metrics import Metrics
 from dsv4_worker.server.runner import EngineRunner
-from dsv4_worker.server.tokenizer import load_tokenizer
+from dsv4_worker.server.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +93,14 @@ def _check_model(model: ModelConfig, source: str) -> None:
 def _weights(
     model: ModelConfig, path: str | None, seed: int, device: torch.device
 ) -> Callable[[set[str]], Mapping[str, torch.Tensor]]:
-    """Loads the named parameters (a PP stage's slice) from `path`, or seeded random ones."""
+    """Loads the named parameters (a PP stage's slice) from `path` (a HuggingFace model
+    directory, or a .safetensors file of our own), or seeded random ones."""
 
     def load(names: set[str]) -> Mapping[str, torch.Tensor]:
         if path is None:
             return stage_weights(init_weights(model, seed=seed, device=device), names)
+        if isinstance(model, DSV4Config) and is_model_dir(path):
+            return _load_model_dir(model, Path(path), names, device)
         file = Path(path)
         if file.is_dir():
             file = file / WEIGHTS_FILE
@@ -105,6 +110,41 @@ def _weights(
             raise ServeError(f"weights {file}: {exc}") from exc
 
     return load
+
+
+def _load_model_dir(
+    model: DSV4Config, root: Path, names: set[str], device: torch.device
+) -> Mapping[str, torch.Tensor]:
+    """A stage's parameters from a model directory: its layers (read from `names`), the
+    embedding if it is the first stage, the head (and the MTP layer) if the last."""
+    layer_ids = sorted({int(n.split(".")[1]) for n in names if n.startswith("layers.")})
+    layers = range(layer_ids[0], layer_ids[-1] + 1) if layer_ids else range(0)
+    first, last = "embed.weight" in names, "head.weight" in names
+    try:
+        loaded = load_checkpoint(
+            root, model, layers=layers, first=first, last=last, dtype=COMPUTE, device=device
+        )
+    except (OSError, WeightsError) as exc:
+        raise ServeError(f"weights {root}: {exc}") from exc
+    if set(loaded.params) != names:
+        raise ServeError(f"weights {root}: the checkpoint does not hold this stage's tensors")
+    if loaded.mtp:
+        log.info(
+            "weights %s: MTP layer loaded (%d tensors, unused until speculation)",
+            root,
+            len(loaded.mtp),
+        )
+    return loaded.params
+
+
+def _tokenizer(path: str | None, model_source: str, vocab_size: int) -> Tokenizer:
+    """--tokenizer, else the model directory's tokenizer.json (the byte tokenizer for a
+    directory without one, and for presets)."""
+    if path is not None:
+        return load_tokenizer(path, vocab_size)
+    if Path(model_source).is_dir():
+        return load_tokenizer(model_source, vocab_size, byte_fallback=True)
+    return load_tokenizer(None, vocab_size)
 
 
 def _device_memory(device: torch.device) -> int | None:
@@ -199,6 +239,8 @@ def build(args: argparse.Namespace) -> Built:
         raise ServeError(f"model: {exc}") from exc
     _check_model(model, source)
     weights_path = config.model.weights_path if config else args.weights
+    if weights_path is None and is_model_dir(source):
+        weights_path = source  # `--model DIR`: the checkpoint beside its config.json
     load = _weights(model, weights_path, args.seed, device)
     try:
         if config is not None:
@@ -236,7 +278,7 @@ def build(args: argparse.Namespace) -> Built:
         kv_state=kv_state,
     )
     try:
-        tok = load_tokenizer(args.tokenizer, model.weights.vocab_size)
+        tok = _tokenizer(args.tokenizer, source, model.weights.vocab_size)
     except (OSError, ValueError, RuntimeError) as exc:
         raise ServeError(f"--tokenizer: {exc}") from exc
     metrics = Metrics(runner.snapshot)

@@ -283,12 +283,15 @@ def parse_spec(body: Mapping[str, Any]) -> DeploymentSpec:
     engine = _engine(r, spec.get("engine"))
 
     # Cross-field rules (the CRD's CEL rules say the same).
-    if model is not None and gpu.cpu_mode and model.preset not in CPU_PRESETS:
+    cpu_model = model is not None and (
+        model.preset in CPU_PRESETS or (model.preset is None and model.config_path is not None)
+    )
+    if model is not None and gpu.cpu_mode and not cpu_model:
         r.fail(
             "spec.gpu.type",
             f"required for this model: CPU mode (no gpu.type, gpu.memoryGiB 0) runs only "
-            f"model.preset {sorted(CPU_PRESETS)}: set gpu.type (or gpu.memoryGiB) and "
-            "gpu.perPod for this model",
+            f"model.preset {sorted(CPU_PRESETS)} or a model.configPath (a small model "
+            "directory): set gpu.type (or gpu.memoryGiB) and gpu.perPod for this model",
         )
     expected_tp = gpu.per_pod if gpu.per_pod > 0 else 1
     for role, role_spec in roles.items():

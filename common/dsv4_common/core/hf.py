@@ -1,5 +1,6 @@
-"""HuggingFace `config.json` -> a model config (DeepSeek-V4 or generic hybrid SWA). Pure;
-every malformed field raises ModelConfigError naming it."""
+"""HuggingFace `config.json` -> a model config: DeepSeek-V4 (both forms in use, in
+`hf_dsv4.py`) or generic hybrid SWA (here). Pure; every malformed field raises
+ModelConfigError naming it."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dsv4_common.core.hf_dsv4 import dsv4_from_hf, is_dsv4
 from dsv4_common.core.model import (
     MAX_LAYERS,
-    DSV4Config,
     HybridSWAConfig,
     LayerType,
     ModelConfig,
@@ -41,9 +42,10 @@ def parse_hf_config(text: str, name: str, where: str = "config.json") -> ModelCo
 
 
 def from_hf_config(raw: Mapping[str, Any], name: str) -> ModelConfig:
-    """Build a config from a HuggingFace config dict (DSV4 if it has `compress_ratios`)."""
-    if "compress_ratios" in raw or str(raw.get("model_type", "")).startswith("deepseek_v4"):
-        return _dsv4_from_hf(raw, name)
+    """Build a config from a HuggingFace config dict: DeepSeek-V4 (model_type deepseek_v4,
+    `compress_ratios` or its layer types; `hf_dsv4.py`) or generic hybrid SWA."""
+    if is_dsv4(raw):
+        return dsv4_from_hf(raw, name)
     if "layer_types" in raw or "sliding_window_pattern" in raw:
         return _hybrid_from_hf(raw, name)
     raise ModelConfigError(
@@ -73,54 +75,17 @@ def _int(
     return value
 
 
-def _weights_from_hf(raw: Mapping[str, Any], quantized_experts: bool) -> WeightShape:
+def _weights_from_hf(raw: Mapping[str, Any]) -> WeightShape:
     routed = _int(raw, "n_routed_experts", 0)
     return WeightShape(
         hidden_size=_int(raw, "hidden_size"),
         vocab_size=_int(raw, "vocab_size"),
         num_attention_heads=_int(raw, "num_attention_heads"),
         intermediate_size=_int(raw, "intermediate_size", 0),
-        num_dense_layers=_int(raw, "first_k_dense_replace", 0),
         num_routed_experts=routed,
         num_shared_experts=_int(raw, "n_shared_experts", 0),
         moe_intermediate_size=_int(raw, "moe_intermediate_size", 0),
         num_experts_per_token=_int(raw, "num_experts_per_tok", min(8, routed) if routed else 8),
-        q_lora_rank=_int(raw, "q_lora_rank", 0),
-        o_lora_rank=_int(raw, "o_lora_rank", 0),
-        expert_bytes_per_param=(0.5 + 1 / 32) if quantized_experts else 2.0,
-        dense_bytes_per_param=(1.0 + 1 / 128) if quantized_experts else 2.0,
-    )
-
-
-def _dsv4_from_hf(raw: Mapping[str, Any], name: str) -> DSV4Config:
-    ratios = _get(raw, "compress_ratios")
-    if not isinstance(ratios, list) or not all(
-        isinstance(r, int) and not isinstance(r, bool) for r in ratios
-    ):
-        raise ModelConfigError("config.json field 'compress_ratios' must be a list of integers")
-    kv_dtype = str(raw.get("kv_cache_dtype", "fp8_e4m3"))
-    if kv_dtype not in ("fp8_e4m3", "bf16", "fp32"):
-        raise ModelConfigError(f"config.json field 'kv_cache_dtype' has unknown value {kv_dtype!r}")
-    fp8 = kv_dtype == "fp8_e4m3"
-    return DSV4Config(
-        name=name,
-        num_hidden_layers=_int(raw, "num_hidden_layers"),
-        compress_ratios=tuple(ratios),
-        num_nextn_predict_layers=_int(raw, "num_nextn_predict_layers", 0),
-        window_tokens=_int(raw, "window_size", 128)
-        if "window_size" in raw
-        else _int(raw, "sliding_window", 128),
-        qk_nope_head_dim=_int(raw, "qk_nope_head_dim"),
-        qk_rope_head_dim=_int(raw, "qk_rope_head_dim"),
-        index_head_dim=_int(raw, "index_head_dim", 128),
-        index_n_heads=_int(raw, "index_n_heads", 64),
-        index_topk=_int(raw, "index_topk", 512),
-        kv_dtype=kv_dtype,  # type: ignore[arg-type]
-        indexer_dtype="fp8" if fp8 else "bf16",
-        state_dtype="fp32",
-        weights=_weights_from_hf(raw, quantized_experts=fp8),
-        max_position_embeddings=_int(raw, "max_position_embeddings", 1 << 20),
-        kv_page_align_bytes=576 if fp8 else 1,
     )
 
 
@@ -154,7 +119,7 @@ def _hybrid_from_hf(raw: Mapping[str, Any], name: str) -> HybridSWAConfig:
         head_dim=head_dim,
         v_head_dim=head_dim,
         kv_dtype="bf16",
-        weights=_weights_from_hf(raw, quantized_experts=False),
+        weights=_weights_from_hf(raw),
         max_position_embeddings=_int(raw, "max_position_embeddings", 8192, minimum=1),
         num_nextn_predict_layers=_int(raw, "num_nextn_predict_layers", 0),
     )

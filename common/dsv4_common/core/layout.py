@@ -224,7 +224,7 @@ def indexer_row_storage(model: DSV4Config) -> RowStorage:
         return RowStorage("uint8", d + 4 * (-(-d // 128)))
     if model.indexer_dtype == "fp4":
         return RowStorage("uint8", d // 2 + 4 * (-(-d // 128)))
-    return RowStorage("bf16", d)
+    return RowStorage(model.indexer_dtype, d)
 
 
 def ring_rows(model: DSV4Config, ratio: int, speculative: bool) -> int:

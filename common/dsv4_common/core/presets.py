@@ -8,12 +8,22 @@ from pathlib import Path
 
 from dsv4_common.core.hf import load_hf_config
 from dsv4_common.core.model import (
+    DSV4Arch,
     DSV4Config,
     HybridSWAConfig,
     ModelConfig,
     ModelConfigError,
+    Quantization,
     WeightShape,
+    YarnScaling,
 )
+
+# The published configs' YaRN (compressed layers' rope only) and storage: block-FP8 (E4M3,
+# E8M0 scales per 128x128) dense weights, FP4 routed experts, BF16 where not quantized.
+_YARN = YarnScaling(
+    factor=16.0, original_max_position_embeddings=65536, beta_fast=32.0, beta_slow=1.0
+)
+_RELEASE_STORAGE = Quantization(scale_fmt="ue8m0", weight_block_size=(128, 128), expert_dtype="fp4")
 
 
 def _flash_ratios() -> tuple[int, ...]:
@@ -27,6 +37,7 @@ def _pro_ratios() -> tuple[int, ...]:
 
 
 def deepseek_v4_flash() -> DSV4Config:
+    """DeepSeek-V4-Flash as released (common/tests/data/deepseek-v4-flash/config.json)."""
     return DSV4Config(
         name="deepseek-v4-flash",
         num_hidden_layers=43,
@@ -50,17 +61,19 @@ def deepseek_v4_flash() -> DSV4Config:
             num_routed_experts=256,
             num_shared_experts=1,
             moe_intermediate_size=2048,
+            num_experts_per_token=6,
             q_lora_rank=1024,
             o_lora_rank=1024,
-            expert_bytes_per_param=0.5 + 1 / 32,  # FP4 + one 1-byte scale per 32 values
-            dense_bytes_per_param=1.0 + 1 / 128,  # FP8 + block scales
         ),
         max_position_embeddings=1_048_576,
         kv_page_align_bytes=576,
+        arch=DSV4Arch(o_groups=8, routed_scaling_factor=1.5, rope_scaling=_YARN),
+        quantization=_RELEASE_STORAGE,
     )
 
 
 def deepseek_v4_pro() -> DSV4Config:
+    """DeepSeek-V4-Pro as released (common/tests/data/deepseek-v4-pro/config.json)."""
     return DSV4Config(
         name="deepseek-v4-pro",
         num_hidden_layers=61,
@@ -84,18 +97,20 @@ def deepseek_v4_pro() -> DSV4Config:
             num_routed_experts=384,
             num_shared_experts=1,
             moe_intermediate_size=3072,
+            num_experts_per_token=6,
             q_lora_rank=1536,
             o_lora_rank=1024,
-            expert_bytes_per_param=0.5 + 1 / 32,
-            dense_bytes_per_param=1.0 + 1 / 128,
         ),
         max_position_embeddings=1_048_576,
         kv_page_align_bytes=576,
+        arch=DSV4Arch(o_groups=16, routed_scaling_factor=2.5, rope_scaling=_YARN),
+        quantization=_RELEASE_STORAGE,
     )
 
 
 def tiny() -> DSV4Config:
-    """CPU-friendly DSV4 shape for tests and the local runner (window 8, ratios {0, 4, 16})."""
+    """CPU-friendly DeepSeek-V4 (every architectural part, small): window 8, ratios {0, 4, 16},
+    two residual streams, 4 routed experts (2 per token, the first layer hash-routed)."""
     return DSV4Config(
         name="tiny",
         num_hidden_layers=6,
@@ -105,23 +120,32 @@ def tiny() -> DSV4Config:
         qk_nope_head_dim=24,
         qk_rope_head_dim=8,
         index_head_dim=16,
-        index_n_heads=2,
+        index_n_heads=16,
         index_topk=8,
-        kv_dtype="bf16",
-        indexer_dtype="bf16",
+        kv_dtype="fp32",  # exact enough to equal transformers' forward token for token
+        indexer_dtype="fp32",
         state_dtype="fp32",
         weights=WeightShape(
             hidden_size=64,
             vocab_size=256,
             num_attention_heads=4,
-            intermediate_size=128,
-            num_dense_layers=6,
+            intermediate_size=0,
+            num_routed_experts=4,
+            num_shared_experts=1,
+            moe_intermediate_size=32,
+            num_experts_per_token=2,
             q_lora_rank=32,
-            o_lora_rank=32,
-            dense_bytes_per_param=4.0,
-            embedding_bytes_per_param=4.0,
+            o_lora_rank=16,
         ),
         max_position_embeddings=4096,
+        arch=DSV4Arch(
+            hc_mult=2,
+            o_groups=2,
+            num_hash_layers=1,
+            routed_scaling_factor=1.5,
+            rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=1024),
+        ),
+        weight_dtype="fp32",
     )
 
 

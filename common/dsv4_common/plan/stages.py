@@ -49,11 +49,12 @@ class StageModel:
                     draft[c.index_space] += c.unit_bytes
         self._prefix = {s: _prefix_sums(per_layer[s]) for s in _SPACES}
         self._draft = PoolCoefficients(*(draft[s] for s in _SPACES))
-        self._layer_weights = _prefix_sums([layer_bytes(inputs.model, i) for i in range(n)])
+        tp = inputs.tp_size
+        self._layer_weights = _prefix_sums([layer_bytes(inputs.model, i, tp) for i in range(n)])
         with_draft = inputs.speculative_draft_tokens > 0
         self._extra_weights = {
             (first, last): rank_extra_bytes(
-                inputs.model, first=first, last=last, with_draft=with_draft
+                inputs.model, first=first, last=last, with_draft=with_draft, tp_size=tp
             )
             for first in (False, True)
             for last in (False, True)
@@ -69,13 +70,14 @@ class StageModel:
         return PoolCoefficients(*(a + b for a, b in zip(own, self._draft, strict=True)))
 
     def weight_bytes(self, rank: int, start: int, end: int) -> int:
-        """`estimate_weight_bytes` of the rank (exact: whole bytes per layer), or as given."""
+        """`estimate_weight_bytes` of the rank (exact: whole bytes per layer and GPU), or as
+        given."""
         given = self.inputs.weight_bytes_per_rank
         if given is not None:
             return given[rank]
         layers = self._layer_weights[end] - self._layer_weights[start]
         extra = self._extra_weights[(rank == 0, rank == self.last)]
-        return (layers + extra) // self.inputs.tp_size
+        return layers + extra
 
     def available_bytes(self, rank: int, start: int, end: int) -> int:
         return self.usable_bytes - self.weight_bytes(rank, start, end)

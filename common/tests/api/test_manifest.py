@@ -52,8 +52,8 @@ def test_dtype_mismatch_names_the_component() -> None:
     assert isinstance(model, DSV4Config)
     import dataclasses
 
-    fp32 = dataclasses.replace(model, kv_dtype="fp32")
-    why = manifest_mismatch(manifest_of(_layout()), manifest_of(build_layout(fp32, 16)))
+    bf16 = dataclasses.replace(model, kv_dtype="bf16")
+    why = manifest_mismatch(manifest_of(_layout()), manifest_of(build_layout(bf16, 16)))
     assert why is not None
     assert why.startswith("manifest components[swa_kv].")
     assert "dtype" in why or "unit_bytes" in why or "row_elems" in why

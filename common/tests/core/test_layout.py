@@ -10,6 +10,7 @@ import itertools
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from model_variants import tiny_bf16
 
 from dsv4_common.core import index_space as ix
 from dsv4_common.core.layout import IndexSpace, KVLayout, LayoutError, build_layout
@@ -88,7 +89,7 @@ def test_flash_units_match_hand_arithmetic() -> None:
 
 def test_tiny_units_match_hand_arithmetic() -> None:
     # tiny: 6 layers, ratios (0, 4, 16, 4, 16, 4), head 24 + 8 = 32 bf16 -> 64 B rows, page 16.
-    layout = build_layout(tiny(), 16)
+    layout = build_layout(tiny_bf16(), 16)
     got = {c.name: (c.unit_bytes, c.layer_ids) for c in layout.components}
     assert got == {
         "swa_kv": (16 * 64, (0, 1, 2, 3, 4, 5)),
@@ -262,7 +263,8 @@ PINNED_COMPONENTS: dict[tuple[str, int, int], list[tuple[str, int, tuple[int, ..
 def test_every_preset_layout_equals_its_pinned_component_list(
     preset: str, page: int, draft: int
 ) -> None:
-    layout = build_layout(load_model_config(preset), page, draft)
+    model = tiny_bf16() if preset == "tiny" else load_model_config(preset)
+    layout = build_layout(model, page, draft)
     got = [(c.name, c.unit_bytes, c.layer_ids) for c in layout.components]
     assert got == PINNED_COMPONENTS[(preset, page, draft)]
 
@@ -270,6 +272,8 @@ def test_every_preset_layout_equals_its_pinned_component_list(
 def _pin_models() -> dict[str, ModelConfig]:
     """Every preset plus DSV4 variants that reach every branch and every geometry error."""
     models = {name: load_model_config(name) for name in sorted(PRESETS)}
+    models["tiny"] = tiny_bf16()  # what the digest was computed for
+    tiny = tiny_bf16
     swap = dataclasses.replace
     models["tiny-no-mtp"] = swap(
         tiny(), num_nextn_predict_layers=0, compress_ratios=(0, 4, 16, 4, 16, 4)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from repo_paths import MODEL_DATA
 
 from dsv4_common.core.model import DSV4Config, HybridSWAConfig, ModelConfigError
 from dsv4_common.core.presets import PRESETS, deepseek_v4_pro, load_model_config
@@ -13,27 +14,11 @@ from dsv4_common.plan.weights import estimate_weight_bytes
 
 
 def _pro_hf() -> dict[str, object]:
-    return {
-        "model_type": "deepseek_v4",
-        "num_hidden_layers": 61,
-        "num_nextn_predict_layers": 1,
-        "compress_ratios": [128, 128] + [4 if i % 2 == 0 else 128 for i in range(2, 61)] + [0],
-        "window_size": 128,
-        "qk_nope_head_dim": 448,
-        "qk_rope_head_dim": 64,
-        "index_head_dim": 128,
-        "index_n_heads": 64,
-        "index_topk": 1024,
-        "hidden_size": 7168,
-        "vocab_size": 129280,
-        "num_attention_heads": 128,
-        "n_routed_experts": 384,
-        "n_shared_experts": 1,
-        "moe_intermediate_size": 3072,
-        "q_lora_rank": 1536,
-        "o_lora_rank": 1024,
-        "max_position_embeddings": 1048576,
-    }
+    """DeepSeek-V4-Pro's config.json as released."""
+    doc: dict[str, object] = json.loads(
+        (MODEL_DATA / "deepseek-v4-pro" / "config.json").read_text()
+    )
+    return doc
 
 
 def test_presets_have_the_documented_layer_patterns() -> None:
@@ -89,7 +74,7 @@ def test_hybrid_config_from_sliding_window_pattern(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("mutate", "needle"),
     [
-        (lambda c: c.pop("qk_nope_head_dim"), "missing required field 'qk_nope_head_dim'"),
+        (lambda c: c.pop("qk_rope_head_dim"), "missing required field 'qk_rope_head_dim'"),
         (lambda c: c.update(compress_ratios=[4] * 70), "'compress_ratios' has 70 entries"),
         (lambda c: c.update(compress_ratios=[3] * 62), "values [3] not in"),
         (lambda c: c.update(num_hidden_layers="61"), "'num_hidden_layers' must be an integer"),
@@ -137,4 +122,5 @@ def test_weight_estimate_places_embedding_head_and_mtp() -> None:
     tp8 = estimate_weight_bytes(
         pro, range(16, 31), first=False, last=False, with_draft=False, tp_size=8
     )
-    assert tp8 == int(mid * 8 / 8 / 8) or abs(tp8 * 8 - mid) <= 8
+    # TP splits the experts, heads and vocabulary; the small rest is on every GPU
+    assert mid < tp8 * 8 < mid * 1.05

@@ -7,9 +7,10 @@ import dataclasses
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from model_variants import tiny_bf16
 
 from dsv4_common.core.gpus import GPU_TYPES
-from dsv4_common.core.presets import deepseek_v4_flash, deepseek_v4_pro, hybrid_tiny, tiny
+from dsv4_common.core.presets import deepseek_v4_flash, deepseek_v4_pro, hybrid_tiny
 from dsv4_common.core.units import GIB, MIB
 from dsv4_common.plan.inputs import PlanError, PlanInputs, Role
 from dsv4_common.plan.planner import plan, split_layers
@@ -19,7 +20,7 @@ TINY_BF = 1280  # bytes per full page, 6 layers
 TINY_BS = 24_576  # bytes per SWA page
 TINY_BQ = 8192  # bytes per request slot
 # tiny with a 16K context, so the full pool (not the model's 4K) binds in the hand-computed plans.
-TINY_16K = dataclasses.replace(tiny(), max_position_embeddings=16_384)
+TINY_16K = dataclasses.replace(tiny_bf16(), max_position_embeddings=16_384)
 H200 = GPU_TYPES["h200"].memory_bytes
 # Pro, page 256
 PRO_BF = 30 * 37_440 + 31 * 1_728 + 30 * 8_448
@@ -237,7 +238,10 @@ def test_speculation_enlarges_draft_layer_and_rings_and_nothing_else() -> None:
 
 def test_auto_swa_is_sized_from_what_the_role_needs() -> None:
     kw: dict[str, object] = dict(
-        model=tiny(), gpu_memory_bytes=64 * MIB, max_running_requests=10, chunked_prefill_tokens=128
+        model=tiny_bf16(),
+        gpu_memory_bytes=64 * MIB,
+        max_running_requests=10,
+        chunked_prefill_tokens=128,
     )
     d = plan(PlanInputs(role="decode", **kw)).ranks[0]  # type: ignore[arg-type]
     p = plan(PlanInputs(role="prefill", **kw)).ranks[0]  # type: ignore[arg-type]
@@ -351,7 +355,7 @@ def test_any_successful_plan_fits_memory_and_holds_one_request(
     try:
         p = plan(
             PlanInputs(
-                model=tiny(),
+                model=tiny_bf16(),
                 role=role,
                 gpu_memory_bytes=mem_mib * MIB,
                 pp_size=pp,

@@ -299,7 +299,7 @@ def test_no_split_fits_reports_the_even_splits_error() -> None:
 
 def test_balanced_plan_fits_where_the_even_split_does_not() -> None:
     inputs = preset_inputs("pro", "decode", "h200", 8, 2, "defaults")
-    inputs = dataclasses.replace(inputs, max_running_requests=4096)
+    inputs = dataclasses.replace(inputs, max_running_requests=4000)
     assert key_or_none(inputs, (31, 30)) is None
     p = plan(inputs)
     assert p.split.layers_per_rank == (30, 31) and p.split.even_key is None

@@ -26,10 +26,14 @@ from torch import Tensor
 from dsv4_common.core.layout import IndexSpace
 from dsv4_common.core.model import DSV4Config, HybridSWAConfig, ModelConfig
 from dsv4_worker.mem.memory import KVMemory
+from dsv4_worker.model import attention as A
 from dsv4_worker.model import compressor as C
+from dsv4_worker.model import dsv4
+from dsv4_worker.model import indexer as I
 from dsv4_worker.model import layers as L
 from dsv4_worker.model.layers import Params
 from dsv4_worker.model.ops import COMPUTE, rms_norm, stored
+from dsv4_worker.model.rope import compress_freq, layer_freq
 
 
 class Segment(NamedTuple):
@@ -83,8 +87,10 @@ class PagedModel:
         self.model = model
         self.p = params
         self.memory = memory
-        self.hidden_size = model.weights.hidden_size
-        self.dtype = COMPUTE  # of the hidden states passed between PP stages
+        # Hidden states passed between PP stages, per token: DSV4's residual streams flattened.
+        streams = model.arch.hc_mult if isinstance(model, DSV4Config) else 1
+        self.hidden_size = streams * model.weights.hidden_size
+        self.dtype = COMPUTE
         self.pool = memory.pool
         self.page = memory.config.page_size
         self.device = memory.device
@@ -147,22 +153,35 @@ class PagedModel:
         )
         bounds = _bounds([len(s.token_ids) for s in segments])
         batch = _Batch(positions, slots, segments, bounds)
+        ids = torch.tensor([t for s in segments for t in s.token_ids], dtype=torch.long, device=dev)
+        last = torch.tensor([hi - 1 for _, hi in bounds], device=dev)
+        if isinstance(self.model, DSV4Config):
+            m = self.model
+            if self.stage.first:
+                h = dsv4.embed(m, self.p, ids)
+            else:
+                assert hidden is not None, "a later PP stage continues from hidden states"
+                h = hidden.view(len(ids), m.arch.hc_mult, m.weights.hidden_size)
+            for layer in self.stage.layers:
+
+                def attn(x: Tensor, layer: int = layer) -> Tensor:
+                    return self._dsv4_attention(m, layer, x, batch)
+
+                h = dsv4.block(m, self.p, layer, h, ids, attn)
+            if not self.stage.last:
+                return h.reshape(len(ids), -1)
+            return dsv4.logits(m, self.p, h[last])
         if self.stage.first:
-            ids = [t for s in segments for t in s.token_ids]
-            h = L.embed(self.p, torch.tensor(ids, dtype=torch.long, device=dev))
+            h = L.embed(self.p, ids)
         else:
             assert hidden is not None, "a later PP stage continues from hidden states"
             h = hidden
         for layer in self.stage.layers:
             x = rms_norm(h, self.p[f"model.layers.{layer}.input_layernorm.weight"])
-            if isinstance(self.model, DSV4Config):
-                h = h + self._dsv4_attention(self.model, layer, x, batch)
-            else:
-                h = h + self._hybrid_attention(self.model, layer, x, batch)
-            h = L.ffn(h, self.p, layer, self.model.weights.num_experts_per_token)
+            h = h + self._hybrid_attention(self.model, layer, x, batch)
+            h = L.ffn(h, self.p, layer)
         if not self.stage.last:
             return h
-        last = torch.tensor([hi - 1 for _, hi in bounds], device=dev)
         return L.logits(self.p, h[last])
 
     # -- DSV4 ------------------------------------------------------------------------------------
@@ -175,7 +194,9 @@ class PagedModel:
         batch: _Batch,
     ) -> Tensor:
         positions, slots = batch.positions, batch.slots
-        q, kv = L.dsv4_query_kv(m, self.p, layer, x, positions)
+        freq = layer_freq(m, layer, self.device)
+        q, latent = A.query(m, self.p, layer, x, positions, freq)
+        kv = A.window_kv(m, self.p, layer, x, positions, freq)
         window = self._rows("swa_kv", layer)
         swa_slots = self._swa_pages(slots, positions) * self.page + positions % self.page
         window[swa_slots] = kv.to(window.dtype)
@@ -186,11 +207,13 @@ class PagedModel:
                 self._compress(m, layer, x, batch, ratio, indexer=True)
         out = []
         for seg, (lo, hi) in zip(batch.segments, batch.bounds, strict=True):
-            out.append(self._dsv4_segment_attention(m, layer, seg, x[lo:hi], q[lo:hi]))
-        return L.dsv4_output(self.p, layer, torch.cat(out))
+            out.append(
+                self._dsv4_segment_attention(m, layer, seg, x[lo:hi], q[lo:hi], latent[lo:hi])
+            )
+        return A.output(m, self.p, layer, torch.cat(out), positions, freq)
 
     def _dsv4_segment_attention(
-        self, m: DSV4Config, layer: int, seg: Segment, x: Tensor, q: Tensor
+        self, m: DSV4Config, layer: int, seg: Segment, x: Tensor, q: Tensor, latent: Tensor
     ) -> Tensor:
         dev = self.device
         pos = torch.arange(seg.start, seg.end, device=dev)
@@ -211,12 +234,11 @@ class PagedModel:
             available = (blocks[None, :] + 1) * ratio - 1 <= pos[:, None]
             if ratio == m.sparse_ratio:
                 ikeys = self._rows(f"c{ratio}_indexer", layer)[index].to(COMPUTE)
-                iq, iw = L.indexer_query(m, self.p, layer, x)
-                available = L.top_k_mask(L.indexer_scores(iq, iw, ikeys), available, m.index_topk)
+                iq, iw = I.query(m, self.p, layer, x, latent, pos, compress_freq(m, dev))
+                available = I.top_k_mask(I.scores(iq, iw, ikeys), available, m.index_topk)
             keys = torch.cat([keys, rows])
             mask = torch.cat([mask, available], dim=1)
-        k = keys[None, :, None, :]
-        return L.masked_attention(q, k, k, mask)
+        return A.attend(q, keys, mask, self.p[f"layers.{layer}.attn.attn_sink"])
 
     def _compress(
         self,
@@ -231,14 +253,13 @@ class PagedModel:
         """Write this batch's token states, then every compressed row a block completes."""
         positions, slots, segments, bounds = batch
         overlap = ratio == m.sparse_ratio
-        attn = "self_attn" + (".indexer" if indexer else "")
-        prefix = f"model.layers.{layer}.{attn}.compressor"
+        prefix = f"layers.{layer}.attn" + (".indexer" if indexer else "") + ".compressor"
         state_name = (
             f"c{ratio}_indexer_state"
             if indexer
             else (f"c{ratio}_attn_state" if overlap else f"c{ratio}_state")
         )
-        states = stored(C.token_states(x, positions, self.p, prefix, ratio, overlap), m.state_dtype)
+        states = stored(C.token_states(x, positions, self.p, prefix, ratio), m.state_dtype)
         ring = self._rows(state_name, layer)
         online = self.memory.layout.request_state == "online" and not overlap
         done_pos: list[int] = []
@@ -268,7 +289,8 @@ class PagedModel:
             blocks,
             ratio,
             self.p[f"{prefix}.norm.weight"],
-            0 if indexer else m.qk_rope_head_dim,
+            m.arch.rms_norm_eps,
+            compress_freq(m, self.device),
         )
         target_name = f"c{ratio}_indexer" if indexer else f"c{ratio}_kv"
         target = self._rows(target_name, layer)

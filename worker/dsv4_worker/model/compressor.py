@@ -1,5 +1,8 @@
 """The DSV4 compressors: each block of `ratio` tokens becomes one KV row (a per-channel softmax
-over the block's scores, weighting the tokens' kv), normalised and rotated.
+over the block's scores, weighting the tokens' kv), normalised and rotated by the compress
+rope at the block's first position. Parameters (published names, under `prefix`): `wkv` and
+`wgate` project a token to its kv and score halves, `ape` [ratio, width] is the score bias of
+each slot of a block, `norm` the row's RMS gain.
 
 Per-token state rows are what the layout's rings hold, score bias already added:
 
@@ -19,7 +22,8 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from dsv4_worker.model.ops import COMPRESS_ROPE_THETA, rms_norm, rope
+from dsv4_worker.model.ops import rms_norm
+from dsv4_worker.model.rope import rotate
 
 ONLINE_ROWS = 3  # running max, running sum, weighted kv
 
@@ -30,18 +34,16 @@ def token_states(
     params: Mapping[str, torch.Tensor],
     prefix: str,
     ratio: int,
-    overlap: bool,
 ) -> torch.Tensor:
     """State rows [T, 4*dim or 2*dim] for hidden states `x` [T, H] at `positions` [T]."""
-    kv = F.linear(x, params[f"{prefix}.kv_proj.weight"])
-    score = F.linear(x, params[f"{prefix}.score_proj.weight"])
-    bias = params[f"{prefix}.position_bias"]
-    slot = positions % ratio
-    if overlap:
-        dim = kv.shape[-1] // 2
-        score = score + torch.cat([bias[0][slot], bias[1][slot]], dim=-1)
-        return torch.cat([kv[:, :dim], kv[:, dim:], score[:, :dim], score[:, dim:]], dim=-1)
-    return torch.cat([kv, score + bias[slot]], dim=-1)
+    kv = F.linear(x, params[f"{prefix}.wkv.weight"])
+    score = (
+        F.linear(x, params[f"{prefix}.wgate.weight"]) + params[f"{prefix}.ape"][positions % ratio]
+    )
+    # Overlapped: [kv_prev | kv_curr] and [score_prev | score_curr] are the projections' two
+    # halves (the first feeds the next block's row, the second this block's), so the row is
+    # the plain [kv | score] concatenation in both forms.
+    return torch.cat([kv, score], dim=-1)
 
 
 def pool_block(prev: torch.Tensor | None, curr: torch.Tensor, overlap: bool) -> torch.Tensor:
@@ -65,11 +67,12 @@ def finish_rows(
     blocks: torch.Tensor,
     ratio: int,
     norm_weight: torch.Tensor,
-    rope_dims: int,
+    eps: float,
+    freq: torch.Tensor,
 ) -> torch.Tensor:
     """Normalise and rotate pooled rows [N, dim] of blocks `blocks` [N] (a compressed row sits
     at its block's first position)."""
-    return rope(rms_norm(pooled, norm_weight), blocks * ratio, rope_dims, COMPRESS_ROPE_THETA)
+    return rotate(rms_norm(pooled, norm_weight, eps), blocks * ratio, freq)
 
 
 def online_update(state: torch.Tensor | None, token: torch.Tensor) -> torch.Tensor:

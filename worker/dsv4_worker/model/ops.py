@@ -1,5 +1,6 @@
-"""Tensor primitives of the reference models: RMS norm, rotary embedding, SwiGLU, and the
-rounding a value takes when it is stored in a KV pool. One code path for CPU and CUDA.
+"""Tensor primitives of the reference models: RMS norm, the hybrid family's rotary embedding
+(DSV4's is in rope.py), SwiGLU (with DSV4's optional clamp), and the rounding a value takes
+when it is stored in a KV pool. One code path for CPU and CUDA.
 
 NOTE: the models compute in float64 and round every value that is stored (window KV,
 compressed KV, indexer keys, compressor state) to its pool dtype the moment it is produced, in
@@ -17,8 +18,7 @@ import torch.nn.functional as F
 
 COMPUTE: Final = torch.float64
 EPS: Final = 1e-6
-ROPE_THETA: Final = 10_000.0  # token positions
-COMPRESS_ROPE_THETA: Final = 160_000.0  # compressed rows (the public DSV4 config's value)
+ROPE_THETA: Final = 10_000.0  # the hybrid family's rope (DSV4's tables: rope.py)
 
 STORAGE_DTYPES: Final[dict[str, torch.dtype]] = {
     "fp32": torch.float32,
@@ -27,8 +27,10 @@ STORAGE_DTYPES: Final[dict[str, torch.dtype]] = {
 }
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * weight
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = EPS) -> torch.Tensor:
+    """RMS norm over the last axis (no gain when `weight` is None)."""
+    out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return out if weight is None else out * weight
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, rope_dims: int, theta: float) -> torch.Tensor:
@@ -48,9 +50,18 @@ def rope(x: torch.Tensor, positions: torch.Tensor, rope_dims: int, theta: float)
 
 
 def swiglu(
-    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    limit: float = 0.0,
 ) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+    """down(silu(gate x) * up x); `limit` > 0 clamps gate x from above and up x to
+    [-limit, limit] first (DeepSeek-V4's SwiGLU clamp)."""
+    g, u = F.linear(x, gate), F.linear(x, up)
+    if limit > 0:
+        g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+    return F.linear(F.silu(g) * u, down)
 
 
 def stored(x: torch.Tensor, dtype_name: str) -> torch.Tensor:

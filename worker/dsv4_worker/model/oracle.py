@@ -5,7 +5,8 @@ DSV4 attention at position t of layer i (ratio r, window W):
   - the raw window: KV rows of positions (t - W, t];
   - r > 0: the compressed rows of every block complete at t (blocks b with (b+1)r - 1 <= t);
     for r == sparse_ratio (CSA) only the top-k of them by the lightning indexer, for other
-    ratios (HCA) all of them.
+    ratios (HCA) all of them;
+  - every head's sink logit; the blocks around it (hyper-connections, MoE) are dsv4.py's.
 The generic hybrid family: full layers attend to every earlier position, sliding ones to the
 window.
 """
@@ -18,9 +19,14 @@ from typing import Literal
 import torch
 
 from dsv4_common.core.model import DSV4Config, HybridSWAConfig, ModelConfig
+from dsv4_worker.model import attention as A
 from dsv4_worker.model import compressor as C
+from dsv4_worker.model import dsv4
+from dsv4_worker.model import indexer as I
 from dsv4_worker.model import layers as L
 from dsv4_worker.model.ops import rms_norm, stored
+from dsv4_worker.model.rope import compress_freq, layer_freq
+from dsv4_worker.model.weights import global_names
 
 RequestState = Literal["ring", "online"]
 
@@ -40,8 +46,8 @@ def compressed_rows(
     for a plain (HCA) compressor."""
     ratio = m.compress_ratios[layer]
     overlap = ratio == m.sparse_ratio
-    prefix = f"model.layers.{layer}.self_attn" + (".indexer" if indexer else "") + ".compressor"
-    states = stored(C.token_states(x, positions, p, prefix, ratio, overlap), m.state_dtype)
+    prefix = f"layers.{layer}.attn" + (".indexer" if indexer else "") + ".compressor"
+    states = stored(C.token_states(x, positions, p, prefix, ratio), m.state_dtype)
     num_blocks = len(x) // ratio
     pooled = []
     for b in range(num_blocks):
@@ -64,9 +70,10 @@ def compressed_rows(
         blocks,
         ratio,
         p[f"{prefix}.norm.weight"],
-        0 if indexer else m.qk_rope_head_dim,
+        m.arch.rms_norm_eps,
+        compress_freq(m, x.device),
     )
-    return stored(rows, L.indexer_storage(m) if indexer else L.kv_storage(m))
+    return stored(rows, m.indexer_dtype if indexer else m.kv_dtype)
 
 
 def _window_mask(t: int, window: int, device: torch.device) -> torch.Tensor:
@@ -83,22 +90,23 @@ def _dsv4_attention(
     positions: torch.Tensor,
     request_state: RequestState,
 ) -> torch.Tensor:
-    t = len(x)
-    q, kv = L.dsv4_query_kv(m, p, layer, x, positions)
-    keys, mask = kv, _window_mask(t, m.window_tokens, x.device)
+    t, dev = len(x), x.device
+    freq = layer_freq(m, layer, dev)
+    q, latent = A.query(m, p, layer, x, positions, freq)
+    keys, mask = A.window_kv(m, p, layer, x, positions, freq), _window_mask(t, m.window_tokens, dev)
     ratio = m.compress_ratios[layer]
     if ratio:
         rows = compressed_rows(m, p, layer, x, positions, request_state=request_state)
-        blocks = torch.arange(len(rows), device=x.device)
+        blocks = torch.arange(len(rows), device=dev)
         available = (blocks[None, :] + 1) * ratio - 1 <= positions[:, None]
         if ratio == m.sparse_ratio:
             ikeys = compressed_rows(m, p, layer, x, positions, indexer=True)
-            iq, iw = L.indexer_query(m, p, layer, x)
-            available = L.top_k_mask(L.indexer_scores(iq, iw, ikeys), available, m.index_topk)
+            iq, iw = I.query(m, p, layer, x, latent, positions, compress_freq(m, dev))
+            available = I.top_k_mask(I.scores(iq, iw, ikeys), available, m.index_topk)
         keys = torch.cat([keys, rows])
         mask = torch.cat([mask, available], dim=1)
-    k = keys[None, :, None, :]  # one latent head: K == V
-    return L.dsv4_output(p, layer, L.masked_attention(q, k, k, mask))
+    out = A.attend(q, keys, mask, p[f"layers.{layer}.attn.attn_sink"])
+    return A.output(m, p, layer, out, positions, freq)
 
 
 def _hybrid_attention(
@@ -124,17 +132,24 @@ def oracle_logits(
     request_state: RequestState = "ring",
 ) -> torch.Tensor:
     """Logits [T, vocab] of every position of `token_ids` (float64)."""
-    device = p["lm_head.weight"].device
+    device = p[global_names(model)[2]].device
     ids = torch.tensor(list(token_ids), dtype=torch.long, device=device)
     positions = torch.arange(len(ids), device=device)
+    if isinstance(model, DSV4Config):
+        m = model
+        h = dsv4.embed(m, p, ids)
+        for layer in range(m.num_hidden_layers):
+
+            def attn(x: torch.Tensor, layer: int = layer) -> torch.Tensor:
+                return _dsv4_attention(m, p, layer, x, positions, request_state)
+
+            h = dsv4.block(m, p, layer, h, ids, attn)
+        return dsv4.logits(m, p, h)
     h = L.embed(p, ids)
     for layer in range(model.num_hidden_layers):
         x = rms_norm(h, p[f"model.layers.{layer}.input_layernorm.weight"])
-        if isinstance(model, DSV4Config):
-            h = h + _dsv4_attention(model, p, layer, x, positions, request_state)
-        else:
-            h = h + _hybrid_attention(model, p, layer, x, positions)
-        h = L.ffn(h, p, layer, model.weights.num_experts_per_token)
+        h = h + _hybrid_attention(model, p, layer, x, positions)
+        h = L.ffn(h, p, layer)
     return L.logits(p, h)
 
 

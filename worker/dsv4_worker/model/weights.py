@@ -1,18 +1,24 @@
 """Parameters of the reference models: names and shapes from the model config, seeded random
 initialization, and safetensors save/load. Never downloads anything.
 
-Names follow the HuggingFace DeepSeek layout where one exists (`model.embed_tokens`,
-`model.layers.{i}.self_attn.q_a_proj`, `mlp.gate_proj`, `lm_head`, ...). The DSV4-specific
-parts are ours, documented here because no public checkpoint index was at hand:
+DeepSeek-V4 parameters carry the published checkpoint's names (DeepSeek's release, no `model.`
+prefix; transformers' names are mapped to these by `checkpoint.py`). Per layer N, `hc` residual
+streams, `k` = 2 for an overlapped (CSA) compressor and 1 otherwise:
 
-    model.layers.{i}.self_attn.kv_proj / kv_norm            single latent KV head (K == V)
-    model.layers.{i}.self_attn.o_a_proj / o_b_proj          low-rank output (o_lora_rank)
-    model.layers.{i}.self_attn.compressor.{kv_proj, score_proj, position_bias, norm}
-    model.layers.{i}.self_attn.indexer.{q_proj, weights_proj}  (ratio == sparse_ratio layers)
-    model.layers.{i}.self_attn.indexer.compressor.{kv_proj, score_proj, position_bias, norm}
+    layers.N.attn_norm, ffn_norm                         [H]
+    layers.N.hc_attn_{fn, base, scale}, hc_ffn_*         [(2+hc)*hc, hc*H], [(2+hc)*hc], [3]
+    layers.N.attn.wq_a, q_norm, wq_b                     q latent (q_lora_rank), heads*head_dim
+    layers.N.attn.wkv, kv_norm                           one latent KV head (K == V)
+    layers.N.attn.wo_a, wo_b                             grouped output projection
+    layers.N.attn.attn_sink                              [heads]
+    layers.N.attn.compressor.{wkv, wgate, ape, norm}     [k*d, H] x2, [ratio, k*d], [d]
+    layers.N.attn.indexer.{wq_b, weights_proj}           CSA layers
+    layers.N.attn.indexer.compressor.{wkv, wgate, ape, norm}
+    layers.N.ffn.gate.weight + gate.bias | gate.tid2eid  top-k layers | hash layers
+    layers.N.ffn.experts.E.{w1, w2, w3}, ffn.shared_experts.{w1, w2, w3}
+    embed.weight, head.weight, norm.weight, hc_head_{fn, base, scale}
 
-An overlapped compressor (ratio == sparse_ratio) projects two halves per token (the previous
-and the current block's view), so its projections are 2x wide and its bias is [2, ratio, dim].
+The generic hybrid family keeps HuggingFace Llama-style names (`model.layers.N.self_attn...`).
 """
 
 from __future__ import annotations
@@ -27,46 +33,68 @@ from dsv4_common.core.model import DSV4Config, HybridSWAConfig, ModelConfig
 from dsv4_worker.model.ops import COMPUTE
 
 Shapes = dict[str, tuple[int, ...]]
+# Parameters initialized to 1 (norm gains) and those that stay exact integers.
 NORM_SUFFIXES = ("norm.weight", "layernorm.weight")
+INTEGER_SUFFIXES = ("gate.tid2eid",)
+
+
+def global_names(model: ModelConfig) -> tuple[str, str, str]:
+    """(embedding, final norm, LM head) parameter names of the model's family."""
+    if isinstance(model, DSV4Config):
+        return "embed.weight", "norm.weight", "head.weight"
+    return "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+
+
+def layer_prefix(model: ModelConfig, layer: int) -> str:
+    return f"layers.{layer}" if isinstance(model, DSV4Config) else f"model.layers.{layer}"
 
 
 def _compressor_shapes(prefix: str, hidden: int, dim: int, ratio: int, overlap: bool) -> Shapes:
-    halves = 2 if overlap else 1
-    bias: tuple[int, ...] = (2, ratio, dim) if overlap else (ratio, dim)
+    width = (2 if overlap else 1) * dim
     return {
-        f"{prefix}.kv_proj.weight": (halves * dim, hidden),
-        f"{prefix}.score_proj.weight": (halves * dim, hidden),
-        f"{prefix}.position_bias": bias,
+        f"{prefix}.wkv.weight": (width, hidden),
+        f"{prefix}.wgate.weight": (width, hidden),
+        f"{prefix}.ape": (ratio, width),
         f"{prefix}.norm.weight": (dim,),
     }
 
 
-def _dsv4_layer_shapes(m: DSV4Config, i: int) -> Shapes:
-    w = m.weights
-    h, d, heads = w.hidden_size, m.head_dim, w.num_attention_heads
-    p = f"model.layers.{i}"
-    a = f"{p}.self_attn"
-    shapes: Shapes = {
-        f"{p}.input_layernorm.weight": (h,),
-        f"{p}.post_attention_layernorm.weight": (h,),
-        f"{a}.kv_proj.weight": (d, h),
-        f"{a}.kv_norm.weight": (d,),
+def _hc_shapes(prefix: str, hc: int, hidden: int) -> Shapes:
+    mixes = (2 + hc) * hc
+    return {
+        f"{prefix}_fn": (mixes, hc * hidden),
+        f"{prefix}_base": (mixes,),
+        f"{prefix}_scale": (3,),
     }
-    if w.q_lora_rank:
-        shapes |= {
-            f"{a}.q_a_proj.weight": (w.q_lora_rank, h),
-            f"{a}.q_a_layernorm.weight": (w.q_lora_rank,),
-            f"{a}.q_b_proj.weight": (heads * d, w.q_lora_rank),
-        }
-    else:
-        shapes[f"{a}.q_proj.weight"] = (heads * d, h)
-    if w.o_lora_rank:
-        shapes |= {
-            f"{a}.o_a_proj.weight": (w.o_lora_rank, heads * d),
-            f"{a}.o_b_proj.weight": (h, w.o_lora_rank),
-        }
-    else:
-        shapes[f"{a}.o_proj.weight"] = (h, heads * d)
+
+
+def _expert_shapes(prefix: str, hidden: int, inter: int) -> Shapes:
+    return {
+        f"{prefix}.w1.weight": (inter, hidden),
+        f"{prefix}.w2.weight": (hidden, inter),
+        f"{prefix}.w3.weight": (inter, hidden),
+    }
+
+
+def _dsv4_layer_shapes(m: DSV4Config, i: int) -> Shapes:
+    w, arch = m.weights, m.arch
+    h, d, heads = w.hidden_size, m.head_dim, w.num_attention_heads
+    p = f"layers.{i}"
+    a = f"{p}.attn"
+    shapes: Shapes = {
+        f"{p}.attn_norm.weight": (h,),
+        f"{p}.ffn_norm.weight": (h,),
+        **_hc_shapes(f"{p}.hc_attn", arch.hc_mult, h),
+        **_hc_shapes(f"{p}.hc_ffn", arch.hc_mult, h),
+        f"{a}.wq_a.weight": (w.q_lora_rank, h),
+        f"{a}.q_norm.weight": (w.q_lora_rank,),
+        f"{a}.wq_b.weight": (heads * d, w.q_lora_rank),
+        f"{a}.wkv.weight": (d, h),
+        f"{a}.kv_norm.weight": (d,),
+        f"{a}.wo_a.weight": (arch.o_groups * w.o_lora_rank, heads * d // arch.o_groups),
+        f"{a}.wo_b.weight": (h, arch.o_groups * w.o_lora_rank),
+        f"{a}.attn_sink": (heads,),
+    }
     ratio = m.compress_ratios[i] if i < len(m.compress_ratios) else 0
     if ratio:
         sparse = ratio == m.sparse_ratio
@@ -74,18 +102,23 @@ def _dsv4_layer_shapes(m: DSV4Config, i: int) -> Shapes:
         if sparse:
             idx = f"{a}.indexer"
             shapes |= {
-                f"{idx}.q_proj.weight": (m.index_n_heads * m.index_head_dim, h),
+                f"{idx}.wq_b.weight": (m.index_n_heads * m.index_head_dim, w.q_lora_rank),
                 f"{idx}.weights_proj.weight": (m.index_n_heads, h),
             }
             shapes |= _compressor_shapes(
                 f"{idx}.compressor", h, m.index_head_dim, ratio, overlap=True
             )
-    if w.num_routed_experts and i >= w.num_dense_layers:
-        shapes |= _moe_shapes(
-            p, h, w.num_routed_experts, w.num_shared_experts, w.moe_intermediate_size
-        )
+    f = f"{p}.ffn"
+    shapes[f"{f}.gate.weight"] = (w.num_routed_experts, h)
+    if i < arch.num_hash_layers:
+        shapes[f"{f}.gate.tid2eid"] = (w.vocab_size, w.num_experts_per_token)
     else:
-        shapes |= _ffn_shapes(f"{p}.mlp", h, w.intermediate_size)
+        shapes[f"{f}.gate.bias"] = (w.num_routed_experts,)
+    for e in range(w.num_routed_experts):
+        shapes |= _expert_shapes(f"{f}.experts.{e}", h, w.moe_intermediate_size)
+    if w.num_shared_experts:
+        inter = w.num_shared_experts * w.moe_intermediate_size
+        shapes |= _expert_shapes(f"{f}.shared_experts", h, inter)
     return shapes
 
 
@@ -117,24 +150,22 @@ def _ffn_shapes(prefix: str, hidden: int, inter: int) -> Shapes:
     }
 
 
-def _moe_shapes(prefix: str, hidden: int, routed: int, shared: int, inter: int) -> Shapes:
-    """A router, `routed` experts and `shared` experts merged into one wider FFN."""
-    shapes: Shapes = {f"{prefix}.mlp.gate.weight": (routed, hidden)}
-    for e in range(routed):
-        shapes |= _ffn_shapes(f"{prefix}.mlp.experts.{e}", hidden, inter)
-    if shared:
-        shapes |= _ffn_shapes(f"{prefix}.mlp.shared_experts", hidden, shared * inter)
-    return shapes
-
-
 def param_shapes(model: ModelConfig) -> Shapes:
-    """Every parameter of the model's target layers (no MTP draft layer yet)."""
+    """Every parameter of the model's target layers (the MTP layer is loaded apart)."""
     w = model.weights
+    embed, norm, head = global_names(model)
     shapes: Shapes = {
-        "model.embed_tokens.weight": (w.vocab_size, w.hidden_size),
-        "model.norm.weight": (w.hidden_size,),
-        "lm_head.weight": (w.vocab_size, w.hidden_size),
+        embed: (w.vocab_size, w.hidden_size),
+        norm: (w.hidden_size,),
+        head: (w.vocab_size, w.hidden_size),
     }
+    if isinstance(model, DSV4Config):
+        hc = model.arch.hc_mult
+        shapes |= {
+            "hc_head_fn": (hc, hc * w.hidden_size),
+            "hc_head_base": (hc,),
+            "hc_head_scale": (1,),
+        }
     for i in range(model.num_hidden_layers):
         if isinstance(model, DSV4Config):
             shapes |= _dsv4_layer_shapes(model, i)
@@ -145,13 +176,16 @@ def param_shapes(model: ModelConfig) -> Shapes:
 
 def stage_param_names(model: ModelConfig, layers: range, *, first: bool, last: bool) -> set[str]:
     """The parameters one PP stage holds: its layers, the embedding on the first stage, the
-    final norm and LM head on the last."""
-    prefixes = tuple(f"model.layers.{i}." for i in layers)
+    final norm, LM head (and DSV4's head hyper-connection) on the last."""
+    prefixes = tuple(f"{layer_prefix(model, i)}." for i in layers)
+    embed, norm, head = global_names(model)
     names = {n for n in param_shapes(model) if n.startswith(prefixes)}
     if first:
-        names.add("model.embed_tokens.weight")
+        names.add(embed)
     if last:
-        names |= {"model.norm.weight", "lm_head.weight"}
+        names |= {norm, head}
+        if isinstance(model, DSV4Config):
+            names |= {"hc_head_fn", "hc_head_base", "hc_head_scale"}
     return names
 
 
@@ -164,19 +198,28 @@ def init_weights(
     model: ModelConfig, seed: int, device: torch.device | str = "cpu"
 ) -> dict[str, torch.Tensor]:
     """Seeded random weights, float32 values held as float64 (the compute dtype), identical on
-    every device (drawn on the CPU)."""
+    every device (drawn on the CPU). Every parameter is random, norm gains, biases, sinks and
+    hyper-connection scales included; a hash table draws distinct experts per token."""
     gen = torch.Generator().manual_seed(seed)
+    embed, _, head = global_names(model)
     out: dict[str, torch.Tensor] = {}
     for name, shape in sorted(param_shapes(model).items()):
+        if name.endswith(INTEGER_SUFFIXES):
+            experts = model.weights.num_routed_experts
+            rows = [torch.randperm(experts, generator=gen)[: shape[1]] for _ in range(shape[0])]
+            out[name] = torch.stack(rows).to(device=device)
+            continue
         if name.endswith(NORM_SUFFIXES):
-            value = torch.ones(shape)
-        elif name.endswith("position_bias"):
+            value = 1.0 + 0.2 * torch.randn(shape, generator=gen)
+        elif name.endswith(("ape", "_base", "attn_sink", "gate.bias")):
             value = torch.randn(shape, generator=gen) * 0.5
-        elif name == "model.embed_tokens.weight":
+        elif name.endswith("_scale"):
+            value = 0.5 + torch.rand(shape, generator=gen)
+        elif name == embed:
             value = torch.randn(shape, generator=gen)
         else:
-            # lm_head gets a wide spread so greedy choices are never near-ties.
-            gain = 4.0 if name == "lm_head.weight" else 1.0
+            # The LM head gets a wide spread so greedy choices are never near-ties.
+            gain = 4.0 if name == head else 1.0
             value = torch.randn(shape, generator=gen) * (gain / math.sqrt(shape[-1]))
         out[name] = value.to(device=device, dtype=COMPUTE)
     return out
@@ -209,7 +252,10 @@ def check_weights(
 def save_weights(path: Path, weights: Mapping[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
-    tensors = {k: v.detach().to(torch.float32).contiguous().cpu() for k, v in weights.items()}
+    tensors = {
+        k: (v if not v.is_floating_point() else v.detach().to(torch.float32)).contiguous().cpu()
+        for k, v in weights.items()
+    }
     save_file(tensors, str(path))
 
 
@@ -228,6 +274,7 @@ def load_weights(
         if names is not None:
             keys = [k for k in keys if k in names]
         for k in keys:
-            weights[k] = f.get_tensor(k).to(COMPUTE)
+            t = f.get_tensor(k)
+            weights[k] = t.to(COMPUTE) if t.is_floating_point() else t.long()
     check_weights(model, weights, names)
     return weights

@@ -4,79 +4,20 @@ tiny (DSV4) and hybrid-tiny; the online c16 state too. Pools are empty afterward
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import pytest
 import torch
 from model_helpers import tiny_moe
+from paged_helpers import generate, make
 
 from dsv4_common.core.model import ModelConfig
 from dsv4_common.core.presets import hybrid_tiny, tiny
 from dsv4_common.core.units import MIB
 from dsv4_common.plan.inputs import PlanInputs
 from dsv4_common.plan.planner import plan
-from dsv4_worker.engine.paged import PagedModel, Segment
+from dsv4_worker.engine.paged import PagedModel
 from dsv4_worker.mem.memory import KVMemory
 from dsv4_worker.model.oracle import oracle_greedy
 from dsv4_worker.model.weights import init_weights
-
-
-def make(model: ModelConfig, page_size: int, request_state: str = "ring") -> PagedModel:
-    rank = plan(
-        PlanInputs(
-            model=model,
-            role="colocated",
-            gpu_memory_bytes=64 * MIB,
-            page_size=page_size,
-            max_running_requests=8,
-            request_state=request_state,  # type: ignore[arg-type]
-        )
-    ).ranks[0]
-    return PagedModel(model, init_weights(model, seed=21), KVMemory.from_rank_plan(rank))
-
-
-def generate(
-    pm: PagedModel, prompts: Sequence[Sequence[int]], chunk: int, new: int
-) -> list[list[int]]:
-    """Chunked prefill of every prompt in one batch per step, then greedy decode together."""
-    mem = pm.memory
-    dev = mem.device
-    slots = mem.open(len(prompts)).tolist()
-    done = [0] * len(prompts)
-    out: list[list[int]] = [[] for _ in prompts]
-    seqs = [list(p) for p in prompts]
-    while True:  # chunked prefill, all prompts advancing together
-        segs, idx = [], []
-        for i, p in enumerate(prompts):
-            if done[i] < len(p):
-                n = min(chunk, len(p) - done[i])
-                mem.pages.extend(
-                    torch.tensor([slots[i]], device=dev), torch.tensor([n], device=dev)
-                )
-                segs.append(Segment(slots[i], done[i], tuple(p[done[i] : done[i] + n])))
-                idx.append(i)
-                done[i] += n
-        if not segs:
-            break
-        logits = pm.forward(segs)
-        for j, i in enumerate(idx):
-            if done[i] == len(prompts[i]):
-                out[i].append(int(logits[j].argmax()))
-        mem.pages.evict_window()
-    for _ in range(new - 1):
-        mem.pages.decode(torch.tensor(slots, device=dev))
-        segs = [
-            Segment(slots[i], len(seqs[i]) + len(out[i]) - 1, (out[i][-1],))
-            for i in range(len(prompts))
-        ]
-        logits = pm.forward(segs)
-        for i in range(len(prompts)):
-            out[i].append(int(logits[i].argmax()))
-        mem.pages.evict_window()
-    mem.free(torch.tensor(slots, device=dev))
-    mem.check_integrity()
-    assert all(u.used == 0 for u in mem.usage()), mem.usage()
-    return out
 
 
 def prompt(n: int, salt: int = 0) -> list[int]:
@@ -115,7 +56,7 @@ def test_online_c16_state_paged_equals_the_oracle() -> None:
 
 
 def test_moe_model_paged_equals_the_oracle() -> None:
-    model = tiny_moe()
+    model = tiny_moe(3)
     pm = make(model, 16)
     prompts = [prompt(37, 7), prompt(12, 8)]
     assert generate(pm, prompts, 10, 8) == [oracle_greedy(model, pm.p, p, 8) for p in prompts]

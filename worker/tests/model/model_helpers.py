@@ -9,13 +9,6 @@ from dsv4_common.core.presets import tiny
 
 
 def tiny_moe(experts_per_token: int = 2) -> DSV4Config:
-    """tiny with two dense layers, then MoE: 4 routed experts (top-k) + 1 shared."""
-    weights = dataclasses.replace(
-        tiny().weights,
-        num_dense_layers=2,
-        num_routed_experts=4,
-        num_shared_experts=1,
-        moe_intermediate_size=32,
-        num_experts_per_token=experts_per_token,
-    )
+    """tiny with `experts_per_token` of its 4 routed experts per token (+ 1 shared)."""
+    weights = dataclasses.replace(tiny().weights, num_experts_per_token=experts_per_token)
     return dataclasses.replace(tiny(), weights=weights)

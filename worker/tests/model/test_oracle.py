@@ -101,7 +101,7 @@ def test_the_overlapped_compressor_mixes_the_previous_block() -> None:
 def test_seeded_weights_are_reproducible_and_seed_dependent() -> None:
     a, b, c = init_weights(tiny(), 7), init_weights(tiny(), 7), init_weights(tiny(), 8)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert not torch.equal(a["lm_head.weight"], c["lm_head.weight"])
+    assert not torch.equal(a["head.weight"], c["head.weight"])
     assert {k: tuple(v.shape) for k, v in a.items()} == param_shapes(tiny())
 
 
@@ -120,9 +120,9 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(tmp_path: Pa
     with pytest.raises(WeightsError, match="does not match tiny"):
         load_weights(path, tiny())
     p = init_weights(tiny(), seed=1)
-    p["lm_head.weight"] = p["lm_head.weight"][:, :10]
+    p["head.weight"] = p["head.weight"][:, :10]
     save_weights(path, p)
-    with pytest.raises(WeightsError, match=r"lm_head.weight: shape \(256, 10\)"):
+    with pytest.raises(WeightsError, match=r"head.weight: shape \(256, 10\)"):
         load_weights(path, tiny())
 
 
@@ -142,10 +142,10 @@ def test_cuda_oracle_equals_cpu(model: ModelConfig) -> None:
 def test_moe_layers_route_each_token_to_k_experts() -> None:
     model = tiny_moe()
     p = init_weights(model, seed=12)
-    assert "model.layers.1.mlp.gate_proj.weight" in p  # dense below num_dense_layers
-    assert "model.layers.2.mlp.experts.3.down_proj.weight" in p
-    assert "model.layers.2.mlp.shared_experts.up_proj.weight" in p
-    assert "model.layers.2.mlp.gate_proj.weight" not in p
+    assert "layers.0.ffn.gate.tid2eid" in p and "layers.0.ffn.gate.bias" not in p  # hash layer
+    assert "layers.1.ffn.gate.bias" in p and "layers.1.ffn.gate.tid2eid" not in p  # top-k layer
+    assert "layers.2.ffn.experts.3.w2.weight" in p
+    assert "layers.2.ffn.shared_experts.w3.weight" in p
     base = oracle_logits(model, p, IDS[:40])
     p_top4 = init_weights(tiny_moe(4), seed=12)
     assert not torch.allclose(oracle_logits(tiny_moe(4), p_top4, IDS[:40]), base)

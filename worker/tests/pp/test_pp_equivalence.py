@@ -10,8 +10,10 @@ from functools import cache
 from typing import Any
 
 import pytest
+from hf_support import hf_reference, hf_tokens
 from pp_support import GroupRun, run_group
 
+from dsv4_common.core.presets import tiny
 from dsv4_common.core.units import MIB
 from dsv4_common.plan.inputs import PlanError
 from dsv4_common.plan.planner import Plan, split_layers
@@ -84,6 +86,12 @@ def test_tiny_pp_equals_one_process(pp_size: int) -> None:
     results = _run("tiny", pp_size)
     assert results[0]["outputs"] == one
     assert all(len(o) > 0 for o in one)
+    # The greedy requests also equal transformers' generation (an implementation no one here
+    # wrote) on the same weights.
+    pytest.importorskip("transformers")
+    reference = hf_reference(tiny(), init_weights(tiny(), seed=0))
+    for i in (0, 2):
+        assert one[i] == hf_tokens(reference, list(PROMPTS[i]), PARAMS[i].max_new_tokens)
     _check_stages(results, GroupRun(pp_size=pp_size, gpu_memory_bytes=96 * MIB, chunk_tokens=24))
 
 

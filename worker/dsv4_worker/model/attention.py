@@ -1,0 +1,82 @@
+"""DeepSeek-V4 attention pieces shared by the naive oracle and the paged engine.
+
+Queries: q latent = norm(wq_a x) (also the indexer's input), heads = wq_b(latent), each head
+RMS-normalized without gain, then rotated. Keys and values are one latent head (K == V):
+norm(wkv x), rotated, stored in the window pool. Every head adds a learned sink logit to its
+softmax (a slot that absorbs weight and contributes nothing). Because V carries the keys'
+rotation, the output's rope channels are rotated back by the query position. The grouped
+output projection maps each of `o_groups` head groups to o_lora_rank with its own block of
+wo_a, then wo_b mixes the groups to the hidden size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from dsv4_common.core.model import DSV4Config
+from dsv4_worker.model.ops import rms_norm, stored
+from dsv4_worker.model.rope import rotate
+
+Params = Mapping[str, torch.Tensor]
+
+
+def query(
+    m: DSV4Config,
+    p: Params,
+    layer: int,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    freq: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [T, heads, head_dim] rotated, q latent [T, q_lora_rank])."""
+    a, eps = f"layers.{layer}.attn", m.arch.rms_norm_eps
+    latent = rms_norm(F.linear(x, p[f"{a}.wq_a.weight"]), p[f"{a}.q_norm.weight"], eps)
+    q = F.linear(latent, p[f"{a}.wq_b.weight"]).view(len(x), -1, m.head_dim)
+    return rotate(rms_norm(q, None, eps), positions, freq), latent
+
+
+def window_kv(
+    m: DSV4Config,
+    p: Params,
+    layer: int,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    freq: torch.Tensor,
+) -> torch.Tensor:
+    """The window KV rows [T, head_dim] as the pool stores them."""
+    a = f"layers.{layer}.attn"
+    kv = rms_norm(F.linear(x, p[f"{a}.wkv.weight"]), p[f"{a}.kv_norm.weight"], m.arch.rms_norm_eps)
+    return stored(rotate(kv, positions, freq), m.kv_dtype)
+
+
+def attend(
+    q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor
+) -> torch.Tensor:
+    """q [T, heads, D] over one K == V head `kv` [K, D] where `mask` [T, K] is True; each head
+    also has a sink logit. Returns [T, heads, D]."""
+    logits = torch.einsum("thd,kd->thk", q, kv) * q.shape[-1] ** -0.5
+    logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
+    sink = sinks.view(1, -1, 1).expand(len(q), -1, 1)
+    probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("thk,kd->thd", probs, kv)
+
+
+def output(
+    m: DSV4Config,
+    p: Params,
+    layer: int,
+    out: torch.Tensor,
+    positions: torch.Tensor,
+    freq: torch.Tensor,
+) -> torch.Tensor:
+    """[T, heads, D] attention output -> [T, hidden]: un-rotate, grouped projection, mix."""
+    a, groups = f"layers.{layer}.attn", m.arch.o_groups
+    t = len(out)
+    grouped = rotate(out, positions, freq, inverse=True).reshape(t, groups, -1)
+    wo_a = p[f"{a}.wo_a.weight"]
+    per_group = wo_a.view(groups, -1, wo_a.shape[-1])  # [groups, o_lora_rank, in]
+    mid = torch.einsum("tgi,goi->tgo", grouped, per_group).reshape(t, -1)
+    return F.linear(mid, p[f"{a}.wo_b.weight"])

@@ -1,0 +1,59 @@
+"""Manifold-constrained hyper-connections: DeepSeek-V4 keeps `hc_mult` residual streams per
+token ([T, hc, H]). Before each sub-block (attention, FFN) a small projection of the
+normalized streams gives three mixes: `pre` collapses the streams into the block's input,
+`post` spreads the block's output back over the streams, and `comb` (made doubly stochastic
+by Sinkhorn iterations) mixes the old streams into the new:
+
+    new[k] = post[k] * out + sum_j comb[j, k] * streams[j]
+
+The head collapses the streams once more (`pre` only) before the final norm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from dsv4_common.core.model import DSV4Arch
+from dsv4_worker.model.ops import rms_norm
+
+Mixes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # pre [T, hc], post [T, hc], comb
+
+
+def mixes(streams: torch.Tensor, p: Mapping[str, torch.Tensor], prefix: str, a: DSV4Arch) -> Mixes:
+    """(pre, post, comb) of one sub-block from its `{prefix}_fn/_base/_scale` parameters."""
+    t, hc, _ = streams.shape
+    flat = rms_norm(streams.reshape(t, -1), None, a.rms_norm_eps)
+    raw = flat @ p[f"{prefix}_fn"].T
+    base, scale = p[f"{prefix}_base"], p[f"{prefix}_scale"]
+    pre = torch.sigmoid(raw[:, :hc] * scale[0] + base[:hc]) + a.hc_eps
+    post = 2 * torch.sigmoid(raw[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    logits = raw[:, 2 * hc :] * scale[2] + base[2 * hc :]
+    comb = torch.softmax(logits.view(t, hc, hc), dim=-1) + a.hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + a.hc_eps)
+    for _ in range(a.hc_sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + a.hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + a.hc_eps)
+    return pre, post, comb
+
+
+def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """[T, hc, H] -> [T, H], weighted by `pre`."""
+    return (pre.unsqueeze(-1) * streams).sum(dim=1)
+
+
+def expand(
+    out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    """The new streams [T, hc, H] from a sub-block's output [T, H] and the old streams."""
+    return post.unsqueeze(-1) * out.unsqueeze(1) + torch.einsum("tjk,tjd->tkd", comb, streams)
+
+
+def head(streams: torch.Tensor, p: Mapping[str, torch.Tensor], a: DSV4Arch) -> torch.Tensor:
+    """The head's collapse of the streams [T, hc, H] -> [T, H]."""
+    t = streams.shape[0]
+    flat = rms_norm(streams.reshape(t, -1), None, a.rms_norm_eps)
+    raw = flat @ p["hc_head_fn"].T
+    pre = torch.sigmoid(raw * p["hc_head_scale"] + p["hc_head_base"]) + a.hc_eps
+    return collapse(streams, pre)

@@ -1,0 +1,52 @@
+"""The lightning indexer of DeepSeek-V4's compressed sparse attention (CSA) layers: each query
+scores every complete compressed block with sum_h w_h relu(q_h . k) / sqrt(dim) (w = the
+head weights from the token, scaled by 1/sqrt(n_heads); q from the query latent, rotated by
+the compress rope like the indexer's own compressed keys) and attends to the top index_topk.
+
+NOTE (tie rule): equal scores go to the lower block index (a stable sort, whatever the number
+of blocks), so colocated, PD and PP select the same blocks. transformers' torch.topk leaves
+ties unspecified; see docs/real-model.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from dsv4_common.core.model import DSV4Config
+from dsv4_worker.model.rope import rotate
+
+
+def query(
+    m: DSV4Config,
+    p: Mapping[str, torch.Tensor],
+    layer: int,
+    x: torch.Tensor,
+    latent: torch.Tensor,
+    positions: torch.Tensor,
+    freq: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries [T, n_heads, dim] (rotated) and head weights [T, n_heads]."""
+    i = f"layers.{layer}.attn.indexer"
+    q = F.linear(latent, p[f"{i}.wq_b.weight"]).view(len(x), m.index_n_heads, m.index_head_dim)
+    w = F.linear(x, p[f"{i}.weights_proj.weight"]) * m.index_n_heads**-0.5
+    return rotate(q, positions, freq), w
+
+
+def scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Scores [T, C] of compressed rows with indexer keys [C, dim]."""
+    dots = torch.relu(torch.einsum("thd,cd->thc", q, keys)) * q.shape[-1] ** -0.5
+    return torch.einsum("th,thc->tc", w, dots)
+
+
+def top_k_mask(scores: torch.Tensor, available: torch.Tensor, k: int) -> torch.Tensor:
+    """Per row, the (at most) k available entries with the highest scores [T, C] -> bool."""
+    if scores.shape[-1] == 0:
+        return available
+    masked = scores.masked_fill(~available, float("-inf"))
+    kk = min(k, scores.shape[-1])
+    top = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :kk]
+    chosen = torch.zeros_like(available).scatter_(-1, top, True)
+    return chosen & available

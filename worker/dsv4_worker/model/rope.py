@@ -1,0 +1,79 @@
+"""DeepSeek-V4's rotary embedding: interleaved pairs (channels 2i, 2i+1 rotate together by
+frequency i) on the trailing `qk_rope_head_dim` channels of a head, with two tables:
+
+    main      theta = rope_theta, unscaled: the window-only layers (compress ratio 0)
+    compress  theta = compress_rope_theta, YaRN-scaled when the config has rope_scaling: the
+              compressed layers (their queries, window keys, compressed rows, indexer)
+
+YaRN here only blends each frequency between its extrapolated and interpolated (/ factor)
+value; DeepSeek-V4 does not scale cos/sin by YaRN's attention factor (transformers forces it
+to 1.0 for this model, see docs/real-model.md).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+from dsv4_common.core.model import DSV4Config, YarnScaling
+
+
+@lru_cache(maxsize=64)
+def _inv_freq_cpu(dims: int, theta: float, yarn: YarnScaling | None) -> torch.Tensor:
+    half = dims // 2
+    base = 1.0 / theta ** (torch.arange(half, dtype=torch.float64) * 2 / dims)
+    if yarn is None:
+        return base
+
+    def correction_dim(rotations: float) -> float:
+        span = yarn.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return dims * math.log(span) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), dims - 1)
+    if low == high:
+        high += 0.001  # type: ignore[assignment]  # avoids a zero-width ramp
+    ramp = ((torch.arange(half, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1.0 - ramp  # 1: extrapolate (high frequencies), 0: interpolate
+    return base / yarn.factor * (1 - keep) + base * keep
+
+
+def inv_freq(
+    dims: int, theta: float, yarn: YarnScaling | None, device: torch.device
+) -> torch.Tensor:
+    """Inverse frequencies [dims // 2] (float64) of a rope over `dims` channels."""
+    return _inv_freq_cpu(dims, theta, yarn).to(device)
+
+
+def compress_freq(m: DSV4Config, device: torch.device) -> torch.Tensor:
+    a = m.arch
+    return inv_freq(m.qk_rope_head_dim, a.compress_rope_theta, a.rope_scaling, device)
+
+
+def layer_freq(m: DSV4Config, layer: int, device: torch.device) -> torch.Tensor:
+    """The table a layer's queries and window keys use."""
+    if m.compress_ratios[layer]:
+        return compress_freq(m, device)
+    return inv_freq(m.qk_rope_head_dim, m.arch.rope_theta, None, device)
+
+
+def rotate(
+    x: torch.Tensor, positions: torch.Tensor, freq: torch.Tensor, *, inverse: bool = False
+) -> torch.Tensor:
+    """Rotate the trailing 2 * len(freq) channels of `x` [T, ..., D] by `positions` [T]
+    (`inverse`: by -positions, undoing the rotation)."""
+    dims = 2 * freq.shape[0]
+    if dims == 0:
+        return x
+    angles = positions.to(x.dtype)[:, None] * freq.to(x.dtype)[None, :]  # [T, dims/2]
+    while angles.dim() < x.dim():
+        angles = angles.unsqueeze(1)  # broadcast over the axes between T and D
+    cos, sin = angles.cos(), angles.sin()
+    if inverse:
+        sin = -sin
+    head, rot = x[..., : x.shape[-1] - dims], x[..., x.shape[-1] - dims :]
+    even, odd = rot[..., 0::2], rot[..., 1::2]
+    out = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
+    return torch.cat([head, out], dim=-1)
