@@ -44,6 +44,7 @@ GROUP_FAILED: Final = (
 )
 
 AnyLogger = logging.Logger | logging.LoggerAdapter[Any]
+Warn = Callable[[Mapping[str, Any], str, str], None]  # (CR body, Event reason, message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,20 +70,44 @@ class Deps:
         )
 
 
-def run_reconcile(body: Mapping[str, Any], deps: Deps, logger: AnyLogger) -> ReconcileResult:
+def run_reconcile(
+    body: Mapping[str, Any], deps: Deps, logger: AnyLogger, warn: Warn | None = None
+) -> ReconcileResult | None:
     """Reconcile under the deployment's lock and translate the outcome for kopf
-    (PermanentError / TemporaryError)."""
+    (PermanentError / TemporaryError). The CR is read again inside the lock: kopf's `body` can
+    predate the last reconcile's status write (a restart count, a failed group), and acting on
+    it could restart a group twice or roll a count back. None when the CR is gone or going.
+    `warn(cr_body, reason, message)` is told of each group restarted or failed."""
     meta = body.get("metadata", {})
-    key = deployment_key(meta.get("namespace", ""), meta.get("name", ""))
-    with deps.gate.lock(key):
-        return _reconcile(body, deps, logger)
+    namespace, name = meta.get("namespace", ""), meta.get("name", "")
+    with deps.gate.lock(deployment_key(namespace, name)):
+        done = _reconcile_current(namespace, name, deps, logger)
+    if done is not None:
+        _announce(done[1], done[0], warn)
+    return done[1] if done is not None else None
 
 
-def _reconcile(body: Mapping[str, Any], deps: Deps, logger: AnyLogger) -> ReconcileResult:
-    """`run_reconcile` for a caller that holds the deployment's lock."""
-    meta = body.get("metadata", {})
+def _announce(result: ReconcileResult, body: Mapping[str, Any], warn: Warn | None) -> None:
+    """One Warning Event per group restarted or failed, whichever path reconciled."""
+    if warn is None:
+        return
+    for action in result.group_actions:
+        if action.restart:
+            warn(body, action.reason, f"{action.group} restarted as a unit: {action.message}")
+    for group in result.failed_groups:
+        warn(body, "GroupFailed", f"{group}: {GROUP_FAILED}")
+
+
+def _reconcile_current(
+    namespace: str, name: str, deps: Deps, logger: AnyLogger
+) -> tuple[Mapping[str, Any], ReconcileResult] | None:
+    """For a caller that holds the deployment's lock: read the CR as the API holds it now
+    (None when it is gone or being deleted) and reconcile it; (CR, result)."""
     started = time.monotonic()
     try:
+        body = deps.kube.get(L.API_VERSION, L.KIND, namespace, name)
+        if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+            return None
         result = reconcile(body, deps.kube, deps.probe, config=deps.config, clock=deps.clock)
     except Exception as exc:
         deps.metrics.failed(exc, time.monotonic() - started)
@@ -90,36 +115,38 @@ def _reconcile(body: Mapping[str, Any], deps: Deps, logger: AnyLogger) -> Reconc
             raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
         raise
     seconds = time.monotonic() - started
-    deps.metrics.reconciled(meta.get("namespace", ""), meta.get("name", ""), result, seconds)
+    deps.metrics.reconciled(namespace, name, result, seconds)
     for key in result.applied:
         logger.info("applied %s %s", key[1], key[2])
     for key in result.pruned:
         logger.info("pruned %s %s", key[1], key[2])
+    # Group restarts and failures go out as Warning Events with their own reasons (_announce);
+    # kopf would post a logger warning as a second Event with reason "Logging".
     for action in result.group_actions:
-        logger.warning("group %s: %s (%s)", action.group, action.message, action.reason)
+        logger.info("group %s: %s (%s)", action.group, action.message, action.reason)
     for group in result.failed_groups:
-        logger.warning("group %s: GroupFailed: %s", group, GROUP_FAILED)
+        logger.info("group %s: GroupFailed: %s", group, GROUP_FAILED)
     if result.problem is not None:
         message = f"{result.problem.reason}: {result.problem.message}"
         if result.permanent:
             # The status already says so (PlanValid=False); retrying cannot help until an edit.
             raise kopf.PermanentError(message)
         logger.warning(message)
-    return result
+    return body, result
 
 
 @kopf.on.create(L.GROUP, L.VERSION, L.PLURAL)
 @kopf.on.update(L.GROUP, L.VERSION, L.PLURAL)
 @kopf.on.resume(L.GROUP, L.VERSION, L.PLURAL)
 def on_change(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-    run_reconcile(body, Deps.from_memo(memo), logger)
+    run_reconcile(body, Deps.from_memo(memo), logger, warn=_post_warning)
 
 
 @kopf.timer(L.GROUP, L.VERSION, L.PLURAL, interval=RECONCILE_INTERVAL_S, initial_delay=5.0)
 def on_timer(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     # A permanent problem is already in status and was raised by the change handler.
     with contextlib.suppress(kopf.PermanentError):
-        run_reconcile(body, Deps.from_memo(memo), logger)
+        run_reconcile(body, Deps.from_memo(memo), logger, warn=_post_warning)
 
 
 def reconcile_owner(
@@ -127,32 +154,24 @@ def reconcile_owner(
     name: str,
     deps: Deps,
     logger: AnyLogger,
-    warn: Callable[[Mapping[str, Any], str, str], None] | None = None,
+    warn: Warn | None = None,
 ) -> ReconcileResult | None:
     """Reconcile the DSV4Deployment `namespace/name` because a watched child (a worker pod, the
     router Deployment) changed; None when the event was coalesced into a reconcile already
     waiting, or the CR is gone or going. `warn(cr_body, reason, message)` is told of each group
-    restarted (kopf does not post the loggers of event handlers as Kubernetes Events, so the
-    caller posts them)."""
+    restarted or failed (kopf does not post the loggers of event handlers as Kubernetes Events,
+    so the caller posts them)."""
     with deps.gate.event_turn(deployment_key(namespace, name)) as turn:
         if not turn:
             return None
-        # Read inside the lock: the freshest spec and status, never a body older than the last
-        # reconcile's writes.
-        body = deps.kube.get(L.API_VERSION, L.KIND, namespace, name)
-        if body is None or body.get("metadata", {}).get("deletionTimestamp"):
-            return None
         try:
-            result = _reconcile(body, deps, logger)
+            done = _reconcile_current(namespace, name, deps, logger)
         except kopf.PermanentError:  # already in status (PlanValid=False)
             return None
-    if warn is not None:
-        for action in result.group_actions:
-            if action.restart:
-                warn(body, action.reason, f"{action.group} restarted as a unit: {action.message}")
-        for group in result.failed_groups:
-            warn(body, "GroupFailed", f"{group}: {GROUP_FAILED}")
-    return result
+    if done is None:
+        return None
+    _announce(done[1], done[0], warn)
+    return done[1]
 
 
 @kopf.on.event(L.GROUP, L.VERSION, L.PLURAL)

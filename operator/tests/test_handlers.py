@@ -165,3 +165,55 @@ def test_each_operator_start_has_its_own_gate(monkeypatch: pytest.MonkeyPatch) -
         settings.on_startup(settings=kopf.OperatorSettings(), memo=memo)
     gates = [Deps.from_memo(memo).gate for memo in memos]
     assert all(isinstance(g, ReconcileGate) for g in gates) and gates[0] is not gates[1]
+
+
+def test_a_change_or_timer_reconcile_reads_the_current_cr(cluster: tuple[Any, Any]) -> None:
+    """kopf's body may predate the last status write: the reconcile acts on the CR as the API
+    holds it now, as the pod-event path does (#23 item 2)."""
+    import copy
+
+    kube, probe = cluster
+    _ready_cluster(kube, probe)
+    stale = copy.deepcopy(kube.cr)
+    kube.cr["metadata"]["generation"] = 2
+    result = run_reconcile(stale, deps(kube, probe), LOG)
+    assert result is not None and result.status["observedGeneration"] == 2
+
+
+@pytest.mark.parametrize("state", ["gone", "deleting"])
+def test_a_change_or_timer_reconcile_of_a_gone_or_deleting_cr_does_nothing(
+    cluster: tuple[Any, Any], state: str
+) -> None:
+    kube, probe = cluster
+    body = dict(kube.cr)
+    if state == "gone":
+        kube.cr_deleted = True
+    else:
+        kube.cr["metadata"]["deletionTimestamp"] = "2026-11-21T00:00:00Z"
+    assert run_reconcile(body, deps(kube, probe), LOG) is None
+    assert kube.writes == []
+
+
+@pytest.mark.parametrize("path", ["change or timer", "pod event"])
+def test_a_group_failure_is_one_warning_event_whichever_path_sees_it(
+    make_cluster: Callable[..., tuple[Any, Any]], path: str
+) -> None:
+    """A budget of 0: the first crash fails the group. Either path posts it as a GroupFailed
+    Warning (before, the change/timer path only logged it, which kopf posts as 'Logging')."""
+    kube, probe = make_cluster(groupRestarts={"budget": 0})
+    _ready_cluster(kube, probe)
+    pod = sorted(kube.of_kind("Pod"))[0]
+    kube.set_pod(pod, restarts=1)
+    warnings: list[tuple[str, str]] = []
+
+    def warn(_body: Any, reason: str, message: str) -> None:
+        warnings.append((reason, message))
+
+    if path == "pod event":
+        reconcile_owner("ns", "tiny", deps(kube, probe), LOG, warn=warn)
+    else:
+        run_reconcile(kube.cr, deps(kube, probe), LOG, warn=warn)
+    assert [reason for reason, _ in warnings] == ["GroupFailed"]
+    run_reconcile(kube.cr, deps(kube, probe), LOG, warn=warn)  # recorded: not posted again
+    reconcile_owner("ns", "tiny", deps(kube, probe), LOG, warn=warn)
+    assert [reason for reason, _ in warnings] == ["GroupFailed"]
