@@ -9,23 +9,63 @@ from collections.abc import Mapping
 from typing import Any
 
 from dsv4_operator import labels as L
+from dsv4_operator.quantity import equal as quantity_equal
+
+# Maps whose values are resource quantities (the API server stores them canonically).
+_QUANTITY_MAPS = frozenset({"requests", "limits", "capacity", "allocatable", "hard"})
+_QUANTITY_KEYS = frozenset({"sizeLimit", "storage"})
+# Keys that identify the items of keyed lists (containers, env, volumes, ports...): the server
+# merges such lists per item and keeps items another manager (a webhook, a sidecar injector)
+# added, so a live list may hold more items than we planned.
+_ITEM_KEYS = ("name", "containerPort", "mountPath", "devicePath", "ip")
 
 
-def holds(live: object, desired: object) -> bool:
-    """True when `live` contains `desired`: every planned map key with an equal value; lists
-    element-wise with equal length (the API server adds defaults inside elements, not
-    elements)."""
+def holds(live: object, desired: object, *, quantity: bool = False) -> bool:
+    """True when `live` contains `desired` as a real API server would store it: every planned
+    map key with an equal value (quantities compared by value: `0.5` == `500m`); keyed lists
+    (items with a name, containerPort, mountPath...) item by item, extra live items allowed;
+    other lists element-wise with equal length (the server adds defaults inside elements).
+    `quantity`: `desired` is a resource quantity."""
+    if quantity:
+        return live == desired or quantity_equal(live, desired)
     if isinstance(desired, Mapping):
-        return isinstance(live, Mapping) and all(
-            k in live and holds(live[k], v) for k, v in desired.items()
-        )
+        if not isinstance(live, Mapping):
+            return False
+        return all(k in live and _field_holds(k, live[k], v) for k, v in desired.items())
     if isinstance(desired, list):
-        return (
-            isinstance(live, list)
-            and len(live) == len(desired)
-            and all(holds(a, b) for a, b in zip(live, desired, strict=True))
-        )
+        return isinstance(live, list) and _list_holds(live, desired)
     return live == desired
+
+
+def _field_holds(key: str, live: object, desired: object) -> bool:
+    if key in _QUANTITY_KEYS:
+        return holds(live, desired, quantity=True)
+    if key in _QUANTITY_MAPS and isinstance(desired, Mapping):
+        return isinstance(live, Mapping) and all(
+            k in live and holds(live[k], v, quantity=True) for k, v in desired.items()
+        )
+    return holds(live, desired)
+
+
+def _list_holds(live: list[Any], desired: list[Any]) -> bool:
+    key = _item_key(desired)
+    if key is None:
+        return len(live) == len(desired) and all(
+            holds(a, b) for a, b in zip(live, desired, strict=True)
+        )
+    by_key = {item.get(key): item for item in live if isinstance(item, Mapping)}
+    return all(holds(by_key.get(item[key]), item) for item in desired)
+
+
+def _item_key(items: list[Any]) -> str | None:
+    """The key every item of a keyed list carries (None: not a keyed list)."""
+    if not items or not all(isinstance(item, Mapping) for item in items):
+        return None
+    for key in _ITEM_KEYS:
+        values = [item.get(key) for item in items]
+        if all(v is not None for v in values) and len(set(map(str, values))) == len(values):
+            return key
+    return None
 
 
 def needs_apply(desired: Mapping[str, Any], live: Mapping[str, Any] | None) -> bool:
