@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dsv4_operator import labels as L
-from dsv4_operator.quantity import equal as quantity_equal
+from dsv4_operator.quantities import same_quantity
 
 # Maps whose values are resource quantities (the API server stores them canonically).
 _QUANTITY_MAPS = frozenset({"requests", "limits", "capacity", "allocatable", "hard"})
@@ -27,7 +27,7 @@ def holds(live: object, desired: object, *, quantity: bool = False) -> bool:
     other lists element-wise with equal length (the server adds defaults inside elements).
     `quantity`: `desired` is a resource quantity."""
     if quantity:
-        return live == desired or quantity_equal(live, desired)
+        return live == desired or same_quantity(live, desired)
     if isinstance(desired, Mapping):
         if not isinstance(live, Mapping):
             return False

@@ -33,3 +33,10 @@ def quantity(value: object) -> Decimal | None:
         return Decimal(number) * scale
     except InvalidOperation:
         return None
+
+
+def same_quantity(a: object, b: object) -> bool:
+    """Both are quantities of the same value (`0.5` == `500m`, `1024Mi` == `1Gi`): how a value
+    the operator planned is recognized in the canonical form the API server stores."""
+    x, y = quantity(a), quantity(b)
+    return x is not None and x == y
