@@ -7,6 +7,9 @@ Environment (set by the Helm chart):
   DSV4_PEERING        kopf peering object name; empty = standalone (a single replica)
   DSV4_PEERING_CLUSTERWIDE  "true" when the operator watches all namespaces
   DSV4_PRIORITY       this replica's peering priority (the highest active replica works)
+  DSV4_NAMESPACED     "true" when the operator serves given namespaces only: kopf then takes
+                      them as given and scans no cluster-wide resource (no namespace or CRD
+                      list/watch, which its namespaced Roles do not allow)
   DSV4_OPERATOR_METRICS_PORT  serve the operator's Prometheus metrics on this port (/metrics);
                       empty, unset or 0 = not served
   DSV4_OPERATOR_METRICS_HOST  the address to bind (default 0.0.0.0)
@@ -67,6 +70,9 @@ def configure(settings: kopf.OperatorSettings, env: dict[str, str]) -> None:
         settings.peering.mandatory = True
         settings.peering.clusterwide = env.get("DSV4_PEERING_CLUSTERWIDE", "") == "true"
         settings.peering.priority = int(env.get("DSV4_PRIORITY", "0") or 0)
+    # kopf otherwise lists and watches every namespace (403 under namespaced Roles, then a
+    # warning and a fallback to the exact names) and every CRD.
+    settings.scanning.disabled = env.get("DSV4_NAMESPACED", "") == "true"
     settings.admission.server = webhook_server(env) or WebhookOff()
 
 

@@ -322,11 +322,24 @@ def test_namespaced_mode_uses_roles_only(values: list[str], namespaces: list[str
         f"--namespace={n}" for n in namespaces
     ]
     assert "--all-namespaces" not in args
+    env = {
+        e["name"]: e.get("value") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["DSV4_NAMESPACED"] == "true"  # kopf lists no namespaces, which Roles forbid
     if peered:
         assert sorted(p["metadata"]["namespace"] for p in by_kind(objects, "KopfPeering")) == (
             namespaces
         )
         assert not by_kind(objects, "ClusterKopfPeering")
+
+
+@needs_helm
+def test_cluster_wide_mode_lets_kopf_observe_namespaces() -> None:
+    (sts,) = by_kind(render(), "StatefulSet")
+    env = {
+        e["name"]: e.get("value") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["DSV4_NAMESPACED"] == "false"
 
 
 @needs_helm

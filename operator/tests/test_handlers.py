@@ -68,6 +68,13 @@ def test_settings_from_environment(env: dict[str, str], standalone: bool) -> Non
     assert settings.persistence.finalizer == "serving.dsv4.io/finalizer"
     if not standalone:
         assert (settings.peering.name, settings.peering.priority) == ("dsv4", 5)
+    assert settings.scanning.disabled is False  # cluster-wide: kopf watches namespaces, CRDs
+
+
+def test_namespaced_mode_scans_no_cluster_wide_resource() -> None:
+    settings = kopf.OperatorSettings()
+    configure(settings, {"DSV4_NAMESPACED": "true"})
+    assert settings.scanning.disabled is True
 
 
 def _ready_cluster(kube: Any, probe: Any) -> None:

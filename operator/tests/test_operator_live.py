@@ -212,6 +212,15 @@ def test_workers_at_planned_capacity_make_it_ready_and_a_restart_deletes_the_gro
     assert len(applies) == sum(len(names) for names in CHILD_KINDS.values())
 
 
+def test_the_namespaced_operator_never_lists_or_watches_namespaces_or_crds(live: Live) -> None:
+    """#23 item 5: namespaced Roles allow neither; kopf would list and watch every namespace
+    (403, a warning and a fallback on a real cluster) unless told the namespaces are given."""
+    live.create_cr("tiny-cpu.yaml")
+    live.wait("status PlanValid", lambda: _plan_valid(live, "tiny"))
+    assert [r for r in live.server.requests_to("GET") if r.path == "/api/v1/namespaces"] == []
+    assert live.server.requests_to("GET", "customresourcedefinitions") == []
+
+
 def test_rejected_specs_apply_no_workers_and_say_why_in_status(live: Live) -> None:
     # Valid for the CRD, but the context does not fit the memory plan.
     live.create_cr("tiny-cpu.yaml", maxContextTokens=1 << 20)

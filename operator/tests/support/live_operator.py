@@ -258,6 +258,8 @@ def running_operator(
     for var in ("DSV4_PEERING", "DSV4_PEERING_CLUSTERWIDE", "DSV4_PRIORITY", "DSV4_WORKER_IMAGE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    # The operator serves NS only, as the chart's namespaced mode runs it.
+    monkeypatch.setenv("DSV4_NAMESPACED", "true")
 
     server = FakeApiServer([load_crd(CRD_FILE)])
     server.add_admission(L.API_VERSION, L.KIND, lambda obj: S.admit(obj, SCHEMA))
