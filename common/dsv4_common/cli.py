@@ -223,7 +223,13 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="a .safetensors file or a model directory (default: --model's directory, else "
         "seeded random)",
     )
-    p.add_argument("--seed", type=_non_negative_int, default=0, help="seed of random weights")
+    p.add_argument(
+        "--seed",
+        type=_non_negative_int,
+        default=None,
+        help="random weights of this seed (default: the preset's shipped weights when it has "
+        "them, as tiny does, else seed 0)",
+    )
     p.add_argument(
         "--tokenizer",
         default=None,

@@ -40,7 +40,7 @@ from dsv4_common.api.manifest import (
 from dsv4_common.api.rank_config import RankConfig, parse_rank_config
 from dsv4_common.api.worker_status import WorkerStatus
 from dsv4_common.core.model import DSV4Config, ModelConfig, ModelConfigError
-from dsv4_common.core.presets import load_model_config
+from dsv4_common.core.presets import PRESETS, load_model_config
 from dsv4_common.core.units import GIB
 from dsv4_common.plan.inputs import PlanError, PlanInputs
 from dsv4_worker.model.checkpoint import is_model_dir, load_checkpoint
@@ -60,6 +60,7 @@ from dsv4_worker.server.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
+PACKAGED_MODELS = Path(__file__).resolve().parent / "models"  # a preset's shipped weights
 CPU_MEMORY_GIB = 1.0  # what a CPU worker plans with when no device size is given
 WEIGHTS_FILE = "model.safetensors"
 
@@ -135,6 +136,13 @@ def _load_model_dir(
             len(loaded.mtp),
         )
     return loaded.params
+
+
+def packaged_weights(preset: str) -> str | None:
+    """The model directory shipped for a preset (dsv4_worker/models/NAME: tiny's is trained by
+    scripts/train_tiny.py), or None (random weights)."""
+    root = PACKAGED_MODELS / preset
+    return str(root) if preset in PRESETS and is_model_dir(root) else None
 
 
 def _tokenizer(path: str | None, model_source: str, vocab_size: int) -> Tokenizer:
@@ -241,7 +249,9 @@ def build(args: argparse.Namespace) -> Built:
     weights_path = config.model.weights_path if config else args.weights
     if weights_path is None and is_model_dir(source):
         weights_path = source  # `--model DIR`: the checkpoint beside its config.json
-    load = _weights(model, weights_path, args.seed, device)
+    if weights_path is None and args.seed is None:
+        weights_path = packaged_weights(source)  # a preset's shipped weights (tiny's: trained)
+    load = _weights(model, weights_path, args.seed or 0, device)
     try:
         if config is not None:
             inputs = config.plan_inputs(model)

@@ -25,10 +25,12 @@ own: `kv_cache_dtype` (default: fp8_e4m3 for an FP8 checkpoint, as released; els
 dtype, fp32 or bf16), `window_size` (DeepSeek's inference config's name for
 sliding_window) and `first_k_dense_replace` with `intermediate_size` (dense layers; the release
 has none).
+`release_config` is the inverse: a DSV4Config -> the release's form, which parses back to it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any, cast, get_args
@@ -129,6 +131,141 @@ def dsv4_from_hf(raw: Mapping[str, Any], name: str) -> DSV4Config:
         quantization=quantization,
         weight_dtype=weight_dtype,
     )
+
+
+# --- the inverse: DSV4Config -> config.json as released ----------------------------------------
+
+
+def release_config(model: DSV4Config) -> dict[str, Any]:
+    """`model` as a config.json in the release's form: `dsv4_from_hf` of it (or of its JSON
+    text) equals `model`, name aside. The MTP tail of compress_ratios is written out in full,
+    as released. Raises ModelConfigError naming each setting no config.json can carry: those
+    the parser derives (indexer and state dtypes, page alignment, the CSA ratio when it is not
+    4 and three compressed ratios are in use) and generic-family fields."""
+    problems = _unwritable(model)
+    if problems:
+        raise ModelConfigError(
+            f"model {model.name!r} has no config.json form: " + "; ".join(problems)
+        )
+    w, a = model.weights, model.arch
+    mtp_tail = model.num_hidden_layers + model.num_nextn_predict_layers - len(model.compress_ratios)
+    raw: dict[str, Any] = {
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "num_hidden_layers": model.num_hidden_layers,
+        "num_nextn_predict_layers": model.num_nextn_predict_layers,
+        "compress_ratios": [*model.compress_ratios, *[0] * mtp_tail],
+        "sliding_window": model.window_tokens,
+        "head_dim": model.head_dim,
+        "qk_rope_head_dim": model.qk_rope_head_dim,
+        "index_head_dim": model.index_head_dim,
+        "index_n_heads": model.index_n_heads,
+        "index_topk": model.index_topk,
+        "vocab_size": w.vocab_size,
+        "hidden_size": w.hidden_size,
+        "num_attention_heads": w.num_attention_heads,
+        "num_key_value_heads": 1,
+        "q_lora_rank": w.q_lora_rank,
+        "o_lora_rank": w.o_lora_rank,
+        "o_groups": a.o_groups,
+        "n_routed_experts": w.num_routed_experts,
+        "n_shared_experts": w.num_shared_experts,
+        "num_experts_per_tok": w.num_experts_per_token,
+        "moe_intermediate_size": w.moe_intermediate_size,
+        "num_hash_layers": a.num_hash_layers,
+        "hc_mult": a.hc_mult,
+        "hc_sinkhorn_iters": a.hc_sinkhorn_iters,
+        "hc_eps": a.hc_eps,
+        "hidden_act": "silu",
+        "topk_method": "noaux_tc",
+        "scoring_func": a.scoring_func,
+        "routed_scaling_factor": a.routed_scaling_factor,
+        "norm_topk_prob": a.norm_topk_prob,
+        "swiglu_limit": a.swiglu_limit,
+        "rope_theta": a.rope_theta,
+        "compress_rope_theta": a.compress_rope_theta,
+        "rms_norm_eps": a.rms_norm_eps,
+        "max_position_embeddings": model.max_position_embeddings,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": _TORCH_DTYPE_NAMES[model.weight_dtype],
+    }
+    if model.sparse_ratio != DEFAULT_COMPRESS_RATES[CSA]:
+        raw["compress_rates"] = {CSA: model.sparse_ratio, HCA: _hca_ratio(model)}
+    if w.num_dense_layers:
+        raw["first_k_dense_replace"] = w.num_dense_layers
+        raw["intermediate_size"] = w.intermediate_size
+    if a.rope_scaling is not None:
+        y = a.rope_scaling
+        raw["rope_scaling"] = {
+            "type": "yarn",
+            "factor": y.factor,
+            "original_max_position_embeddings": y.original_max_position_embeddings,
+            "beta_fast": y.beta_fast,
+            "beta_slow": y.beta_slow,
+        }
+    q = model.quantization
+    if q is not None:
+        raw["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "scale_fmt": q.scale_fmt,
+            "weight_block_size": list(q.weight_block_size),
+            "activation_scheme": "dynamic",
+        }
+        raw["expert_dtype"] = q.expert_dtype
+    if model.kv_dtype != _default_kv_dtype(q, model.weight_dtype):
+        raw["kv_cache_dtype"] = model.kv_dtype
+    return raw
+
+
+_TORCH_DTYPE_NAMES: dict[WeightDtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+def _default_kv_dtype(quantization: Quantization | None, weight_dtype: WeightDtype) -> KVDtype:
+    """The KV dtype a config.json without kv_cache_dtype means."""
+    if quantization is not None:
+        return "fp8_e4m3"
+    return "fp32" if weight_dtype == "fp32" else "bf16"
+
+
+def _hca_ratio(model: DSV4Config) -> int:
+    """compress_rates' HCA entry: the other compressed ratio in use (else the default)."""
+    others = [r for r in model.nonzero_ratios if r != model.sparse_ratio]
+    if others:
+        return others[0]
+    default = DEFAULT_COMPRESS_RATES[HCA]
+    return default if default != model.sparse_ratio else DEFAULT_COMPRESS_RATES[CSA]
+
+
+def _unwritable(model: DSV4Config) -> list[str]:
+    """Each setting of `model` that differs from what the parser derives for it."""
+    fp8 = model.kv_dtype == "fp8_e4m3"
+    w = model.weights
+    shape_defaults = {f.name: f.default for f in dataclasses.fields(WeightShape)}
+    derived: list[tuple[str, object, object]] = [
+        ("indexer_dtype", model.indexer_dtype, "fp8" if fp8 else model.kv_dtype),
+        ("state_dtype", model.state_dtype, "fp32"),
+        ("kv_page_align_bytes", model.kv_page_align_bytes, 576 if fp8 else 1),
+        ("intermediate_size", w.intermediate_size if not w.num_dense_layers else 0, 0),
+    ]
+    for name in ("dense_bytes_per_param", "embedding_bytes_per_param"):
+        derived.append((name, getattr(w, name), shape_defaults[name]))
+    problems = [
+        f"{name} is {value!r}, where config.json can only mean {want!r}"
+        for name, value, want in derived
+        if value != want
+    ]
+    if model.sparse_ratio != DEFAULT_COMPRESS_RATES[CSA]:
+        if model.sparse_ratio not in ALLOWED_RATIOS - {0}:
+            problems.append(f"sparse_ratio {model.sparse_ratio} is not a compress ratio")
+        others = [r for r in model.nonzero_ratios if r != model.sparse_ratio]
+        if len(others) > 1:
+            problems.append(
+                f"sparse_ratio {model.sparse_ratio} with ratios {model.nonzero_ratios}: "
+                "compress_rates names one CSA and one HCA ratio"
+            )
+    return problems
 
 
 # --- shape ----------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ N files with an index, plus a config.json."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable, Mapping
@@ -13,7 +14,8 @@ from typing import Any, Literal
 import torch
 from safetensors.torch import save_file
 
-from dsv4_common.core.model import DSV4Config
+from dsv4_common.core.hf_dsv4 import release_config
+from dsv4_common.core.model import DSV4Config, ExpertDtype, Quantization
 from dsv4_worker.model.quant import (
     dequantize_fp4,
     dequantize_fp8_block,
@@ -148,42 +150,10 @@ def write_checkpoint(
 
 
 def published_config(model: DSV4Config, quant: Quant = "none") -> dict[str, Any]:
-    """config.json in the release's form for `model`."""
-    w, a = model.weights, model.arch
-    config: dict[str, Any] = {
-        "architectures": ["DeepseekV4ForCausalLM"],
-        "model_type": "deepseek_v4",
-        "vocab_size": w.vocab_size,
-        "hidden_size": w.hidden_size,
-        "num_hidden_layers": model.num_hidden_layers,
-        "num_attention_heads": w.num_attention_heads,
-        "num_key_value_heads": 1,
-        "head_dim": model.head_dim,
-        "qk_rope_head_dim": model.qk_rope_head_dim,
-        "q_lora_rank": w.q_lora_rank,
-        "o_lora_rank": w.o_lora_rank,
-        "o_groups": a.o_groups,
-        "hc_mult": a.hc_mult,
-        "n_routed_experts": w.num_routed_experts,
-        "n_shared_experts": w.num_shared_experts,
-        "moe_intermediate_size": w.moe_intermediate_size,
-        "num_experts_per_tok": w.num_experts_per_token,
-        "num_hash_layers": a.num_hash_layers,
-        "index_n_heads": model.index_n_heads,
-        "index_head_dim": model.index_head_dim,
-        "index_topk": model.index_topk,
-        "sliding_window": model.window_tokens,
-        "compress_ratios": list(model.compress_ratios),
-        "num_nextn_predict_layers": model.num_nextn_predict_layers,
-    }
+    """config.json in the release's form for `model`, stored as `quant` says (block FP8 with
+    E8M0 scales; routed experts FP4 for "fp4", FP8 for "fp8")."""
     if quant != "none":
-        config["quantization_config"] = {
-            "quant_method": "fp8",
-            "fmt": "e4m3",
-            "scale_fmt": "ue8m0",
-            "weight_block_size": [128, 128],
-            "activation_scheme": "dynamic",
-        }
-        if quant == "fp4":
-            config["expert_dtype"] = "fp4"
-    return config
+        expert_dtype: ExpertDtype = "fp4" if quant == "fp4" else "fp8"
+        storage = Quantization(scale_fmt="ue8m0", expert_dtype=expert_dtype)
+        model = dataclasses.replace(model, quantization=storage)
+    return release_config(model)

@@ -55,3 +55,33 @@ def test_a_checkpoint_with_a_missing_tensor_exits_2_naming_it(tmp_path: Path) ->
     )
     assert done.returncode == 2, done.stderr
     assert "missing tensors" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("seed", [None, 4])
+def test_the_tiny_preset_serves_its_shipped_weights_unless_a_seed_is_given(
+    seed: int | None,
+) -> None:
+    from dsv4_worker.model.checkpoint import load_checkpoint
+    from dsv4_worker.model.oracle import oracle_greedy
+    from dsv4_worker.model.weights import init_weights
+    from dsv4_worker.serve import PACKAGED_MODELS
+
+    if seed is None:
+        weights = load_checkpoint(PACKAGED_MODELS / "tiny", tiny()).params
+    else:
+        weights = init_weights(tiny(), seed=seed)
+    prompt = list(b"The ")
+    want = oracle_greedy(tiny(), weights, prompt, 8)
+    port = free_port()
+    argv = ["--model", "tiny", "--port", str(port)]
+    argv += [] if seed is None else ["--seed", str(seed)]
+    deployment = Deployment()
+    try:
+        deployment.start("serve", serve_argv(*argv), port)
+        deployment.ready()
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+        status, doc = post(port, body)
+        assert status == 200, doc
+        assert doc["choices"][0]["token_ids"] == want
+    finally:
+        deployment.stop()
