@@ -86,6 +86,7 @@ ROUTER_TEMPLATE: Final = "{name}-router"
 CONFIG_TEMPLATE: Final = "{name}-config"
 SERVICE_ACCOUNT_TEMPLATE: Final = "{name}-workload"
 NETWORK_POLICY_TEMPLATE: Final = "{name}-workers"
+ROUTER_NETWORK_POLICY_TEMPLATE: Final = "{name}-router"
 
 # NOTE: the StatefulSet controller labels pods with `controller-revision-hash: <sts>-<hash>`
 # (label values <= 63, hash <= 10 chars), so a StatefulSet name may use at most 52 characters.
@@ -120,6 +121,10 @@ def service_account_name(name: str) -> str:
 
 def network_policy_name(name: str) -> str:
     return NETWORK_POLICY_TEMPLATE.format(name=name)
+
+
+def router_network_policy_name(name: str) -> str:
+    return ROUTER_NETWORK_POLICY_TEMPLATE.format(name=name)
 
 
 def owned_labels(name: str) -> dict[str, str]:

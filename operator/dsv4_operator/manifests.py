@@ -200,3 +200,39 @@ def build_network_policy(
             ],
         },
     }
+
+
+def build_router_network_policy(meta: DeploymentMeta, scrape_namespace: str = "") -> Obj:
+    """Router ingress: clients from anywhere on the serving port (`http`), the operator (any
+    namespace) and the metrics scrapers' namespace (when given) on `status` (/status,
+    /metrics). Everything else is denied."""
+    router = L.component_selector(meta.name, "router")
+    status = [{"protocol": "TCP", "port": "status"}]
+    scrapers: list[Obj] = []
+    if scrape_namespace:
+        namespace = {L.NAMESPACE_NAME_LABEL: scrape_namespace}
+        scrapers = [{"from": [{"namespaceSelector": {"matchLabels": namespace}}], "ports": status}]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": object_meta(
+            meta, L.router_network_policy_name(meta.name), L.component_labels(meta.name, "router")
+        ),
+        "spec": {
+            "podSelector": {"matchLabels": router},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"ports": [{"protocol": "TCP", "port": "http"}]},
+                {
+                    "from": [
+                        {
+                            "namespaceSelector": {},
+                            "podSelector": {"matchLabels": dict(L.OPERATOR_POD_LABELS)},
+                        }
+                    ],
+                    "ports": status,
+                },
+                *scrapers,
+            ],
+        },
+    }

@@ -30,6 +30,7 @@ from dsv4_operator.manifests import (
     build_network_policy,
     build_pdb,
     build_role_service,
+    build_router_network_policy,
     build_router_service,
     build_service_account,
 )
@@ -140,6 +141,7 @@ def build_desired_state(
         build_service_account(meta),
         build_config_map(meta, data),
         build_network_policy(meta, metrics_scrape_namespace, sglang=sglang),
+        build_router_network_policy(meta, metrics_scrape_namespace),
     ]
     hashes: dict[str, str] = {}
     workloads: list[Obj] = []

@@ -67,7 +67,7 @@ def test_object_set_for_pp2_prefill_and_one_decode(make_body: Callable[..., Body
     assert set(kinds["PodDisruptionBudget"]) == {"tiny-prefill", "tiny-decode"}
     assert set(kinds["Deployment"]) == {"tiny-router"}
     assert set(kinds["ConfigMap"]) == {"tiny-config"}
-    assert set(kinds["NetworkPolicy"]) == {"tiny-workers"}
+    assert set(kinds["NetworkPolicy"]) == {"tiny-workers", "tiny-router"}
     assert set(kinds["ServiceAccount"]) == {"tiny-workload"}
 
 
@@ -183,6 +183,23 @@ def test_pdb_allows_one_unavailable_worker_per_role(make_body: Callable[..., Bod
         spec = pdbs[f"tiny-{role}"]["spec"]
         assert spec["maxUnavailable"] == 1
         assert spec["selector"]["matchLabels"][L.ROLE_LABEL] == role
+
+
+def test_router_network_policy_admits_clients_on_http_and_the_operator_on_status(
+    make_body: Callable[..., Body],
+) -> None:
+    """Every pod the operator creates has a NetworkPolicy (checkov CKV2_K8S_6): the router
+    takes clients from anywhere on its serving port, the operator on `status`, nothing else."""
+    policy = by_kind(desired(make_body()))["NetworkPolicy"]["tiny-router"]["spec"]
+    assert policy["policyTypes"] == ["Ingress"]
+    assert policy["podSelector"]["matchLabels"] == {
+        L.DEPLOYMENT_LABEL: "tiny",
+        L.APP_COMPONENT: "router",
+    }
+    clients, operator = policy["ingress"]
+    assert "from" not in clients and clients["ports"] == [{"protocol": "TCP", "port": "http"}]
+    assert operator["from"][0]["podSelector"]["matchLabels"] == dict(L.OPERATOR_POD_LABELS)
+    assert operator["ports"] == [{"protocol": "TCP", "port": "status"}]
 
 
 def test_network_policy_admits_only_peers_router_and_operator(

@@ -76,8 +76,13 @@ def test_reconcile_applies_the_configured_scrape_rule(cluster: Cluster) -> None:
     run_reconcile(
         kube.cr, deps(kube, probe, OperatorMetrics(), metrics_scrape_namespace="mon"), LOG
     )
-    (policy,) = kube.of_kind("NetworkPolicy").values()
-    assert policy["spec"]["ingress"][-1] == metrics_ingress("mon")[0]
+    policies = kube.of_kind("NetworkPolicy")
+    workers = next(p for p in policies.values() if p["metadata"]["name"] == "tiny-workers")
+    assert workers["spec"]["ingress"][-1] == metrics_ingress("mon")[0]
+    router = next(p for p in policies.values() if p["metadata"]["name"] == "tiny-router")
+    scrapers = router["spec"]["ingress"][-1]
+    assert scrapers["from"] == metrics_ingress("mon")[0]["from"]
+    assert scrapers["ports"] == [{"protocol": "TCP", "port": "status"}]
 
 
 def test_configuration_from_the_environment() -> None:

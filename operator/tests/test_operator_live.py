@@ -37,7 +37,7 @@ from dsv4_operator.render import render
 CHILD_KINDS = {
     ("v1", "ServiceAccount"): {"tiny-workload"},
     ("v1", "ConfigMap"): {"tiny-config"},
-    ("networking.k8s.io/v1", "NetworkPolicy"): {"tiny-workers"},
+    ("networking.k8s.io/v1", "NetworkPolicy"): {"tiny-workers", "tiny-router"},
     ("v1", "Service"): {
         "tiny-prefill",
         "tiny-decode",

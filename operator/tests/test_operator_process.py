@@ -196,7 +196,8 @@ def test_the_charts_command_line_runs_the_operator(server: FakeApiServer, tmp_pa
         image = statefulsets[0]["spec"]["template"]["spec"]["containers"][0]["image"]
         assert image == env["DSV4_WORKER_IMAGE"]
         # The chart's DSV4_METRICS_SCRAPE_NAMESPACE reached the NetworkPolicy.
-        (policy,) = server.list("networking.k8s.io/v1", "NetworkPolicy", NS)
+        policies = server.list("networking.k8s.io/v1", "NetworkPolicy", NS)
+        (policy,) = [p for p in policies if p["metadata"]["name"] == "tiny-workers"]
         scrapers = policy["spec"]["ingress"][-1]["from"][0]["namespaceSelector"]
         assert scrapers == {"matchLabels": {L.NAMESPACE_NAME_LABEL: "monitoring"}}
         # The operator's own metrics: the reconcile was counted, the plan is exported.

@@ -177,7 +177,7 @@ def _network_policy(body: Body) -> Body:
     state = build_desired_state(
         spec, parse_meta(body), plan_memory(spec), metrics_scrape_namespace="monitoring"
     )
-    (policy,) = named(state, "NetworkPolicy").values()
+    policy = named(state, "NetworkPolicy")[f"{body['metadata']['name']}-workers"]
     rules: Body = policy["spec"]
     return rules
 
