@@ -157,6 +157,16 @@ def metrics_ingress(scrape_namespace: str, *, sglang: bool = False) -> list[Obj]
     ]
 
 
+def operator_ingress(port: int | str) -> Obj:
+    """The operator's pods (any namespace) on `port`."""
+    return {
+        "from": [
+            {"namespaceSelector": {}, "podSelector": {"matchLabels": dict(L.OPERATOR_POD_LABELS)}}
+        ],
+        "ports": [{"protocol": "TCP", "port": port}],
+    }
+
+
 def build_network_policy(
     meta: DeploymentMeta, scrape_namespace: str = "", *, sglang: bool = False
 ) -> Obj:
@@ -187,15 +197,7 @@ def build_network_policy(
                         {"protocol": "TCP", "port": STATUS_PORT},
                     ],
                 },
-                {
-                    "from": [
-                        {
-                            "namespaceSelector": {},
-                            "podSelector": {"matchLabels": dict(L.OPERATOR_POD_LABELS)},
-                        }
-                    ],
-                    "ports": [{"protocol": "TCP", "port": observed_port}],
-                },
+                operator_ingress(observed_port),
                 *metrics_ingress(scrape_namespace, sglang=sglang),
             ],
         },
@@ -207,11 +209,6 @@ def build_router_network_policy(meta: DeploymentMeta, scrape_namespace: str = ""
     namespace) and the metrics scrapers' namespace (when given) on `status` (/status,
     /metrics). Everything else is denied."""
     router = L.component_selector(meta.name, "router")
-    status = [{"protocol": "TCP", "port": "status"}]
-    scrapers: list[Obj] = []
-    if scrape_namespace:
-        namespace = {L.NAMESPACE_NAME_LABEL: scrape_namespace}
-        scrapers = [{"from": [{"namespaceSelector": {"matchLabels": namespace}}], "ports": status}]
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -223,16 +220,8 @@ def build_router_network_policy(meta: DeploymentMeta, scrape_namespace: str = ""
             "policyTypes": ["Ingress"],
             "ingress": [
                 {"ports": [{"protocol": "TCP", "port": "http"}]},
-                {
-                    "from": [
-                        {
-                            "namespaceSelector": {},
-                            "podSelector": {"matchLabels": dict(L.OPERATOR_POD_LABELS)},
-                        }
-                    ],
-                    "ports": status,
-                },
-                *scrapers,
+                operator_ingress("status"),
+                *metrics_ingress(scrape_namespace),  # the router's /metrics is on `status`
             ],
         },
     }
