@@ -26,7 +26,8 @@ from typing import Literal
 import torch
 
 from dsv4_common.core.model import DSV4Config
-from dsv4_worker.model.weights import Shapes, _dsv4_layer_shapes
+from dsv4_common.core.tensors import mtp_params
+from dsv4_worker.model.weights import Shapes, dsv4_shapes
 
 _SCOPED = re.compile(r"^(layers|mtp)\.(\d+)\.(.+)$")
 _FUSED: dict[str, Literal["gate_up", "down"]] = {
@@ -151,23 +152,9 @@ def scale_owner(name: str) -> str | None:
 
 def mtp_param_shapes(model: DSV4Config) -> Shapes:
     """Every MTP (NextN) layer's parameters: `mtp.K.` + a block of compress ratio 0 (the
-    ratio list's tail) + its embedding/hidden projections, norms and head hyper-connection."""
-    w, hc = model.weights, model.arch.hc_mult
-    h = w.hidden_size
+    ratio list's tail) + its embedding/hidden projections, norms and head hyper-connection
+    (`dsv4_common.core.tensors.mtp_params`)."""
     shapes: Shapes = {}
     for k in range(model.num_nextn_predict_layers):
-        layer = model.num_hidden_layers + k
-        block = _dsv4_layer_shapes(model, layer)
-        p = f"mtp.{k}"
-        shapes |= {f"{p}.{n.removeprefix(f'layers.{layer}.')}": s for n, s in block.items()}
-        shapes |= {
-            f"{p}.e_proj.weight": (h, h),
-            f"{p}.h_proj.weight": (h, h),
-            f"{p}.enorm.weight": (h,),
-            f"{p}.hnorm.weight": (h,),
-            f"{p}.norm.weight": (h,),
-            f"{p}.hc_head_fn": (hc, hc * h),
-            f"{p}.hc_head_base": (hc,),
-            f"{p}.hc_head_scale": (1,),
-        }
+        shapes |= dsv4_shapes(mtp_params(model, k))
     return shapes

@@ -2,21 +2,9 @@
 initialization, and safetensors save/load. Never downloads anything.
 
 DeepSeek-V4 parameters carry the published checkpoint's names (DeepSeek's release, no `model.`
-prefix; transformers' names are mapped to these by `checkpoint.py`). Per layer N, `hc` residual
-streams, `k` = 2 for an overlapped (CSA) compressor and 1 otherwise:
-
-    layers.N.attn_norm, ffn_norm                         [H]
-    layers.N.hc_attn_{fn, base, scale}, hc_ffn_*         [(2+hc)*hc, hc*H], [(2+hc)*hc], [3]
-    layers.N.attn.wq_a, q_norm, wq_b                     q latent (q_lora_rank), heads*head_dim
-    layers.N.attn.wkv, kv_norm                           one latent KV head (K == V)
-    layers.N.attn.wo_a, wo_b                             grouped output projection
-    layers.N.attn.attn_sink                              [heads]
-    layers.N.attn.compressor.{wkv, wgate, ape, norm}     [k*d, H] x2, [ratio, k*d], [d]
-    layers.N.attn.indexer.{wq_b, weights_proj}           CSA layers
-    layers.N.attn.indexer.compressor.{wkv, wgate, ape, norm}
-    layers.N.ffn.gate.weight + gate.bias | gate.tid2eid  top-k layers | hash layers
-    layers.N.ffn.experts.E.{w1, w2, w3}, ffn.shared_experts.{w1, w2, w3}
-    embed.weight, head.weight, norm.weight, hc_head_{fn, base, scale}
+prefix; transformers' names are mapped to these by `checkpoint_names.py`), with the names and
+shapes `dsv4_common.core.tensors` lists (its docstring has the table; the planner counts weight
+bytes from the same lists).
 
 The generic hybrid family keeps HuggingFace Llama-style names (`model.layers.N.self_attn...`).
 """
@@ -24,11 +12,12 @@ The generic hybrid family keeps HuggingFace Llama-style names (`model.layers.N.s
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
 
+from dsv4_common.core import tensors as T
 from dsv4_common.core.model import DSV4Config, HybridSWAConfig, ModelConfig
 from dsv4_worker.model.ops import COMPUTE
 
@@ -49,77 +38,10 @@ def layer_prefix(model: ModelConfig, layer: int) -> str:
     return f"layers.{layer}" if isinstance(model, DSV4Config) else f"model.layers.{layer}"
 
 
-def _compressor_shapes(prefix: str, hidden: int, dim: int, ratio: int, overlap: bool) -> Shapes:
-    width = (2 if overlap else 1) * dim
-    return {
-        f"{prefix}.wkv.weight": (width, hidden),
-        f"{prefix}.wgate.weight": (width, hidden),
-        f"{prefix}.ape": (ratio, width),
-        f"{prefix}.norm.weight": (dim,),
-    }
-
-
-def _hc_shapes(prefix: str, hc: int, hidden: int) -> Shapes:
-    mixes = (2 + hc) * hc
-    return {
-        f"{prefix}_fn": (mixes, hc * hidden),
-        f"{prefix}_base": (mixes,),
-        f"{prefix}_scale": (3,),
-    }
-
-
-def _expert_shapes(prefix: str, hidden: int, inter: int) -> Shapes:
-    return {
-        f"{prefix}.w1.weight": (inter, hidden),
-        f"{prefix}.w2.weight": (hidden, inter),
-        f"{prefix}.w3.weight": (inter, hidden),
-    }
-
-
-def _dsv4_layer_shapes(m: DSV4Config, i: int) -> Shapes:
-    w, arch = m.weights, m.arch
-    h, d, heads = w.hidden_size, m.head_dim, w.num_attention_heads
-    p = f"layers.{i}"
-    a = f"{p}.attn"
-    shapes: Shapes = {
-        f"{p}.attn_norm.weight": (h,),
-        f"{p}.ffn_norm.weight": (h,),
-        **_hc_shapes(f"{p}.hc_attn", arch.hc_mult, h),
-        **_hc_shapes(f"{p}.hc_ffn", arch.hc_mult, h),
-        f"{a}.wq_a.weight": (w.q_lora_rank, h),
-        f"{a}.q_norm.weight": (w.q_lora_rank,),
-        f"{a}.wq_b.weight": (heads * d, w.q_lora_rank),
-        f"{a}.wkv.weight": (d, h),
-        f"{a}.kv_norm.weight": (d,),
-        f"{a}.wo_a.weight": (arch.o_groups * w.o_lora_rank, heads * d // arch.o_groups),
-        f"{a}.wo_b.weight": (h, arch.o_groups * w.o_lora_rank),
-        f"{a}.attn_sink": (heads,),
-    }
-    ratio = m.compress_ratios[i] if i < len(m.compress_ratios) else 0
-    if ratio:
-        sparse = ratio == m.sparse_ratio
-        shapes |= _compressor_shapes(f"{a}.compressor", h, d, ratio, overlap=sparse)
-        if sparse:
-            idx = f"{a}.indexer"
-            shapes |= {
-                f"{idx}.wq_b.weight": (m.index_n_heads * m.index_head_dim, w.q_lora_rank),
-                f"{idx}.weights_proj.weight": (m.index_n_heads, h),
-            }
-            shapes |= _compressor_shapes(
-                f"{idx}.compressor", h, m.index_head_dim, ratio, overlap=True
-            )
-    f = f"{p}.ffn"
-    shapes[f"{f}.gate.weight"] = (w.num_routed_experts, h)
-    if i < arch.num_hash_layers:
-        shapes[f"{f}.gate.tid2eid"] = (w.vocab_size, w.num_experts_per_token)
-    else:
-        shapes[f"{f}.gate.bias"] = (w.num_routed_experts,)
-    for e in range(w.num_routed_experts):
-        shapes |= _expert_shapes(f"{f}.experts.{e}", h, w.moe_intermediate_size)
-    if w.num_shared_experts:
-        inter = w.num_shared_experts * w.moe_intermediate_size
-        shapes |= _expert_shapes(f"{f}.shared_experts", h, inter)
-    return shapes
+def dsv4_shapes(params: Iterable[T.Param]) -> Shapes:
+    """Names and shapes of DeepSeek-V4 parameters as `dsv4_common.core.tensors` lists them
+    (the planner counts bytes from the same lists)."""
+    return {name: p.shape for p in params for name in p.names()}
 
 
 def _hybrid_layer_shapes(m: HybridSWAConfig, i: int) -> Shapes:
@@ -152,25 +74,25 @@ def _ffn_shapes(prefix: str, hidden: int, inter: int) -> Shapes:
 
 def param_shapes(model: ModelConfig) -> Shapes:
     """Every parameter of the model's target layers (the MTP layer is loaded apart)."""
+    if isinstance(model, DSV4Config):
+        if model.weights.num_dense_layers:
+            raise NotImplementedError(
+                f"model {model.name}: the worker's DeepSeek-V4 has no dense FFN layers "
+                "(first_k_dense_replace); the release has none"
+            )
+        shapes = dsv4_shapes((*T.embedding_params(model), *T.head_params(model)))
+        for i in range(model.num_hidden_layers):
+            shapes |= dsv4_shapes(T.layer_params(model, i))
+        return shapes
     w = model.weights
     embed, norm, head = global_names(model)
-    shapes: Shapes = {
+    shapes = {
         embed: (w.vocab_size, w.hidden_size),
         norm: (w.hidden_size,),
         head: (w.vocab_size, w.hidden_size),
     }
-    if isinstance(model, DSV4Config):
-        hc = model.arch.hc_mult
-        shapes |= {
-            "hc_head_fn": (hc, hc * w.hidden_size),
-            "hc_head_base": (hc,),
-            "hc_head_scale": (1,),
-        }
     for i in range(model.num_hidden_layers):
-        if isinstance(model, DSV4Config):
-            shapes |= _dsv4_layer_shapes(model, i)
-        else:
-            shapes |= _hybrid_layer_shapes(model, i)
+        shapes |= _hybrid_layer_shapes(model, i)
     return shapes
 
 

@@ -158,3 +158,13 @@ def test_more_experts_per_token_than_experts_is_refused() -> None:
 
     with pytest.raises(ModelConfigError, match="num_experts_per_tok"):
         tiny_moe(5)
+
+
+def test_dense_ffn_layers_are_refused_not_computed_as_moe() -> None:
+    """The planner counts first_k_dense_replace layers' dense weights (core/tensors.py, the
+    shapes the worker uses too); the worker's model has no dense FFN, so it refuses them."""
+    import dataclasses
+
+    weights = dataclasses.replace(tiny().weights, num_dense_layers=1, intermediate_size=64)
+    with pytest.raises(NotImplementedError, match="first_k_dense_replace"):
+        param_shapes(dataclasses.replace(tiny(), weights=weights))
