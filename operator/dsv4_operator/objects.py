@@ -45,8 +45,8 @@ from dsv4_operator.workloads import (
     DEFAULT_WORKER_IMAGE,
     build_group_statefulset,
     build_router_deployment,
+    gpu_worker_requests,
     router_pod_template,
-    weight_memory_requests,
     with_template_hash,
     worker_pod_template,
 )
@@ -172,7 +172,7 @@ def build_desired_state(
         objects.append(build_role_service(meta, role))
         objects.append(build_pdb(meta, role))
         role_data = role_config_data(data, role)
-        defaults = weight_memory_requests(spec, memory.role(role))
+        defaults = gpu_worker_requests(spec, memory.role(role))
         replicas = spec.role(role).replicas
         for replica in range(replicas + spec.role(role).rollout.max_surge):
             group = L.group_name(meta.name, role, replica)

@@ -18,6 +18,10 @@ Merge rules:
   `envFrom`, `volumeMounts` (appended; an env name or mount path the operator uses is refused,
   and a mount must name a volume of the pod) and `resources` (merged per resource; the GPU count
   is refused). Containers of other names are sidecars, appended as written.
+- The main container's resources, after the merge: each default request applies to a resource
+  the user sets neither a request nor a limit for; a memory request without a memory limit
+  gets one, the request plus the sizeLimits of the pod's memory-backed emptyDirs (tmpfs pages
+  count against the memory of the container that writes them, so /dev/shm must fit in it).
 - Fields the operator owns (its command, image, ports, probes, the hardened security contexts,
   the service account, ...) are refused with "owned by the operator"; any other field with "not
   supported".
@@ -26,6 +30,7 @@ Merge rules:
 from __future__ import annotations
 
 import copy
+import math
 import re
 from collections.abc import Callable, Mapping
 from typing import Any, Final
@@ -105,7 +110,8 @@ def merge_pod_template(
     args_refused: str | None = None,
 ) -> Obj:
     """`base` (generated; left unchanged) with `user` merged in. `default_requests` go to the
-    main container for each resource the user sets neither a request nor a limit for.
+    main container for each resource the user sets neither a request nor a limit for; its
+    memory limit defaults to `default_memory_limit`.
     `args_refused`: why the main container takes no `args` (engine sglang), if it takes none."""
     out = copy.deepcopy(base)
     merger = _Merger(path, args_refused)
@@ -118,12 +124,38 @@ def merge_pod_template(
     for name, value in (default_requests or {}).items():
         if name not in resources.get("requests", {}) and name not in resources.get("limits", {}):
             resources.setdefault("requests", {})[name] = value
+    if "memory" not in resources.get("limits", {}):
+        limit = default_memory_limit(resources.get("requests", {}).get("memory"), out["spec"])
+        if limit is not None:
+            resources.setdefault("limits", {})["memory"] = limit
     merger.requests_within_limits(resources, f"{path}.spec.containers[{main}].resources")
     if not resources and not had_resources:
         del container["resources"]
     if merger.errors:
         raise SpecError(list(dict.fromkeys(merger.errors)))
     return out
+
+
+def default_memory_limit(request: object, pod: Obj) -> str | None:
+    """The memory limit of a container that sets none: its `request` plus the sizeLimits of
+    the memory-backed emptyDirs of `pod` (None without a request, or for 0: a zero limit
+    would not mean "as requested")."""
+    amount = quantity(request)
+    if amount is None:
+        return None
+    for volume in pod.get("volumes", []):
+        empty_dir = volume.get("emptyDir")
+        if isinstance(empty_dir, Mapping) and empty_dir.get("medium") == "Memory":
+            amount += quantity(empty_dir.get("sizeLimit")) or 0
+    return _byte_quantity(math.ceil(amount)) if amount > 0 else None
+
+
+def _byte_quantity(num_bytes: int) -> str:
+    """`num_bytes` in the largest binary unit that holds it exactly (Gi, Mi, Ki), else bytes."""
+    for suffix, unit in (("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)):
+        if num_bytes % unit == 0:
+            return f"{num_bytes // unit}{suffix}"
+    return str(num_bytes)
 
 
 def _qualified_name(key: object) -> bool:

@@ -33,10 +33,12 @@ ROUTER_LIMITS: Final = {"memory": "1Gi"}
 STARTUP_PERIOD_S: Final = 10
 STARTUP_FAILURES: Final = 360
 # GPU pods request host memory for the weights they load (every GPU's shard of the largest PP
-# rank of the role) plus a margin: 10% and 8 GiB for the runtime. A user memory request or
-# limit replaces it.
+# rank of the role) plus a margin: 10% and 8 GiB for the runtime, and CPU for each GPU's
+# process (its scheduler loop, kernel launches, NCCL and transfer threads). A user request or
+# limit of either resource replaces its default.
 WEIGHT_MEMORY_MARGIN: Final = 0.10
 RUNTIME_MEMORY_BYTES: Final = 8 * GIB
+CPU_PER_GPU: Final = 2
 SGLANG_TMP_LIMIT: Final = "16Gi"
 
 
@@ -91,13 +93,14 @@ def worker_resources(spec: DeploymentSpec) -> Obj:
     return out
 
 
-def weight_memory_requests(spec: DeploymentSpec, plan: Plan) -> dict[str, str]:
-    """The default memory request of a role's GPU worker pods (none in CPU mode)."""
+def gpu_worker_requests(spec: DeploymentSpec, plan: Plan) -> dict[str, str]:
+    """The default requests of a role's GPU worker pods, either engine (none in CPU mode, whose
+    pods have CPU_MODE_REQUESTS): memory for the weights, CPU per GPU."""
     if spec.gpu.cpu_mode:
         return {}
     weights = max(r.weight_bytes for r in plan.ranks) * spec.gpu.per_pod
     need = weights * (1 + WEIGHT_MEMORY_MARGIN) + RUNTIME_MEMORY_BYTES
-    return {"memory": f"{math.ceil(need / GIB)}Gi"}
+    return {"cpu": str(CPU_PER_GPU * spec.gpu.per_pod), "memory": f"{math.ceil(need / GIB)}Gi"}
 
 
 def _volumes(meta: DeploymentMeta, spec: DeploymentSpec) -> tuple[list[Obj], list[Obj]]:

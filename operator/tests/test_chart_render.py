@@ -17,6 +17,7 @@ from repo_paths import CRD_FILE
 from support import crd_support as S
 from support.chart_support import CHART, K8S_VERSIONS, helm, needs_helm, render
 
+from dsv4_operator import labels as L
 from dsv4_operator.objects import MANAGED_KINDS
 from dsv4_operator.render import render as render_cr
 
@@ -40,6 +41,13 @@ VALUE_SETS: dict[str, list[str]] = {
         "extraVolumeMounts[0].mountPath=/models/DeepSeek-V4-Pro",
         "--set",
         "extraVolumeMounts[0].readOnly=true",
+    ],
+    "no-network-policy": ["--set", "networkPolicy.enabled=false"],
+    "by-digest": [
+        "--set",
+        f"image.digest=sha256:{'a' * 64}",
+        "--set",
+        f"workerImage.digest=sha256:{'b' * 64}",
     ],
 }
 
@@ -123,6 +131,92 @@ def test_operator_pod_is_locked_down() -> None:
     assert "--standalone" in container["args"] and "--all-namespaces" in container["args"]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["DSV4_PEERING"] == ""  # standalone for dsv4_operator.settings too
+
+
+# --- the operator pod's probes, NetworkPolicy and images (checkov, see README.md) -------------
+
+
+def _ingress_ports(policy: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Port name -> the `from` peers of the rule admitting it ([] for anywhere)."""
+    return {
+        port["port"]: rule.get("from", [])
+        for rule in policy["spec"].get("ingress") or []
+        for port in rule["ports"]
+    }
+
+
+@needs_helm
+@pytest.mark.parametrize(
+    ("values", "admitted"),
+    [
+        ([], {"metrics": "monitoring"}),
+        (["--set", "webhook.enabled=true"], {"metrics": "monitoring", "webhook": None}),
+        (["--set", "metrics.scrapeNamespace=prom"], {"metrics": "prom"}),
+        (["--set", "metrics.scrapeNamespace="], {}),
+        (["--set", "metrics.port=0", "--set", "webhook.enabled=true"], {"webhook": None}),
+        (["--set", "replicaCount=2", "--set", "rbac.namespaced=true"], {"metrics": "monitoring"}),
+    ],
+)
+def test_operator_pods_have_an_ingress_only_network_policy(
+    values: list[str], admitted: dict[str, str | None]
+) -> None:
+    """checkov CKV2_K8S_6. The webhook port from anywhere (the API server's address matches no
+    selector), the metrics port from the scrapers' namespace, nothing else (the kubelet's
+    probes come from the node, always allowed). Egress stays open: the operator must reach the
+    API server and the workers' status ports."""
+    objects = render(*values)
+    (policy,) = by_kind(objects, "NetworkPolicy")
+    (sts,) = by_kind(objects, "StatefulSet")
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert policy["metadata"]["namespace"] == sts["metadata"]["namespace"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"] and "egress" not in policy["spec"]
+    ports = _ingress_ports(policy)
+    assert set(ports) == set(admitted)
+    container_ports = {p["name"] for p in sts["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert set(ports) <= container_ports  # named ports the container declares
+    for port, namespace in admitted.items():
+        expected = (
+            []
+            if namespace is None
+            else [{"namespaceSelector": {"matchLabels": {L.NAMESPACE_NAME_LABEL: namespace}}}]
+        )
+        assert ports[port] == expected
+
+
+@needs_helm
+def test_the_network_policy_can_be_turned_off() -> None:
+    assert not by_kind(render(*VALUE_SETS["no-network-policy"]), "NetworkPolicy")
+
+
+@needs_helm
+def test_operator_readiness_asks_kopf_health_endpoint() -> None:
+    """checkov CKV_K8S_9: ready once kopf serves --liveness (after its start-up handlers); with
+    the webhook on, once the webhook port accepts connections (test_chart_webhook.py)."""
+    (sts,) = by_kind(render("--set", "livenessPort=8181"), "StatefulSet")
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    assert "--liveness=http://0.0.0.0:8181/healthz" in container["args"]
+    probe = container["readinessProbe"]
+    assert probe["httpGet"] == {"path": "/healthz", "port": "healthz"}
+    assert {"name": "healthz", "containerPort": 8181, "protocol": "TCP"} in container["ports"]
+    assert probe["httpGet"] == container["livenessProbe"]["httpGet"]
+
+
+@needs_helm
+def test_images_can_be_pinned_by_digest() -> None:
+    """checkov CKV_K8S_43: `image.digest` / `workerImage.digest` replace the tag."""
+    (sts,) = by_kind(render(*VALUE_SETS["by-digest"]), "StatefulSet")
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == f"ghcr.io/dsv4-serve/operator@sha256:{'a' * 64}"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["DSV4_WORKER_IMAGE"] == f"ghcr.io/dsv4-serve/worker@sha256:{'b' * 64}"
+    (sts,) = by_kind(
+        render("--set", "image.tag=1.2.3", "--set", "workerImage.tag=7"), "StatefulSet"
+    )
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "ghcr.io/dsv4-serve/operator:1.2.3"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["DSV4_WORKER_IMAGE"] == "ghcr.io/dsv4-serve/worker:7"
 
 
 @needs_helm

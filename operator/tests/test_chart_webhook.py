@@ -106,7 +106,7 @@ def test_the_webhook_is_off_by_default() -> None:
     main = container(objects)
     assert not [e for e in main["env"] if e["name"].startswith("DSV4_WEBHOOK_")]
     assert "webhook" not in {p["name"] for p in main["ports"]}
-    assert "readinessProbe" not in main
+    assert main["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
     # The operator then serves nothing (kopf needs a server object for its validate handler).
     assert settings.webhook_server(env_of(objects)) is None
 

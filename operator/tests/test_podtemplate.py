@@ -14,6 +14,9 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from repo_paths import SAMPLES
 
 from dsv4_common.api.deployment import plan_memory
 from dsv4_common.api.names import GPU_RESOURCE
@@ -22,6 +25,7 @@ from dsv4_common.cli import main
 from dsv4_common.core.units import GIB
 from dsv4_operator import labels as L
 from dsv4_operator.objects import DesiredState, build_desired_state
+from dsv4_operator.podtemplate import default_memory_limit
 from dsv4_operator.quantities import quantity
 from dsv4_operator.render import render
 
@@ -552,13 +556,21 @@ def test_render_prints_merged_objects_and_refuses_owned_fields(
     assert f"{W}.ports: owned by the operator" in capsys.readouterr().err
 
 
-# --- the weight-sized memory request ---------------------------------------------------------
+# --- the default requests and the memory limit ----------------------------------------------
 
 
 def _expected_memory(body: Body, role: str) -> str:
     spec = parse_spec(body)
     weights = max(r.weight_bytes for r in plan_memory(spec).role(role).ranks) * spec.gpu.per_pod
     return f"{math.ceil((weights * 1.1 + 8 * GIB) / GIB)}Gi"
+
+
+def _plus_shm(memory: str) -> str:
+    """`memory` plus the GPU pods' 32 GiB /dev/shm (written tmpfs pages count against the
+    container's memory)."""
+    total = quantity(memory)
+    assert total is not None
+    return f"{int((total + 32 * GIB) / GIB)}Gi"
 
 
 def _gpu_body(make_body: Callable[..., Body]) -> Body:
@@ -572,41 +584,47 @@ def test_gpu_pods_request_memory_for_their_weights(make_body: Callable[..., Body
     state = desired(body)
     for role, name in (("prefill", "flash-prefill-0"), ("decode", "flash-decode-1")):
         resources = container(pod_template(state, name))["resources"]
-        assert resources["requests"] == {"memory": _expected_memory(body, role)}
-        assert "memory" not in resources["limits"]
+        memory = _expected_memory(body, role)
+        assert resources["requests"] == {"cpu": "8", "memory": memory}  # 2 CPUs per GPU
+        assert resources["limits"] == {GPU_RESOURCE: "4", "memory": _plus_shm(memory)}
         weights = quantity(resources["requests"]["memory"])
         assert weights is not None and weights > 8 * GIB  # the model's shard, not only the margin
 
 
 @pytest.mark.parametrize(
-    ("resources", "expected"),
+    ("resources", "requests", "memory_limit"),
     [
-        ({"requests": {"memory": "300Gi"}}, {"memory": "300Gi"}),
-        ({"limits": {"memory": "500Gi"}}, None),  # the API server sets the request to the limit
-        ({"requests": {"cpu": "8"}}, "default"),
+        ({"requests": {"memory": "300Gi"}}, {"cpu": "8", "memory": "300Gi"}, "332Gi"),
+        # The API server sets the request to the limit.
+        ({"limits": {"memory": "500Gi"}}, {"cpu": "8"}, "500Gi"),
+        ({"requests": {"cpu": "24"}}, {"cpu": "24", "memory": "default"}, "default"),
+        ({"limits": {"cpu": "32"}}, {"memory": "default"}, "default"),
+        (
+            {"requests": {"memory": "100Gi"}, "limits": {"memory": "120Gi"}},
+            {"cpu": "8", "memory": "100Gi"},
+            "120Gi",
+        ),
     ],
 )
-def test_a_user_memory_setting_replaces_the_default(
-    make_body: Callable[..., Body], resources: Body, expected: Any
+def test_a_user_setting_replaces_the_default(
+    make_body: Callable[..., Body], resources: Body, requests: Body, memory_limit: str
 ) -> None:
     body = with_template(_gpu_body(make_body), "decode", spec_of(worker(resources=resources)))
-    requests = container(pod_template(desired(body), "flash-decode-0"))["resources"].get(
-        "requests", {}
+    got = container(pod_template(desired(body), "flash-decode-0"))["resources"]
+    default = _expected_memory(body, "decode")
+    if requests.get("memory") == "default":
+        requests = {**requests, "memory": default}
+    assert got.get("requests", {}) == requests
+    assert got["limits"]["memory"] == (
+        _plus_shm(default) if memory_limit == "default" else memory_limit
     )
-    if expected == "default":
-        assert requests == {"cpu": "8", "memory": _expected_memory(body, "decode")}
-    elif expected is None:
-        assert "memory" not in requests
-    else:
-        assert requests == expected
 
 
-def test_spec_resources_memory_also_replaces_the_default(make_body: Callable[..., Body]) -> None:
-    state = desired(make_body("flash-gpu.yaml"))  # resources.requests.memory: 200Gi
-    assert (
-        container(pod_template(state, "flash-decode-0"))["resources"]["requests"]["memory"]
-        == "200Gi"
-    )
+def test_spec_resources_also_replace_the_default(make_body: Callable[..., Body]) -> None:
+    state = desired(make_body("flash-gpu.yaml"))  # resources.requests: cpu 16, memory 200Gi
+    resources = container(pod_template(state, "flash-decode-0"))["resources"]
+    assert resources["requests"] == {"cpu": "16", "memory": "200Gi"}
+    assert resources["limits"]["memory"] == "232Gi"
 
 
 def test_cpu_pods_keep_their_cpu_mode_resources(make_body: Callable[..., Body]) -> None:
@@ -615,6 +633,78 @@ def test_cpu_pods_keep_their_cpu_mode_resources(make_body: Callable[..., Body]) 
         "requests": {"cpu": "500m", "memory": "1536Mi"},
         "limits": {"memory": "2Gi"},
     }
+
+
+@pytest.mark.parametrize(
+    ("request_", "volumes", "limit"),
+    [
+        ("244Gi", [], "244Gi"),
+        ("244Gi", [{"medium": "Memory", "sizeLimit": "32Gi"}], "276Gi"),
+        ("1Gi", [{"sizeLimit": "10Gi"}], "1Gi"),  # on disk: not memory
+        ("1Gi", [{"medium": "Memory", "sizeLimit": "512Mi"}, {"medium": "Memory"}], "1536Mi"),
+        ("200G", [], "195312500Ki"),
+        ("1500m", [], "2"),  # milli-bytes, rounded up
+        ("0", [], None),
+        (None, [{"medium": "Memory", "sizeLimit": "1Gi"}], None),
+    ],
+)
+def test_default_memory_limit(request_: str | None, volumes: list[Body], limit: str | None) -> None:
+    pod = {"volumes": [{"name": f"v{i}", "emptyDir": v} for i, v in enumerate(volumes)]}
+    assert default_memory_limit(request_, pod) == limit
+    if limit is not None:
+        total = sum(quantity(v.get("sizeLimit")) or 0 for v in volumes if v.get("medium"))
+        assert quantity(limit) == math.ceil(quantity(request_) + total)  # type: ignore[operator]
+
+
+def test_a_memory_emptydir_of_the_user_raises_the_default_limit(
+    make_body: Callable[..., Body],
+) -> None:
+    volume = {"name": "scratch", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}}
+    body = with_template(_gpu_body(make_body), "decode", spec_of(volumes=[volume]))
+    got = container(pod_template(desired(body), "flash-decode-0"))["resources"]
+    default = quantity(_plus_shm(_expected_memory(body, "decode")))
+    assert default is not None and quantity(got["limits"]["memory"]) == default + 8 * GIB
+
+
+_GPU_BODY: Body = yaml.safe_load((SAMPLES / "flash-gpu.yaml").read_text())
+del _GPU_BODY["spec"]["resources"]
+_QUANTITIES = {
+    "cpu": st.sampled_from(["500m", "4", "16", "64"]),
+    "memory": st.sampled_from(["64Gi", "150Gi", "200Gi", "300G", "250000Mi", "512Gi"]),
+}
+_SOME = st.fixed_dictionaries({}, optional=_QUANTITIES)
+
+
+@settings(max_examples=60, deadline=None)
+@given(requests=_SOME, limits=_SOME)
+def test_user_resources_are_kept_and_every_resource_is_bounded(
+    requests: dict[str, str], limits: dict[str, str]
+) -> None:
+    """Whatever cpu and memory a role's podTemplate sets: the user's values are kept as
+    written; a request above its limit is refused; each resource ends with a request or a
+    limit (the API server copies a lone limit into the request); memory always has a limit,
+    the effective request plus /dev/shm when the user set none."""
+    resources = {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
+    body = with_template(_GPU_BODY, "decode", spec_of(worker(resources=resources)))
+    over = [
+        n
+        for n in requests
+        if n in limits and quantity(requests[n]) > quantity(limits[n])  # type: ignore[operator]
+    ]
+    if over:
+        assert {e.split(": ")[0] for e in refused(body)} == {
+            f"{W}.resources.requests.{n}" for n in over
+        }
+        return
+    got = container(pod_template(desired(body), "flash-decode-0"))["resources"]
+    assert requests.items() <= got.get("requests", {}).items()
+    assert limits.items() <= got["limits"].items()
+    for name in ("cpu", "memory"):
+        assert name in got.get("requests", {}) or name in got["limits"]
+    if "memory" not in limits:  # the effective request, plus the 32 GiB /dev/shm
+        effective = quantity(got["requests"]["memory"])
+        assert effective is not None
+        assert quantity(got["limits"]["memory"]) == math.ceil(effective + 32 * GIB)
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,17 @@ app.kubernetes.io/part-of: dsv4-serve
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
+{{/* An image reference from (list <values with repository, tag, digest> <appVersion>):
+repository@digest when a digest is given, else repository:tag (default tag: appVersion). */}}
+{{- define "dsv4-operator.image" -}}
+{{- $image := index . 0 -}}
+{{- if $image.digest -}}
+{{- printf "%s@%s" $image.repository $image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $image.repository (toString (default (index . 1) $image.tag)) -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "dsv4-operator.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
 {{- default (include "dsv4-operator.fullname" .) .Values.serviceAccount.name -}}
