@@ -9,10 +9,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from dsv4_operator import labels as L
-from dsv4_operator.quantities import same_quantity
+from dsv4_operator.quantities import MILLI, NANO, same_quantity
 
-# Maps whose values are resource quantities (the API server stores them canonically).
+# Maps whose values are resource quantities (the API server stores them canonically); a
+# container's requests and limits are also rounded up to milli precision.
 _QUANTITY_MAPS = frozenset({"requests", "limits", "capacity", "allocatable", "hard"})
+_MILLI_MAPS = frozenset({"requests", "limits"})
 _QUANTITY_KEYS = frozenset({"sizeLimit", "storage"})
 # Keys that identify the items of keyed lists (containers, env, volumes, ports...): the server
 # merges such lists per item and keeps items another manager (a webhook, a sidecar injector)
@@ -22,12 +24,13 @@ _ITEM_KEYS = ("name", "containerPort", "mountPath", "devicePath", "ip")
 
 def holds(live: object, desired: object, *, quantity: bool = False) -> bool:
     """True when `live` contains `desired` as a real API server would store it: every planned
-    map key with an equal value (quantities compared by value: `0.5` == `500m`); keyed lists
+    map key with an equal value (quantities compared by the value the server stores: `0.5` ==
+    `500m`, and a container's requests and limits rounded up to milli: `100u` == `1m`); keyed lists
     (items with a name, containerPort, mountPath...) item by item, extra live items allowed;
     other lists element-wise with equal length (the server adds defaults inside elements).
     `quantity`: `desired` is a resource quantity."""
     if quantity:
-        return live == desired or same_quantity(live, desired)
+        return _same_quantity(live, desired, NANO)
     if isinstance(desired, Mapping):
         if not isinstance(live, Mapping):
             return False
@@ -41,10 +44,15 @@ def _field_holds(key: str, live: object, desired: object) -> bool:
     if key in _QUANTITY_KEYS:
         return holds(live, desired, quantity=True)
     if key in _QUANTITY_MAPS and isinstance(desired, Mapping):
+        places = MILLI if key in _MILLI_MAPS else NANO
         return isinstance(live, Mapping) and all(
-            k in live and holds(live[k], v, quantity=True) for k, v in desired.items()
+            k in live and _same_quantity(live[k], v, places) for k, v in desired.items()
         )
     return holds(live, desired)
+
+
+def _same_quantity(live: object, desired: object, places: int) -> bool:
+    return live == desired or same_quantity(live, desired, places)
 
 
 def _list_holds(live: list[Any], desired: list[Any]) -> bool:

@@ -6,6 +6,7 @@ The only module that talks to the API server.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Final
@@ -21,7 +22,7 @@ UNSERVED_RECHECK_S: Final = 300.0
 
 class ApiKube:
     """`Kube` on `kubernetes.dynamic.DynamicClient` (synchronous; kopf runs sync handlers in
-    threads)."""
+    threads, which share one instance)."""
 
     def __init__(
         self,
@@ -35,6 +36,9 @@ class ApiKube:
         self._timeout_s = request_timeout_s
         self._clock = clock
         self._unserved: dict[tuple[str, str], float] = {}  # kind -> when found not served
+        # The DynamicClient's discovery cache is not thread-safe: a lookup that misses resets
+        # it while another thread fills it (KeyError). One discovery at a time.
+        self._discovery = threading.Lock()
 
     @classmethod
     def from_environment(cls, request_timeout_s: float = 30.0) -> ApiKube:
@@ -60,9 +64,10 @@ class ApiKube:
         if since is not None and self._clock() - since < UNSERVED_RECHECK_S:
             raise unserved
         try:
-            res = self._guard(
-                what, lambda: self._dyn.resources.get(api_version=api_version, kind=kind)
-            )
+            with self._discovery:
+                res = self._guard(
+                    what, lambda: self._dyn.resources.get(api_version=api_version, kind=kind)
+                )
         except ResourceNotFoundError as exc:
             res = None
             cause: Exception | None = exc

@@ -93,14 +93,16 @@ def build_group_service(meta: DeploymentMeta, role: L.WorkerRole, replica: int) 
 
 def build_role_service(meta: DeploymentMeta, role: L.WorkerRole) -> Obj:
     """Headless routing Service of a role: its endpoints are the Ready serving ranks only
-    (PP rank 0 of each group, selected by the StatefulSet's pod-index label)."""
+    (PP rank 0 of each group, selected by the StatefulSet's pod-index label). Unready
+    addresses are not published: the default, left unset because the API server stores no
+    `publishNotReadyAddresses: false` (an omitempty bool), and a planned field the live
+    object lacks would be re-applied on every reconcile."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": role_meta(meta, role),
         "spec": {
             "clusterIP": "None",
-            "publishNotReadyAddresses": False,
             "selector": L.serving_selector(meta.name, role),
             "ports": _ports(("http", "kv")),
         },

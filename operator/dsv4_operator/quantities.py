@@ -5,7 +5,7 @@ its limit. Pure.
 from __future__ import annotations
 
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import ROUND_UP, Decimal, InvalidOperation, localcontext
 from typing import Final
 
 _QUANTITY: Final = re.compile(
@@ -30,13 +30,30 @@ def quantity(value: object) -> Decimal | None:
     number, exponent, suffix = match.groups()
     try:
         scale = Decimal(10) ** int(exponent) if exponent else _SUFFIX.get(suffix or "", Decimal(1))
-        return Decimal(number) * scale
+        with localcontext() as context:  # exact: the default 28 digits would round the product
+            context.prec = len(number) + 2 * len(str(scale)) + 8
+            return Decimal(number) * scale
     except InvalidOperation:
         return None
 
 
-def same_quantity(a: object, b: object) -> bool:
-    """Both are quantities of the same value (`0.5` == `500m`, `1024Mi` == `1Gi`): how a value
-    the operator planned is recognized in the canonical form the API server stores."""
+NANO: Final = 9  # the API server keeps every quantity to this many decimal places
+MILLI: Final = 3  # and the requests and limits of containers to this many
+
+
+def stored_value(value: Decimal, places: int = NANO) -> Decimal:
+    """`value` as the API server stores it: rounded up (away from zero) to `places` decimal
+    places (apimachinery ParseQuantity: nano; SetDefaults_ResourceList: milli)."""
+    if not value.is_finite() or value.adjusted() > 100:  # past any amount: a whole number
+        return value
+    with localcontext() as context:
+        context.prec = max(context.prec, value.adjusted() + places + 3)
+        return value.quantize(Decimal(1).scaleb(-places), rounding=ROUND_UP)
+
+
+def same_quantity(a: object, b: object, places: int = NANO) -> bool:
+    """Both are quantities of the same stored value (`0.5` == `500m`, `1024Mi` == `1Gi`; with
+    `places=MILLI`, `100u` == `1m`): how a value the operator planned is recognized in the
+    canonical form the API server stores."""
     x, y = quantity(a), quantity(b)
-    return x is not None and x == y
+    return x is not None and y is not None and stored_value(x, places) == stored_value(y, places)

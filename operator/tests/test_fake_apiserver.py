@@ -225,7 +225,8 @@ def test_status_subresource_and_generation(server: FakeApiServer) -> None:
 def test_server_side_apply(server: FakeApiServer) -> None:
     apply = "application/apply-patch+yaml"
     first = {**cm("s"), "data": {"a": "1", "b": "2"}}
-    assert call(server, "PATCH", f"{CMS}/s", first, apply)[0] == 400  # no fieldManager
+    # No fieldManager: ValidatePatchOptions refuses it as an invalid PatchOptions (422).
+    assert call(server, "PATCH", f"{CMS}/s", first, apply)[0] == 422
     code, created = call(server, "PATCH", f"{CMS}/s?fieldManager=m&force=true", first, apply)
     assert code == 201 and created["data"] == {"a": "1", "b": "2"}
     call(server, "PATCH", f"{CMS}/s", {"data": {"other": "x"}}, "application/merge-patch+json")

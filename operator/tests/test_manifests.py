@@ -123,7 +123,7 @@ def test_only_the_serving_rank_is_routed_to(make_body: Callable[..., Body]) -> N
         spec = services[f"tiny-{role}"]["spec"]
         assert spec["selector"][L.POD_INDEX_LABEL] == "0"
         assert spec["selector"][L.ROLE_LABEL] == role
-        assert spec["publishNotReadyAddresses"] is False  # readiness gates routing
+        assert not spec.get("publishNotReadyAddresses")  # readiness gates routing
     router = services["tiny-router"]["spec"]
     assert router["ports"][0]["port"] == 8000
     assert router["selector"] == {L.DEPLOYMENT_LABEL: "tiny", L.APP_COMPONENT: "router"}

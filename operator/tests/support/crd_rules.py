@@ -12,6 +12,10 @@ kubernetes/apiextensions-apiserver):
   the schema of the node that carries the rule (pathValid -> cel.ValidFieldPath: every segment
   must be a declared property, an array index or a map key of an object with
   additionalProperties).
+- `pkg/apiserver/schema/cel/compilation.go`, Compile: every rule compiles and type-checks
+  against its node's schema, for the CEL subset the tests evaluate (support/cel_check.py).
+- List types: `x-kubernetes-list-type`, `-list-map-keys` and `-map-type` are consistent
+  (support/list_types.py).
 
 The functions return the API server's messages, field paths as it words them; an empty list
 means the CRD is accepted.
@@ -22,6 +26,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any
+
+from support import cel_check, list_types
 
 Schema = Mapping[str, Any]
 
@@ -87,14 +93,17 @@ def _metadata_errors(schema: Schema, path: str, root: bool) -> list[str]:
     return errors
 
 
-def _rule_errors(node: Schema, path: str) -> list[str]:
+def _rule_errors(node: Schema, path: str, root: bool = False) -> list[str]:
     errors = []
+    embedded = root or bool(node.get("x-kubernetes-embedded-resource"))
     for i, rule in enumerate(node.get("x-kubernetes-validations") or []):
         where = f"{path}.x-kubernetes-validations[{i}]"
         text = str(rule.get("rule", "")).strip()
         message = rule.get("message")
         if not text:
             errors.append(f"{where}.rule: Required value: rule is not specified")
+        elif (failed := cel_check.compile_error(text, node, embedded)) is not None:
+            errors.append(f"{where}.rule: Invalid value: {text!r}: compilation failed: {failed}")
         if message is not None and not str(message).strip():
             errors.append(f"{where}.message: Invalid value: must be non-empty if specified")
         if message is not None and "\n" in str(message).strip():
@@ -126,7 +135,8 @@ def schema_errors(schema: Schema, path: str = "openAPIV3Schema") -> list[str]:
             errors.append(f"{path}.properties[{key}].type: Invalid value: must be string")
     for node_path, node in _walk(schema, path):
         errors.extend(_metadata_errors(node, node_path, root=node_path == path))
-        errors.extend(_rule_errors(node, node_path))
+        errors.extend(_rule_errors(node, node_path, root=node_path == path))
+        errors.extend(list_types.schema_errors(node, node_path))
     return errors
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import jsonschema
 import yaml
 from repo_paths import CRD_FILE, SAMPLES, SHARED_EXAMPLES
+from support import list_types
 from support.fake_apiserver import AdmissionError
 
 EXAMPLE = SHARED_EXAMPLES / "dsv4deployment-tiny.yaml"  # the design's example CR
@@ -226,15 +227,18 @@ def validate_cr(obj: dict[str, Any], schema: Schema | None = None) -> list[str]:
     errors = schema_errors(schema, obj)
     errors += [f"{p}: unknown field" for p in unknown_fields(schema, obj)]
     errors += cel_errors(schema, obj)
+    errors += list_types.duplicates(schema, obj)
     return errors
 
 
 def admit(obj: dict[str, Any], schema: Schema | None = None) -> dict[str, Any]:
     """The API server's part for the CRD, as an admission hook of the fake API server:
-    default, prune unknown fields, then validate (schema and CEL rules) or refuse."""
+    default, prune unknown fields, then validate (schema, CEL rules, unique set items and
+    map-list keys) or refuse."""
     schema = schema if schema is not None else crd_schema()
     obj = prune_unknown(schema, apply_defaults(schema, obj))
     errors = schema_errors(schema, obj) + cel_errors(schema, obj)
+    errors += list_types.duplicates(schema, obj)
     if errors:
         raise AdmissionError(errors)
     return obj
@@ -463,3 +467,10 @@ def admission_match(
         return all(_bool(_eval(tree, scope)) for tree in trees)
 
     return matches
+
+
+def crd_admission(crd: dict[str, Any]) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """`admit` for the custom resources of `crd` (its storage version's schema): the fake API
+    server's `crd_admission`, so a CRD created over HTTP validates its objects."""
+    schema = crd_schema(crd)
+    return lambda obj: admit(obj, schema)

@@ -1,34 +1,49 @@
 """A loopback, in-memory Kubernetes API server that speaks the REST wire protocol: enough of it
 for the official client's DynamicClient (what `ApiKube` uses) and for kopf running our handlers.
 
-What it serves (HTTP, no auth, 127.0.0.1 only):
+What it serves (HTTP, 127.0.0.1 only):
   discovery  /version, /api, /api/v1, /apis, /apis/{group}/{version} (APIResourceList with
              verbs, short names and `<plural>/status` subresources)
-  objects    get, list (labelSelector, fieldSelector on metadata.name/namespace), watch
-             (chunked JSON lines; resourceVersion start, timeoutSeconds, sendInitialEvents),
+  objects    get, list (labelSelector, fieldSelector on metadata.name/namespace; `limit` and
+             `continue` pages), watch (chunked JSON lines; resourceVersion start,
+             timeoutSeconds, sendInitialEvents; 410 Gone from a compacted version),
              create (generateName, 409 AlreadyExists, 404 for a missing namespace), replace,
-             patch (merge, strategic merge treated as merge, JSON patch with `test`,
-             server-side apply), the status subresource, delete (finalizers: deletionTimestamp
-             first, gone when the last finalizer goes; owner-reference garbage collection, also
-             of a dependent created after its owner is gone) and deletecollection.
+             patch (merge, JSON patch with `test`, strategic merge for built-in kinds and
+             415 for custom resources, server-side apply), the status subresource, delete
+             (finalizers: deletionTimestamp first, gone when the last finalizer goes;
+             owner-reference garbage collection, also of a dependent created after its owner
+             is gone) and deletecollection.
   kinds      v1 Namespace/Pod/Service/ConfigMap/ServiceAccount/Event, apps/v1 StatefulSet and
              Deployment, policy/v1 PodDisruptionBudget, networking.k8s.io/v1 NetworkPolicy,
-             apiextensions.k8s.io/v1 CustomResourceDefinition, plus every CRD handed to it.
+             apiextensions.k8s.io/v1 CustomResourceDefinition, rbac.authorization.k8s.io/v1
+             Role/RoleBinding/ClusterRole/ClusterRoleBinding, plus every CRD created (served
+             at once, then reported NamesAccepted and Established).
 
 As the real server does: one global resourceVersion counter; uid, creationTimestamp and
 generation are server-set (generation moves when anything outside metadata and status
 changes); writes to a kind with a status subresource ignore `status` on the main resource and
 only `status` on `/status`; no-op writes change nothing; list items of built-in kinds carry no
 apiVersion/kind (kubernetes/kubernetes#3030), items of custom resources do; errors are
-`Status` objects. Server-side apply merges the applied object over the live one and drops the
-fields this manager applied before but no longer applies (no conflict detection; `force` is
-only recorded). Admission hooks (defaulting, validation) can be installed per resource, and so
-can validating webhooks (`Webhook`): as the real server does, it POSTs an AdmissionReview v1
+`Status` objects. Built-in kinds are stored as decoded into their Go types and defaulted
+(support/builtin_defaults.py: canonical quantities, support/quantity_canon.py). Every write
+keeps managedFields and server-side apply merges, prunes and refuses conflicts as the real
+server does (support/ssa.py, over support/field_sets.py and the schema facts of
+support/field_types.py); strategic merge patches follow support/strategic_merge.py.
+Admission hooks (defaulting, validation) can be installed per resource, and so can validating
+webhooks (`Webhook`): as the real server does, it POSTs an AdmissionReview v1
 over HTTPS (the webhook's certificate verified against a CA) for each create or update of the
 main resource and refuses the write with the webhook's message and code, or with 500 when the
 call fails and the failure policy is Fail; webhook warnings come back as `Warning` headers. It
 asks outside its lock, so a webhook may read from this server. `?dryRun=All` runs everything
 (admission and webhooks included) and stores nothing.
+
+Authorization: a request with a bearer token from `service_account_token` is that
+ServiceAccount's and is authorized by the RBAC objects stored here (support/rbac.py: 403
+otherwise, worded as the real server words it), and its writes pass the
+OwnerReferencesPermissionEnforcement plugin (support/owner_refs_admission.py); a request
+without credentials is the cluster admin's (system:masters), as the tests' own are. History:
+`compact()` (or `history_window`) forgets events, so watches and continue tokens from before
+answer 410 (support/watch_cache.py); `close_watches()` ends the open streams.
 
 For tests: `requests` logs every request (method, path, query, content type, parsed body, and
 the response code: 0 while in flight, set in the same hold of the lock as the request's effect);
@@ -59,7 +74,18 @@ from typing import Any, Final
 
 import yaml
 from aiohttp import web
-from support import crd_rules
+from support import (
+    builtin_defaults,
+    crd_rules,
+    owner_refs_admission,
+    quantity_canon,
+    rbac,
+    ssa,
+    strategic_merge,
+    watch_cache,
+)
+from support import field_sets as fs
+from support import field_types as ft
 
 Obj = dict[str, Any]
 Admission = Callable[[Obj], Obj]  # returns the (defaulted) object or raises AdmissionError
@@ -138,6 +164,10 @@ BUILTIN_TYPES: tuple[ResourceType, ...] = (
     ResourceType("apiextensions.k8s.io", "v1", "customresourcedefinitions",
                  "CustomResourceDefinition", False, short_names=("crd", "crds"),
                  status_subresource=True),
+    ResourceType(rbac.RBAC_GROUP, "v1", "clusterroles", "ClusterRole", False),
+    ResourceType(rbac.RBAC_GROUP, "v1", "clusterrolebindings", "ClusterRoleBinding", False),
+    ResourceType(rbac.RBAC_GROUP, "v1", "roles", "Role", True),
+    ResourceType(rbac.RBAC_GROUP, "v1", "rolebindings", "RoleBinding", True),
 )  # fmt: skip
 
 
@@ -182,22 +212,35 @@ _REASONS: Final = {
 
 
 class ApiError(Exception):
-    def __init__(self, code: int, message: str, reason: str | None = None) -> None:
+    def __init__(
+        self,
+        code: int,
+        message: str,
+        reason: str | None = None,
+        *,
+        details: Obj | None = None,
+        list_meta: Obj | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.reason = reason or _REASONS.get(code, "Unknown")
+        self.details = details  # Status.details: name, group, kind (the resource)
+        self.list_meta = list_meta  # Status.metadata: an expired list's `continue`
 
     def status(self) -> Obj:
-        return {
+        status: Obj = {
             "kind": "Status",
             "apiVersion": "v1",
-            "metadata": {},
+            "metadata": dict(self.list_meta or {}),
             "status": "Failure",
             "message": self.message,
             "reason": self.reason,
             "code": self.code,
         }
+        if self.details is not None:
+            status["details"] = dict(self.details)
+        return status
 
     def response(self) -> web.Response:
         return web.json_response(self.status(), status=self.code)
@@ -277,6 +320,24 @@ class _AskWebhook(Exception):
 
 
 _MAX_WEBHOOK_ROUNDS: Final = 8
+
+# The PATCH content types the server accepts, in the order its 415 lists them.
+_PATCH_TYPES_BUILTIN: Final = (
+    "application/json-patch+json",
+    "application/merge-patch+json",
+    "application/strategic-merge-patch+json",
+    "application/apply-patch+yaml",
+)
+_PATCH_TYPES_CUSTOM: Final = (
+    "application/json-patch+json",
+    "application/merge-patch+json",
+    "application/apply-patch+yaml",
+)
+
+
+def _invalid_patch_options(message: str) -> ApiError:
+    """validation.ValidatePatchOptions' refusal (422, as errors.NewInvalid words it)."""
+    return ApiError(422, f'PatchOptions.meta.k8s.io "" is invalid: {message}')
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,31 +491,6 @@ def _stable(obj: Obj | None) -> Obj | None:
     return {**obj, "metadata": meta}
 
 
-def _drop_unapplied(target: Any, previous: Any, current: Any) -> None:
-    """Remove from `target` the map keys `previous` applied and `current` no longer does."""
-    if not (isinstance(target, dict) and isinstance(previous, dict)):
-        return
-    current = current if isinstance(current, dict) else {}
-    for key, value in previous.items():
-        if key not in current:
-            target.pop(key, None)
-        elif key in target:
-            _drop_unapplied(target[key], value, current[key])
-
-
-def _apply_over(live: Any, applied: Any) -> Any:
-    """Maps merge recursively; lists and scalars are replaced; null removes."""
-    if not (isinstance(live, dict) and isinstance(applied, dict)):
-        return copy.deepcopy(applied)
-    out = copy.deepcopy(live)
-    for key, value in applied.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = _apply_over(out.get(key), value)
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
 # The server
 
@@ -468,6 +504,7 @@ class Request:
     body: Any
     code: int = 0  # the response's status code
     warnings: list[str] = field(default_factory=list)  # sent as Warning headers (webhooks')
+    user: str = ""  # who made it (rbac.ADMIN without credentials)
 
 
 @dataclass
@@ -509,7 +546,6 @@ class _WatchTarget:
 class _Stored:
     rtype: ResourceType
     obj: Obj
-    applied: dict[str, Obj] = field(default_factory=dict)  # field manager -> last applied
 
 
 Key = tuple[str, str, str, str]  # group, plural, namespace ("" if cluster-scoped), name
@@ -523,12 +559,22 @@ class FakeApiServer:
         crds: Iterable[Mapping[str, Any]] = (),
         *,
         namespaces: Iterable[str] = ("default",),
+        history_window: int | None = None,
+        crd_admission: Callable[[Obj], Admission] | None = None,
     ) -> None:
+        """`history_window`: watch events kept (None: all until `compact`); `crd_admission`:
+        the admission hook (schema, CEL) for the kinds of each CRD created, from the CRD."""
         self.requests: list[Request] = []
         self._lock = threading.RLock()
         self._types: dict[tuple[str, str, str], ResourceType] = {}
         self._objects: dict[Key, _Stored] = {}
-        self._history: list[_Event] = []
+        self._history = watch_cache.History[_Event](history_window)
+        self._pages = watch_cache.Pages()
+        self._crd_admission = crd_admission
+        # Bearer tokens -> users; a request without credentials is the cluster admin's (the
+        # test's own). `_user`: who makes the request being served (under the lock).
+        self._tokens: dict[str, rbac.User] = {}
+        self._user = rbac.ADMIN
         self._watches: list[_Watch] = []
         self._failures: list[_Failure] = []
         self._admission: dict[tuple[str, str], Admission] = {}
@@ -539,6 +585,8 @@ class FakeApiServer:
         self._rv = itertools.count(1)
         self._last_rv = 0
         self._uids = itertools.count(1)
+        self._service_ips: dict[tuple[str, str], str] = {}  # ClusterIPs, from 10.96.0.0/12
+        self._crd_types: dict[tuple[str, str], ft.FieldType] = {}  # (CRD uid/rv, version)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
@@ -613,12 +661,15 @@ class FakeApiServer:
     def __exit__(self, *_: object) -> None:
         self.stop()
 
-    def write_kubeconfig(self, path: Path, namespace: str = "default") -> Path:
+    def write_kubeconfig(
+        self, path: Path, namespace: str = "default", token: str | None = None
+    ) -> Path:
+        """A kubeconfig for this server; with `token`, its requests are that user's."""
         config = {
             "apiVersion": "v1",
             "kind": "Config",
             "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
-            "users": [{"name": "fake", "user": {}}],
+            "users": [{"name": "fake", "user": {"token": token} if token else {}}],
             "contexts": [
                 {
                     "name": "fake",
@@ -629,6 +680,91 @@ class FakeApiServer:
         }
         path.write_text(yaml.safe_dump(config))
         return path
+
+    # --- authentication, compaction --------------------------------------------------------
+    def service_account_token(self, namespace: str, name: str) -> str:
+        """A bearer token that authenticates as the ServiceAccount `namespace/name`; its
+        requests are authorized by the RBAC objects stored here (Roles, bindings...)."""
+        token = f"sa-{namespace}-{name}-{uuid.uuid4().hex[:8]}"
+        with self._lock:
+            self._tokens[token] = rbac.service_account_user(namespace, name)
+        return token
+
+    def compact(self, rv: int | None = None) -> int:
+        """Forget the history up to `rv` (default: now), as etcd's compaction does: a watch
+        resuming from an older resourceVersion, or a list continuing from one, gets 410."""
+        with self._lock:
+            upto = self._last_rv if rv is None else rv
+            self._history.compact(upto)
+            self._pages.forget_before(upto)
+            return upto
+
+    def close_watches(self) -> None:
+        """End every open watch, as the server does when a watch's timeout is up: clients
+        reconnect from the last resourceVersion they saw."""
+        with self._lock:
+            for watch in self._watches:
+                watch.loop.call_soon_threadsafe(watch.queue.put_nowait, None)
+
+    def _authenticated(self, request: web.Request) -> rbac.User:
+        """Who makes this request (call with the lock held): 401 for an unknown token."""
+        header = request.headers.get("Authorization", "")
+        if not header:
+            return rbac.ADMIN
+        user = self._tokens.get(header.removeprefix("Bearer ").strip())
+        if user is None or not header.startswith("Bearer "):
+            raise ApiError(401, "Unauthorized", "Unauthorized")
+        return user
+
+    def _authorize(self, user: rbac.User, request: web.Request, query: dict[str, str]) -> None:
+        """403, shaped as the real server's Status, unless RBAC allows the request."""
+        if rbac.MASTERS in user.groups:
+            return
+        attrs = rbac.request_attributes(request.method, request.path, query)
+        allowed, reason = rbac.authorize(self._policy(), user, attrs)
+        if not allowed:
+            raise ApiError(
+                403,
+                rbac.forbidden_message(user, attrs, reason),
+                "Forbidden",
+                details={"name": attrs.name, "group": attrs.api_group, "kind": attrs.resource},
+            )
+
+    def _policy(self) -> rbac.Policy:
+        return rbac.Policy.from_objects(
+            s.obj for (group, *_), s in self._objects.items() if group == rbac.RBAC_GROUP
+        )
+
+    def _resource_of(self, api_version: str, kind: str) -> tuple[str, str] | None:
+        try:
+            rtype = self.rtype(api_version, kind)
+        except KeyError:
+            return None
+        return rtype.group, rtype.plural
+
+    def _enforce_owner_references(
+        self, rtype: ResourceType, obj: Obj, old: Obj | None, subresource: str | None
+    ) -> None:
+        """OwnerReferencesPermissionEnforcement (support/owner_refs_admission.py)."""
+        if rbac.MASTERS in self._user.groups:
+            return
+        meta = obj.get("metadata") or {}
+        write = rbac.Attributes(
+            "",
+            "",
+            True,
+            api_group=rtype.group,
+            api_version=rtype.version,
+            namespace=meta.get("namespace", "") if rtype.namespaced else "",
+            resource=rtype.plural,
+            subresource=subresource or "",
+            name=meta.get("name", ""),
+        )
+        refused = owner_refs_admission.refusal(
+            self._user, self._policy(), write, obj, old, self._resource_of
+        )
+        if refused:
+            raise ApiError(403, refused, "Forbidden")
 
     # --- configuration ---------------------------------------------------------------------
     def add_crd(self, crd: Mapping[str, Any]) -> None:
@@ -661,6 +797,11 @@ class FakeApiServer:
             self._failures.append(
                 _Failure(code, method.upper() if method else None, path, reason, message, times)
             )
+
+    def clear_requests(self) -> None:
+        """Forget the requests logged so far (an install's, before the test's own)."""
+        with self._lock:
+            self.requests.clear()
 
     def requests_to(self, method: str | None = None, path: str | None = None) -> list[Request]:
         """Logged requests with this method whose path contains `path`."""
@@ -765,6 +906,7 @@ class FakeApiServer:
                     422,
                     f'{rtype.kind}.{rtype.group} "{name}" is invalid: {"; ".join(exc.messages)}',
                 ) from exc
+        self._enforce_owner_references(rtype, obj, old, subresource)
         if subresource is None:
             for webhook in self._webhooks.get((rtype.group, rtype.plural), ()):
                 if operation in webhook.operations:
@@ -818,8 +960,10 @@ class FakeApiServer:
         *,
         keep_status: bool,
         manager: str = "",
-        operation: str = "Update",
+        managed: list[ssa.Entry] | None = None,
     ) -> Obj:
+        """Store a new object. `manager`: who creates it (an Update in managedFields; none: not
+        tracked); `managed`: its managedFields entries instead (a create by apply)."""
         meta = obj.setdefault("metadata", {})
         if rtype.namespaced:
             if not namespace:
@@ -851,17 +995,49 @@ class FakeApiServer:
         meta["uid"] = f"00000000-0000-4000-8000-{next(self._uids):012d}"
         meta["creationTimestamp"] = now_rfc3339()
         meta["generation"] = 1
-        obj = self._admit(rtype, obj)
+        obj = self._admit(rtype, self._decode(rtype, obj, None))
+        if managed is None and manager:
+            managed = self._track_update(rtype, None, obj, obj, [], manager, None)
+        if managed:
+            obj["metadata"]["managedFields"] = ssa.encode(managed)
         if self._dry_run:
             return copy.deepcopy(obj)
-        if manager:
-            obj["metadata"]["managedFields"] = [self._managed(rtype, manager, operation, None)]
         obj["metadata"]["resourceVersion"] = self._next_rv()
         self._objects[key] = _Stored(rtype, obj)
         self._emit("ADDED", rtype, copy.deepcopy(obj), None)
         created = copy.deepcopy(obj)
+        if (rtype.group, rtype.plural) == ("apiextensions.k8s.io", "customresourcedefinitions"):
+            self._establish(rtype, key)
         self._collect_if_orphaned(key)
         return created
+
+    def _establish(self, rtype: ResourceType, key: Key) -> None:
+        """apiextensions-apiserver's controllers, at once: the CRD's kinds are served (with
+        `crd_admission`'s hook), then its status says NamesAccepted and Established
+        (pkg/controller/status/naming_controller.go, establish/establishing_controller.go)."""
+        crd = self._objects[key].obj
+        for served in crd_types(crd):
+            self._types[(served.group, served.version, served.plural)] = served
+            if self._crd_admission is not None:
+                hook = self._crd_admission(crd)
+                self._admission.setdefault((served.group, served.plural), hook)
+        spec = crd["spec"]
+        status = {
+            "acceptedNames": copy.deepcopy(spec["names"]),
+            "storedVersions": [v["name"] for v in spec["versions"] if v.get("storage")],
+            "conditions": [
+                {"type": "NamesAccepted", "status": "True", "reason": "NoConflicts",
+                 "message": "no conflicts found", "lastTransitionTime": now_rfc3339()},
+                {"type": "Established", "status": "True", "reason": "InitialNamesAccepted",
+                 "message": "the initial names have been accepted",
+                 "lastTransitionTime": now_rfc3339()},
+            ],
+        }  # fmt: skip
+        user, self._user = self._user, rbac.ADMIN  # the server's own controllers write it
+        try:
+            self._update(rtype, crd, {**crd, "status": status}, "status", "kube-apiserver")
+        finally:
+            self._user = user
 
     def _collect_if_orphaned(self, key: Key) -> None:
         """The garbage collector's other half: a dependent created after every owner it names
@@ -875,20 +1051,6 @@ class FakeApiServer:
         if not any(r.get("uid") in uids for r in refs):
             self._delete(stored.rtype, key[2], key[3], "Background")
 
-    @staticmethod
-    def _managed(rtype: ResourceType, manager: str, operation: str, sub: str | None) -> Obj:
-        entry: Obj = {
-            "manager": manager,
-            "operation": operation,
-            "apiVersion": rtype.api_version,
-            "time": now_rfc3339(),
-            "fieldsType": "FieldsV1",
-            "fieldsV1": {},
-        }
-        if sub:
-            entry["subresource"] = sub
-        return entry
-
     def _update(
         self,
         rtype: ResourceType,
@@ -897,10 +1059,11 @@ class FakeApiServer:
         subresource: str | None,
         manager: str,
         *,
-        operation: str = "Update",
         precondition_rv: str | None = None,
+        managed: list[ssa.Entry] | None = None,
     ) -> Obj:
-        """Store `new` as the next version of `live` (both full objects)."""
+        """Store `new` as the next version of `live` (both full objects): `manager`'s write
+        (an Update in managedFields), or an apply's with its entries `managed`."""
         meta_live = live["metadata"]
         if precondition_rv and precondition_rv != meta_live["resourceVersion"]:
             raise ApiError(
@@ -938,27 +1101,22 @@ class FakeApiServer:
                 meta.pop("deletionTimestamp", None)
             if not meta.get("finalizers"):
                 meta.pop("finalizers", None)
-        out = self._admit(rtype, out, live, "UPDATE", subresource)
+        out = self._admit(rtype, self._decode(rtype, out, live), live, "UPDATE", subresource)
         out["metadata"]["resourceVersion"] = meta_live["resourceVersion"]
-        out["metadata"]["managedFields"] = meta_live.get("managedFields", [])
+        before = ssa.decode(meta_live.get("managedFields") or []) or []
+        if managed is None:
+            managed = self._track_update(rtype, live, new, out, before, manager, subresource)
+        out["metadata"].pop("managedFields", None)
+        if ssa.without_managed_fields(live) == out and ssa.same_ignoring_times(managed, before):
+            return copy.deepcopy(live)  # a no-op write changes nothing, not even the version
+        if managed:
+            out["metadata"]["managedFields"] = ssa.encode(managed)
 
         def content(o: Obj) -> Obj:
             return {k: v for k, v in o.items() if k not in ("metadata", "status")}
 
-        if out == live:
-            return copy.deepcopy(live)  # a no-op write changes nothing, not even the version
         if content(out) != content(live):
             out["metadata"]["generation"] = int(meta_live.get("generation", 1)) + 1
-        managed = [
-            m
-            for m in out["metadata"]["managedFields"]
-            if (m.get("manager"), m.get("operation"), m.get("subresource"))
-            != (manager, operation, subresource)
-        ]
-        out["metadata"]["managedFields"] = [
-            *managed,
-            self._managed(rtype, manager, operation, subresource),
-        ]
         if self._dry_run:
             return copy.deepcopy(out)
         out["metadata"]["resourceVersion"] = self._next_rv()
@@ -1027,7 +1185,10 @@ class FakeApiServer:
         applied: Obj,
         manager: str,
         subresource: str | None,
+        *,
+        force: bool = False,
     ) -> Obj:
+        """Server-side apply (support/ssa.py): 409 on a conflict unless `force`."""
         if not isinstance(applied, dict):
             raise ApiError(400, "the apply patch must be an object")
         if (applied.get("apiVersion"), applied.get("kind")) != (rtype.api_version, rtype.kind):
@@ -1037,34 +1198,107 @@ class FakeApiServer:
             raise ApiError(400, "the name of the applied object does not match the request")
         if rtype.namespaced and meta.get("namespace", namespace) != namespace:
             raise ApiError(400, "the namespace of the applied object does not match the request")
-        if rtype.status_subresource and subresource != "status":
+        if meta.get("managedFields") is not None:
+            raise ApiError(400, "metadata.managedFields must be nil")
+        # Each of the two field managers resets what the other owns (the strategies'
+        # GetResetFields): the main resource ignores status, /status everything else.
+        if subresource == "status":
+            ids = {k: meta[k] for k in ("name", "namespace") if k in meta}
+            applied = {**{k: applied[k] for k in ("apiVersion", "kind", "status") if k in applied},
+                       "metadata": ids}  # fmt: skip
+        elif rtype.status_subresource:
             applied = {k: v for k, v in applied.items() if k != "status"}
-        key = self._key(rtype, namespace, name)
-        stored = self._objects.get(key)
-        if stored is None:
-            if subresource:
-                raise ApiError(404, f'{rtype.plural} "{name}" not found')
-            created = self._create(
-                rtype,
-                namespace,
-                copy.deepcopy(applied),
-                keep_status=False,
-                manager=manager,
-                operation="Apply",
+        stored = self._objects.get(self._key(rtype, namespace, name))
+        if stored is None and subresource:
+            raise ApiError(404, f'{rtype.plural} "{name}" not found')
+        live = stored.obj if stored is not None else None
+        entries = ssa.decode((live or {}).get("metadata", {}).get("managedFields") or [])
+        if entries is None:
+            raise ApiError(500, "failed to decode managed fields")
+        try:
+            merged, entries = ssa.apply(
+                live, applied, entries, manager=manager, api_version=rtype.api_version,
+                subresource=subresource or "", force=force, t=self._field_type(rtype),
+                now=now_rfc3339(),
+            )  # fmt: skip
+        except ssa.ApplyConflict as exc:
+            raise ApiError(409, exc.message(), details={"causes": exc.causes()}) from exc
+        except fs.FieldSetError as exc:
+            what = f"{namespace}/{name}; {rtype.api_version}, Kind={rtype.kind}"
+            raise ApiError(500, f"failed to create typed patch object ({what}): {exc}") from exc
+        if live is None:
+            return self._create(
+                rtype, namespace, merged, keep_status=False, manager=manager, managed=entries
             )
-            if key in self._objects and not self._dry_run:  # not collected as an orphan
-                self._objects[key].applied[manager] = copy.deepcopy(applied)
-            return created
-        live = stored.obj
-        base = copy.deepcopy(live)
-        previous = stored.applied.get(manager)
-        if previous is not None:
-            _drop_unapplied(base, previous, applied)
-        new = _apply_over(base, applied)
-        out = self._update(rtype, live, new, subresource, manager, operation="Apply")
-        if key in self._objects and not self._dry_run:
-            self._objects[key].applied[manager] = copy.deepcopy(applied)
-        return out
+        rv = meta.get("resourceVersion")
+        return self._update(
+            rtype, live, merged, subresource, manager, precondition_rv=rv, managed=entries
+        )
+
+    # --- what the server stores (support/builtin_defaults.py, support/ssa.py) ---------------
+    def _field_type(self, rtype: ResourceType) -> ft.FieldType:
+        """The kind's schema for server-side apply and strategic merge."""
+        if not rtype.custom:
+            return ft.builtin(rtype.api_version, rtype.kind)
+        crd_name = f"{rtype.plural}.{rtype.group}"
+        stored = self._objects.get(
+            ("apiextensions.k8s.io", "customresourcedefinitions", "", crd_name)
+        )
+        if stored is None:
+            return ft.LOOSE
+        meta = stored.obj["metadata"]
+        key = (f"{meta['uid']}/{meta['resourceVersion']}", rtype.version)
+        if key not in self._crd_types:
+            self._crd_types[key] = ft.custom_resource(stored.obj, rtype.version)
+        return self._crd_types[key]
+
+    def _decode(self, rtype: ResourceType, obj: Obj, old: Obj | None) -> Obj:
+        """A built-in object as the server decodes, defaults and stores it (400 for a bad
+        quantity, as a body that does not decode into the kind's Go type)."""
+        try:
+            return builtin_defaults.decode(
+                rtype.api_version, rtype.kind, obj, old=old, cluster_ip=self._cluster_ip
+            )
+        except quantity_canon.QuantityError as exc:
+            raise ApiError(
+                400,
+                f'{rtype.kind} in version "{rtype.version}" cannot be handled as a '
+                f"{rtype.kind}: {exc}",
+            ) from exc
+
+    def _cluster_ip(self, namespace: str, name: str) -> str:
+        """The Service's ClusterIP: the same for every attempt of one write (a write asks its
+        webhooks, then is served again) and for a Service created again."""
+        n = len(self._service_ips) + 1
+        return self._service_ips.setdefault((namespace, name), f"10.96.{n // 254}.{n % 254 + 1}")
+
+    def _track_update(
+        self,
+        rtype: ResourceType,
+        live: Obj | None,
+        new: Obj,
+        out: Obj,
+        before: list[ssa.Entry],
+        manager: str,
+        subresource: str | None,
+    ) -> list[ssa.Entry]:
+        """managedFields after an Update (`live` None: a create): the written object's own
+        managedFields when it sends valid ones for the main resource (`[]` clears them), else
+        the live object's. Objects the schema cannot type keep the old entries, and the write
+        goes on (fieldmanager.go UpdateNoErrors)."""
+        sent = (new.get("metadata") or {}).get("managedFields")
+        entries = before
+        if live is not None and not subresource and ssa.is_reset(sent):
+            entries = []
+        elif live is not None and not subresource and sent is not None:
+            entries = ssa.decode(sent) or before
+        try:
+            return ssa.update(
+                live, out, entries, manager=manager, api_version=rtype.api_version,
+                subresource=subresource or "", t=self._field_type(rtype), now=now_rfc3339(),
+            )  # fmt: skip
+        except fs.FieldSetError:
+            return before
 
     # --- HTTP ------------------------------------------------------------------------------
     async def _handle(self, request: web.Request) -> web.StreamResponse:
@@ -1091,11 +1325,16 @@ class FakeApiServer:
                     if round_ == 0:
                         self.requests.append(logged)
                         self._inject_failure(request.method, request.path)
+                    self._user = self._authenticated(request)
+                    logged.user = self._user.name
+                    self._authorize(self._user, request, query)
                     served = self._respond_admitted(request, query, ctype, body, logged)
                 except _AskWebhook as ask:
                     pending = ask
                 except ApiError as exc:
                     served = exc.response()
+                finally:
+                    self._user = rbac.ADMIN
                 if isinstance(served, web.StreamResponse):
                     logged.code = served.status
                     return served
@@ -1250,24 +1489,42 @@ class FakeApiServer:
         manager: str,
     ) -> Obj:
         media = (ctype or "").split(";")[0].strip()
+        accepted = _PATCH_TYPES_CUSTOM if rtype.custom else _PATCH_TYPES_BUILTIN
+        if media not in accepted:  # handlers/patch.go: strategic merge is not for custom kinds
+            raise ApiError(
+                415,
+                "the body of the request was in an unknown format - accepted media types "
+                f"include: {', '.join(accepted)}",
+            )
         if media == "application/apply-patch+yaml":
             if not query.get("fieldManager"):
-                raise ApiError(
-                    400, "PATCH with an apply patch requires the fieldManager query parameter"
+                raise _invalid_patch_options(
+                    "fieldManager: Required value: is required for apply patch"
                 )
-            return self._apply(rtype, namespace, name, body, query["fieldManager"], sub)
+            force = query.get("force") == "true"
+            return self._apply(
+                rtype, namespace, name, body, query["fieldManager"], sub, force=force
+            )
+        if "force" in query:
+            raise _invalid_patch_options(
+                "force: Forbidden: may not be specified for non-apply patch"
+            )
         live = self._require(rtype, namespace, name)
         if media in ("application/merge-patch+json", "application/strategic-merge-patch+json"):
             if not isinstance(body, dict):
                 raise ApiError(400, "a merge patch must be an object")
             rv = (body.get("metadata") or {}).get("resourceVersion")
-            new = merge_patch(live, body)
+            if media == "application/merge-patch+json":
+                new = merge_patch(live, body)
+            else:
+                try:
+                    new = strategic_merge.apply_patch(live, body, self._field_type(rtype))
+                except strategic_merge.PatchError as exc:
+                    raise ApiError(exc.code, exc.message) from exc
             return self._update(rtype, live, new, sub, manager, precondition_rv=rv)
-        if media == "application/json-patch+json":
-            if not isinstance(body, list):
-                raise ApiError(400, "a JSON patch must be a list of operations")
-            return self._update(rtype, live, json_patch(live, body), sub, manager)
-        raise ApiError(415, f"the media type {media!r} is not supported for PATCH")
+        if not isinstance(body, list):
+            raise ApiError(400, "a JSON patch must be a list of operations")
+        return self._update(rtype, live, json_patch(live, body), sub, manager)
 
     def _group_list(self) -> Obj:
         groups: dict[str, list[str]] = {}
@@ -1329,8 +1586,49 @@ class FakeApiServer:
         self, rtype: ResourceType, namespace: str | None, query: dict[str, str]
     ) -> Obj:
         name, field_ns = self._field_name(query)
-        items = self._select(rtype, namespace or field_ns, name, query.get("labelSelector", ""))
-        return self._as_list(rtype, items)
+        selector = query.get("labelSelector", "")
+        limit, token = int(query.get("limit") or 0), query.get("continue", "")
+        if limit <= 0 and not token:
+            return self._as_list(rtype, self._select(rtype, namespace or field_ns, name, selector))
+        if token and query.get("resourceVersion"):
+            raise ApiError(400, "specifying resource version is not allowed when using continue")
+
+        def keep(obj: Obj) -> bool:
+            meta = obj["metadata"]
+            return (name is None or meta["name"] == name) and selector_matches(
+                selector, meta.get("labels") or {}
+            )
+
+        current = [
+            (f"{ns}/{obj_name}" if rtype.namespaced else obj_name, copy.deepcopy(stored.obj))
+            for (group, plural, ns, obj_name), stored in self._objects.items()
+            if (group, plural) == (rtype.group, rtype.plural)
+        ]
+        try:
+            page = self._pages.page(
+                f"{rtype.group}/{rtype.plural}",
+                current,
+                namespace=(namespace or field_ns or "") if rtype.namespaced else "",
+                rv_now=self._last_rv,
+                compacted_rv=self._history.compacted_rv,
+                limit=limit,
+                token=token,
+                keep=keep,
+                filtered=bool(selector or query.get("fieldSelector")),
+            )
+        except watch_cache.Expired as exc:
+            raise ApiError(
+                410, exc.message, "Expired", list_meta={"continue": exc.continue_token}
+            ) from exc
+        except watch_cache.BadRequest as exc:
+            raise ApiError(400, str(exc)) from exc
+        out = self._as_list(rtype, page.items)
+        out["metadata"] = {"resourceVersion": str(page.resource_version)}
+        if page.continue_token:
+            out["metadata"]["continue"] = page.continue_token
+        if page.remaining_item_count is not None:
+            out["metadata"]["remainingItemCount"] = page.remaining_item_count
+        return out
 
     async def _watch(
         self,
@@ -1347,6 +1645,7 @@ class FakeApiServer:
         since = query.get("resourceVersion", "")
         initial = query.get("sendInitialEvents") == "true"
         timeout = float(query.get("timeoutSeconds") or 1800)
+        expired: ApiError | None = None  # the history since `since` is gone
         with self._lock:
             if since in ("", "0") or initial:
                 snapshot = self._select(rtype, watch.namespace, name, selector)
@@ -1364,14 +1663,24 @@ class FakeApiServer:
                     }
                     watch.queue.put_nowait(_Event(self._last_rv, "BOOKMARK", rtype, bookmark, None))
             else:
-                start = int(since)
-                for event in self._history:
-                    if event.rv > start and event.rtype == rtype:
-                        watch.queue.put_nowait(event)
-            self._watches.append(watch)
+                try:
+                    missed = self._history.since(int(since))
+                except watch_cache.Expired as exc:
+                    expired = ApiError(410, exc.message, "Expired")
+                else:
+                    for event in missed:
+                        if event.rtype == rtype:
+                            watch.queue.put_nowait(event)
+            if not expired:
+                self._watches.append(watch)
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
         response.enable_chunked_encoding()
         await response.prepare(request)
+        if expired:  # as the cacher does: an ERROR event, then the stream ends
+            line = json.dumps({"type": "ERROR", "object": expired.status()}) + "\n"
+            await response.write(line.encode())
+            await response.write_eof()
+            return response
         deadline = loop.time() + timeout
         try:
             while (left := deadline - loop.time()) > 0:

@@ -2,6 +2,11 @@
 in a thread against the loopback fake API server, for the live tests (test_operator_live.py,
 test_operator_configmap.py): `running_operator` is the body of their `live` fixture, `Live` what
 a test drives. The test plays the StatefulSet controller, the kubelet and the workers.
+
+The operator is installed as helm installs it (support/chart_install.py: the CRD POSTed and
+Established, the chart's objects applied) and runs with its ServiceAccount's token, so the
+chart's Roles decide what it may do: a request they do not allow is refused with 403, and any
+401 or 403 the operator got fails the test on exit. `Install` picks the chart's mode.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ import kubernetes
 import pytest
 import yaml
 from repo_paths import CRD_FILE, SAMPLES
+from support import chart_install
 from support import crd_support as S
+from support.chart_support import HELM
 from support.fake_apiserver import FakeApiServer, load_crd
 from support.status_servers import StatusServers
 
@@ -41,6 +48,25 @@ TIMEOUT_S = 40.0
 WORKER_IPS = [f"127.0.0.{i}" for i in range(2, 8)]
 SCHEMA: dict[str, Any] = S.crd_schema()
 
+
+@dataclass(frozen=True)
+class Install:
+    """A mode of the chart: its `helm template` flags, the namespace the CRs live in, and
+    whether kopf watches every namespace (`--all-namespaces`) or that one."""
+
+    values: tuple[str, ...]
+    namespace: str
+    clusterwide: bool
+
+
+# Namespaced: one Role and RoleBinding in the served namespace (watch.namespaces).
+SERVED_NAMESPACE = Install(("--set", f"watch.namespaces={{{NS}}}"), NS, clusterwide=False)
+# rbac.namespaced: serve the release namespace only.
+RELEASE_NAMESPACE = Install(
+    ("--set", "rbac.namespaced=true"), chart_install.RELEASE_NAMESPACE, clusterwide=False
+)
+CLUSTER_WIDE = Install((), NS, clusterwide=True)  # the chart's default: a ClusterRole
+
 assert operator_main.handlers and operator_main.settings  # registered in kopf's default registry
 
 
@@ -55,6 +81,8 @@ class OperatorThread:
     ready_flag: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     thread: threading.Thread | None = None
+    namespaces: tuple[str, ...] = (NS,)
+    clusterwide: bool = False
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._run, name="kopf-operator", daemon=True)
@@ -69,7 +97,8 @@ class OperatorThread:
             asyncio.run(
                 kopf.operator(
                     standalone=True,
-                    namespaces=[NS],
+                    clusterwide=self.clusterwide,
+                    namespaces=[] if self.clusterwide else list(self.namespaces),
                     settings=self.settings,
                     ready_flag=self.ready_flag,
                     stop_flag=self.stop_flag,
@@ -99,13 +128,16 @@ class Live:
     metrics: OperatorMetrics  # the operator's (what its start-up put in kopf's memo)
     ips: dict[str, str] = field(default_factory=dict)  # pod name -> IP
     timings: dict[str, float] = field(default_factory=dict)
+    namespace: str = NS  # of the CRs and their children
+    worker_ips: list[str] = field(default_factory=lambda: list(WORKER_IPS))  # pod IPs to hand out
+    operator_user: str = ""  # whom the API server authenticates the operator as
 
     def cr(self, name: str) -> dict[str, Any] | None:
-        return self.server.get(L.API_VERSION, L.KIND, NS, name)
+        return self.server.get(L.API_VERSION, L.KIND, self.namespace, name)
 
     def create_cr(self, sample: str, **spec: Any) -> dict[str, Any]:
         body = yaml.safe_load((SAMPLES / sample).read_text())
-        body["metadata"]["namespace"] = NS
+        body["metadata"]["namespace"] = self.namespace
         body["spec"].update(spec)
         return self.server.create(body, keep_status=False)
 
@@ -135,13 +167,15 @@ class Live:
         return next((c for c in conds if c.get("type") == ctype), None)
 
     def children(self, kind: str, api_version: str) -> dict[str, dict[str, Any]]:
-        return {o["metadata"]["name"]: o for o in self.server.list(api_version, kind, NS)}
+        return {
+            o["metadata"]["name"]: o for o in self.server.list(api_version, kind, self.namespace)
+        }
 
     def events(self, name: str, *, reason: str | None = None) -> list[dict[str, Any]]:
         """The Events posted on the CR `name` (those with `reason`, when given)."""
         return [
             e
-            for e in self.server.list("v1", "Event", NS)
+            for e in self.server.list("v1", "Event", self.namespace)
             if e["involvedObject"]["name"] == name and reason in (None, e["reason"])
         ]
 
@@ -150,11 +184,12 @@ class Live:
         """The StatefulSet controller: every missing pod of every StatefulSet, from its
         template (labels and annotations), with its PP rank label; Pending, no IP yet."""
         created = []
-        for sts in self.server.list("apps/v1", "StatefulSet", NS):
+        ns = self.namespace
+        for sts in self.server.list("apps/v1", "StatefulSet", ns):
             template = sts["spec"]["template"]["metadata"]
             for index in range(sts["spec"]["replicas"]):
                 name = f"{sts['metadata']['name']}-{index}"
-                if self.server.get("v1", "Pod", NS, name) is not None:
+                if self.server.get("v1", "Pod", ns, name) is not None:
                     continue
                 pod_labels = {
                     **template["labels"],
@@ -175,7 +210,7 @@ class Live:
                         "kind": "Pod",
                         "metadata": {
                             "name": name,
-                            "namespace": NS,
+                            "namespace": ns,
                             "labels": pod_labels,
                             "annotations": dict(template.get("annotations") or {}),
                             "ownerReferences": [owner],
@@ -185,7 +220,7 @@ class Live:
                     keep_status=False,
                 )
                 if name not in self.ips:  # a recreated pod keeps its name's IP
-                    self.ips[name] = WORKER_IPS[len(self.ips)]
+                    self.ips[name] = self.worker_ips[len(self.ips)]
                 created.append(name)
         return created
 
@@ -201,7 +236,7 @@ class Live:
         self.server.set_status(
             "v1",
             "Pod",
-            NS,
+            self.namespace,
             name,
             {
                 "phase": "Running",
@@ -221,9 +256,9 @@ class Live:
 
     def report_planned(self, name: str) -> None:
         """Each running pod's worker reports exactly the capacity its ConfigMap plans."""
-        cm = self.server.get("v1", "ConfigMap", NS, L.config_name(name))
+        cm = self.server.get("v1", "ConfigMap", self.namespace, L.config_name(name))
         assert cm is not None
-        for pod in self.server.list("v1", "Pod", NS, L.worker_selector(name)):
+        for pod in self.server.list("v1", "Pod", self.namespace, L.worker_selector(name)):
             labels = pod["metadata"]["labels"]
             role, rank = labels[L.ROLE_LABEL], int(labels[L.POD_INDEX_LABEL])
             planned = parse_rank_config(
@@ -246,10 +281,19 @@ class Live:
 
 @contextlib.contextmanager
 def running_operator(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    install: Install = SERVED_NAMESPACE,
+    *,
+    worker_ips: list[str] = WORKER_IPS,
+    chunk_size: int | None = None,
 ) -> Iterator[Live]:
-    """The body of a test's `live` fixture: the fake API server, the workers' status servers
-    and the operator, started; on exit, stopped, and checked for errors and leaks."""
+    """The body of a test's `live` fixture: the fake API server with the chart installed
+    (`install`'s mode), the workers' status servers on `worker_ips` and the operator (listing
+    in chunks of `chunk_size`), started; on exit, stopped, and checked for errors and leaks."""
+    if not HELM.exists():
+        pytest.skip(f"{HELM} missing: run scripts/tools.sh (CI always does)")
     threads_before = set(threading.enumerate())
     t0 = time.monotonic()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the DynamicClient's cache
@@ -258,14 +302,23 @@ def running_operator(
     for var in ("DSV4_PEERING", "DSV4_PEERING_CLUSTERWIDE", "DSV4_PRIORITY", "DSV4_WORKER_IMAGE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    # The operator serves NS only, as the chart's namespaced mode runs it.
-    monkeypatch.setenv("DSV4_NAMESPACED", "true")
 
-    server = FakeApiServer([load_crd(CRD_FILE)])
-    server.add_admission(L.API_VERSION, L.KIND, lambda obj: S.admit(obj, SCHEMA))
-    server.start()
-    workers = StatusServers(WORKER_IPS)
-    kubeconfig = str(server.write_kubeconfig(tmp_path / "kubeconfig"))
+    server = FakeApiServer(
+        namespaces=sorted({NS, install.namespace, chart_install.RELEASE_NAMESPACE}),
+        crd_admission=S.crd_admission,
+    ).start()
+    chart_install.create_crd(server, load_crd(CRD_FILE))
+    chart = chart_install.rendered(install.values)
+    chart_install.install(server, chart)
+    server.clear_requests()  # the log starts with the operator
+    # What the chart tells the operator about its mode (kopf's flags are `install`'s).
+    monkeypatch.setenv("DSV4_NAMESPACED", chart_install.operator_env(chart)["DSV4_NAMESPACED"])
+    account = chart_install.service_account(chart)
+    token = server.service_account_token(*account)
+    workers = StatusServers(worker_ips)
+    kubeconfig = str(
+        server.write_kubeconfig(tmp_path / "kubeconfig", install.namespace, token=token)
+    )
     monkeypatch.setenv("KUBECONFIG", kubeconfig)
     # The client reads $KUBECONFIG once, at import.
     monkeypatch.setattr(kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", kubeconfig)
@@ -276,8 +329,17 @@ def running_operator(
     )
     metrics = OperatorMetrics()
     monkeypatch.setattr(operator_settings, "OperatorMetrics", lambda: metrics)
-    operator = OperatorThread()
-    live = Live(server, workers, metrics)
+    operator = OperatorThread(namespaces=(install.namespace,), clusterwide=install.clusterwide)
+    operator.settings.watching.chunk_size = chunk_size
+    user = f"system:serviceaccount:{account[0]}:{account[1]}"
+    live = Live(
+        server,
+        workers,
+        metrics,
+        namespace=install.namespace,
+        worker_ips=list(worker_ips),
+        operator_user=user,
+    )
     try:
         operator.start()
         live.timings["operator start"] = round(time.monotonic() - t0, 2)
@@ -293,6 +355,9 @@ def running_operator(
             workers.close()
             print(f"timings (s): {live.timings}")
     assert operator.error is None, operator.error
+    # The chart's RBAC allowed every request the operator made.
+    refused = [(r.method, r.path, r.code) for r in server.requests if r.code in (401, 403)]
+    assert not refused, refused
     # Nothing failed inside kopf or a handler (a refused write, a handler exception, ...).
     errors = [
         r.getMessage()
@@ -306,6 +371,6 @@ def running_operator(
     while (leaked := set(threading.enumerate()) - threads_before) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not leaked, f"threads left running: {leaked}"
-    for address in [("127.0.0.1", server.port)] + [(ip, workers.port) for ip in WORKER_IPS]:
+    for address in [("127.0.0.1", server.port)] + [(ip, workers.port) for ip in worker_ips]:
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(address, timeout=1).close()
