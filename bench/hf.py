@@ -125,7 +125,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--ttft-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads for both engines (0: torch's default)"
+    )
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = tiny()
     params = init_weights(model, seed=SEED)
     reference = hf_reference(model, params).float().eval()

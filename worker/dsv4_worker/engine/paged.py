@@ -57,6 +57,7 @@ class _Batch(NamedTuple):
     slots: Tensor
     segments: Sequence[Segment]
     bounds: list[tuple[int, int]]
+    starts: Tensor  # per token: its segment's first position
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,30 +132,30 @@ class PagedModel:
 
     # -- forward ---------------------------------------------------------------------------------
 
-    def forward(self, segments: Sequence[Segment]) -> Tensor:
-        """Logits [len(segments), vocab] at each segment's last token (the whole model)."""
+    def forward(self, segments: Sequence[Segment], every: Sequence[bool] = ()) -> Tensor:
+        """Logits at each segment's last token, or at each of its tokens where `every` says
+        so (rows as `logprobs.row_layout` lays them out; the whole model)."""
         assert self.stage.first and self.stage.last, "forward runs the whole model"
-        return self.forward_stage(segments, None)
+        return self.forward_stage(segments, None, every)
 
-    def forward_stage(self, segments: Sequence[Segment], hidden: Tensor | None) -> Tensor:
+    def forward_stage(
+        self, segments: Sequence[Segment], hidden: Tensor | None, every: Sequence[bool] = ()
+    ) -> Tensor:
         """This stage's layers over the batch. The first stage embeds the token ids (`hidden`
         is None), later ones continue from the previous stage's hidden states [tokens, dim];
-        the last returns logits at each segment's last token, the others their hidden
-        states."""
+        the last returns logits at each segment's last token (at every token of the segments
+        `every` marks: prompt logprobs), the others their hidden states."""
         dev = self.device
-        positions = torch.cat([torch.arange(s.start, s.end, device=dev) for s in segments]).to(
-            torch.long
-        )
-        slots = torch.cat(
-            [
-                torch.full((len(s.token_ids),), s.slot, dtype=torch.long, device=dev)
-                for s in segments
-            ]
-        )
-        bounds = _bounds([len(s.token_ids) for s in segments])
-        batch = _Batch(positions, slots, segments, bounds)
+        lengths = [len(s.token_ids) for s in segments]
+        bounds = _bounds(lengths)
+        per_token = torch.tensor(lengths, device=dev)
+        los = torch.tensor([lo for lo, _ in bounds], device=dev).repeat_interleave(per_token)
+        starts = torch.tensor([s.start for s in segments], device=dev).repeat_interleave(per_token)
+        slots = torch.tensor([s.slot for s in segments], device=dev).repeat_interleave(per_token)
+        positions = starts + torch.arange(bounds[-1][1], device=dev) - los
+        batch = _Batch(positions, slots, segments, bounds, starts)
         ids = torch.tensor([t for s in segments for t in s.token_ids], dtype=torch.long, device=dev)
-        last = torch.tensor([hi - 1 for _, hi in bounds], device=dev)
+        last = torch.tensor(_logit_rows(bounds, every), device=dev)
         if isinstance(self.model, DSV4Config):
             m = self.model
             if self.stage.first:
@@ -205,12 +206,58 @@ class PagedModel:
             self._compress(m, layer, x, batch, ratio, indexer=False)
             if ratio == m.sparse_ratio:
                 self._compress(m, layer, x, batch, ratio, indexer=True)
-        out = []
+        # One-token segments (decode) attend together over keys gathered per token; longer
+        # ones (prefill chunks) share one key set per segment.
+        out = torch.empty_like(q)
+        singles = [lo for lo, hi in batch.bounds if hi - lo == 1]
+        if singles:
+            idx = torch.tensor(singles, device=self.device)
+            out[idx] = self._dsv4_token_attention(m, layer, idx, x, q, latent, batch)
         for seg, (lo, hi) in zip(batch.segments, batch.bounds, strict=True):
-            out.append(
-                self._dsv4_segment_attention(m, layer, seg, x[lo:hi], q[lo:hi], latent[lo:hi])
-            )
-        return A.output(m, self.p, layer, torch.cat(out), positions, freq)
+            if hi - lo > 1:
+                out[lo:hi] = self._dsv4_segment_attention(
+                    m, layer, seg, x[lo:hi], q[lo:hi], latent[lo:hi]
+                )
+        return A.output(m, self.p, layer, out, positions, freq)
+
+    def _dsv4_token_attention(
+        self,
+        m: DSV4Config,
+        layer: int,
+        idx: Tensor,
+        x: Tensor,
+        q: Tensor,
+        latent: Tensor,
+        batch: _Batch,
+    ) -> Tensor:
+        """Attention of the batch tokens `idx` [N], each over its own request's keys: the
+        window padded to `window_tokens` and the complete compressed blocks padded to the
+        most any of them has, masked per token. Padding addresses a position the token's
+        request holds (itself, or block 0), so every gathered row is a real, finite row."""
+        dev = self.device
+        pos, slot = batch.positions[idx], batch.slots[idx]
+        n, span = len(idx), m.window_tokens
+        key_pos = pos[:, None] + torch.arange(1 - span, 1, device=dev)[None, :]
+        mask = key_pos >= 0
+        key_pos = torch.where(mask, key_pos, pos[:, None])
+        key_slot = slot[:, None].expand(n, span)
+        swa = self._swa_pages(key_slot, key_pos) * self.page + key_pos % self.page
+        keys = self._rows("swa_kv", layer)[swa].to(COMPUTE)
+        ratio = m.compress_ratios[layer]
+        num_blocks = int(((pos + 1) // ratio).max()) if ratio else 0
+        if num_blocks:
+            blocks = torch.arange(num_blocks, device=dev)[None, :]
+            available = blocks < ((pos + 1) // ratio)[:, None]
+            blocks = torch.where(available, blocks, 0)
+            index = self._compressed_index(slot[:, None].expand(n, num_blocks), blocks, ratio)
+            rows = self._rows(f"c{ratio}_kv", layer)[index].to(COMPUTE)
+            if ratio == m.sparse_ratio:
+                ikeys = self._rows(f"c{ratio}_indexer", layer)[index].to(COMPUTE)
+                iq, iw = I.query(m, self.p, layer, x[idx], latent[idx], pos, compress_freq(m, dev))
+                available = I.top_k_mask(I.row_scores(iq, iw, ikeys), available, m.index_topk)
+            keys = torch.cat([keys, rows], dim=1)
+            mask = torch.cat([mask, available], dim=1)
+        return A.attend_rows(q[idx], keys, mask, self.p[f"layers.{layer}.attn.attn_sink"])
 
     def _dsv4_segment_attention(
         self, m: DSV4Config, layer: int, seg: Segment, x: Tensor, q: Tensor, latent: Tensor
@@ -251,7 +298,7 @@ class PagedModel:
         indexer: bool,
     ) -> None:
         """Write this batch's token states, then every compressed row a block completes."""
-        positions, slots, segments, bounds = batch
+        positions, slots = batch.positions, batch.slots
         overlap = ratio == m.sparse_ratio
         prefix = f"layers.{layer}.attn" + (".indexer" if indexer else "") + ".compressor"
         state_name = (
@@ -262,30 +309,26 @@ class PagedModel:
         states = stored(C.token_states(x, positions, self.p, prefix, ratio), m.state_dtype)
         ring = self._rows(state_name, layer)
         online = self.memory.layout.request_state == "online" and not overlap
-        done_pos: list[int] = []
-        done_slot: list[int] = []
-        pooled: list[Tensor] = []
         if online:
             done_pos, done_slot, pooled = self._online(m, ring, states, positions, slots, ratio)
+            if not pooled:
+                return
+            blocks = torch.tensor(done_pos, device=self.device)
+            block_slots = torch.tensor(done_slot, device=self.device)
+            pooled_rows = torch.stack(pooled)
         else:
-            for seg, (lo, _) in zip(segments, bounds, strict=True):
-                for end in range(_first_block_end(seg.start, ratio), seg.end, ratio):
-                    b = end // ratio
-                    block_pos = range(b * ratio, (b + 1) * ratio)
-                    curr = self._block_states(state_name, ring, states, seg, lo, block_pos)
-                    prev = None
-                    if overlap and b > 0:
-                        prev_pos = range((b - 1) * ratio, b * ratio)
-                        prev = self._block_states(state_name, ring, states, seg, lo, prev_pos)
-                    pooled.append(C.pool_block(prev, curr, overlap))
-                    done_pos.append(b)
-                    done_slot.append(seg.slot)
+            done = torch.nonzero((positions + 1) % ratio == 0).flatten()
+            if len(done):
+                blocks, block_slots = positions[done] // ratio, slots[done]
+                rows, valid = self._block_rows(
+                    state_name, ring, states, batch, done, ratio, overlap
+                )
+                pooled_rows = C.pool_blocks(rows, valid, overlap)
             self._write_ring(state_name, ring, states, batch)
-        if not pooled:
-            return
-        blocks = torch.tensor(done_pos, device=self.device)
+            if not len(done):
+                return
         rows = C.finish_rows(
-            torch.stack(pooled),
+            pooled_rows,
             blocks,
             ratio,
             self.p[f"{prefix}.norm.weight"],
@@ -294,29 +337,35 @@ class PagedModel:
         )
         target_name = f"c{ratio}_indexer" if indexer else f"c{ratio}_kv"
         target = self._rows(target_name, layer)
-        index = self._compressed_index(torch.tensor(done_slot, device=self.device), blocks, ratio)
+        index = self._compressed_index(block_slots, blocks, ratio)
         target[index] = rows.to(target.dtype)
 
-    def _block_states(
+    def _block_rows(
         self,
         name: str,
         ring: Tensor,
         states: Tensor,
-        seg: Segment,
-        lo: int,
-        block_pos: range,
-    ) -> Tensor:
-        """State rows of a block's tokens in position order: this batch's from `states`, older
-        ones from the ring (read before this batch writes it)."""
-        rows = []
-        for pos in block_pos:
-            if pos >= seg.start:
-                rows.append(states[lo + pos - seg.start])
-            else:
-                one = torch.tensor([seg.slot, pos], device=self.device)
-                index = self._ring_index(name, one[:1], one[1:])
-                rows.append(ring[index[0]].to(COMPUTE))
-        return torch.stack(rows)
+        batch: _Batch,
+        done: Tensor,
+        ratio: int,
+        overlap: bool,
+    ) -> tuple[Tensor, Tensor]:
+        """State rows [N, ratio (x2 overlapped: previous block first), width] of the blocks
+        the batch tokens `done` [N] complete, in position order, and which exist [N, ...]
+        (block 0 has no previous block). Rows of this batch come from `states`, older ones
+        from the ring (read before this batch writes it); a missing row reads the token's
+        own, masked."""
+        pos, slot, start = batch.positions[done], batch.slots[done], batch.starts[done]
+        first = (pos // ratio - (2 if overlap else 1) + 1) * ratio
+        width = (2 if overlap else 1) * ratio
+        block_pos = first[:, None] + torch.arange(width, device=self.device)[None, :]
+        valid = block_pos >= 0
+        block_pos = torch.where(valid, block_pos, pos[:, None])
+        fresh = block_pos >= start[:, None]
+        from_batch = torch.where(fresh, done[:, None] - (pos[:, None] - block_pos), done[:, None])
+        stored_rows = ring[self._ring_index(name, slot[:, None].expand_as(block_pos), block_pos)]
+        rows = torch.where(fresh[..., None], states[from_batch], stored_rows.to(COMPUTE))
+        return rows, valid
 
     def _write_ring(
         self,
@@ -328,7 +377,7 @@ class PagedModel:
         """Write token states in position order, R tokens at a time (R consecutive positions
         of a request never share a ring row; different requests never share a ring), so the
         last writer of every row is its latest token."""
-        positions, slots, _, bounds = batch
+        positions, slots, bounds = batch.positions, batch.slots, batch.bounds
         stride = self.memory.layout.component(name).rows_per_unit
         longest = max(hi - lo for lo, hi in bounds)
         for k in range(0, longest, stride):
@@ -377,7 +426,12 @@ class PagedModel:
         x: Tensor,
         batch: _Batch,
     ) -> Tensor:
-        positions, slots, segments, bounds = batch
+        positions, slots, segments, bounds = (
+            batch.positions,
+            batch.slots,
+            batch.segments,
+            batch.bounds,
+        )
         q, kv = L.hybrid_query_kv(m, self.p, layer, x, positions)
         sliding = m.layer_types[layer] == "sliding"
         name = "swa_kv" if sliding else "full_kv"
@@ -400,14 +454,21 @@ class PagedModel:
         return pages * self.page + positions % self.page
 
 
+def _logit_rows(bounds: Sequence[tuple[int, int]], every: Sequence[bool]) -> list[int]:
+    """The tokens whose logits a forward returns: each segment's last, or all of a segment's
+    tokens where `every` marks it."""
+    if not any(every):
+        return [hi - 1 for _, hi in bounds]
+    return [
+        r
+        for (lo, hi), all_rows in zip(bounds, every, strict=True)
+        for r in (range(lo, hi) if all_rows else (hi - 1,))
+    ]
+
+
 def _bounds(lengths: Sequence[int]) -> list[tuple[int, int]]:
     out, lo = [], 0
     for n in lengths:
         out.append((lo, lo + n))
         lo += n
     return out
-
-
-def _first_block_end(start: int, ratio: int) -> int:
-    """The first position >= start that ends a block."""
-    return start + (ratio - 1 - start % ratio)

@@ -64,6 +64,18 @@ def attend(
     return torch.einsum("thk,kd->thd", probs, kv)
 
 
+def attend_rows(
+    q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor
+) -> torch.Tensor:
+    """`attend` for tokens with keys of their own: q [N, heads, D] over `kv` [N, K, D] where
+    `mask` [N, K] is True (decode tokens of different requests in one batch)."""
+    logits = torch.einsum("nhd,nkd->nhk", q, kv) * q.shape[-1] ** -0.5
+    logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
+    sink = sinks.view(1, -1, 1).expand(len(q), -1, 1)
+    probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("nhk,nkd->nhd", probs, kv)
+
+
 def output(
     m: DSV4Config,
     p: Params,

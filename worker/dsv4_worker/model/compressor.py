@@ -62,6 +62,22 @@ def pool_block(prev: torch.Tensor | None, curr: torch.Tensor, overlap: bool) -> 
     return (weights * kv).sum(dim=0)
 
 
+def pool_blocks(rows: torch.Tensor, valid: torch.Tensor, overlap: bool) -> torch.Tensor:
+    """`pool_block` of N blocks at once: state rows [N, ratio, width] (overlapped: [N,
+    2 * ratio, width], the previous block's first) where `valid` [N, ...] marks the rows that
+    exist (block 0 has no previous block). Returns [N, dim]."""
+    if overlap:
+        dim, ratio = rows.shape[-1] // 4, rows.shape[1] // 2
+        prev, curr = rows[:, :ratio], rows[:, ratio:]
+        kv = torch.cat([prev[..., :dim], curr[..., dim : 2 * dim]], dim=1)
+        score = torch.cat([prev[..., 2 * dim : 3 * dim], curr[..., 3 * dim :]], dim=1)
+    else:
+        dim = rows.shape[-1] // 2
+        kv, score = rows[..., :dim], rows[..., dim:]
+    weights = torch.softmax(score.masked_fill(~valid[..., None], float("-inf")), dim=1)
+    return (weights * kv).sum(dim=1)
+
+
 def finish_rows(
     pooled: torch.Tensor,
     blocks: torch.Tensor,

@@ -41,6 +41,12 @@ def scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor
     return torch.einsum("th,thc->tc", w, dots)
 
 
+def row_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """`scores` for tokens with keys of their own: keys [T, C, dim] -> scores [T, C]."""
+    dots = torch.relu(torch.einsum("thd,tcd->thc", q, keys)) * q.shape[-1] ** -0.5
+    return torch.einsum("th,thc->tc", w, dots)
+
+
 def top_k_mask(scores: torch.Tensor, available: torch.Tensor, k: int) -> torch.Tensor:
     """Per row, the (at most) k available entries with the highest scores [T, C] -> bool."""
     if scores.shape[-1] == 0:

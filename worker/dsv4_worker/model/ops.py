@@ -29,8 +29,7 @@ STORAGE_DTYPES: Final[dict[str, torch.dtype]] = {
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = EPS) -> torch.Tensor:
     """RMS norm over the last axis (no gain when `weight` is None)."""
-    out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return out if weight is None else out * weight
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, rope_dims: int, theta: float) -> torch.Tensor:

@@ -67,13 +67,49 @@ def rotate(
     dims = 2 * freq.shape[0]
     if dims == 0:
         return x
+    head, rot = x[..., : x.shape[-1] - dims], x[..., x.shape[-1] - dims :]
+    if x.dtype in (torch.float32, torch.float64):
+        # A pair (2i, 2i+1) is the complex number 2i + 1j * (2i+1): one complex product.
+        turn = _turns(positions, freq, x.dtype, inverse)
+        turn = turn.view((len(x),) + (1,) * (x.dim() - 2) + (dims // 2,))
+        pairs = torch.view_as_complex(rot.reshape(*rot.shape[:-1], dims // 2, 2).contiguous())
+        return torch.cat([head, torch.view_as_real(pairs * turn).flatten(-2)], dim=-1)
     angles = positions.to(x.dtype)[:, None] * freq.to(x.dtype)[None, :]  # [T, dims/2]
+    if inverse:
+        angles = -angles
     while angles.dim() < x.dim():
         angles = angles.unsqueeze(1)  # broadcast over the axes between T and D
     cos, sin = angles.cos(), angles.sin()
-    if inverse:
-        sin = -sin
-    head, rot = x[..., : x.shape[-1] - dims], x[..., x.shape[-1] - dims :]
     even, odd = rot[..., 0::2], rot[..., 1::2]
     out = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
     return torch.cat([head, out], dim=-1)
+
+
+_TurnKey = tuple[torch.Tensor, int, torch.Tensor, int, torch.dtype, bool]
+_recent_turns: list[tuple[_TurnKey, torch.Tensor]] = []
+
+
+def _turns(
+    positions: torch.Tensor, freq: torch.Tensor, dtype: torch.dtype, inverse: bool
+) -> torch.Tensor:
+    """exp(+-1j * positions x freq) [T, dims/2], remembered for the last few (positions, freq)
+    tensors: one forward rotates the same positions with the same table in every layer (queries,
+    window keys, outputs, indexer). A key holds its tensors (so their ids stay theirs) and
+    their version counters (an in-place change misses)."""
+    for key, turn in _recent_turns:
+        if (
+            key[0] is positions
+            and key[1] == positions._version
+            and key[2] is freq
+            and key[3] == freq._version
+            and key[4:] == (dtype, inverse)
+        ):
+            return turn
+    angles = positions.to(dtype)[:, None] * freq.to(dtype)[None, :]
+    turn = torch.polar(torch.ones_like(angles), -angles if inverse else angles)
+    if not turn.requires_grad:
+        _recent_turns.insert(
+            0, ((positions, positions._version, freq, freq._version, dtype, inverse), turn)
+        )
+        del _recent_turns[8:]
+    return turn
