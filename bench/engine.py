@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 
 import torch
+from benchjson import Figure, emit
 
 from dsv4_common.core.layout import build_layout
 from dsv4_common.core.presets import tiny
@@ -95,14 +96,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--running", type=int, nargs="*", default=[1, 64, 1024])
+    parser.add_argument("--json", action="store_true", help="also print a @bench-json line")
     args = parser.parse_args()
     torch.set_num_threads(1)
     device = torch.device(args.device)
     print(f"engine step overhead (no-op model), device={device}, page={PAGE}, torch threads 1")
     print(f"{'running':>8}  {'ms/step (median of rounds)':>27}  {'best round':>10}")
+    figures = []
     for running in args.running:
         rounds = [round_median_ms(running, args.steps, device) for _ in range(args.rounds)]
         print(f"{running:>8}  {statistics.median(rounds):>27.3f}  {min(rounds):>10.3f}")
+        figures.append(Figure(f"step, {running} running", statistics.median(rounds), "ms", "lower"))
+    if args.json:
+        emit("engine", figures)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,17 @@
 """`dsv4 serve` through HTTP on loopback: generated tokens/s and time to first token at 1 and
 32 concurrent streaming clients (prints a table; not a test).
 
-    .venv/bin/python bench/serve.py [--device cpu|cuda] [--rounds R] [--max-tokens N]
+    .venv/bin/python bench/serve.py [--device cpu|cuda] [--rounds R] [--max-tokens N] [--json]
 
 Each client sends `--requests` streaming completions one after another (a 64-byte prompt,
 `--max-tokens` greedy tokens). tokens/s = all generated tokens / wall time of the round; TTFT =
 time from sending a request to its first streamed event. Medians over `--rounds` rounds.
+
+Serving overhead = 1 - served tokens/s / replayed tokens/s: the replay builds the same engine
+in this process (`dsv4 serve`'s own `build`, so with the thread settings the server runs with)
+and runs the same requests through it directly, `clients` at a time, while the server idles.
+What the server adds (HTTP, SSE, the event loop, the threads fighting over the cores) is the
+overhead.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import sys
 import threading
 import time
 from typing import TypeVar
+
+from benchjson import Figure, emit
 
 K = TypeVar("K")
 PROMPT = "The quick brown fox jumps over the lazy dog; DSV4 serves it. " * 1
@@ -136,6 +144,46 @@ def percentile(values: list[float], q: float) -> float:
     return ranked[max(0, min(len(ranked) - 1, round(q * len(ranked)) - 1))]
 
 
+def replay_tps(
+    device: str,
+    rounds: int,
+    clients: list[int],
+    requests: int,
+    max_tokens: int,
+    serve_args: list[str],
+) -> dict[int, float]:
+    """Median tokens/s of the same workload run through the engine directly (no HTTP), per
+    number of clients."""
+    from dsv4_common.cli import build_parser
+    from dsv4_common.core.presets import tiny
+    from dsv4_worker.engine.sampler import SamplingParams
+    from dsv4_worker.serve import build
+    from dsv4_worker.server.tokenizer import load_tokenizer
+
+    argv = ["serve", "--model", "tiny", "--device", device, "--gpu-memory-gib", "0.25"]
+    built = build(build_parser().parse_args([*argv, "--port", str(_free_port()), *serve_args]))
+    engine = built.runner.engine
+    prompt = load_tokenizer(None, tiny().weights.vocab_size).encode(PROMPT)
+    params = SamplingParams(max_new_tokens=max_tokens)
+    engine.submit(prompt, SamplingParams(max_new_tokens=4))  # warm-up
+    engine.run_until_idle()
+    out = {}
+    for batch in clients:
+        runs = []
+        for _ in range(rounds):
+            tokens, t0 = 0, time.perf_counter()
+            for _ in range(requests):
+                for _ in range(batch):
+                    engine.submit(prompt, params)
+                done = []
+                while not engine.idle:
+                    done += engine.step()
+                tokens += sum(len(r.output) for r in done)
+            runs.append(tokens / (time.perf_counter() - t0))
+        out[batch] = statistics.median(runs)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -143,26 +191,77 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2, help="requests per client per round")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--clients", type=int, nargs="*", default=[1, 32])
+    parser.add_argument("--no-replay", action="store_true", help="skip the serving overhead")
+    parser.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        help="an extra `dsv4 serve` argument for the server and the replay (repeat; e.g. "
+        "--serve-arg=--torch-threads=2)",
+    )
+    parser.add_argument("--json", action="store_true", help="also print a @bench-json line")
     args = parser.parse_args()
     port = _free_port()
     cmd = serve_argv("--model", "tiny")
     cmd += ["--port", str(port), "--device", args.device, "--gpu-memory-gib", "0.25"]
+    cmd += args.serve_arg
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_ready(port, proc)
         _round(port, 1, 1, 4)  # warm-up
         print(f"dsv4 serve tiny over HTTP, device={args.device}, {args.max_tokens} tokens/request")
-        print(f"{'clients':>8}  {'tokens/s':>9}  {'TTFT ms (median)':>17}")
+        served = {}
         for clients in args.clients:
             runs = [
                 _round(port, clients, args.requests, args.max_tokens) for _ in range(args.rounds)
             ]
-            tps = statistics.median(r[0] for r in runs)
-            ttft = statistics.median(r[1] for r in runs)
-            print(f"{clients:>8}  {tps:>9.1f}  {ttft:>17.1f}")
+            served[clients] = (
+                statistics.median(r[0] for r in runs),
+                statistics.median(r[1] for r in runs),
+            )
+        replayed = {}
+        if not args.no_replay:  # the server idles meanwhile
+            replayed = replay_tps(
+                args.device,
+                args.rounds,
+                args.clients,
+                args.requests,
+                args.max_tokens,
+                args.serve_arg,
+            )
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+    figures: list[Figure] = []
+    print(
+        f"{'clients':>8}  {'tokens/s':>9}  {'TTFT ms (median)':>17}  "
+        f"{'replayed':>9}  {'overhead':>8}"
+    )
+    for clients, (tps, ttft) in served.items():
+        line = f"{clients:>8}  {tps:>9.1f}  {ttft:>17.1f}"
+        figures += [
+            Figure(f"tokens/s {clients} clients", tps, "tok/s", "higher"),
+            Figure(f"TTFT {clients} clients", ttft, "ms", "lower"),
+        ]
+        if clients in replayed:
+            overhead = 100 * (1 - tps / replayed[clients])
+            line += f"  {replayed[clients]:>9.1f}  {overhead:>7.1f}%"
+            figures += [
+                Figure(
+                    f"replayed tokens/s {clients} clients", replayed[clients], "tok/s", "higher"
+                ),
+                Figure(f"serving overhead {clients} clients", overhead, "%", "lower"),
+            ]
+        print(line)
+    print(f"torch threads in this process after the replay: {torch_threads()}")
+    if args.json:
+        emit("serve", figures)
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 if __name__ == "__main__":

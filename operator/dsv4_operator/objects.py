@@ -49,6 +49,7 @@ from dsv4_operator.workloads import (
     router_pod_template,
     with_template_hash,
     worker_pod_template,
+    worker_torch_threads,
 )
 
 ObjKey = tuple[str, str, str]  # (apiVersion, kind, name)
@@ -136,7 +137,7 @@ def build_desired_state(
 ) -> DesiredState:
     sglang = spec.engine.sglang
     image = (spec.engine.image or DEFAULT_SGLANG_IMAGE) if sglang else spec.image or default_image
-    data = config_data(spec, meta, memory)
+    data = config_data(spec, meta, memory, worker_torch_threads(spec))
     objects: list[Obj] = [
         build_service_account(meta),
         build_config_map(meta, data),

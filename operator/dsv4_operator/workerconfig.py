@@ -9,6 +9,7 @@ A worker reads `{role}-rank-{DSV4_PP_RANK}.json` from CONFIG_DIR, the router `ro
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any, Final
 
 from dsv4_common.api.deployment import MemoryPlan
@@ -41,7 +42,12 @@ def _service_host(meta: DeploymentMeta, role: WorkerRole) -> str:
 
 
 def rank_config(
-    spec: DeploymentSpec, meta: DeploymentMeta, memory: MemoryPlan, role: WorkerRole, pp_rank: int
+    spec: DeploymentSpec,
+    meta: DeploymentMeta,
+    memory: MemoryPlan,
+    role: WorkerRole,
+    pp_rank: int,
+    torch_threads: int | None = None,
 ) -> dict[str, Any]:
     config = build_rank_config(
         spec,
@@ -52,6 +58,7 @@ def rank_config(
         # Ranks of one group resolve through the group's headless Service.
         peers_host_template="{group}-{rank}.{group}." + f"{meta.namespace}.svc",
         role_services={r: _service_host(meta, r) for r in WORKER_ROLES},
+        torch_threads=torch_threads,
     )
     return rank_config_to_dict(config)
 
@@ -71,12 +78,20 @@ def _dump(doc: dict[str, Any]) -> str:
     return json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
 
-def config_data(spec: DeploymentSpec, meta: DeploymentMeta, memory: MemoryPlan) -> dict[str, str]:
-    """ConfigMap data: one document per (role, PP rank), the router's, and the whole plan."""
+def config_data(
+    spec: DeploymentSpec,
+    meta: DeploymentMeta,
+    memory: MemoryPlan,
+    torch_threads: Mapping[WorkerRole, int | None] | None = None,
+) -> dict[str, str]:
+    """ConfigMap data: one document per (role, PP rank), the router's, and the whole plan.
+    `torch_threads`: each role's rank-config value (`workloads.worker_torch_threads`)."""
     data: dict[str, str] = {}
     for role in WORKER_ROLES:
+        threads = (torch_threads or {}).get(role)
         for rank in range(spec.role(role).pipeline_parallel):
-            data[rank_config_key(role, rank)] = _dump(rank_config(spec, meta, memory, role, rank))
+            doc = rank_config(spec, meta, memory, role, rank, threads)
+            data[rank_config_key(role, rank)] = _dump(doc)
     data[ROUTER_CONFIG_KEY] = _dump(router_config(spec, meta))
     data[PLAN_KEY] = _dump({role: plan_to_dict(memory.role(role)) for role in WORKER_ROLES})
     return data

@@ -16,10 +16,12 @@ from dsv4_common.api.rank_config import MODEL_CONFIG_DIR
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec
 from dsv4_common.core.units import GIB
 from dsv4_common.plan.planner import Plan
+from dsv4_common.plan.threads import torch_threads
 from dsv4_operator import labels as L
 from dsv4_operator.gang import pod_fields
 from dsv4_operator.manifests import Obj, group_meta, router_meta
 from dsv4_operator.placement import group_affinity
+from dsv4_operator.quantities import quantity
 from dsv4_operator.workerconfig import CONFIG_DIR, STATUS_PORT, WORKER_PORTS
 
 RUN_AS_USER: Final = 10001  # the images' non-root user (Dockerfile.worker)
@@ -90,6 +92,41 @@ def worker_resources(spec: DeploymentSpec) -> Obj:
         out["requests"] = requests
     if limits:
         out["limits"] = limits
+    return out
+
+
+def worker_cpu_request(spec: DeploymentSpec, role: L.WorkerRole) -> float | None:
+    """The CPU request a role's worker container ends up with, as the pod template merge and
+    Kubernetes' defaulting give it: the role podTemplate's worker container, then
+    spec.resources, then the default (CPU_MODE_REQUESTS, or CPU_PER_GPU per GPU); at each level
+    a request, else its limit (an unset request defaults to the limit). None: no request."""
+    levels: list[Any] = []
+    template = spec.role(role).pod_template or {}
+    containers = (template.get("spec") or {}).get("containers") or []
+    for c in containers if isinstance(containers, list) else []:
+        if isinstance(c, dict) and c.get("name") == "worker":  # the main container (podtemplate)
+            levels.append(c.get("resources"))
+    levels.append(
+        {"requests": dict(spec.resources.requests), "limits": dict(spec.resources.limits)}
+    )
+    default = CPU_MODE_REQUESTS["cpu"] if spec.gpu.cpu_mode else str(CPU_PER_GPU * spec.gpu.per_pod)
+    levels.append({"requests": {"cpu": default}})
+    for level in levels:
+        for key in ("requests", "limits"):
+            amounts = level.get(key) if isinstance(level, dict) else None
+            cpu = quantity(amounts.get("cpu")) if isinstance(amounts, dict) else None
+            if cpu is not None and cpu.is_finite() and cpu > 0:
+                return float(cpu)
+    return None
+
+
+def worker_torch_threads(spec: DeploymentSpec) -> dict[L.WorkerRole, int | None]:
+    """Each role's rank-config torch threads, from its workers' CPU request
+    (`dsv4_common.plan.threads`); None without one: the worker decides from its cgroup."""
+    out: dict[L.WorkerRole, int | None] = {}
+    for role in L.WORKER_ROLES:
+        cpus = worker_cpu_request(spec, role)
+        out[role] = None if cpus is None else torch_threads(cpus)
     return out
 
 

@@ -138,6 +138,9 @@ class RankConfig:
     ports: WorkerPorts
     peers: Peers
     role_services: dict[str, str]  # role -> host of its routing Service
+    # Torch intra-op threads (the operator's, from the pod's CPU request); None: the worker
+    # decides from the CPUs it may use. `dsv4 serve --torch-threads` overrides it.
+    torch_threads: int | None = None
 
     def plan_inputs(self, model: ModelConfig, device_memory_bytes: int | None = None) -> PlanInputs:
         """The planner inputs of this rank's group; `device_memory_bytes` replaces the planned
@@ -215,6 +218,7 @@ def build_rank_config(
     peers_host_template: str,
     role_services: Mapping[WorkerRole, str],
     ports: WorkerPorts = DEFAULT_PORTS,
+    torch_threads: int | None = None,
 ) -> RankConfig:
     plan = memory.role(role)
     inputs = plan.inputs
@@ -256,6 +260,7 @@ def build_rank_config(
         ports=ports,
         peers=Peers(host_template=peers_host_template, pp_size=inputs.pp_size),
         role_services={r: role_services[r] for r in WORKER_ROLES},
+        torch_threads=torch_threads,
     )
 
 
@@ -323,3 +328,5 @@ def _check_rank(c: RankConfig) -> None:
     missing = sorted(set(WORKER_ROLES) - set(c.role_services))
     if missing:
         raise DocumentError(f"rank_config.role_services: missing {', '.join(missing)}")
+    if c.torch_threads is not None and c.torch_threads < 1:
+        raise DocumentError(f"rank_config.torch_threads: must be >= 1, got {c.torch_threads}")

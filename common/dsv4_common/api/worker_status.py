@@ -9,10 +9,14 @@ used by the operator and the router). Wire form, snake_case JSON:
      "kv_transfer": {"backend": "nixl" | null, "ready": bool, "layout_hash": str | null,
                      "endpoint": "host:port" | null},
      "load": {"free_full_tokens": int, "free_swa_tokens": int, "free_request_slots": int,
-              "running": int, "waiting": int, "accepting": bool}}
+              "running": int, "waiting": int, "accepting": bool},
+     "threads": {"intra_op": int, "inter_op": int, "cpus": float,
+                 "source": "flag" | "rank_config" | "auto" | "unknown"}}
 
 `capacity` is what the pools realize (fixed at start); `load` is what is free now (the router
-picks instances by it). `kv_transfer.endpoint` is a prefill's KV control address (decode
+picks instances by it); `threads` is torch's thread counts, set once at start, where they came
+from and the CPUs the worker found it may use (all 0 / "unknown" from a worker that predates
+it). `kv_transfer.endpoint` is a prefill's KV control address (decode
 workers connect there); `ready` turns true once a manifest handshake with a peer succeeded.
 
 A document of another version, or one missing or mistyping a field, is refused with an error
@@ -66,6 +70,19 @@ class Load:
     accepting: bool = False  # its queue has room for another request
 
 
+ThreadSource = Literal["flag", "rank_config", "auto", "unknown"]
+
+
+@dataclass(frozen=True, slots=True)
+class Threads:
+    """Torch's thread counts in the worker (`dsv4_worker.threads`); zeros: not reported."""
+
+    intra_op: int = 0
+    inter_op: int = 0
+    source: ThreadSource = "unknown"
+    cpus: float = 0.0  # the CPUs the worker may use (affinity and cgroup quota)
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerStatusDoc:
     """The wire schema (nested as on the wire)."""
@@ -76,6 +93,7 @@ class WorkerStatusDoc:
     capacity: Capacity
     kv_transfer: KVTransferState = KVTransferState()
     load: Load = Load()
+    threads: Threads = Threads()
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +111,7 @@ class WorkerStatus:
     kv_layout_hash: str | None = None
     kv_endpoint: str | None = None
     load: Load = Load()
+    threads: Threads = Threads()
 
 
 def build_worker_status(status: WorkerStatus) -> dict[str, Any]:
@@ -114,6 +133,7 @@ def build_worker_status(status: WorkerStatus) -> dict[str, Any]:
             endpoint=status.kv_endpoint,
         ),
         load=status.load,
+        threads=status.threads,
     )
     result: dict[str, Any] = to_document(doc)
     return result
@@ -131,6 +151,9 @@ def parse_worker_status(doc: object) -> WorkerStatus:
             for k in Load.__dataclass_fields__
             if k != "accepting"
         },
+        "threads.intra_op": parsed.threads.intra_op,
+        "threads.inter_op": parsed.threads.inter_op,
+        "threads.cpus": parsed.threads.cpus,
     }
     for name, value in counts.items():
         if value < 0:
@@ -148,4 +171,5 @@ def parse_worker_status(doc: object) -> WorkerStatus:
         kv_layout_hash=kv.layout_hash,
         kv_endpoint=kv.endpoint,
         load=parsed.load,
+        threads=parsed.threads,
     )

@@ -4,6 +4,7 @@ format does not depend on `dsv4 plan --json`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -17,7 +18,7 @@ from dsv4_common.api.deployment import plan_memory
 from dsv4_common.api.documents import DocumentError
 from dsv4_common.api.names import WORKER_ROLES
 from dsv4_common.api.spec import parse_meta, parse_spec
-from dsv4_common.api.worker_status import build_worker_status, parse_worker_status
+from dsv4_common.api.worker_status import Threads, build_worker_status, parse_worker_status
 from dsv4_common.core.presets import load_model_config
 from dsv4_common.plan import report
 from dsv4_common.plan.planner import plan
@@ -73,7 +74,7 @@ def test_rank_config_wire_keys_are_the_v1_schema() -> None:
     assert set(doc) == {
         "version", "deployment", "namespace", "role", "pp_rank", "pp_size", "tp_size",
         "serving_rank", "model", "max_context_tokens", "kv", "plan", "planned", "ports",
-        "peers", "role_services",
+        "peers", "role_services", "torch_threads",
     }  # fmt: skip
     assert doc["version"] == 1 and doc["plan"]["layer_split"] == [3, 3]
     assert doc["ports"] == {"http": 8080, "status": 8081, "pp": 8082, "kv": 8083}
@@ -110,6 +111,8 @@ def _with(doc: dict[str, Any], path: str, value: object) -> dict[str, Any]:
         ("model.config_path", "/m/config.json", "rank_config.model: exactly one of preset"),
         ("role_services", {"prefill": "p"}, "rank_config.role_services: missing decode"),
         ("plan.mem_fraction", float("nan"), "rank_config.plan.mem_fraction: must be finite"),
+        ("torch_threads", 0, "rank_config.torch_threads: must be >= 1, got 0"),
+        ("torch_threads", 1.5, "rank_config.torch_threads: must be an integer"),
     ],
 )
 def test_rank_config_errors_name_the_field(path: str, value: object, needle: str) -> None:
@@ -117,6 +120,15 @@ def test_rank_config_errors_name_the_field(path: str, value: object, needle: str
     with pytest.raises(DocumentError) as info:
         rc.parse_rank_config(_with(doc, path, value))
     assert needle in str(info.value)
+
+
+def test_rank_config_torch_threads_is_optional_and_round_trips() -> None:
+    config = tiny_configs()[0]
+    assert config.torch_threads is None  # the builder's default: the worker decides
+    doc = _with(rc.rank_config_to_dict(config), "torch_threads", KeyError)  # an older operator
+    assert rc.parse_rank_config(doc).torch_threads is None
+    doc = _with(rc.rank_config_to_dict(config), "torch_threads", 7)
+    assert rc.parse_rank_config(doc).torch_threads == 7
 
 
 def test_router_config_round_trips_and_needs_both_roles() -> None:
@@ -149,6 +161,8 @@ def test_worker_status_round_trips() -> None:
         ("kv_transfer.backend", "tcp", "status.kv_transfer.backend"),
         ("pp_rank", KeyError, "status.pp_rank: required"),
         ("capacity", None, "status.capacity: must be an object, got null"),
+        ("threads.intra_op", -1, "status.threads.intra_op: must be >= 0, got -1"),
+        ("threads.source", "guess", "status.threads.source: must be one of"),
     ],
 )
 def test_worker_status_errors_name_the_field(path: str, value: object, needle: str) -> None:
@@ -161,3 +175,12 @@ def test_worker_status_without_kv_transfer_means_not_ready() -> None:
     doc = _with(build_worker_status(STATUS), "kv_transfer", KeyError)
     parsed = parse_worker_status(doc)
     assert (parsed.kv_backend, parsed.kv_ready, parsed.kv_layout_hash) == (None, False, None)
+
+
+def test_worker_status_reports_torch_threads_and_older_workers_report_none() -> None:
+    status = dataclasses.replace(STATUS, threads=Threads(3, 1, "rank_config", 3.5))
+    doc = wire(build_worker_status(status))
+    assert doc["threads"] == {"intra_op": 3, "inter_op": 1, "source": "rank_config", "cpus": 3.5}
+    assert parse_worker_status(doc) == status
+    del doc["threads"]
+    assert parse_worker_status(doc).threads == Threads()  # zeros and "unknown"

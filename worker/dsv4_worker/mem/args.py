@@ -35,7 +35,21 @@ def resolve_device(device: torch.device | str) -> torch.device:
 
 def int64_vector(value: object, what: str, device: torch.device) -> Tensor:
     """`value` as a 1-D int64 tensor (converted from any integer dtype); checks metadata only,
-    so it never syncs with the device."""
+    so it never syncs with the device.
+
+    NOTE: the common case (a plain 1-D int64 tensor on `device`) costs four attribute reads and
+    returns `value` itself; everything else takes the checked conversion below."""
+    if (
+        type(value) is Tensor
+        and value.dtype is torch.int64
+        and value.device == device
+        and value.dim() == 1
+    ):
+        return value
+    return _converted(value, what, device)
+
+
+def _converted(value: object, what: str, device: torch.device) -> Tensor:
     if not isinstance(value, Tensor):
         raise InvalidArgument(f"{what} must be a torch.Tensor, got {type(value).__name__}")
     if value.dtype not in INT_DTYPES:
@@ -51,7 +65,15 @@ def check_range(values: Tensor, lo: int, hi: int, what: str) -> None:
     """Raise InvalidArgument unless every value lies in lo..hi (one device sync)."""
     if values.numel() == 0:
         return
-    vmin, vmax = torch.stack(torch.aminmax(values)).tolist()
+    if values.numel() == 1:  # one read, no reduction
+        v = int(values)
+        check_bounds(v, v, lo, hi, what)
+        return
+    if values.device.type == "cpu":  # no sync to share: two reads beat one stacked read
+        low, high = torch.aminmax(values)
+        vmin, vmax = int(low), int(high)
+    else:
+        vmin, vmax = torch.stack(torch.aminmax(values)).tolist()
     check_bounds(vmin, vmax, lo, hi, what)
 
 

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from dsv4_worker.mem.errors import OwnershipError
+from dsv4_worker.mem.scratch import per_item
 
 if TYPE_CHECKING:
     from dsv4_worker.mem.kv_allocator import KVAllocator
@@ -32,10 +33,10 @@ class Held(NamedTuple):
     table_index: Tensor | None  # flat page-table index of `pages` (None: `pages` is a view)
 
 
-def held_by_one(alloc: KVAllocator, slots: Tensor) -> Held:
-    """The pages of one request (`slots` has one valid slot); `pages` is a view of its
+def held_by_one(alloc: KVAllocator, slots: Tensor, slot: int) -> Held:
+    """The pages of one request (`slots` holds the one valid `slot`); `pages` is a view of its
     page-table row. Raises on a closed slot."""
-    slot, p_size = int(slots), alloc.config.page_size  # int(): a one-element tensor
+    p_size = alloc.config.page_size
     num_tokens = int(alloc.num_tokens[slot])
     if num_tokens < 0:
         raise OwnershipError(f"free: request slot {slot} is not open")
@@ -57,12 +58,12 @@ def held_by_batch(alloc: KVAllocator, slots: Tensor, num_tokens: Tensor) -> Held
     counts = math.pages_for(num_tokens)
     total = int(counts.sum())
     batch, cols = alloc.scratch.runs(counts, total)
-    rows = slots.index_select(0, batch)
+    rows = per_item(slots, batch).expand(total)
     flat = torch.add(cols, rows, alpha=alloc.config.max_pages_per_request)
     pages = alloc.table_flat.index_select(0, flat)
     mapped = alloc.full_to_swa.index_select(0, pages)
     swa_cols = math.div(alloc.swa_start_tokens.index_select(0, slots))
-    in_window = cols >= swa_cols.index_select(0, batch)
+    in_window = cols >= per_item(swa_cols, batch)
     if not torch.equal(mapped > 0, in_window):
         raise OwnershipError(_STALE)
     swa_pages, swa_owners = mapped.masked_select(in_window), pages.masked_select(in_window)

@@ -5,6 +5,8 @@ Checked, beyond each PageAllocator's free + used == total:
   - closed slots hold nothing; open slots hold exactly ceil(n/P) pages
   - the window invariant: column c has an SWA page iff swa_start/P <= c < ceil(n/P)
   - full_to_swa and the SWA owners form a bijection between mapped full pages and used SWA pages
+  - next_slot: 0 for a closed slot; = n (mod P) for an open one, and the next token's full slot
+    (page_table[r, n//P] * P + n % P) when that is inside a page it holds (n % P != 0)
 """
 
 from __future__ import annotations
@@ -70,6 +72,23 @@ def check_kv_allocator(alloc: KVAllocator) -> None:
     _require(
         bool((f2s[1:][alloc.full.owner[1:] == 0] == 0).all()),
         "a free full page still maps to an SWA page (stale mapping)",
+    )
+
+    # next_slot, the decode cache.
+    nxt = alloc.next_slot
+    _require(bool((nxt[~open_] == 0).all()), "a closed slot has a next_slot")
+    n_open, nxt_open = n[open_], nxt[open_]
+    _require(bool((nxt_open % p_size == n_open % p_size).all()), "next_slot != num_tokens mod P")
+    inside = n_open % p_size != 0
+    rows_open = open_.nonzero().squeeze(1)[inside]
+    cols_open = torch.div(n_open[inside], p_size, rounding_mode="floor")
+    _require(
+        bool(
+            (
+                nxt_open[inside] == table[rows_open, cols_open] * p_size + n_open[inside] % p_size
+            ).all()
+        ),
+        "next_slot is not the next token's full slot",
     )
 
     # full_to_swa <-> SWA owners.

@@ -6,6 +6,8 @@ Indices only (bytes live in `KVPool`). Per request slot r, P = page_size:
     page_table[r, c]       full page of positions [c*P, (c+1)*P); 0 = none
     swa_start_tokens[r]    page-aligned; page columns c < swa_start/P have no SWA page
     full_to_swa[f]         SWA page of full page f; 0 = none (compressed pools use f itself)
+    next_slot[r]           full slot of the next token, page_table[r, n//P] * P + n % P when
+                           n % P != 0; otherwise only = n (mod P); 0 for a closed slot
 
 NOTE (window invariant, checked by `check_integrity`): for an open request, a column
 c < ceil(n/P) has an SWA page iff c >= swa_start/P, and swa_start <= window_floor(n), where
@@ -15,6 +17,11 @@ NOTE: every operation validates before its first write (all-or-nothing): argumen
 (`args.py`: any integer dtype, the allocator's device, 1-D, slots in 1..num_request_slots,
 counts bounded before any int64 arithmetic), then ownership, length and free pages. Every free
 checks ownership on both pools (a double free or a stale mapping raises OwnershipError).
+NOTE (validated once): the public methods are the boundary. They check their arguments once and
+call the internals, which trust them (no second conversion, range check or tensor per call).
+`decode`'s common step, where no request crosses a page, reads `next_slot` only: a slot at a
+page boundary, closed, reserved or full reads 0 (mod P) there and takes the checked path, so the
+steady step needs no separate open / length check.
 NOTE: `can_extend` / `can_decode` run the same checks as `extend` / `decode` (the `_plan_*`
 methods) and return the error as a `Verdict` instead of raising it, so they agree exactly.
 """
@@ -37,6 +44,7 @@ from dsv4_worker.mem.args import (
     resolve_device,
 )
 from dsv4_worker.mem.errors import (
+    IntegrityError,
     InvalidArgument,
     KVMemoryError,
     OutOfPages,
@@ -48,7 +56,8 @@ from dsv4_worker.mem.held import held_by_batch, held_by_one
 from dsv4_worker.mem.integrity import check_kv_allocator
 from dsv4_worker.mem.page_allocator import PageAllocator
 from dsv4_worker.mem.page_math import PageMath
-from dsv4_worker.mem.scratch import BatchScratch
+from dsv4_worker.mem.reads import max_of, min_max, min_of, sum_of
+from dsv4_worker.mem.scratch import BatchScratch, per_item
 from dsv4_worker.mem.usage import PoolUsage
 
 _YES = Verdict()
@@ -69,10 +78,10 @@ class _DecodePlan(NamedTuple):
     """A checked `decode`: applying it cannot fail."""
 
     slots: Tensor
-    offsets: Tensor  # offset of the new token in its page
-    flat: Tensor  # flat page-table index of the new token's column
-    rollover: Tensor  # the new token starts a new page
+    loc: Tensor  # each request's next slot (a rollover's is replaced by its new page's first)
+    rollover: Tensor | None  # positions in `slots` whose token starts a page; None: none does
     new_page_slots: Tensor  # slots that need a new page
+    new_page_flat: Tensor  # flat page-table index of their new columns
 
 
 class KVAllocator:
@@ -87,10 +96,13 @@ class KVAllocator:
         self.page_table = torch.zeros(slots, cols, dtype=i64, device=dev)
         self.num_tokens = torch.full((slots,), CLOSED, dtype=i64, device=dev)
         self.swa_start_tokens = torch.zeros(slots, dtype=i64, device=dev)
+        self.next_slot = torch.zeros(slots, dtype=i64, device=dev)  # a cache of the two above
         # Helpers, not state: a flat view of the page table, page arithmetic, scratch indices.
         self.table_flat = self.page_table.view(-1)  # index = slot * cols + column
         self.page_math = PageMath(config.page_size)
         self.scratch = BatchScratch(slots, dev)
+        # CPU: reading a scalar costs no device sync, and gathers check their own bounds.
+        self._host = self.device.type == "cpu"
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -132,21 +144,27 @@ class KVAllocator:
         slots = self._slots_arg("open", slots)
         if slots.numel() == 0:
             return
-        check_range(slots, 1, self.config.num_request_slots, "open: request slots")
+        self._check_slot_range("open", slots)
         n = self.num_tokens.index_select(0, slots)
-        if not self.scratch.unique(slots) or int(n.max()) != CLOSED:
+        if not self.scratch.unique(slots) or max_of(n) != CLOSED:
             raise OwnershipError("open: a request slot is already open or repeated in the batch")
         self.num_tokens.index_fill_(0, slots, 0)
         self.swa_start_tokens.index_fill_(0, slots, 0)
+        self.next_slot.index_fill_(0, slots, 0)
 
     def free(self, slots: Tensor) -> None:
         """Free every full and SWA page of the requests and close their slots."""
         slots = self._slots_arg("free", slots)
-        if slots.numel() == 0:
-            return
+        if slots.numel():
+            self.free_checked(slots)
+
+    def free_checked(self, slots: Tensor) -> None:
+        """`free` of a non-empty int64 vector on this device (the boundary checked its type);
+        ranges, ownership and repeats are still checked here."""
         if slots.numel() == 1:
-            check_range(slots, 1, self.config.num_request_slots, "free: request slots")
-            held = held_by_one(self, slots)
+            slot = int(slots)
+            check_bounds(slot, slot, 1, self.config.num_request_slots, "free: request slots")
+            held = held_by_one(self, slots, slot)
         else:
             held = held_by_batch(self, slots, self._checked_num_tokens("free", slots))
         owners = self.full.claim(held.pages, held.owners)
@@ -165,6 +183,7 @@ class KVAllocator:
             self.table_flat.index_fill_(0, held.table_index, 0)
         self.num_tokens.index_fill_(0, slots, CLOSED)
         self.swa_start_tokens.index_fill_(0, slots, 0)
+        self.next_slot.index_fill_(0, slots, 0)
 
     # -- allocation ------------------------------------------------------------------------------
 
@@ -176,19 +195,25 @@ class KVAllocator:
             return plan.slots.clone()
         if plan.total_pages:
             self._alloc_columns(plan.slots, plan.first_cols, plan.counts, plan.total_pages, None)
-        self.num_tokens.index_copy_(0, plan.slots, plan.n0 + plan.num_new)
+        n1 = plan.n0 + plan.num_new
+        self.num_tokens.index_copy_(0, plan.slots, n1)
+        self._refresh_next_slot(plan.slots, n1)
         return self._token_slots(plan.slots, plan.n0, plan.num_new)
 
     def _plan_extend(self, slots: Tensor, num_new_tokens: Tensor) -> _ExtendPlan:
         slots = self._slots_arg("extend", slots)
         num_new = int64_vector(num_new_tokens, "extend: num_new_tokens", self.device)
-        check_same_shape("extend", slots, num_new)
+        if num_new.shape != slots.shape:
+            check_same_shape("extend", slots, num_new)
         if slots.numel() == 0:
             return _ExtendPlan(slots, num_new, slots, slots, slots, 0)
         n0 = self._checked_num_tokens("extend", slots)
         # NOTE: bounded against the room left (never n0 + k, which can overflow int64).
         room = self.config.max_tokens_per_request - n0
-        lowest, too_long = torch.stack([num_new.min(), (num_new > room).any()]).tolist()
+        if self._host:
+            lowest, too_long = min_of(num_new), max_of(num_new - room) > 0
+        else:
+            lowest, too_long = torch.stack([num_new.min(), (num_new > room).any()]).tolist()
         if lowest < 0:
             raise InvalidArgument(f"extend: num_new_tokens must be >= 0, got {lowest}")
         if too_long:
@@ -207,35 +232,72 @@ class KVAllocator:
         plan = self._plan_decode(slots)
         if plan.slots.numel() == 0:
             return plan.slots.clone()
-        if plan.new_page_slots.numel():
-            pages = self.full.pop(plan.new_page_slots)
-            self.table_flat.index_copy_(0, plan.flat.masked_select(plan.rollover), pages)
-            self.full_to_swa.index_copy_(0, pages, self.swa.pop(pages))
-        out = torch.add(
-            plan.offsets, self.table_flat.index_select(0, plan.flat), alpha=self.config.page_size
-        )
-        self.num_tokens.index_add_(0, plan.slots, self.scratch.ones(plan.slots.numel()))
+        ones = self.scratch.ones(plan.slots.numel())
+        if plan.rollover is None:  # the steady step: every next slot is in a page held already
+            self.num_tokens.index_add_(0, plan.slots, ones)
+            self.next_slot.index_add_(0, plan.slots, ones)
+            return plan.loc
+        out = plan.loc
+        pages = self.full.pop(plan.new_page_slots)
+        # NOTE: a column past a request's pages and a free page's mapping are 0: adding writes.
+        self.table_flat.index_add_(0, plan.new_page_flat, pages)
+        self.full_to_swa.index_add_(0, pages, self.swa.pop(pages))
+        out.scatter_(0, plan.rollover, self.page_math.start(pages))
+        self.num_tokens.index_add_(0, plan.slots, ones)
+        self.next_slot.scatter_(0, plan.slots, torch.add(out, ones))
         return out
 
     def _plan_decode(self, slots: Tensor) -> _DecodePlan:
+        """Checks `decode(slots)` and finds its new pages. Only the requests at a page boundary
+        are looked up in `num_tokens`: a next slot inside a page proves its request open, in
+        range and below its last column. Anything odd takes `_checked_num_tokens`, which raises
+        the precise error."""
         slots = self._slots_arg("decode", slots)
         if slots.numel() == 0:
-            return _DecodePlan(slots, slots, slots, slots, slots)
+            return _DecodePlan(slots, slots, None, slots, slots)
+        gathered = self._gather_next_slots(slots)
+        if gathered is not None:
+            loc, offsets, lowest = gathered
+            if lowest > 0:  # nobody crosses a page: the steady step
+                self._check_unique("decode", slots)
+                return _DecodePlan(slots, loc, None, slots, slots)
+            rollover = (offsets == 0).nonzero().view(-1)
+            boundary = slots.index_select(0, rollover)
+            n0 = self.num_tokens.index_select(0, boundary)
+            lo, hi = min_max(n0)
+            if lo >= 0 and hi < self.config.max_tokens_per_request:  # open (slot 0 reads -1)
+                self._check_unique("decode", slots)
+                num_new = boundary.numel()
+                self._check_free(num_new, num_new)
+                cols = self.page_math.div(n0)
+                flat = torch.add(cols, boundary, alpha=self.config.max_pages_per_request)
+                return _DecodePlan(slots, loc, rollover, boundary, flat)
         max_tokens = self.config.max_tokens_per_request - 1
-        n0 = self._checked_num_tokens("decode", slots, max_tokens=max_tokens)
-        offsets, cols = self.page_math.mod(n0), self.page_math.div(n0)
-        flat = torch.add(cols, slots, alpha=self.config.max_pages_per_request)
-        rollover = offsets == 0  # requests whose next token starts a new page
-        new_page_slots = slots.masked_select(rollover)
-        num_new = new_page_slots.numel()
-        self._check_free(num_new, num_new)
-        return _DecodePlan(slots, offsets, flat, rollover, new_page_slots)
+        self._checked_num_tokens("decode", slots, max_tokens=max_tokens)  # raises
+        raise IntegrityError("decode: next_slot disagrees with num_tokens")
+
+    def _gather_next_slots(self, slots: Tensor) -> tuple[Tensor, Tensor, int] | None:
+        """(next slot, its offset in its page, the lowest offset) of a non-empty batch, or None
+        when a slot is out of range. Closed, reserved and full slots read offset 0."""
+        if self._host:
+            try:  # the gather checks its bounds: an out-of-range slot raises, reading nothing
+                loc = self.next_slot.index_select(0, slots)
+            except IndexError:
+                return None
+            offsets = self.page_math.mod(loc)
+            return loc, offsets, min_of(offsets)
+        limit = self.config.num_request_slots
+        loc = self.next_slot.index_select(0, slots.clamp(0, limit))  # clamped: in range
+        offsets = self.page_math.mod(loc)
+        s_lo, s_hi, lowest = torch.stack([*torch.aminmax(slots), offsets.min()]).tolist()
+        return (loc, offsets, lowest) if s_lo >= 0 and s_hi <= limit else None
 
     def alloc_tail(self, slots: Tensor, num_tokens: Tensor) -> None:
         """PD decode preallocation for fresh requests: full pages for all `num_tokens`, SWA pages
         only for the page-floored window tail [window_floor(n), n)."""
+        slots = self._slots_arg("alloc_tail", slots)
         num_tokens = int64_vector(num_tokens, "alloc_tail: num_tokens", self.device)
-        self._alloc_sparse("alloc_tail", slots, num_tokens, self.window_floor(num_tokens))
+        self._alloc_sparse("alloc_tail", slots, num_tokens, None)
 
     def alloc_sparse(self, slots: Tensor, num_tokens: Tensor, swa_start_tokens: Tensor) -> None:
         """Allocate fresh requests (0 tokens) to `num_tokens`, with SWA pages only for columns
@@ -243,43 +305,56 @@ class KVAllocator:
 
         NOTE (#25805): every mapping entry of the new full pages is written, the non-tail ones
         with 0, so a recycled page can never carry a previous owner's SWA page."""
-        self._alloc_sparse("alloc_sparse", slots, num_tokens, swa_start_tokens)
-
-    def _alloc_sparse(
-        self, op: str, slots: Tensor, num_tokens: Tensor, swa_start_tokens: Tensor
-    ) -> None:
+        op = "alloc_sparse"
         slots = self._slots_arg(op, slots)
         num_tokens = int64_vector(num_tokens, f"{op}: num_tokens", self.device)
         swa_start = int64_vector(swa_start_tokens, f"{op}: swa_start_tokens", self.device)
-        check_same_shape(op, slots, num_tokens, swa_start)
+        self._alloc_sparse(op, slots, num_tokens, swa_start)
+
+    def _alloc_sparse(
+        self, op: str, slots: Tensor, num_tokens: Tensor, swa_start: Tensor | None
+    ) -> None:
+        """Checked arguments in; `swa_start` None: the window tail (`window_floor`)."""
+        if swa_start is None:
+            check_same_shape(op, slots, num_tokens)
+        else:
+            check_same_shape(op, slots, num_tokens, swa_start)
         if slots.numel() == 0:
             return
         n0 = self._checked_num_tokens(op, slots)
         if int(torch.count_nonzero(n0)):
             raise OwnershipError(f"{op}: every request must be open and still empty")
-        if int(num_tokens.max()) > self.config.max_tokens_per_request:
+        if max_of(num_tokens) > self.config.max_tokens_per_request:
             raise RequestTooLong(
                 f"{op}: a request exceeds {self.config.max_tokens_per_request} tokens"
             )
-        invalid = (
-            (num_tokens < 0)
-            | (self.page_math.mod(swa_start) != 0)
-            | (swa_start < 0)
-            | (swa_start > self.window_floor(num_tokens))
-        )
-        if bool(invalid.any()):
+        floor = self.window_floor(num_tokens)
+        if swa_start is None:
+            if min_of(num_tokens) < 0:
+                raise InvalidArgument(f"{op}: num_tokens must be >= 0")
+            swa_start = floor
+        elif bool(
+            (
+                (num_tokens < 0)
+                | (self.page_math.mod(swa_start) != 0)
+                | (swa_start < 0)
+                | (swa_start > floor)
+            ).any()
+        ):
             raise InvalidArgument(
                 f"{op}: num_tokens must be >= 0 and swa_start_tokens page-aligned, "
                 ">= 0 and <= window_floor(num_tokens)"
             )
         p1 = self.page_math.pages_for(num_tokens)
         start_cols = self.page_math.div(swa_start)
-        total_full, total_swa = int(p1.sum()), int((p1 - start_cols).clamp(min=0).sum())
+        total_full = sum_of(p1)
+        total_swa = total_full - sum_of(torch.minimum(start_cols, p1))
         self._check_free(total_full, total_swa)
         if total_full:
-            self._alloc_columns(slots, torch.zeros_like(p1), p1, total_full, start_cols)
+            self._alloc_columns(slots, None, p1, total_full, start_cols)
         self.num_tokens.index_copy_(0, slots, num_tokens)
         self.swa_start_tokens.index_copy_(0, slots, swa_start)
+        self._refresh_next_slot(slots, num_tokens)
 
     def evict_window(self, slots: Tensor | None = None) -> int:
         """Free the SWA pages that slid out of the window (all open requests by default).
@@ -297,18 +372,18 @@ class KVAllocator:
         start = self.swa_start_tokens.index_select(0, slots)
         target = torch.maximum(self.window_floor(n), start)
         counts = self.page_math.div(target - start)
-        total = int(counts.sum())
+        total = sum_of(counts)
         if total == 0:
             return 0
         batch, within = self.scratch.runs(counts, total)
-        rows = slots.index_select(0, batch)
-        cols = self.page_math.div(start).index_select(0, batch) + within
+        rows = per_item(slots, batch)
+        cols = per_item(self.page_math.div(start), batch) + within
         pages = self.table_flat.index_select(
             0, torch.add(cols, rows, alpha=self.config.max_pages_per_request)
         )
         swa_pages = self.full_to_swa.index_select(0, pages)
-        if int(swa_pages.min()) < 1 or not torch.equal(
-            self.full.owner.index_select(0, pages), rows
+        if min_of(swa_pages) < 1 or not torch.equal(
+            self.full.owner.index_select(0, pages), rows.expand(total)
         ):
             raise OwnershipError("evict_window: an in-window column has no SWA page or owner")
         self.swa.claim(swa_pages, pages)
@@ -320,47 +395,71 @@ class KVAllocator:
     # -- internals -------------------------------------------------------------------------------
 
     def _alloc_columns(
-        self, slots: Tensor, first_cols: Tensor, counts: Tensor, total: int, swa_from: Tensor | None
+        self,
+        slots: Tensor,
+        first_cols: Tensor | None,
+        counts: Tensor,
+        total: int,
+        swa_from: Tensor | None,
     ) -> None:
         """Fill columns [first_cols[i], first_cols[i] + counts[i]) of each request with new full
-        pages; map an SWA page to every new page (or to those at columns >= swa_from[i])."""
+        pages (None: from column 0); map an SWA page to every new page (or to those at columns
+        >= swa_from[i])."""
         batch, within = self.scratch.runs(counts, total)
-        rows = slots.index_select(0, batch)
-        cols = first_cols.index_select(0, batch) + within
-        pages = self.full.alloc(rows)
+        rows = per_item(slots, batch)
+        cols = within if first_cols is None else per_item(first_cols, batch) + within
+        pages = self.full.pop(rows.expand(total)).clone()  # clone: frees reuse the stack
         flat = torch.add(cols, rows, alpha=self.config.max_pages_per_request)
         self.table_flat.index_copy_(0, flat, pages)
         if swa_from is None:
-            self.full_to_swa.index_copy_(0, pages, self.swa.alloc(pages))
+            self.full_to_swa.index_copy_(0, pages, self.swa.pop(pages))
             return
         self.full_to_swa.index_fill_(0, pages, 0)
-        tail = pages[cols >= swa_from.index_select(0, batch)]
-        self.full_to_swa.index_copy_(0, tail, self.swa.alloc(tail))
+        tail = pages.masked_select(cols >= per_item(swa_from, batch))
+        self.full_to_swa.index_copy_(0, tail, self.swa.pop(tail))
 
     def _token_slots(self, slots: Tensor, n0: Tensor, num_new: Tensor) -> Tensor:
-        total = int(num_new.sum())
+        total = sum_of(num_new)
         batch, within = self.scratch.runs(num_new, total)
-        positions = n0.index_select(0, batch) + within
+        positions = per_item(n0, batch) + within
         flat = torch.add(
             self.page_math.div(positions),
-            slots.index_select(0, batch),
+            per_item(slots, batch),
             alpha=self.config.max_pages_per_request,
         )
         pages = self.table_flat.index_select(0, flat)
-        return self.page_math.start(pages) + self.page_math.mod(positions)
+        return torch.add(self.page_math.mod(positions), pages, alpha=self.config.page_size)
+
+    def _refresh_next_slot(self, slots: Tensor, num_tokens: Tensor) -> None:
+        """next_slot of requests now holding `num_tokens` (see the table at the top)."""
+        cols = self.page_math.div(num_tokens).clamp_(max=self.config.max_pages_per_request - 1)
+        pages = self.table_flat.index_select(
+            0, torch.add(cols, slots, alpha=self.config.max_pages_per_request)
+        )
+        nxt = torch.add(self.page_math.mod(num_tokens), pages, alpha=self.config.page_size)
+        self.next_slot.index_copy_(0, slots, nxt)
 
     def _slots_arg(self, op: str, slots: Tensor) -> Tensor:
         """`slots` as a 1-D int64 tensor (metadata checks only: ranges need a device sync)."""
         return int64_vector(slots, f"{op}: slots", self.device)
 
+    def _check_slot_range(self, op: str, slots: Tensor) -> None:
+        check_range(slots, 1, self.config.num_request_slots, f"{op}: request slots")
+
     def _checked_num_tokens(self, op: str, slots: Tensor, max_tokens: int | None = None) -> Tensor:
         """num_tokens of a non-empty batch; raises on a slot outside 1..num_request_slots (0 is
         reserved), a closed or repeated slot, or one holding more than `max_tokens` (no writes).
-        The range and token checks share one device sync."""
+        Off the CPU the range and token checks share one device sync."""
         limit = self.config.num_request_slots
-        n = self.num_tokens.index_select(0, slots.clamp(1, limit))  # clamped: never out of range
-        s_lo, s_hi, lo, hi = torch.stack([*torch.aminmax(slots), *torch.aminmax(n)]).tolist()
-        check_bounds(s_lo, s_hi, 1, limit, f"{op}: request slots")
+        if self._host:
+            s_lo, s_hi = min_max(slots)
+            check_bounds(s_lo, s_hi, 1, limit, f"{op}: request slots")
+            n = self.num_tokens.index_select(0, slots)
+            lo, hi = min_max(n)
+        else:
+            n = self.num_tokens.index_select(0, slots.clamp(1, limit))  # clamped: in range
+            s_lo, s_hi, lo, hi = torch.stack([*torch.aminmax(slots), *torch.aminmax(n)]).tolist()
+            check_bounds(s_lo, s_hi, 1, limit, f"{op}: request slots")
         if lo < 0:
             closed = slots[n < 0]
             raise OwnershipError(f"{op}: request slot {int(closed[0])} is not open")
@@ -368,9 +467,12 @@ class KVAllocator:
             raise RequestTooLong(
                 f"{op}: a request would exceed {self.config.max_tokens_per_request} tokens"
             )
+        self._check_unique(op, slots)
+        return n
+
+    def _check_unique(self, op: str, slots: Tensor) -> None:
         if slots.numel() > 1 and not self.scratch.unique(slots):
             raise OwnershipError(f"{op}: a request slot appears twice in one batch")
-        return n
 
     def _check_free(self, full_pages: int, swa_pages: int) -> None:
         if not self.full.can_alloc(full_pages):

@@ -66,11 +66,13 @@ class KVMemory:
 
     def free(self, slots: Tensor) -> None:
         """End requests: free their pages, then their slots; all or nothing."""
-        slots = int64_vector(slots, "free: slots", self.device)
+        slots = int64_vector(slots, "free: slots", self.device)  # checked once, here
+        if slots.numel() == 0:
+            return
         check_range(slots, 1, self.config.num_request_slots, "free: request slots")
-        self.req_slots.check_owned(slots)  # so the second free cannot fail after the first
-        self.pages.free(slots)
-        self.req_slots.free(slots)
+        self.req_slots.check_owned_checked(slots)  # so the second free cannot fail
+        self.pages.free_checked(slots)
+        self.req_slots.free_checked(slots)
 
     def usage(self) -> tuple[PoolUsage, ...]:
         return (*self.pages.usage(), self.req_slots.usage())

@@ -5,7 +5,9 @@
 
 NOTE: `alloc` and `free` are all-or-nothing: every check runs before the first write.
 Owners are opaque positive ints (a request slot for full pages, a full page for SWA pages).
-NOTE: `alloc`, `free` and `check_owned` take any integer dtype; `pop`, `claim`, `unclaim` and
+NOTE: `alloc`, `free` and `check_owned` take any integer dtype (the boundary: their arguments
+are converted and checked once); `free_checked` / `check_owned_checked` take int64 vectors on
+this device and still check ranges and ownership; `pop`, `claim`, `unclaim` and
 `release_claimed` are the unchecked hot paths for callers that already hold valid int64 units.
 """
 
@@ -58,34 +60,49 @@ class PageAllocator:
         if n > self._top:
             raise OutOfPages(self.name, n, self._top)
         pages = self._stack[self._top - n : self._top]
-        self.owner.index_copy_(0, pages, owners)
+        self.owner.index_add_(0, pages, owners)  # NOTE: a free unit's owner is 0: adding writes
         self._top -= n
         return pages
 
     def free(self, pages: Tensor, owners: Tensor) -> None:
         """Return `pages`, each of which must be owned by the matching entry of `owners`."""
-        pages, owners = self._checked("free", pages, owners)
+        self.free_checked(*self._vectors("free", pages, owners))
+
+    def free_checked(self, pages: Tensor, owners: Tensor) -> None:
+        """`free` of int64 vectors of one shape on this device."""
+        self._check_ranges("free", pages, owners)
         self.claim(pages, owners)
         self.release_claimed(pages)
 
     def check_owned(self, pages: Tensor, owners: Tensor) -> None:
         """Raise unless `free(pages, owners)` would succeed; changes nothing either way."""
-        pages, owners = self._checked("check_owned", pages, owners)
+        self.check_owned_checked(*self._vectors("check_owned", pages, owners))
+
+    def check_owned_checked(self, pages: Tensor, owners: Tensor) -> None:
+        """`check_owned` of int64 vectors of one shape on this device."""
+        self._check_ranges("check_owned", pages, owners)
         self.unclaim(pages, self.claim(pages, owners))
 
-    def _checked(self, op: str, pages: Tensor, owners: Tensor) -> tuple[Tensor, Tensor]:
-        """(pages, owners) as int64 vectors, pages in 1..num_pages and owners >= 1."""
+    def _vectors(self, op: str, pages: Tensor, owners: Tensor) -> tuple[Tensor, Tensor]:
+        """(pages, owners) as int64 vectors of one shape (the boundary's conversion)."""
         pages = int64_vector(pages, f"{self.name}: {op} pages", self.device)
         owners = int64_vector(owners, f"{self.name}: {op} owners", self.device)
         check_same_shape(f"{self.name}: {op}", pages, owners)
+        return pages, owners
+
+    def _check_ranges(self, op: str, pages: Tensor, owners: Tensor) -> None:
+        """Pages in 1..num_pages and owners >= 1."""
         if pages.numel() == 0:
-            return pages, owners
-        lo, hi, owner_lo = torch.stack([pages.min(), pages.max(), owners.min()]).tolist()
-        if lo < 1 or hi > self.num_pages:
+            return
+        if self.device.type == "cpu":  # no sync to share: plain reads
+            lo, hi = torch.aminmax(pages)
+            lo_i, hi_i, owner_lo = int(lo), int(hi), int(owners.min())
+        else:
+            lo_i, hi_i, owner_lo = torch.stack([pages.min(), pages.max(), owners.min()]).tolist()
+        if lo_i < 1 or hi_i > self.num_pages:
             raise OwnershipError(f"{self.name}: {op} of units outside 1..{self.num_pages}")
         if owner_lo < 1:
             raise OwnershipError(f"{self.name}: owners must be >= 1")
-        return pages, owners
 
     def claim(self, pages: Tensor, owners: Tensor) -> Tensor:
         """First half of a free: raise unless every page is owned by its owner and appears once

@@ -11,30 +11,34 @@ from torch import Tensor
 
 
 class PageMath:
-    __slots__ = ("_shift", "page_size")
+    __slots__ = ("_mask_t", "_shift", "_shift_t", "page_size")
 
     def __init__(self, page_size: int) -> None:
         if page_size < 1:
             raise ValueError(f"page_size={page_size} must be >= 1")
         self.page_size = page_size
         self._shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
+        # 0-d CPU operands (usable with tensors of any device): a Python scalar operand costs
+        # a conversion per call, about half the price of these small ops.
+        self._shift_t = torch.tensor(max(self._shift, 0), dtype=torch.int64)
+        self._mask_t = torch.tensor(page_size - 1, dtype=torch.int64)
 
     def div(self, x: Tensor) -> Tensor:
         """floor(x / P)."""
         if self._shift >= 0:
-            return torch.bitwise_right_shift(x, self._shift)
+            return torch.bitwise_right_shift(x, self._shift_t)
         return torch.div(x, self.page_size, rounding_mode="floor")
 
     def mod(self, x: Tensor) -> Tensor:
         """x mod P, in 0..P-1."""
         if self._shift >= 0:
-            return torch.bitwise_and(x, self.page_size - 1)
+            return torch.bitwise_and(x, self._mask_t)
         return torch.remainder(x, self.page_size)
 
     def start(self, pages: Tensor) -> Tensor:
         """First slot of each page: page * P."""
         if self._shift >= 0:
-            return torch.bitwise_left_shift(pages, self._shift)
+            return torch.bitwise_left_shift(pages, self._shift_t)
         return pages * self.page_size
 
     def floor(self, x: Tensor) -> Tensor:

@@ -28,6 +28,7 @@ class ReqSlotAllocator:
                 f"pool has {pool.units[IndexSpace.REQ_SLOT] - 1} request slots, not {num_slots}"
             )
         self._slots = PageAllocator("req_slots", num_slots, device)
+        self._slot_owners = torch.full((1,), _SLOT_OWNER, dtype=torch.int64, device=device)
         self.pool = pool
         self.num_slots = num_slots
 
@@ -49,20 +50,30 @@ class ReqSlotAllocator:
         num_slots = int_arg(num_slots, "req_slots.alloc: num_slots", 0)
         if num_slots > self._slots.num_free:
             raise OutOfPages("req_slots", num_slots, self._slots.num_free)
-        owners = torch.full((num_slots,), _SLOT_OWNER, dtype=torch.int64, device=self._slots.device)
-        slots = self._slots.alloc(owners)
+        slots = self._slots.pop(self._slot_owners.expand(num_slots)).clone()  # clone: a view
         if self.pool is not None and num_slots:
             self.pool.clear_units(IndexSpace.REQ_SLOT, slots)
         return slots
 
     def free(self, slots: Tensor) -> None:
         slots = int64_vector(slots, "req_slots.free: slots", self._slots.device)
-        self._slots.free(slots, torch.full_like(slots, _SLOT_OWNER))
+        self.free_checked(slots)
+
+    def free_checked(self, slots: Tensor) -> None:
+        """`free` of an int64 vector on this device (ranges and ownership are checked)."""
+        self._slots.free_checked(slots, self._owners(slots))
 
     def check_owned(self, slots: Tensor) -> None:
         """Raise unless `free(slots)` would succeed; changes nothing either way."""
         slots = int64_vector(slots, "req_slots.check_owned: slots", self._slots.device)
-        self._slots.check_owned(slots, torch.full_like(slots, _SLOT_OWNER))
+        self.check_owned_checked(slots)
+
+    def check_owned_checked(self, slots: Tensor) -> None:
+        """`check_owned` of an int64 vector on this device."""
+        self._slots.check_owned_checked(slots, self._owners(slots))
+
+    def _owners(self, slots: Tensor) -> Tensor:
+        return self._slot_owners[: slots.numel()].expand(slots.numel())
 
     def check_integrity(self) -> None:
         self._slots.check_integrity()

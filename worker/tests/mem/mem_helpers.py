@@ -48,6 +48,7 @@ def allocator_state(alloc: KVAllocator) -> list[Tensor]:
         alloc.num_tokens.clone(),
         alloc.swa_start_tokens.clone(),
         alloc.full_to_swa.clone(),
+        alloc.next_slot.clone(),
     ]
     for pages in (alloc.full, alloc.swa):
         out += [pages.owner.clone(), pages._stack[: pages.num_free].clone(), t(pages.num_free)]

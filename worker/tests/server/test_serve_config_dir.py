@@ -4,6 +4,7 @@ weights it loaded; the PD roles and bad configs exit 2 naming the problem."""
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import os
@@ -29,6 +30,7 @@ from dsv4_common.core.presets import tiny
 from dsv4_common.core.units import MIB
 from dsv4_common.plan.inputs import PlanInputs
 from dsv4_common.plan.planner import plan
+from dsv4_common.plan.threads import INTEROP_THREADS, torch_threads
 from dsv4_worker.model.weights import init_weights
 from dsv4_worker.pp.group import realized_plan
 
@@ -112,9 +114,32 @@ def test_the_deployed_form_serves_on_the_config_ports(tmp_path: Path) -> None:
             realized.swa_tokens,
         )
         assert report.max_running_requests == realized.max_running_requests == 8
+        threads = report.threads  # no flag, none in the rank config: from the CPUs it may use
+        assert threads.source == "auto" and threads.intra_op == torch_threads(threads.cpus)
         c = http.client.HTTPConnection("127.0.0.1", http_port, timeout=60)
         c.request("POST", "/v1/completions", body=json.dumps({"prompt": "hi", "max_tokens": 2}))
         assert c.getresponse().status == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize(("flag", "want"), [(None, (3, "rank_config")), ("2", (2, "flag"))])
+def test_torch_threads_come_from_the_flag_then_the_rank_config(
+    tmp_path: Path, flag: str | None, want: tuple[int, str]
+) -> None:
+    status_port = free_port()
+    config = dataclasses.replace(colocated_config(free_port(), status_port), torch_threads=3)
+    cmd = [*CLI, "--role", "colocated", "--config-dir", str(write(tmp_path, config))]
+    cmd += ["--host", "127.0.0.1", *(["--torch-threads", flag] if flag else [])]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(proc, status_port)
+        c = http.client.HTTPConnection("127.0.0.1", status_port, timeout=5)
+        c.request("GET", "/status")
+        threads = parse_worker_status(json.loads(c.getresponse().read())).threads
+        assert (threads.intra_op, threads.source) == want
+        assert threads.inter_op == INTEROP_THREADS and threads.cpus > 0
     finally:
         proc.terminate()
         proc.wait(timeout=30)
