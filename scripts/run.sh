@@ -4,9 +4,12 @@
 # processes on 127.0.0.1 with `dsv4 up`, send one completion through the router, print it and
 # stop. `scripts/run.sh --serve` leaves it serving (Ctrl-C stops every process); any other
 # arguments are passed to `dsv4` (scripts/run.sh plan --model deepseek-v4-pro ...).
+# Set-up installs only what this job needs (`scripts/setup.sh main`: no helm, kubectl, operator
+# or dev tools). Every line it prints says what it is ("setup:", "dsv4 up:", "api:", "status:",
+# "logs:", "completion:").
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+scripts/setup.sh main
 SAMPLE=crds/samples/tiny-pd.yaml
 if [ "${1:-}" = "--serve" ]; then
   shift

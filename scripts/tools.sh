@@ -71,6 +71,6 @@ with zipfile.ZipFile(layer) as z:
         os.chmod(tmp, 0o755)
         os.replace(tmp, dest)
 EOF
-"$BIN/helm" version --short
+echo "tools: helm $("$BIN/helm" version --short)"
 # sed reads to the end, so kubectl never writes into a closed pipe.
-"$BIN/kubectl" version --client | sed -n 1p
+echo "tools: kubectl $("$BIN/kubectl" version --client | sed -n 's/^Client Version: //p')"

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dsv4_common.api.names import namespace_error
 from dsv4_common.core.gpus import GPU_TYPE_NAMES, gpu_type
 from dsv4_common.core.layout import REQUEST_STATES
 from dsv4_common.core.model import ModelConfig, ModelConfigError
@@ -215,7 +216,12 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=None,
         help="address to listen on (default: 127.0.0.1; 0.0.0.0 with --config-dir)",
     )
-    p.add_argument("--port", type=_bounded(int, 1, inclusive=True, maximum=65535), default=8000)
+    p.add_argument(
+        "--port",
+        type=_bounded(int, 0, inclusive=True, maximum=65535),
+        default=8000,
+        help="API port (0: any free port; the one taken is printed)",
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument(
         "--weights",
@@ -237,12 +243,51 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "tokenizer_config.json (default: bytes, for tiny)",
     )
     p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the names the API serves the model under (`model` in requests, /v1/models); "
+        "answers carry the one a request names, else the first (default: the model's name: "
+        "its preset or its directory's name)",
+    )
+    p.add_argument(
         "--gpu-memory-gib",
         type=_gpu_memory_gib,
         default=None,
         help="memory to plan with (default: the device's; 1 GiB on CPU)",
     )
+    p.add_argument(
+        "--torch-threads",
+        type=_positive_int,
+        default=None,
+        help="torch intra-op threads (default: the rank config's, else the CPUs this process "
+        "may use less one for its own threads; see dsv4_common.plan.threads)",
+    )
     _add_sizing_args(p)
+    http = p.add_argument_group("HTTP clients (worker and router)")
+    http.add_argument(
+        "--http-idle-timeout-s",
+        type=_positive_float,
+        default=None,
+        help="close a connection that has sent no whole request's headers this long after "
+        "connecting or its last answer (keep-alive and header timeout; default 75)",
+    )
+    http.add_argument(
+        "--http-body-timeout-s",
+        type=_positive_float,
+        default=None,
+        help="answer 408 when a request's body has not fully arrived this long after its "
+        "headers (default 60)",
+    )
+    http.add_argument(
+        "--max-connections",
+        type=_positive_int,
+        default=None,
+        help="open client connections per port; past it the oldest one without a whole "
+        "request is closed, or the new one refused when all are busy (default: from the "
+        "open-file limit, at most 4096)",
+    )
     pd = p.add_argument_group("PD disaggregation (quick form)")
     pd.add_argument(
         "--transfer",
@@ -284,7 +329,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--pp-addr",
         default=None,
         metavar="HOST:PORT",
-        help="where the group meets: rank 0 listens there, the others connect",
+        help="where the group meets: rank 0 listens on PORT (on --host only), the others "
+        "connect to HOST:PORT",
     )
     pp.add_argument(
         "--pp-timeout-s",
@@ -375,6 +421,8 @@ def _run_render(args: argparse.Namespace) -> int:
     from dsv4_common.api.deployment import MemoryPlanError
     from dsv4_common.api.spec import SpecError
 
+    if args.namespace is not None and (why := namespace_error(args.namespace)):
+        raise _Usage(f"--namespace: {why}")
     try:
         model_config = Path(args.model_config).read_text() if args.model_config else None
     except (OSError, UnicodeDecodeError) as exc:
@@ -385,6 +433,8 @@ def _run_render(args: argparse.Namespace) -> int:
         raise _Usage(str(exc)) from exc
     except OSError as exc:
         raise _Usage(f"{args.file}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise _Usage(f"{args.file}: not UTF-8 text (byte {exc.start})") from exc
     _write(text, newline=False)
     return 0
 
@@ -422,8 +472,9 @@ def _add_up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         help="run a DSV4Deployment as local processes (router, prefill, decode) on 127.0.0.1",
         description="Plan a DSV4Deployment with the shared planner, render the same rank "
         "configs the operator would, start one process per replica and PP rank on "
-        "127.0.0.1, wait until every one is ready, print the router URL, and stop them all "
-        "on Ctrl-C / SIGTERM.",
+        "127.0.0.1, wait until every one is ready, print every API and status URL, restart "
+        "a process that exits (its whole PP group) with backoff within a budget, and stop "
+        "them all on Ctrl-C / SIGTERM.",
     )
     p.add_argument("file", help="YAML file holding one DSV4Deployment")
     p.add_argument(

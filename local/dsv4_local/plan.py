@@ -62,6 +62,7 @@ class ProcessSpec:
     config_dir: Path
     ready_url: str  # GET answers 200 once the process serves
     status_url: str
+    api_url: str = ""  # its HTTP port ("": none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +75,11 @@ class LaunchPlan:
     @property
     def log_dir(self) -> Path:
         return self.workdir / "logs"
+
+    @property
+    def status_path(self) -> Path:
+        """Every unit's state, restarts and pids, as `dsv4 up` supervises them (JSON)."""
+        return self.workdir / "status.json"
 
 
 def build_launch_plan(
@@ -110,7 +116,7 @@ def build_launch_plan(
                 group_pp_port = ports.pp
             else:  # the group meets on rank 0's PP port (as on the pods' shared port number)
                 ports = dataclasses.replace(ports, pp=group_pp_port)
-            process = _worker(deployment, workdir, python, role, replica, pp_rank, ports.status)
+            process = _worker(deployment, workdir, python, role, replica, pp_rank, ports)
             if role == "decode" and instances["prefill"]:
                 # The prefill it handshakes with at start (the router names one per request).
                 first = instances["prefill"][0]
@@ -139,7 +145,7 @@ def build_launch_plan(
         spec, deployment.meta, _endpoints(instances), status_port=status_port
     )
     router_config = dataclasses.replace(router_config, port=api_port)  # --port wins
-    router = _router(workdir, python, status_port)
+    router = _router(workdir, python, status_port, api_port)
     processes.append(router)
     documents[router.config_dir / ROUTER_CONFIG_KEY] = router_config_to_dict(router_config)
     return LaunchPlan(
@@ -157,7 +163,7 @@ def _worker(
     role: WorkerRole,
     replica: int,
     pp_rank: int,
-    status_port: int,
+    ports: WorkerPorts,
 ) -> ProcessSpec:
     """One worker rank; its config directory holds the rank configs of its whole group."""
     pp_size = deployment.spec.role(role).pipeline_parallel
@@ -174,12 +180,13 @@ def _worker(
             "PYTHONUNBUFFERED": "1",
         },
         config_dir=config_dir,
-        ready_url=_url(status_port, "/ready"),
-        status_url=_url(status_port, "/status"),
+        ready_url=_url(ports.status, "/ready"),
+        status_url=_url(ports.status, "/status"),
+        api_url=_url(ports.http, ""),
     )
 
 
-def _router(workdir: Path, python: str, status_port: int) -> ProcessSpec:
+def _router(workdir: Path, python: str, status_port: int, api_port: int) -> ProcessSpec:
     config_dir = workdir / ROUTER
     return ProcessSpec(
         name=ROUTER,
@@ -191,6 +198,7 @@ def _router(workdir: Path, python: str, status_port: int) -> ProcessSpec:
         config_dir=config_dir,
         ready_url=_url(status_port, "/ready"),
         status_url=_url(status_port, "/status"),
+        api_url=_url(api_port, ""),
     )
 
 

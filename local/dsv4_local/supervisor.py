@@ -1,13 +1,20 @@
-"""Run the processes of a launch plan until they are ready, while they serve, and stop them
-(side effects: processes, files, signals to process groups).
+"""Run the processes of a launch plan until they are ready, keep them serving, and stop them
+(side effects: processes, files, signals to process groups). What to restart and when is
+`supervise`'s pure decision; this module carries it out.
 
 Invariants: every child leads its own process group (`start_new_session`), so stopping a child
 also stops whatever it started, and a Ctrl-C in the terminal reaches only `dsv4 up`, which
-then stops the children in order. Leaving the `with Supervisor(...)` block always stops every
-process started so far (also when starting fails half-way): SIGTERM to every group, up to
-`stop_grace_s` for the leaders to exit, then SIGKILL to every group. On Linux a child also
-gets SIGTERM if `dsv4 up` itself dies without stopping it. The supervisor never sleeps for
-more than `poll_interval_s` without checking `stop_requested()` and every child's exit.
+then stops the children. Leaving the `with Supervisor(...)` block always stops every process
+started so far (also when starting fails half-way, and processes a restart is replacing):
+SIGTERM to every group, up to `stop_grace_s` for the leaders to exit, then SIGKILL to every
+group. On Linux a child also gets SIGTERM if `dsv4 up` itself dies without stopping it. The
+supervisor never sleeps for more than `poll_interval_s` without checking `stop_requested()`
+and every child's exit (a readiness probe may take its own timeout, 1 s).
+
+Until every process is ready, an exit fails the start-up (it is most likely a bad input, and
+the log's tail says which). While serving, an exit stops the rest of its unit (a PP group
+restarts as one) and restarts it after a backoff, within a budget; each event is one line, and
+`status_path` (when given) holds every unit's state as JSON.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import enum
+import json
 import os
 import shlex
 import signal
@@ -22,17 +30,31 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, TextIO
 
+from dsv4_common.api.lifecycle import STOP_GRACE_S
 from dsv4_local.plan import ProcessSpec
 from dsv4_local.probe import is_ready
+from dsv4_local.supervise import (
+    Restart,
+    RestartPolicy,
+    Unit,
+    UnitState,
+    UnitStatus,
+    decide,
+    describe_exit,
+    exit_line,
+    status_document,
+    units_of,
+)
 
-__all__ = ["Outcome", "Supervisor", "tail_lines"]
+__all__ = ["STOP_GRACE_S", "Outcome", "Supervisor", "tail_lines"]
 
 PREFIX: Final = "dsv4 up:"
-STOP_GRACE_S: Final = 10.0
+# A restart stops what is left of a unit (a PP group whose stage died): it is broken anyway.
+RESTART_STOP_GRACE_S: Final = 5.0
 LOG_TAIL_LINES: Final = 30
 _TAIL_BYTES: Final = 64 * 1024
 _PR_SET_PDEATHSIG: Final = 1
@@ -46,7 +68,7 @@ class Outcome(enum.Enum):
     READY = "ready"  # every process answers its ready URL
     DONE = "done"  # serving ended because the caller's condition held
     STOPPED = "stopped"  # SIGINT / SIGTERM
-    FAILED = "failed"  # a process exited, or not ready in time (already reported)
+    FAILED = "failed"  # a process exited before ready, not ready in time, or every unit gave up
 
 
 @dataclass(slots=True)
@@ -55,6 +77,18 @@ class _Child:
     popen: subprocess.Popen[bytes]
     log_path: Path
     ready_after_s: float | None = None
+
+
+@dataclass(slots=True)
+class _Unit:
+    unit: Unit
+    specs: tuple[ProcessSpec, ...]
+    children: list[_Child] = field(default_factory=list)  # running, or not yet reaped
+    state: UnitState = "starting"
+    restarts_at_s: list[float] = field(default_factory=list)  # clock at each restart decision
+    restart_at_s: float | None = None  # while waiting
+    exited_at_s: float | None = None  # the last exit while serving
+    last_exit: str | None = None
 
 
 class Supervisor:
@@ -69,6 +103,10 @@ class Supervisor:
         poll_interval_s: float = 0.2,
         progress_interval_s: float = 5.0,
         stop_grace_s: float = STOP_GRACE_S,
+        restart_stop_grace_s: float = RESTART_STOP_GRACE_S,
+        policy: RestartPolicy | None = None,
+        status_path: Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.processes = tuple(processes)
         self.log_dir = log_dir
@@ -78,7 +116,15 @@ class Supervisor:
         self._poll_interval_s = poll_interval_s
         self._progress_interval_s = progress_interval_s
         self._stop_grace_s = stop_grace_s
-        self._children: list[_Child] = []
+        self._restart_stop_grace_s = restart_stop_grace_s
+        self._policy = policy or RestartPolicy()
+        self._status_path = status_path
+        self._clock = clock
+        by_name = {p.name: p for p in self.processes}
+        self._units = [
+            _Unit(u, tuple(by_name[n] for n in u.members)) for u in units_of(self.processes)
+        ]
+        self._unit_of = {n: unit for unit in self._units for n in unit.unit.members}
 
     def __enter__(self) -> Supervisor:
         return self
@@ -87,8 +133,12 @@ class Supervisor:
         self.stop()
 
     @property
+    def policy(self) -> RestartPolicy:
+        return self._policy
+
+    @property
     def pids(self) -> dict[str, int]:
-        return {c.spec.name: c.popen.pid for c in self._children}
+        return {c.spec.name: c.popen.pid for c in self._children()}
 
     def log_path(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
@@ -101,20 +151,8 @@ class Supervisor:
         for spec in self.processes:
             if self._stop_requested():
                 return False
-            log_path = self.log_path(spec.name)
-            with log_path.open("wb") as log:
-                log.write(f"# dsv4 up: {shlex.join(spec.argv)}\n".encode())
-                log.flush()
-                popen = subprocess.Popen(
-                    spec.argv,
-                    env={**LOCAL_ENV, **os.environ, **spec.env},
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    preexec_fn=_die_with_parent,
-                )
-            self._children.append(_Child(spec, popen, log_path))
+            self._unit_of[spec.name].children.append(self._launch(spec, restart=None))
+        self._write_status()
         return True
 
     def wait_ready(self, timeout_s: float) -> Outcome:
@@ -133,6 +171,9 @@ class Supervisor:
                     self._say(f"{child.spec.name} ready ({child.ready_after_s:.1f} s)")
             waiting = self._waiting()
             if not waiting:
+                for unit in self._units:
+                    unit.state = "ready"
+                self._write_status()
                 return Outcome.READY
             elapsed_s = time.monotonic() - started_s
             names = ", ".join(c.spec.name for c in waiting)
@@ -148,49 +189,146 @@ class Supervisor:
             time.sleep(self._poll_interval_s)
 
     def serve(self, until: Callable[[], bool] = lambda: False) -> Outcome:
-        """Watch the ready processes until `until()` holds (DONE), one exits (FAILED,
-        reported) or a stop is requested (STOPPED)."""
+        """Keep the deployment serving until `until()` holds (DONE), a stop is requested
+        (STOPPED) or every unit gave up (FAILED, reported); a unit that exits meanwhile is
+        restarted as `supervise.decide` says."""
         while True:
             if self._stop_requested():
                 return Outcome.STOPPED
-            if self._report_exit():
-                return Outcome.FAILED
+            self._tend()
             if until():
                 return Outcome.DONE
+            if all(u.state == "gave_up" for u in self._units):
+                self._say("every process gave up; nothing is left to serve")
+                return Outcome.FAILED
             time.sleep(self._poll_interval_s)
+
+    # ---- restarting ----------------------------------------------------------------------
+
+    def _tend(self) -> None:
+        """One pass over the units: exits -> decisions, due restarts -> starts, restarted
+        members -> ready."""
+        for unit in self._units:
+            if unit.state in ("starting", "ready"):
+                self._check_exit(unit)
+            if unit.state == "waiting" and self._clock() >= (unit.restart_at_s or 0.0):
+                self._restart(unit)
+            if unit.state == "starting":
+                self._check_ready(unit)
+
+    def _check_exit(self, unit: _Unit) -> None:
+        exited = [(c, code) for c in unit.children if (code := c.popen.poll()) is not None]
+        if not exited:
+            return
+        child, code = exited[0]
+        now_s = self._clock()
+        decision = decide(unit.restarts_at_s, now_s, self._policy)
+        self._say(exit_line(unit.unit, child.spec.name, code, decision))
+        unit.last_exit = f"{child.spec.name} exited with {describe_exit(code)}"
+        unit.exited_at_s = now_s
+        self._stop_children(unit.children, self._restart_stop_grace_s, self._stop_requested)
+        unit.children = []
+        if isinstance(decision, Restart):
+            unit.restarts_at_s.append(now_s)
+            unit.restart_at_s = self._clock() + decision.delay_s  # the backoff after the stop
+            unit.state = "waiting"
+        else:
+            unit.state = "gave_up"
+            self._say(f"{unit.unit.name}: what it printed is in {self.log_path(child.spec.name)}")
+        self._write_status()
+
+    def _restart(self, unit: _Unit) -> None:
+        number = len(unit.restarts_at_s)
+        try:
+            for spec in unit.specs:
+                unit.children.append(self._launch(spec, restart=number))
+        except OSError as exc:
+            self._say(f"{unit.unit.name}: cannot restart ({exc}); giving up on it")
+            self._stop_children(unit.children, self._restart_stop_grace_s)
+            unit.children = []
+            unit.state = "gave_up"
+        else:
+            pids = ", ".join(f"{c.spec.name} pid {c.popen.pid}" for c in unit.children)
+            self._say(f"{unit.unit.name} restarted (restart {number}): {pids}")
+            unit.state = "starting"
+        unit.restart_at_s = None
+        self._write_status()
+
+    def _check_ready(self, unit: _Unit) -> None:
+        for child in unit.children:
+            if child.ready_after_s is None and self._probe(child.spec.ready_url):
+                child.ready_after_s = self._clock() - (unit.exited_at_s or 0.0)
+        if all(c.ready_after_s is not None for c in unit.children):
+            unit.state = "ready"
+            after_s = self._clock() - (unit.exited_at_s or 0.0)
+            self._say(f"{unit.unit.name} ready again ({after_s:.1f} s after the exit)")
+            self._write_status()
 
     # ---- stopping ----------------------------------------------------------------------------
 
     def stop(self) -> None:
         """SIGTERM every group, wait up to `stop_grace_s` for the leaders, SIGKILL every group
         (what is left of it), reap. Idempotent."""
-        children, self._children = self._children, []
+        children = self._children()
+        for unit in self._units:
+            unit.children = []
+        self._stop_children(children, self._stop_grace_s)
+
+    def _stop_children(
+        self,
+        children: Sequence[_Child],
+        grace_s: float,
+        hurry: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """SIGTERM the groups, wait up to `grace_s` (less once `hurry()`), SIGKILL, reap."""
         if not children:
             return
         for child in children:
             _signal_group(child.popen.pid, signal.SIGTERM)
-        deadline_s = time.monotonic() + self._stop_grace_s
+        deadline_s = time.monotonic() + grace_s
         while any(c.popen.poll() is None for c in children) and time.monotonic() < deadline_s:
+            if hurry():
+                break
             time.sleep(0.05)
         for child in children:
             _signal_group(child.popen.pid, signal.SIGKILL)
         for child in children:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                child.popen.wait(timeout=self._stop_grace_s)
+                child.popen.wait(timeout=grace_s)
 
     # ---- helpers -------------------------------------------------------------------------
 
+    def _launch(self, spec: ProcessSpec, *, restart: int | None) -> _Child:
+        """Start one process, its output appended to its log (a restart adds a marker)."""
+        log_path = self.log_path(spec.name)
+        with log_path.open("wb" if restart is None else "ab") as log:
+            what = "" if restart is None else f" restart {restart}:"
+            log.write(f"# dsv4 up:{what} {shlex.join(spec.argv)}\n".encode())
+            log.flush()
+            popen = subprocess.Popen(
+                spec.argv,
+                env={**LOCAL_ENV, **os.environ, **spec.env},
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        return _Child(spec, popen, log_path)
+
+    def _children(self) -> list[_Child]:
+        return [c for unit in self._units for c in unit.children]
+
     def _waiting(self) -> list[_Child]:
-        return [c for c in self._children if c.ready_after_s is None]
+        return [c for c in self._children() if c.ready_after_s is None]
 
     def _report_exit(self) -> bool:
         """Report the first child that has exited (with its log's tail); False if none has."""
-        for child in self._children:
+        for child in self._children():
             code = child.popen.poll()
             if code is None:
                 continue
-            when = "before it was ready" if child.ready_after_s is None else "while serving"
-            self._say(f"{child.spec.name} exited ({_describe_exit(code)}) {when}")
+            self._say(f"{child.spec.name} exited ({_describe_exit(code)}) before it was ready")
             lines = tail_lines(child.log_path, LOG_TAIL_LINES)
             self._say(f"last {len(lines)} lines of {child.log_path}:")
             for line in lines:
@@ -198,6 +336,31 @@ class Supervisor:
             self._out.flush()
             return True
         return False
+
+    def _write_status(self) -> None:
+        """WORKDIR/status.json, replaced atomically when a unit's state changed."""
+        if self._status_path is None:
+            return
+        now_s = self._clock()
+        doc = status_document(
+            [
+                UnitStatus(
+                    unit=u.unit,
+                    state=u.state,
+                    pids={c.spec.name: c.popen.pid for c in u.children},
+                    restarts=len(u.restarts_at_s),
+                    last_exit=u.last_exit,
+                    restart_in_s=None if u.restart_at_s is None else u.restart_at_s - now_s,
+                )
+                for u in self._units
+            ]
+        )
+        tmp = self._status_path.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps(doc, indent=2) + "\n")
+            os.replace(tmp, self._status_path)
+        except OSError as exc:  # the status file is a convenience; serving goes on
+            self._say(f"cannot write {self._status_path}: {exc}")
 
     def _say(self, message: str) -> None:
         self._out.write(f"{PREFIX} {message}\n")

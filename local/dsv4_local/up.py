@@ -3,10 +3,12 @@
 `run(args)` checks everything it can before any process starts (file, spec, memory plan,
 what `dsv4 up` supports, the router port, the work directory): each problem is one line
 `dsv4 up: error: ...` naming the field or flag, exit 2. Then `launch(plan)` starts the
-processes, waits until all are ready, prints where they are and serves until SIGINT/SIGTERM
-(exit 0), a process exits or the timeout passes (exit 1); with --request it sends one
-completion instead of serving (exit 0 when it succeeds). Every path stops every process.
-Progress and errors go to stderr; the ready summary (or the completion text) to stdout.
+processes, waits until all are ready (a process that exits first, or the timeout, ends it:
+exit 1), prints every API and status URL and serves until SIGINT/SIGTERM (exit 0). While it
+serves, a process that exits is restarted with its PP group, with backoff and within a budget
+(`supervise`); once every one has given up, exit 1. With --request it sends one completion
+instead of serving (exit 0 when it succeeds). Every path stops every process. Progress,
+events and errors go to stderr; the ready summary (or the completion) to stdout.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from dsv4_common.api.deployment import MemoryPlanError
 from dsv4_common.api.spec import SpecError
 from dsv4_local.completion import Completion, CompletionError, request_completion
 from dsv4_local.deployment import Deployment, parse_deployment
-from dsv4_local.plan import LaunchPlan, build_launch_plan
+from dsv4_local.plan import LaunchPlan, ProcessSpec, build_launch_plan
 from dsv4_local.ports import free_ports, port_is_free
 from dsv4_local.signals import StopSignals
+from dsv4_local.supervise import RestartPolicy, policy_line
 from dsv4_local.supervisor import PREFIX, STOP_GRACE_S, Outcome, Supervisor
 from dsv4_local.workdir import write_workdir
 
@@ -77,9 +80,11 @@ def run(args: argparse.Namespace) -> int:
 def load_deployment(path: Path) -> Deployment:
     """Read and check the file; every problem is an UpError naming the field."""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise UpError(f"{path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise UpError(f"{path}: not UTF-8 text (byte {exc.start})") from exc
     try:
         return parse_deployment(text, str(path))
     except yaml.YAMLError as exc:
@@ -96,6 +101,7 @@ def launch(
     out: TextIO = sys.stdout,
     err: TextIO = sys.stderr,
     stop_grace_s: float = STOP_GRACE_S,
+    policy: RestartPolicy | None = None,
 ) -> int:
     """Run the plan's processes (see the module docstring); call from the main thread."""
     with StopSignals() as signals:
@@ -105,6 +111,8 @@ def launch(
             out=err,
             stop_requested=lambda: signals.requested,
             stop_grace_s=stop_grace_s,
+            policy=policy,
+            status_path=plan.status_path,
         ) as supervisor:
             code = _supervise(supervisor, plan, timeout_s, request, out, err)
             received = signals.received
@@ -143,6 +151,7 @@ def _supervise(
         print(summary, file=err, flush=True)
         return _send(supervisor, plan, request, out, err)
     print(summary, file=out, flush=True)
+    print(f"{PREFIX} {policy_line(supervisor.policy)}", file=err, flush=True)
     print(f"{PREFIX} Ctrl-C stops every process", file=err, flush=True)
     return _exit_code(supervisor.serve())
 
@@ -152,15 +161,27 @@ def _exit_code(outcome: Outcome) -> int:
 
 
 def format_ready(plan: LaunchPlan, ready_s: float) -> str:
-    """What `dsv4 up` prints once every process is ready: one `key: value` fact per line."""
-    lines = [
-        f"{PREFIX} ready in {ready_s:.1f} s",
-        f"router: {plan.router_url}  (POST /v1/completions, /v1/chat/completions)",
-    ]
+    """What `dsv4 up` prints once every process is ready: one labeled fact per line, the
+    router first, then each process's API and status URLs."""
+    lines = [f"{PREFIX} ready in {ready_s:.1f} s"]
+    ordered = sorted(plan.processes, key=lambda p: p.role != "router")  # stable: plan order
     width = max(len(p.name) for p in plan.processes)
-    lines += [f"status: {p.name:<{width}}  {p.status_url}" for p in plan.processes]
+    for p in ordered:
+        if p.api_url:
+            lines.append(f"api:    {p.name:<{width}}  {p.api_url}  ({_serves(p)})")
+        lines.append(f"status: {p.name:<{width}}  {p.status_url}")
     lines.append(f"logs: {plan.log_dir}")
+    lines.append(f"supervisor status: {plan.status_path}")
     return "\n".join(lines)
+
+
+def _serves(process: ProcessSpec) -> str:
+    """What a process's API port is for."""
+    if process.role == "router":
+        return "POST /v1/completions, /v1/chat/completions"
+    if process.role == "decode" and process.pp_rank == 0:
+        return "this decode worker's OpenAI API; the router sends requests here"
+    return "probes only; the router and the other workers reach it directly"
 
 
 def _send(
@@ -195,7 +216,7 @@ def _send(
         return EXIT_FAILED
     tokens = "?" if result.completion_tokens is None else str(result.completion_tokens)
     # JSON-quoted: a model with random weights (tiny) answers with arbitrary bytes.
-    print(json.dumps(result.text), file=out, flush=True)
+    print(f"completion: {json.dumps(result.text)}", file=out, flush=True)
     print(
         f"{PREFIX} completion: {tokens} tokens in {time.monotonic() - sent_s:.1f} s",
         file=err,

@@ -3,7 +3,10 @@ plan at its path, and an empty log directory.
 
     WORKDIR/<role>-<replica>/<role>-rank-<pp>.json   rank configs of one worker group
     WORKDIR/router/router.json                      the router config
-    WORKDIR/logs/<process>.log                      stdout + stderr of each process
+    WORKDIR/logs/<process>.log                      stdout + stderr of each process (a
+                                                    restart appends, after a marker line)
+    WORKDIR/status.json                             every unit's state, pids and restarts
+                                                    (written by the supervisor)
 """
 
 from __future__ import annotations

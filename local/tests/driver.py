@@ -4,7 +4,8 @@ made) on stand-in processes, in its own interpreter so a test can signal it.
     python driver.py PLAN.json
 
 PLAN.json: {"workdir": ..., "router_url": ..., "timeout_s": ..., "stop_grace_s": ...,
-"processes": [ProcessSpec fields, config_dir as a string]}. Exits with launch's code.
+"processes": [ProcessSpec fields, config_dir as a string], "policy": RestartPolicy fields
+(optional)}. Exits with launch's code.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 from dsv4_local.plan import LaunchPlan, ProcessSpec
+from dsv4_local.supervise import RestartPolicy
 from dsv4_local.up import launch
 
 
@@ -24,7 +26,8 @@ def main() -> int:
         for p in doc["processes"]
     )
     plan = LaunchPlan(Path(doc["workdir"]), processes, {}, doc["router_url"])
-    return launch(plan, timeout_s=doc["timeout_s"], stop_grace_s=doc["stop_grace_s"])
+    policy = RestartPolicy(**doc["policy"]) if "policy" in doc else None
+    return launch(plan, timeout_s=doc["timeout_s"], stop_grace_s=doc["stop_grace_s"], policy=policy)
 
 
 if __name__ == "__main__":

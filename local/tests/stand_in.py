@@ -2,8 +2,10 @@
 
     python stand_in.py --pid-dir D --name N --mode ready|fail|never|stubborn --port P ...
 
-Every mode first writes its PID to D/N.pid (and with --grandchild starts a child in its own
-process group that writes D/N.grandchild.pid), then:
+Every mode first writes its PID to D/N.pid and appends it to D/N.history (a restarted
+stand-in replaces N.pid; the history keeps every one), and with --grandchild starts a child in
+its own process group that writes D/N.grandchild.pid (appended to D/N.grandchild.history),
+then:
   ready     after --delay-s, answers GET /ready, GET /status and POST /v1/completions on every
             --port; with --exit-after-s, exits with code 4 that long after it first answered
             /ready
@@ -35,6 +37,7 @@ COMPLETION = {
 GRANDCHILD = (
     "import os, sys, time\n"
     "path = sys.argv[1]\n"
+    "open(path[:-4] + '.history', 'a').write(f'{os.getpid()}\\n')\n"
     "open(path + '.tmp', 'w').write(str(os.getpid()))\n"
     "os.replace(path + '.tmp', path)\n"
     "time.sleep(3600)\n"
@@ -42,6 +45,9 @@ GRANDCHILD = (
 
 
 def write_pid(path: Path, pid: int) -> None:
+    """Append to the history first: a test that sees the PID file finds it in the history."""
+    with path.with_suffix(".history").open("a") as history:
+        history.write(f"{pid}\n")
     tmp = path.with_suffix(".tmp")
     tmp.write_text(str(pid))
     os.replace(tmp, path)

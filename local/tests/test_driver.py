@@ -1,12 +1,14 @@
 """Signals to a `dsv4 up`-like driver process (local/tests/driver.py running `launch` on
 stand-ins): SIGTERM while serving and SIGINT while waiting stop every child and grandchild and
-exit 0; a driver killed outright still takes its children along (Linux)."""
+exit 0, also after a restart (the restarted processes and the ones they replaced); a driver
+killed outright still takes its children along (Linux)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import json
+import os
 import re
 import signal
 import subprocess
@@ -42,17 +44,22 @@ class Driver:
 
 @contextlib.contextmanager
 def driver(
-    tmp_path: Path, specs: list[ProcessSpec], router_url: str = "http://127.0.0.1:1"
+    tmp_path: Path,
+    specs: list[ProcessSpec],
+    router_url: str = "http://127.0.0.1:1",
+    policy: dict[str, float] | None = None,
 ) -> Iterator[Driver]:
     plan = tmp_path / "plan.json"
     processes = [{**dataclasses.asdict(s), "config_dir": str(s.config_dir)} for s in specs]
-    doc = {
+    doc: dict[str, object] = {
         "workdir": str(tmp_path),
         "router_url": router_url,
         "timeout_s": DEADLINE_S,
         "stop_grace_s": 10.0,
         "processes": processes,
     }
+    if policy is not None:
+        doc["policy"] = policy
     plan.write_text(json.dumps(doc))
     stdout_path, stderr_path = tmp_path / "driver.out", tmp_path / "driver.err"
     with stdout_path.open("wb") as out, stderr_path.open("wb") as err:
@@ -78,7 +85,7 @@ def test_sigterm_while_serving_stops_every_child(stand_ins: StandIns, tmp_path: 
         d.popen.send_signal(signal.SIGTERM)
         assert d.popen.wait(timeout=DEADLINE_S) == 0, d.stderr()
     out = d.stdout()
-    assert f"router: http://127.0.0.1:{api_port}  (POST " in out
+    assert f"api:    router     http://127.0.0.1:{api_port}  (POST " in out
     for spec in specs:
         assert re.search(rf"^status: {spec.name} +{re.escape(spec.status_url)}$", out, re.M)
     assert f"logs: {tmp_path / 'logs'}\n" in out
@@ -100,6 +107,33 @@ def test_sigint_while_waiting_stops_every_child(stand_ins: StandIns, tmp_path: P
     assert "dsv4 up: ready" not in d.stderr()
     assert d.stderr().endswith("dsv4 up: stopping (SIGINT)\ndsv4 up: stopped\n")
     assert len(stand_ins.all_pids()) == 4
+    stand_ins.assert_all_gone()
+
+
+def test_sigterm_after_a_restart_leaves_no_process(stand_ins: StandIns, tmp_path: Path) -> None:
+    """kill -9 of decode-0 (which started a grandchild): restarted; then SIGTERM to the
+    driver stops the new decode-0, its new grandchild and the others; the killed one's
+    grandchild went with the restart. Checked by every PID each stand-in ever had."""
+    specs = [
+        stand_ins.spec("decode-0", "ready", role="decode", grandchild=True),
+        stand_ins.spec("router", "ready"),
+    ]
+    fast = {"initial_backoff_s": 0.05, "max_backoff_s": 0.1, "budget": 2, "window_s": 600.0}
+    with driver(tmp_path, specs, policy=fast) as d:
+        stand_ins.wait_until(lambda: "logs: " in d.stdout(), "the ready summary")
+        first = stand_ins.wait_pid("decode-0")
+        stand_ins.wait_pid("decode-0", grandchild=True)
+        os.kill(first, signal.SIGKILL)
+        stand_ins.wait_until(lambda: "decode-0 ready again" in d.stderr(), "the restart")
+        stand_ins.wait_until(
+            lambda: len(stand_ins.history("decode-0", grandchild=True)) == 2,
+            "the restarted decode-0's grandchild",
+        )
+        assert len(stand_ins.history("decode-0")) == 2
+        d.popen.send_signal(signal.SIGTERM)
+        assert d.popen.wait(timeout=DEADLINE_S) == 0, d.stderr()
+    assert "dsv4 up: decode-0 exited with code -9 (SIGKILL); restarting in 0.05 s" in d.stderr()
+    assert d.stderr().endswith("dsv4 up: stopping (SIGTERM)\ndsv4 up: stopped\n")
     stand_ins.assert_all_gone()
 
 

@@ -1,13 +1,18 @@
 """The supervisor and `launch` on stand-in processes (local/tests/stand_in.py): ready, early
-exit with the log's tail, timeout, exit while serving, SIGKILL after the grace period, a stop
-or a failure half-way through starting, and one --request. After every test no stand-in and
-no grandchild is left running."""
+exit with the log's tail, timeout, SIGKILL after the grace period, a stop or a failure half-way
+through starting, one --request; and while serving, a process that exits (or is killed) is
+restarted with backoff (a PP group as a whole) until its budget is spent, while the others
+keep serving. After every test no stand-in and no grandchild, restarted ones included, is
+left running."""
 
 from __future__ import annotations
 
 import dataclasses
 import io
+import json
+import os
 import re
+import signal
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from dsv4_local.plan import LaunchPlan, ProcessSpec
+from dsv4_local.probe import is_ready
+from dsv4_local.supervise import RestartPolicy
 from dsv4_local.supervisor import Outcome, Supervisor, tail_lines
 from dsv4_local.up import CompletionRequest, launch
 
@@ -22,6 +29,8 @@ if TYPE_CHECKING:
     from conftest import StandIns  # the fixture's type (local/tests/conftest.py)
 
 DEADLINE_S = 60.0
+# Fast restarts for the tests: 0.05 s doubling to 0.2 s, at most 2 per unit.
+FAST = RestartPolicy(initial_backoff_s=0.05, max_backoff_s=0.2, budget=2, window_s=600.0)
 
 
 def supervisor(specs: list[ProcessSpec], tmp_path: Path, out: io.StringIO, **kw: Any) -> Supervisor:
@@ -86,19 +95,105 @@ def test_timeout_names_what_is_not_ready_and_stops_everything(
     stand_ins.assert_all_gone()
 
 
-def test_exit_while_serving_is_reported(stand_ins: StandIns, tmp_path: Path) -> None:
+def test_an_exit_while_serving_restarts_until_the_budget_is_spent(
+    stand_ins: StandIns, tmp_path: Path
+) -> None:
+    """decode-0 exits 0.3 s after each time it is ready: restarted twice (0.05 s, then 0.1 s
+    later), then given up on; the router keeps serving with the same process throughout."""
+    out = io.StringIO()
+    decode = stand_ins.spec("decode-0", "ready", exit_after_s=0.3, role="decode")
+    router = stand_ins.spec("router", "ready")
+    status = tmp_path / "status.json"
+    with supervisor([decode, router], tmp_path, out, policy=FAST, status_path=status) as sup:
+        assert sup.start()
+        assert sup.wait_ready(DEADLINE_S) is Outcome.READY
+        router_pid = sup.pids["router"]
+        gave_up = sup.serve(until=lambda: "giving up" in out.getvalue())
+        assert gave_up is Outcome.DONE
+        assert is_ready(router.ready_url) and sup.pids == {"router": router_pid}
+        doc = json.loads(status.read_text())
+    lines = [line for line in out.getvalue().splitlines() if "decode-0" in line]
+    events = [line for line in lines if " ready (" not in line]
+    assert events == [
+        "dsv4 up: decode-0 exited with code 4; restarting in 0.05 s (restart 1 of 2)",
+        f"dsv4 up: decode-0 restarted (restart 1): decode-0 pid {stand_ins.history('decode-0')[1]}",
+        events[2],
+        "dsv4 up: decode-0 exited with code 4; restarting in 0.1 s (restart 2 of 2)",
+        f"dsv4 up: decode-0 restarted (restart 2): decode-0 pid {stand_ins.history('decode-0')[2]}",
+        events[5],
+        "dsv4 up: decode-0 exited with code 4; giving up on it after 2 restarts in 600 s; "
+        "the other processes keep serving",
+        f"dsv4 up: decode-0: what it printed is in {tmp_path / 'logs' / 'decode-0.log'}",
+    ]
+    for i in (2, 5):
+        assert re.fullmatch(
+            r"dsv4 up: decode-0 ready again \(\d+\.\d s after the exit\)", events[i]
+        )
+    log = (tmp_path / "logs" / "decode-0.log").read_text()
+    assert log.count("# dsv4 up: restart ") == 2  # appended, one marker per restart
+    units = {u["name"]: u for u in doc["units"]}
+    assert units["decode-0"]["state"] == "gave_up" and units["decode-0"]["restarts"] == 2
+    assert units["decode-0"]["last_exit"] == "decode-0 exited with code 4"
+    assert units["router"] == {
+        "name": "router",
+        "members": ["router"],
+        "state": "ready",
+        "pids": {"router": router_pid},
+        "restarts": 0,
+        "last_exit": None,
+        "restart_in_s": None,
+    }
+    assert len(stand_ins.history("decode-0")) == 3
+    stand_ins.assert_all_gone()
+
+
+def test_a_killed_pp_stage_restarts_its_whole_group_only(
+    stand_ins: StandIns, tmp_path: Path
+) -> None:
+    """kill -9 of rank 1 of decode-0: both ranks (and their grandchildren) are replaced; the
+    prefill group and the router keep their processes."""
     out = io.StringIO()
     specs = [
-        stand_ins.spec("decode-0", "ready", exit_after_s=0.5),
+        stand_ins.spec("prefill-0", "ready", role="prefill"),
+        *(
+            stand_ins.spec(f"decode-0-rank-{r}", "ready", role="decode", pp_rank=r, grandchild=True)
+            for r in range(2)
+        ),
         stand_ins.spec("router", "ready"),
     ]
-    with supervisor(specs, tmp_path, out) as sup:
+    with supervisor(specs, tmp_path, out, policy=FAST) as sup:
         assert sup.start()
-        outcome = sup.wait_ready(DEADLINE_S)
-        if outcome is Outcome.READY:
-            outcome = sup.serve()
-        assert outcome is Outcome.FAILED
-    assert "dsv4 up: decode-0 exited (exit code 4) while serving\n" in out.getvalue()
+        assert sup.wait_ready(DEADLINE_S) is Outcome.READY
+        before = sup.pids
+        old_grandchild = stand_ins.wait_pid("decode-0-rank-0", grandchild=True)
+        os.kill(before["decode-0-rank-1"], signal.SIGKILL)
+        outcome = sup.serve(until=lambda: "decode-0 ready again" in out.getvalue())
+        assert outcome is Outcome.DONE
+        after = sup.pids
+        for name in ("prefill-0", "router"):
+            assert after[name] == before[name]
+        for name in ("decode-0-rank-0", "decode-0-rank-1"):
+            assert after[name] != before[name]
+            assert stand_ins.is_gone(before[name])
+        stand_ins.wait_until(lambda: stand_ins.is_gone(old_grandchild), "the old grandchild")
+    assert (
+        "dsv4 up: decode-0-rank-1 exited with code -9 (SIGKILL); restarting its PP group "
+        "decode-0 (2 processes) in 0.05 s (restart 1 of 2)\n"
+    ) in out.getvalue()
+    stand_ins.assert_all_gone()
+
+
+def test_when_every_unit_gave_up_serving_fails(stand_ins: StandIns, tmp_path: Path) -> None:
+    out = io.StringIO()
+    no_restarts = dataclasses.replace(FAST, budget=0)
+    specs = [stand_ins.spec("router", "ready", exit_after_s=0.2)]
+    with supervisor(specs, tmp_path, out, policy=no_restarts) as sup:
+        assert sup.start()
+        assert sup.wait_ready(DEADLINE_S) is Outcome.READY
+        assert sup.serve() is Outcome.FAILED
+    text = out.getvalue()
+    assert "dsv4 up: router exited with code 4; giving up on it after 0 restarts" in text
+    assert text.endswith("dsv4 up: every process gave up; nothing is left to serve\n")
     stand_ins.assert_all_gone()
 
 
@@ -177,12 +272,13 @@ def test_request_prints_the_completion_and_the_urls_then_stops(
     out, err = io.StringIO(), io.StringIO()
     code = launch(plan, timeout_s=DEADLINE_S, request=CompletionRequest("hi", 4), out=out, err=err)
     assert code == 0, err.getvalue()
-    assert out.getvalue() == '" stand-in text"\n'  # JSON-quoted
+    assert out.getvalue() == 'completion: " stand-in text"\n'  # JSON-quoted
     text = err.getvalue()
-    assert f"router: http://127.0.0.1:{api_port}  (POST " in text
+    assert f"api:    router     http://127.0.0.1:{api_port}  (POST " in text
     for spec in specs:
         assert re.search(rf"^status: {spec.name} +{re.escape(spec.status_url)}$", text, re.M)
     assert f"logs: {tmp_path / 'logs'}" in text
+    assert f"supervisor status: {tmp_path / 'status.json'}" in text
     assert "dsv4 up: completion: 3 tokens in " in text
     assert text.endswith("dsv4 up: stopped\n")
     stand_ins.assert_all_gone()

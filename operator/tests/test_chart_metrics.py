@@ -325,13 +325,14 @@ def _exposed(registry: CollectorRegistry) -> set[str]:
 
 def exported_metric_names() -> set[str]:
     """What the worker, the router and the operator export, from their own registries."""
+    from dsv4_router.liveness import LivenessRule
     from dsv4_router.metrics import RouterMetrics
     from dsv4_worker.mem.usage import PoolUsage
     from dsv4_worker.server.metrics import Metrics
     from dsv4_worker.server.runner import Snapshot
 
     worker = Metrics(lambda: Snapshot(usage=(PoolUsage("full", 0, 1),)))
-    router = RouterMetrics(lambda: ([], 0.0), stale_after_s=10.0)
+    router = RouterMetrics(lambda: ([], 0.0), LivenessRule(misses=3, grace_s=10.0))
     names = set()
     for registry in (worker.registry, router.registry, OperatorMetrics().registry):
         names |= _exposed(registry)

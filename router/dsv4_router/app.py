@@ -3,9 +3,10 @@ probes, metrics and a view of the instances.
 
 Routing rules:
 
-- Eligible instance: its last `/status` parsed and is younger than `stale_after_s`, its
-  `/ready` answered 200, it reports the role it is listed under, `load.accepting` is true, and
-  (decode) `kv_ready` is true. Discovery probes every instance every `poll_interval_s`.
+- Eligible instance: it is live (a `/status` parsed, and not `stale_after_misses` probes
+  in a row missed over the grace: `liveness`), its last `/ready` answered 200, it reports the
+  role it is listed under, `load.accepting` is true, and (decode) `kv_ready` is true.
+  Discovery probes every instance every `poll_interval_s`.
 - Pair: the prefill with the fewest queued requests (its `waiting` plus the router's requests
   sent since that status), then the most free full tokens; the decode with the most free full
   tokens less one average request share (full tokens / request slots) per such pending
@@ -24,35 +25,39 @@ Routing rules:
 - Mid-stream: an upstream that breaks ends the stream with an SSE error event; a client that
   disconnects cancels its handler, which closes the upstream connection at once (the decode
   worker aborts the request and frees its pages).
+- Bad requests never reach a worker: the body is read and checked by the shared HTTP rules
+  (`http_guard.read_json`: 400 naming the field, 408, 413); every error body is OpenAI's
+  shape, 404 and 405 included. Connections follow `settings.http` (timeouts, a bound).
+- A client that disconnects from a non-streaming request cancels its handler too, which
+  closes the upstream connection while decode has not answered: the worker aborts it.
 - `/ready` is 200 iff at least one prefill and one decode are eligible. `/live`, `/ready`,
-  `/health` and `/metrics` are also served on the status port (deployed form).
+  `/health`, `/metrics`, `/instances` and `/status` (JSON: readiness, every instance and its
+  state, the settings; `views.router_status`) are also served on the status port.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 from aiohttp import web
 
-from dsv4_common.api.documents import to_document
-from dsv4_router.choice import (
-    InstanceRecord,
-    InstanceTable,
-    assess,
-    choose_pair,
-    unavailable_reason,
-)
+from dsv4_common.api.http_rules import BodyError
+from dsv4_router.choice import InstanceTable, choose_pair, unavailable_reason
 from dsv4_router.config import RouterSettings
-from dsv4_router.errors import error_response
+from dsv4_router.http_guard import body_error_response, guarded_app, read_checked_body
 from dsv4_router.metrics import CONTENT_TYPE, RouterMetrics
 from dsv4_router.proxy import Proxy
+from dsv4_router.views import instance_view, router_status
 
-# Long prompts as token ids run to megabytes.
-MAX_BODY_BYTES: Final = 64 * 1024 * 1024
+# Each client connection of the API may hold one upstream connection too.
+FDS_PER_CONNECTION: Final = 2
 COMPLETION_PATHS: Final = ("/v1/completions", "/v1/chat/completions")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,24 +71,14 @@ class RouterState:
 
 def build_api_app(state: RouterState) -> web.Application:
     """The API port: completions, models, probes, metrics and /instances."""
-    app = build_probe_app(state)
+    app = build_probe_app(state, probes_only=False)
 
     async def completion(request: web.Request) -> web.StreamResponse:
-        body = await request.read()
         try:
-            doc = json.loads(body)
-        except ValueError as exc:
+            body = await read_checked_body(request)  # the worker gets the client's exact bytes
+        except BodyError as exc:
             state.metrics.count("client_error")
-            return error_response(
-                400, f"body is not valid JSON ({exc})", error_type="invalid_request_error"
-            )
-        if not isinstance(doc, dict):
-            state.metrics.count("client_error")
-            return error_response(
-                400,
-                f"body must be a JSON object, got {type(doc).__name__}",
-                error_type="invalid_request_error",
-            )
+            return body_error_response(exc)
         return await state.proxy.completion(request, body)
 
     async def models(request: web.Request) -> web.StreamResponse:
@@ -92,21 +87,27 @@ def build_api_app(state: RouterState) -> web.Application:
     for path in COMPLETION_PATHS:
         app.router.add_post(path, completion)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", models)  # one model: the decode answers
     return app
 
 
-def build_probe_app(state: RouterState) -> web.Application:
-    """The status port: liveness, readiness, metrics and /instances."""
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+def build_probe_app(state: RouterState, *, probes_only: bool = True) -> web.Application:
+    """The status port: liveness, readiness, metrics, /instances and /status."""
+    app = guarded_app(
+        state.settings.http,
+        fds_per_connection=FDS_PER_CONNECTION,
+        logger=log,
+        probes_only=probes_only,
+    )
 
     async def live(_: web.Request) -> web.Response:
         return web.Response(text="ok\n")
 
     async def ready(_: web.Request) -> web.Response:
         records, now_s = state.table.records(), state.clock()
-        if choose_pair(records, now_s, state.settings.stale_after_s) is not None:
+        if choose_pair(records, now_s, state.settings.liveness) is not None:
             return web.Response(text="ready\n")
-        reason = unavailable_reason(records, now_s, state.settings.stale_after_s)
+        reason = unavailable_reason(records, now_s, state.settings.liveness)
         return web.Response(status=503, text=f"not ready: {reason}\n")
 
     async def metrics(_: web.Request) -> web.Response:
@@ -114,34 +115,17 @@ def build_probe_app(state: RouterState) -> web.Application:
 
     async def instances(_: web.Request) -> web.Response:
         now_s = state.clock()
-        views = [
-            instance_view(r, now_s, state.settings.stale_after_s) for r in state.table.records()
-        ]
+        views = [instance_view(r, now_s, state.settings.liveness) for r in state.table.records()]
         return web.json_response(views, dumps=lambda v: json.dumps(v, indent=2))
+
+    async def status(_: web.Request) -> web.Response:
+        doc = router_status(state.table.records(), state.clock(), state.settings)
+        return web.json_response(doc, dumps=lambda v: json.dumps(v, indent=2))
 
     app.router.add_get("/live", live)
     app.router.add_get("/health", live)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/instances", instances)
+    app.router.add_get("/status", status)
     return app
-
-
-def instance_view(record: InstanceRecord, now_s: float, stale_after_s: float) -> dict[str, Any]:
-    """One record for people (GET /instances)."""
-    health, reason = assess(record, now_s, stale_after_s)
-    status = record.status
-    age_s = None if record.status_at_s is None else round(now_s - record.status_at_s, 3)
-    return {
-        "role": record.role,
-        **to_document(record.instance),
-        "state": health,
-        "reason": reason or None,
-        "ready": record.ready,
-        "status_age_s": age_s,
-        "kv_ready": None if status is None else status.kv_ready,
-        "load": None if status is None else to_document(status.load),
-        "router_inflight": record.inflight,
-        "router_pending": record.pending,
-        "error": record.error,
-    }

@@ -2,20 +2,22 @@
 (prefill, decode) pair takes the next one.
 
 Pure: records hold what discovery observed and what the router sent; every decision takes the
-clock as an argument. Invariants: `choose_pair` returns only eligible, non-excluded instances of
-the right roles, and returns None only when no such pair exists; ties fall to the lowest
-address, so the choice never depends on record order.
+clock as an argument. Whether an instance is live is `liveness`'s rule (consecutive missed
+probes and a grace), never the age of one status alone. Invariants: `choose_pair` returns only
+eligible, non-excluded instances of the right roles, and returns None only when no such pair
+exists; ties fall to the lowest address, so the choice never depends on record order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, Literal
 
 from dsv4_common.api.names import WORKER_ROLES, WorkerRole
 from dsv4_common.api.rank_config import Instance
 from dsv4_common.api.worker_status import WorkerStatus
+from dsv4_router.liveness import Liveness, LivenessRule, ProbeOutcome, observe, stale_reason
 
 # `busy` is a fresh, ready instance that refuses work now (not accepting); the metric folds it
 # into `unready`.
@@ -45,8 +47,8 @@ class InstanceRecord:
 
     role: WorkerRole
     instance: Instance
-    status: WorkerStatus | None = None  # None: the last poll gave no parsable status
-    status_at_s: float | None = None  # clock when `status` arrived
+    status: WorkerStatus | None = None  # the last status a poll gave (None: none yet)
+    liveness: Liveness = field(default_factory=Liveness)  # when it arrived, misses since
     ready: bool = False  # the last /ready answered 200
     error: str | None = None  # why the last poll failed (None: it did not)
     sent_total: int = 0  # requests the router ever sent here
@@ -56,6 +58,11 @@ class InstanceRecord:
     @property
     def pending(self) -> int:
         return self.sent_total - self.status_sent_total
+
+    @property
+    def status_at_s(self) -> float | None:
+        """Clock when `status` arrived."""
+        return self.liveness.ok_at_s
 
     def sent(self) -> None:
         self.sent_total += 1
@@ -74,34 +81,38 @@ class Probe:
     ready: bool | None
     error: str | None  # set when the status probe failed (not a timeout)
     sent_total_at_start: int
+    refused: bool = False  # the status probe's connection was refused (nothing listens)
+
+    @property
+    def outcome(self) -> ProbeOutcome:
+        if self.status is not None:
+            return "ok"
+        if self.refused:
+            return "refused"
+        return "late" if self.error is None else "failed"
 
 
 def apply_probe(record: InstanceRecord, probe: Probe, now_s: float) -> None:
-    """Fold a poll into the record: a status replaces the old one, an error clears it, a
-    timeout keeps it (it goes stale by age)."""
+    """Fold a poll into the record: a status replaces the old one; a miss keeps it and counts
+    towards staleness (`liveness`)."""
+    record.liveness = observe(record.liveness, probe.outcome, now_s)
     if probe.status is not None:
         record.status = probe.status
-        record.status_at_s = now_s
         record.status_sent_total = probe.sent_total_at_start
         record.error = None
-    elif probe.error is not None:
-        record.status = None
-        record.status_at_s = None
-        record.error = probe.error
     else:
-        record.error = "status probe timed out"
+        record.error = probe.error or "status probe timed out"
     if probe.ready is not None:
         record.ready = probe.ready
 
 
-def assess(record: InstanceRecord, now_s: float, stale_after_s: float) -> tuple[Health, str]:
+def assess(record: InstanceRecord, now_s: float, rule: LivenessRule) -> tuple[Health, str]:
     """The record's health and, unless eligible, why not."""
     status = record.status
-    if status is None or record.status_at_s is None:
-        return "stale", record.error or "no status yet"
-    age_s = now_s - record.status_at_s
-    if age_s >= stale_after_s:
-        return "stale", f"last status is {age_s:.1f} s old"
+    stale = stale_reason(record.liveness, now_s, rule)
+    if stale is not None or status is None:
+        last_error = f" ({record.error})" if record.error else ""
+        return "stale", f"{stale or 'no status yet'}{last_error}"
     if status.role != record.role:
         return "unready", f"reports role {status.role!r}"
     if not record.ready:
@@ -145,15 +156,15 @@ def eligible(
     records: Iterable[InstanceRecord],
     role: WorkerRole,
     now_s: float,
-    stale_after_s: float,
+    rule: LivenessRule,
     excluded: frozenset[Instance] = frozenset(),
 ) -> list[InstanceRecord]:
     return [
         r
         for r in records
         if r.role == role
-        and r.instance not in excluded
-        and assess(r, now_s, stale_after_s)[0] == "eligible"
+        and not (excluded and r.instance in excluded)
+        and assess(r, now_s, rule)[0] == "eligible"
     ]
 
 
@@ -161,10 +172,10 @@ def choose(
     records: Iterable[InstanceRecord],
     role: WorkerRole,
     now_s: float,
-    stale_after_s: float,
+    rule: LivenessRule,
     excluded: frozenset[Instance] = frozenset(),
 ) -> InstanceRecord | None:
-    candidates = eligible(records, role, now_s, stale_after_s, excluded)
+    candidates = eligible(records, role, now_s, rule, excluded)
     if not candidates:
         return None
     return min(candidates, key=prefill_key if role == "prefill" else decode_key)
@@ -173,13 +184,26 @@ def choose(
 def choose_pair(
     records: Iterable[InstanceRecord],
     now_s: float,
-    stale_after_s: float,
+    rule: LivenessRule,
     excluded: frozenset[Instance] = frozenset(),
 ) -> Pair | None:
-    """The best eligible prefill and decode not in `excluded`, or None if a role has none."""
-    pool = list(records)
-    prefill = choose(pool, "prefill", now_s, stale_after_s, excluded)
-    decode = choose(pool, "decode", now_s, stale_after_s, excluded)
+    """The best eligible prefill and decode not in `excluded`, or None if a role has none.
+    (What `choose` picks for each role, in one pass: it runs for every request.)"""
+    prefill = decode = None
+    prefill_best = decode_best = None
+    for record in records:
+        if excluded and record.instance in excluded:
+            continue
+        if assess(record, now_s, rule)[0] != "eligible":
+            continue
+        if record.role == "prefill":
+            key = prefill_key(record)
+            if prefill_best is None or key < prefill_best:
+                prefill, prefill_best = record, key
+        else:
+            key = decode_key(record)
+            if decode_best is None or key < decode_best:
+                decode, decode_best = record, key
     if prefill is None or decode is None:
         return None
     return Pair(prefill=prefill, decode=decode)
@@ -188,14 +212,14 @@ def choose_pair(
 def unavailable_reason(
     records: Iterable[InstanceRecord],
     now_s: float,
-    stale_after_s: float,
+    rule: LivenessRule,
     excluded: frozenset[Instance] = frozenset(),
 ) -> str:
     """Why `choose_pair` found nothing (for the 503 message); "" if it would find a pair."""
     pool = list(records)
     for role in WORKER_ROLES:
         of_role = [r for r in pool if r.role == role]
-        health = [assess(r, now_s, stale_after_s)[0] for r in of_role]
+        health = [assess(r, now_s, rule)[0] for r in of_role]
         usable = [h for r, h in zip(of_role, health, strict=True) if r.instance not in excluded]
         if "eligible" in usable:
             continue
@@ -215,14 +239,22 @@ class InstanceTable:
 
     def __init__(self) -> None:
         self._records: dict[tuple[WorkerRole, Instance], InstanceRecord] = {}
+        self._sorted: list[InstanceRecord] | None = None  # records(), until membership changes
 
     def sync(self, role: WorkerRole, instances: Iterable[Instance]) -> None:
         wanted = set(instances)
         for key in [k for k in self._records if k[0] == role and k[1] not in wanted]:
             del self._records[key]
+            self._sorted = None
         for instance in wanted:
-            self._records.setdefault((role, instance), InstanceRecord(role, instance))
+            if (role, instance) not in self._records:
+                self._records[(role, instance)] = InstanceRecord(role, instance)
+                self._sorted = None
 
     def records(self) -> list[InstanceRecord]:
         """Sorted by role then address (the order /instances shows)."""
-        return sorted(self._records.values(), key=lambda r: (r.role, address_key(r.instance)))
+        if self._sorted is None:
+            self._sorted = sorted(
+                self._records.values(), key=lambda r: (r.role, address_key(r.instance))
+            )
+        return list(self._sorted)

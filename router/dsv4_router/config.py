@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final
 
 from dsv4_common.api.documents import DocumentError
+from dsv4_common.api.http_rules import HttpLimits, http_limits
+from dsv4_common.api.lifecycle import DRAIN_S
 from dsv4_common.api.names import WORKER_ROLES, WorkerRole
 from dsv4_common.api.rank_config import (
     ROUTER_CONFIG_KEY,
@@ -22,6 +24,7 @@ from dsv4_common.api.rank_config import (
     RouterConfig,
     parse_router_config,
 )
+from dsv4_router.liveness import LivenessRule, liveness_rule
 
 QUICK_HOST: Final = "127.0.0.1"
 DEPLOYED_HOST: Final = "0.0.0.0"
@@ -55,31 +58,55 @@ class RouterSettings:
     status_port: int | None  # probes and metrics also here (deployed form); None: API port only
     roles: Mapping[WorkerRole, RoleTargets]
     poll_interval_s: float = 0.5
-    stale_after_s: float = 3.0  # a status older than this makes the instance ineligible
+    # Stale (ineligible) once `stale_after_misses` status probes in a row gave no status AND
+    # none came for max(stale_after_s, stale_after_polls x poll_interval_s) (`liveness`).
+    stale_after_misses: int = 3
+    stale_after_s: float = 3.0
+    stale_after_polls: float = 8.0
     status_timeout_s: float = 1.0  # per /status or /ready probe
     connect_timeout_s: float = 3.0  # to a decode's API
     # Decode sends its headers with the first token, so this covers the whole prefill.
     first_byte_timeout_s: float = 600.0
     max_attempts: int = 3  # pairs tried per request
-    shutdown_timeout_s: float = 20.0  # open streams get this long after SIGTERM
+    shutdown_timeout_s: float = DRAIN_S  # open streams get this long after SIGTERM
+    http: HttpLimits = field(default_factory=HttpLimits)  # timeouts, body size, connections
     # What set the ports, for errors ("--port", "<dir>/router.json: router_config.port").
     port_name: str = "--port"
     status_port_name: str = "router_config.status_port"
+
+    @property
+    def liveness(self) -> LivenessRule:
+        return liveness_rule(
+            poll_interval_s=self.poll_interval_s,
+            min_grace_s=self.stale_after_s,
+            misses=self.stale_after_misses,
+            grace_polls=self.stale_after_polls,
+        )
 
 
 def settings_from_args(args: argparse.Namespace) -> RouterSettings:
     config_dir: str | None = getattr(args, "config_dir", None)
     flags: Sequence[str] = getattr(args, "instance", None) or []
     host: str | None = getattr(args, "host", None)
+    http = _http_limits(args)
     if config_dir is not None:
         if flags:
             raise ConfigError("--instance: not with --config-dir (router.json lists the roles)")
-        return _deployed(Path(config_dir), host or DEPLOYED_HOST)
+        return replace(_deployed(Path(config_dir), host or DEPLOYED_HOST), http=http)
     port = getattr(args, "port", 8000)
     if not isinstance(port, int) or not 0 <= port <= MAX_PORT:
         raise ConfigError(f"--port: must be in 0..{MAX_PORT}, got {port!r}")
     return RouterSettings(
-        host=host or QUICK_HOST, port=port, status_port=None, roles=_quick_roles(flags)
+        host=host or QUICK_HOST, port=port, status_port=None, roles=_quick_roles(flags), http=http
+    )
+
+
+def _http_limits(args: argparse.Namespace) -> HttpLimits:
+    """The `dsv4 serve` HTTP flags (argparse checked their ranges)."""
+    return http_limits(
+        body_timeout_s=getattr(args, "http_body_timeout_s", None),
+        idle_timeout_s=getattr(args, "http_idle_timeout_s", None),
+        max_connections=getattr(args, "max_connections", None),
     )
 
 

@@ -2,12 +2,15 @@
 every address of the role's DNS name) and probes every instance's `/status` and `/ready`,
 all concurrently, then sleeps out the rest of `poll_interval_s`.
 
-I/O only: what a probe means for a record is `select.apply_probe`.
+I/O only: what a probe means for a record is `choice.apply_probe`, and when missed probes
+make an instance stale is `liveness`'s rule. A refused connection is told apart from the other
+failures (nothing listens there: the process is gone).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import socket
@@ -30,6 +33,7 @@ from dsv4_router.choice import (
     host_port,
 )
 from dsv4_router.config import RoleTargets
+from dsv4_router.liveness import LivenessRule
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +70,7 @@ class Discovery:
         *,
         poll_interval_s: float,
         status_timeout_s: float,
-        stale_after_s: float,
+        liveness: LivenessRule,
         clock: Callable[[], float] = time.monotonic,
         resolve: Resolver = resolve_host,
     ) -> None:
@@ -75,7 +79,7 @@ class Discovery:
         self._session = session
         self._poll_interval_s = poll_interval_s
         self._status_timeout_s = status_timeout_s
-        self._stale_after_s = stale_after_s
+        self._liveness = liveness
         self._clock = clock
         self._resolve = resolve
         self._health: dict[tuple[WorkerRole, Instance], Health] = {}
@@ -109,26 +113,27 @@ class Discovery:
     async def _poll(self, record: InstanceRecord) -> None:
         sent_total = record.sent_total
         base = f"http://{host_port(record.instance.host, record.instance.status_port)}"
-        (status, error), ready = await asyncio.gather(
+        (status, error, refused), ready = await asyncio.gather(
             self._fetch_status(f"{base}/status"), self._fetch_ready(f"{base}/ready")
         )
-        apply_probe(record, Probe(status, ready, error, sent_total), self._clock())
+        apply_probe(record, Probe(status, ready, error, sent_total, refused), self._clock())
 
-    async def _fetch_status(self, url: str) -> tuple[WorkerStatus | None, str | None]:
-        """(status, None), or (None, why), or (None, None) on a timeout."""
+    async def _fetch_status(self, url: str) -> tuple[WorkerStatus | None, str | None, bool]:
+        """(status, None, False), or (None, why, refused), or (None, None, False) on a
+        timeout."""
         try:
             async with asyncio.timeout(self._status_timeout_s), self._session.get(url) as resp:
                 if resp.status != 200:
-                    return None, f"/status answered {resp.status}"
+                    return None, f"/status answered {resp.status}", False
                 body = await resp.read()
         except TimeoutError:
-            return None, None
+            return None, None, False
         except (aiohttp.ClientError, OSError) as exc:
-            return None, f"/status: {exc or type(exc).__name__}"
+            return None, f"/status: {exc or type(exc).__name__}", _refused(exc)
         try:
-            return parse_worker_status(json.loads(body)), None
+            return parse_worker_status(json.loads(body)), None, False
         except ValueError as exc:  # JSONDecodeError and DocumentError are ValueErrors
-            return None, f"/status: {exc}"
+            return None, f"/status: {exc}", False
 
     async def _fetch_ready(self, url: str) -> bool | None:
         """Whether /ready answered 200; None on a timeout."""
@@ -145,7 +150,7 @@ class Discovery:
         seen: dict[tuple[WorkerRole, Instance], Health] = {}
         for record in records:
             key = (record.role, record.instance)
-            health, why = assess(record, now_s, self._stale_after_s)
+            health, why = assess(record, now_s, self._liveness)
             seen[key] = health
             before = self._health.get(key)
             if before != health:
@@ -153,3 +158,9 @@ class Discovery:
                 suffix = f" ({why})" if why else ""
                 log.info("%s %s: %s -> %s%s", record.role, where, before or "new", health, suffix)
         self._health = seen
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether connecting found nothing listening (aiohttp wraps the OSError)."""
+    cause = exc.os_error if isinstance(exc, aiohttp.ClientConnectorError) else exc
+    return isinstance(cause, OSError) and cause.errno == errno.ECONNREFUSED

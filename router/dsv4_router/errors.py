@@ -1,4 +1,5 @@
-"""OpenAI-style error bodies the router answers with itself, and reading one from upstream."""
+"""OpenAI-style error bodies the router answers with itself (the shape is the shared
+`http_rules.error_document`), and reading one from upstream."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from typing import Any, Final, Literal
 
 from aiohttp import web
 
+from dsv4_common.api.http_rules import error_document
+
 ErrorType = Literal["invalid_request_error", "server_error"]
 RETRY_AFTER_S: Final = 1
 # How much of an upstream error body is kept for the router's own message.
@@ -14,7 +17,7 @@ MAX_UPSTREAM_MESSAGE_CHARS: Final = 500
 
 
 def error_body(message: str, error_type: ErrorType, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type, "param": param}}
+    return error_document(message, error_type, param)
 
 
 def error_response(

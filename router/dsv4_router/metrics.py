@@ -15,6 +15,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from dsv4_common.api.names import WORKER_ROLES
 from dsv4_router.choice import METRIC_STATES, InstanceRecord, assess, metric_state
+from dsv4_router.liveness import LivenessRule
 
 Outcome = Literal["ok", "client_error", "upstream_error", "unavailable", "aborted"]
 OUTCOMES: Final[tuple[Outcome, ...]] = (
@@ -32,9 +33,9 @@ Snapshot = Callable[[], tuple[list[InstanceRecord], float]]
 
 
 class _InstancesCollector:
-    def __init__(self, snapshot: Snapshot, stale_after_s: float) -> None:
+    def __init__(self, snapshot: Snapshot, liveness: LivenessRule) -> None:
         self._snapshot = snapshot
-        self._stale_after_s = stale_after_s
+        self._liveness = liveness
 
     def collect(self) -> Iterator[Any]:
         family = GaugeMetricFamily(
@@ -45,7 +46,7 @@ class _InstancesCollector:
         records, now_s = self._snapshot()
         counts = {(role, state): 0 for role in WORKER_ROLES for state in METRIC_STATES}
         for record in records:
-            health, _ = assess(record, now_s, self._stale_after_s)
+            health, _ = assess(record, now_s, self._liveness)
             counts[(record.role, metric_state(health))] += 1
         for (role, state), count in counts.items():
             family.add_metric([role, state], count)
@@ -53,7 +54,7 @@ class _InstancesCollector:
 
 
 class RouterMetrics:
-    def __init__(self, snapshot: Snapshot, stale_after_s: float) -> None:
+    def __init__(self, snapshot: Snapshot, liveness: LivenessRule) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "dsv4_router_requests",
@@ -61,8 +62,7 @@ class RouterMetrics:
             ["outcome"],
             registry=self.registry,
         )
-        for outcome in OUTCOMES:
-            self.requests.labels(outcome)
+        self._by_outcome = {outcome: self.requests.labels(outcome) for outcome in OUTCOMES}
         self.retries = Counter(
             "dsv4_router_retries",
             "Attempts on another pair after a pair failed before the first byte",
@@ -74,10 +74,10 @@ class RouterMetrics:
             buckets=FIRST_BYTE_BUCKETS_S,
             registry=self.registry,
         )
-        self.registry.register(_InstancesCollector(snapshot, stale_after_s))
+        self.registry.register(_InstancesCollector(snapshot, liveness))
 
     def count(self, outcome: Outcome) -> None:
-        self.requests.labels(outcome).inc()
+        self._by_outcome[outcome].inc()
 
     def render(self) -> bytes:
         text: bytes = generate_latest(self.registry)

@@ -1,16 +1,18 @@
 """Forwards one client request to a (prefill, decode) pair and relays the answer, retrying on
 another pair while the client has not received a byte. The rules are in `app`'s docstring.
 
-I/O (upstream HTTP). Which pair is `select.choose_pair`; what a failure excludes and what the
-client gets when every attempt failed are the pure `failure_exclusions` and `give_up_status`.
+I/O (upstream HTTP): completions go over `upstream`'s pooled keep-alive connections, the
+client's body and end-to-end headers as they came (`request_head`), the answer's body relayed
+as it came; /v1/models goes through aiohttp's client. Which pair is `choice.choose_pair`; what
+a failure excludes and what the client gets when every attempt failed are the pure
+`failure_exclusions` and `give_up_status`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Final
 
@@ -30,6 +32,7 @@ from dsv4_router.choice import (
 from dsv4_router.config import RouterSettings
 from dsv4_router.errors import error_body, error_response, upstream_message
 from dsv4_router.metrics import Outcome, RouterMetrics
+from dsv4_router.upstream import Answer, Upstream
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +52,18 @@ _HOP_HEADERS: Final = frozenset(
         "content-length",
     }
 )
-_NOT_FORWARDED: Final = _HOP_HEADERS | {"host", "accept-encoding", PREFILL_HEADER.lower()}
-# The upstream body arrives decompressed; the date and server are the router's own.
-_NOT_RETURNED: Final = _HOP_HEADERS | {"content-encoding", "date", "server"}
+# `expect`: the body is always sent at once (an interim 100 from the worker is skipped).
+_NOT_FORWARDED: Final = _HOP_HEADERS | {
+    "host",
+    "accept-encoding",
+    "expect",
+    PREFILL_HEADER.lower(),
+}
+_NOT_FORWARDED_RAW: Final = frozenset(name.encode() for name in _NOT_FORWARDED)
+# The date and server are the router's own. Through aiohttp (/v1/models) the body arrives
+# decompressed, so its content-encoding goes too; a completion's body is relayed as it came.
+_NOT_RELAYED: Final = _HOP_HEADERS | {"date", "server"}
+_NOT_RETURNED: Final = _NOT_RELAYED | {"content-encoding"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,14 +94,36 @@ def give_up_status(failures: list[Failure]) -> int:
     return 503
 
 
-def forward_headers(headers: CIMultiDictProxy[str], prefill: Instance) -> CIMultiDict[str]:
-    out = CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in _NOT_FORWARDED)
-    out[PREFILL_HEADER] = host_port(prefill.host, prefill.kv_port)
-    return out
-
-
 def returned_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in _NOT_RETURNED)
+
+
+def request_head(
+    method: str,
+    target: str,
+    host: str,
+    headers: Iterable[tuple[bytes, bytes]],
+    prefill: Instance,
+    body_bytes: int,
+) -> bytes:
+    """The HTTP/1.1 request line and headers for the decode: the client's end-to-end headers
+    as they came (`headers`: raw pairs), its Host, the prefill's KV address, the body length.
+    The connection stays open (HTTP/1.1's default)."""
+    lines = [f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n".encode("latin-1")]
+    lines += [
+        name + b": " + value + b"\r\n"
+        for name, value in headers
+        if name.lower() not in _NOT_FORWARDED_RAW
+    ]
+    prefill_at = host_port(prefill.host, prefill.kv_port)
+    lines.append(
+        f"{PREFILL_HEADER}: {prefill_at}\r\nContent-Length: {body_bytes}\r\n\r\n".encode("latin-1")
+    )
+    return b"".join(lines)
+
+
+def relayed_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    return [(k, v) for k, v in headers if k.lower() not in _NOT_RELAYED]
 
 
 class Proxy:
@@ -99,74 +133,95 @@ class Proxy:
         settings: RouterSettings,
         metrics: RouterMetrics,
         session: aiohttp.ClientSession,
+        upstream: Upstream,
         clock: Callable[[], float],
     ) -> None:
+        """`upstream` carries completions; `session`, the rest (/v1/models)."""
         self._table = table
         self._settings = settings
         self._metrics = metrics
         self._session = session
+        self._upstream = upstream
         self._clock = clock
 
     async def completion(self, request: web.Request, body: bytes) -> web.StreamResponse:
         """Route one completion; counts its outcome once (`aborted` if cancelled, which is what
         a client disconnect does to the handler)."""
+        settings = self._settings
         outcome: Outcome = "aborted"
+        excluded: set[Instance] = set()
+        failures: list[Failure] = []
         try:
-            response, outcome = await self._route(request, body)
+            for attempt in range(settings.max_attempts):
+                records, now_s = self._table.records(), self._clock()
+                pair = choose_pair(records, now_s, settings.liveness, frozenset(excluded))
+                if pair is None:
+                    reason = unavailable_reason(
+                        records, now_s, settings.liveness, frozenset(excluded)
+                    )
+                    break
+                if attempt > 0:
+                    self._metrics.retries.inc()
+                result = await self._attempt(request, body, pair)
+                if not isinstance(result, Failure):
+                    response, outcome = result
+                    return response
+                log.warning(
+                    "attempt %d of %s failed: %s", attempt + 1, request.path, result.message
+                )
+                failures.append(result)
+                excluded.update(result.excluded)
+            else:
+                reason = f"{settings.max_attempts} attempts failed"
+            response, outcome = _give_up(failures, reason)
             return response
         finally:
             self._metrics.count(outcome)
-
-    async def _route(self, request: web.Request, body: bytes) -> tuple[web.StreamResponse, Outcome]:
-        settings = self._settings
-        excluded: set[Instance] = set()
-        failures: list[Failure] = []
-        for attempt in range(settings.max_attempts):
-            records, now_s = self._table.records(), self._clock()
-            pair = choose_pair(records, now_s, settings.stale_after_s, frozenset(excluded))
-            if pair is None:
-                reason = unavailable_reason(
-                    records, now_s, settings.stale_after_s, frozenset(excluded)
-                )
-                break
-            if attempt > 0:
-                self._metrics.retries.inc()
-            result = await self._attempt(request, body, pair)
-            if not isinstance(result, Failure):
-                return result
-            log.warning("attempt %d of %s failed: %s", attempt + 1, request.path, result.message)
-            failures.append(result)
-            excluded.update(result.excluded)
-        else:
-            reason = f"{settings.max_attempts} attempts failed"
-        return _give_up(failures, reason)
 
     async def _attempt(
         self, request: web.Request, body: bytes, pair: Pair
     ) -> tuple[web.StreamResponse, Outcome] | Failure:
         decode = pair.decode.instance
-        where = f"decode {host_port(decode.host, decode.http_port)}"
-        url = f"http://{host_port(decode.host, decode.http_port)}{request.path_qs}"
-        headers = forward_headers(request.headers, pair.prefill.instance)
+        address = host_port(decode.host, decode.http_port)
+        head = request_head(
+            request.method,
+            request.raw_path,
+            address,
+            request.raw_headers,
+            pair.prefill.instance,
+            len(body),
+        )
         timeout_s = self._settings.first_byte_timeout_s
         pair.prefill.sent()
         pair.decode.sent()
         started_s = self._clock()
         try:
             try:
-                async with asyncio.timeout(timeout_s):
-                    upstream = await self._session.post(url, data=body, headers=headers)
+                upstream = await self._upstream.send(
+                    decode.host, decode.http_port, head, body, timeout_s=timeout_s
+                )
             except TimeoutError:
-                return Failure(None, f"{where}: no response within {timeout_s:g} s", (decode,))
-            except (aiohttp.ClientError, OSError) as exc:
-                return Failure(None, f"{where}: {exc or type(exc).__name__}", (decode,))
+                message = f"decode {address}: no response within {timeout_s:g} s"
+                return Failure(None, message, (decode,))
+            except OSError as exc:
+                return Failure(None, f"decode {address}: {exc or type(exc).__name__}", (decode,))
             self._metrics.first_byte_s.observe(self._clock() - started_s)
             try:
-                return await self._relay(request, upstream, pair, where)
+                status = upstream.status
+                if status < 500 and upstream.content_type != EVENT_STREAM:
+                    payload = upstream.take_body()  # the usual small answer: already whole
+                    if payload is None:
+                        payload = await upstream.read()
+                    headers = relayed_headers(upstream.headers)
+                    response = web.Response(status=status, body=payload, headers=headers)
+                    return response, "ok" if status < 400 else "client_error"
+                return await self._relay(request, upstream, pair, f"decode {address}")
+            except OSError as exc:
+                return Failure(None, f"decode {address}: {exc or type(exc).__name__}", (decode,))
             finally:
                 # Reuse the connection only if its body was read to the end; otherwise close it
                 # at once, which the decode worker takes as an abort (it frees the pages).
-                if upstream.content.at_eof():
+                if upstream.complete:
                     upstream.release()
                 else:
                     upstream.close()
@@ -175,35 +230,27 @@ class Proxy:
             pair.decode.done()
 
     async def _relay(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, pair: Pair, where: str
+        self, request: web.Request, upstream: Answer, pair: Pair, where: str
     ) -> tuple[web.StreamResponse, Outcome] | Failure:
-        try:
-            if upstream.status >= 500:
-                message = f"{where}: {upstream.status}: {upstream_message(await upstream.read())}"
-                return Failure(upstream.status, message, failure_exclusions(pair, upstream.status))
-            if upstream.content_type == EVENT_STREAM:
-                return await self._stream(request, upstream, where)
-            payload = await upstream.read()
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            return Failure(None, f"{where}: {exc or type(exc).__name__}", (pair.decode.instance,))
-        response = web.Response(
-            status=upstream.status, body=payload, headers=returned_headers(upstream.headers)
-        )
-        return response, "ok" if upstream.status < 400 else "client_error"
+        """A 5xx (a failed attempt) or an event stream; OSError if the upstream breaks."""
+        if upstream.status >= 500:
+            message = f"{where}: {upstream.status}: {upstream_message(await upstream.read())}"
+            return Failure(upstream.status, message, failure_exclusions(pair, upstream.status))
+        return await self._stream(request, upstream, where)
 
     async def _stream(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, where: str
+        self, request: web.Request, upstream: Answer, where: str
     ) -> tuple[web.StreamResponse, Outcome]:
         """Relay each chunk as it arrives. Past this point the client has bytes: a broken
         upstream ends the stream with an error event, never a retry."""
         response = web.StreamResponse(
-            status=upstream.status, headers=returned_headers(upstream.headers)
+            status=upstream.status, headers=relayed_headers(upstream.headers)
         )
         await response.prepare(request)
         while True:
             try:
-                chunk = await upstream.content.readany()
-            except (aiohttp.ClientError, OSError) as exc:
+                chunk = await upstream.read_chunk()
+            except OSError as exc:
                 log.warning("%s: stream broke: %s", where, exc or type(exc).__name__)
                 message = f"{where}: the stream broke: {exc or type(exc).__name__}"
                 event = json.dumps(error_body(message, "server_error"))
@@ -212,12 +259,14 @@ class Proxy:
             if not chunk:
                 break
             if not await _write_quietly(response, chunk):
+                log.info("%s %s: aborted (the client went away)", request.method, request.path)
                 return response, "aborted"
         await response.write_eof()
         return response, "ok" if upstream.status < 400 else "client_error"
 
     async def models(self, request: web.Request) -> web.StreamResponse:
-        """GET /v1/models from the best eligible decode (another one if it does not answer)."""
+        """GET /v1/models (or /v1/models/ID) from the best eligible decode (another one if it
+        does not answer)."""
         excluded: set[Instance] = set()
         timeout = aiohttp.ClientTimeout(total=self._settings.connect_timeout_s * 2)
         for _ in range(self._settings.max_attempts):
@@ -225,14 +274,15 @@ class Proxy:
                 self._table.records(),
                 "decode",
                 self._clock(),
-                self._settings.stale_after_s,
+                self._settings.liveness,
                 frozenset(excluded),
             )
             if record is None:
                 break
             where = host_port(record.instance.host, record.instance.http_port)
             try:
-                async with self._session.get(f"http://{where}/v1/models", timeout=timeout) as up:
+                url = f"http://{where}{request.rel_url.raw_path}"
+                async with self._session.get(url, timeout=timeout) as up:
                     payload = await up.read()
                     if up.status < 500:
                         headers = returned_headers(up.headers)

@@ -3,6 +3,7 @@ until SIGTERM or SIGINT (exit 0). A bad argument or config, or a port it cannot 
 prints `dsv4 serve: error: ...` naming it and exits 2.
 
 `start_router` is the whole router as an async context manager (tests run it in-process).
+`run` picks the event loop and settles the garbage collector once listening (`runtime`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,12 @@ from dsv4_router.app import RouterState, build_api_app, build_probe_app
 from dsv4_router.choice import InstanceTable, host_port
 from dsv4_router.config import ConfigError, RouterSettings, settings_from_args
 from dsv4_router.discovery import Discovery, Resolver, resolve_host
+from dsv4_router.http_guard import make_runner
+from dsv4_router.http_listen import ListenError, bind, raise_fd_limit, serve_on
 from dsv4_router.metrics import RouterMetrics
 from dsv4_router.proxy import Proxy
+from dsv4_router.runtime import loop_factory, settle_gc
+from dsv4_router.upstream import Upstream
 
 # Status probes in flight at once (one /status and one /ready per instance per round).
 MAX_PROBE_CONNECTIONS: Final = 256
@@ -50,7 +55,7 @@ async def start_router(
     table = InstanceTable()
     for role, targets in settings.roles.items():
         table.sync(role, targets.instances)
-    metrics = RouterMetrics(lambda: (table.records(), clock()), settings.stale_after_s)
+    metrics = RouterMetrics(lambda: (table.records(), clock()), settings.liveness)
     probe_session = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=MAX_PROBE_CONNECTIONS)
     )
@@ -59,7 +64,8 @@ async def start_router(
         connector=aiohttp.TCPConnector(limit=0),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s),
     )
-    proxy = Proxy(table, settings, metrics, api_session, clock)
+    upstream = Upstream(connect_timeout_s=settings.connect_timeout_s)
+    proxy = Proxy(table, settings, metrics, api_session, upstream, clock)
     state = RouterState(settings, table, metrics, proxy, clock)
     discovery = Discovery(
         table,
@@ -67,7 +73,7 @@ async def start_router(
         probe_session,
         poll_interval_s=settings.poll_interval_s,
         status_timeout_s=settings.status_timeout_s,
-        stale_after_s=settings.stale_after_s,
+        liveness=settings.liveness,
         clock=clock,
         resolve=resolve,
     )
@@ -93,6 +99,7 @@ async def start_router(
         polling.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await polling
+        upstream.close()
         await api_session.close()
         await probe_session.close()
 
@@ -109,23 +116,17 @@ async def _listen(
     port_name: str,
     runners: list[web.AppRunner],
 ) -> int:
-    """Serve `app` on (settings.host, port); returns the bound port. Handlers are cancelled
-    when their client disconnects (that is what closes the upstream stream)."""
-    runner = web.AppRunner(
-        app,
-        handler_cancellation=True,
-        access_log=None,
-        shutdown_timeout=settings.shutdown_timeout_s,
-    )
+    """Serve `app` on (settings.host, port) under the HTTP rules (`http_guard`); returns the
+    bound port. Handlers are cancelled when their client disconnects (that is what closes
+    the upstream request, streaming or not)."""
+    try:
+        sockets = bind(settings.host, port, port_name)
+    except ListenError as exc:
+        raise ConfigError(str(exc)) from exc
+    runner = make_runner(app, shutdown_timeout_s=settings.shutdown_timeout_s)
     await runner.setup()
     runners.append(runner)
-    try:
-        await web.TCPSite(runner, settings.host, port).start()
-    except OSError as exc:
-        where = host_port(settings.host, port)
-        raise ConfigError(f"{port_name}: cannot listen on {where}: {exc.strerror or exc}") from exc
-    bound: int = runner.addresses[-1][1]
-    return bound
+    return await serve_on(runner, sockets)
 
 
 async def _serve(settings: RouterSettings) -> None:
@@ -136,6 +137,7 @@ async def _serve(settings: RouterSettings) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         async with start_router(settings) as listening:
+            settle_gc()
             url = f"http://{host_port(settings.host, listening.api_port)}"
             print(f"dsv4 serve: router listening on {url}", flush=True)
             if listening.status_port is not None:
@@ -154,8 +156,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"dsv4 serve: error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    raise_fd_limit()  # before the apps size their connection bound from it
+    name, factory = loop_factory()
+    logging.getLogger(__name__).info("event loop: %s", name)
     try:
-        asyncio.run(_serve(settings))
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(_serve(settings))
     except ConfigError as exc:
         print(f"dsv4 serve: error: {exc}", file=sys.stderr)
         return 2

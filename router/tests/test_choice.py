@@ -24,9 +24,10 @@ from dsv4_router.choice import (
     host_port,
     unavailable_reason,
 )
+from dsv4_router.liveness import Liveness, LivenessRule
 
 NOW_S = 100.0
-STALE_AFTER_S = 3.0
+RULE = LivenessRule(misses=3, grace_s=3.0)
 # No per-example deadline: the tests must not flake on a loaded machine.
 PROPERTY = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -47,11 +48,16 @@ def status(
 
 
 def record(
-    role: WorkerRole, host: str = "10.0.0.1", *, age_s: float = 0.0, **status_kw: object
+    role: WorkerRole,
+    host: str = "10.0.0.1",
+    *,
+    age_s: float = 0.0,
+    misses: int = 0,
+    **status_kw: object,
 ) -> InstanceRecord:
     rec = InstanceRecord(role, Instance(host, 8080, 8081, 8083))
     rec.status = status(role, **status_kw)  # type: ignore[arg-type]
-    rec.status_at_s = NOW_S - age_s
+    rec.liveness = Liveness(ok_at_s=NOW_S - age_s, misses=misses)
     rec.ready = True
     return rec
 
@@ -78,7 +84,11 @@ def records(draw: st.DrawFn) -> InstanceRecord:
             load=load,
             slots=draw(st.integers(0, 32)),
         )
-        rec.status_at_s = NOW_S - draw(st.floats(0, 2 * STALE_AFTER_S))
+        rec.liveness = Liveness(
+            ok_at_s=NOW_S - draw(st.floats(0, 2 * RULE.grace_s)),
+            misses=draw(st.integers(0, 2 * RULE.misses)),
+            refused=draw(st.integers(0, 9)) == 0,
+        )
     rec.status_sent_total = draw(st.integers(0, 3))
     rec.sent_total = rec.status_sent_total + draw(st.integers(0, 4))
     return rec
@@ -95,7 +105,7 @@ def tables_and_exclusions(draw: st.DrawFn) -> tuple[list[InstanceRecord], frozen
 
 
 def is_eligible(rec: InstanceRecord) -> bool:
-    return assess(rec, NOW_S, STALE_AFTER_S)[0] == "eligible"
+    return assess(rec, NOW_S, RULE)[0] == "eligible"
 
 
 @PROPERTY
@@ -104,19 +114,19 @@ def test_the_pair_is_eligible_and_not_excluded(
     case: tuple[list[InstanceRecord], frozenset[Instance]],
 ) -> None:
     table, excluded = case
-    pair = choose_pair(table, NOW_S, STALE_AFTER_S, excluded)
+    pair = choose_pair(table, NOW_S, RULE, excluded)
     usable = {
         role: [r for r in table if r.role == role and is_eligible(r) and r.instance not in excluded]
         for role in WORKER_ROLES
     }
     if pair is None:
         assert not usable["prefill"] or not usable["decode"]
-        assert unavailable_reason(table, NOW_S, STALE_AFTER_S, excluded) != ""
+        assert unavailable_reason(table, NOW_S, RULE, excluded) != ""
         return
     assert (pair.prefill.role, pair.decode.role) == ("prefill", "decode")
     assert is_eligible(pair.prefill) and is_eligible(pair.decode)
     assert pair.prefill.instance not in excluded and pair.decode.instance not in excluded
-    assert unavailable_reason(table, NOW_S, STALE_AFTER_S, excluded) == ""
+    assert unavailable_reason(table, NOW_S, RULE, excluded) == ""
 
 
 @PROPERTY
@@ -125,7 +135,7 @@ def test_the_pair_is_the_least_loaded(
     case: tuple[list[InstanceRecord], frozenset[Instance]],
 ) -> None:
     table, excluded = case
-    pair = choose_pair(table, NOW_S, STALE_AFTER_S, excluded)
+    pair = choose_pair(table, NOW_S, RULE, excluded)
     if pair is None:
         return
 
@@ -139,13 +149,30 @@ def test_the_pair_is_the_least_loaded(
         return r.status.load.free_full_tokens - r.pending * share
 
     assert pair.prefill.status is not None
-    for other in eligible(table, "prefill", NOW_S, STALE_AFTER_S, excluded):
+    for other in eligible(table, "prefill", NOW_S, RULE, excluded):
         assert other.status is not None
         assert queued(pair.prefill) <= queued(other)
         if queued(other) == queued(pair.prefill):
             assert pair.prefill.status.load.free_full_tokens >= other.status.load.free_full_tokens
-    for other in eligible(table, "decode", NOW_S, STALE_AFTER_S, excluded):
+    for other in eligible(table, "decode", NOW_S, RULE, excluded):
         assert decode_free(pair.decode) >= decode_free(other)
+
+
+@PROPERTY
+@given(tables_and_exclusions())
+def test_the_pair_is_what_choose_picks_for_each_role(
+    case: tuple[list[InstanceRecord], frozenset[Instance]],
+) -> None:
+    """choose_pair (one pass, on every request) picks exactly what `choose` does per role."""
+    table, excluded = case
+    pair = choose_pair(table, NOW_S, RULE, excluded)
+    prefill = choose(table, "prefill", NOW_S, RULE, excluded)
+    decode = choose(table, "decode", NOW_S, RULE, excluded)
+    if prefill is None or decode is None:
+        assert pair is None
+    else:
+        assert pair is not None
+        assert pair.prefill is prefill and pair.decode is decode
 
 
 @PROPERTY
@@ -156,8 +183,8 @@ def test_the_choice_does_not_depend_on_order(
     table, excluded = case
     shuffled = list(table)
     rng.shuffle(shuffled)
-    first = choose_pair(table, NOW_S, STALE_AFTER_S, excluded)
-    second = choose_pair(shuffled, NOW_S, STALE_AFTER_S, excluded)
+    first = choose_pair(table, NOW_S, RULE, excluded)
+    second = choose_pair(shuffled, NOW_S, RULE, excluded)
     if first is None or second is None:
         assert first is second
     else:
@@ -169,36 +196,41 @@ def test_the_choice_does_not_depend_on_order(
 
 class TestEligibility:
     def test_fresh_ready_accepting_is_eligible(self) -> None:
-        assert assess(record("decode"), NOW_S, STALE_AFTER_S) == ("eligible", "")
+        assert assess(record("decode"), NOW_S, RULE) == ("eligible", "")
 
-    def test_an_old_status_is_stale(self) -> None:
-        health, why = assess(record("decode", age_s=STALE_AFTER_S), NOW_S, STALE_AFTER_S)
-        assert health == "stale" and "old" in why
+    def test_an_old_status_alone_is_not_stale(self) -> None:
+        """The issue's spurious 503: a status 3.3 s old while every probe since was fine."""
+        assert assess(record("decode", age_s=RULE.grace_s + 0.3), NOW_S, RULE)[0] == "eligible"
+
+    def test_an_old_status_after_missed_probes_is_stale(self) -> None:
+        rec = record("decode", age_s=RULE.grace_s, misses=RULE.misses)
+        health, why = assess(rec, NOW_S, RULE)
+        assert health == "stale" and "3 probes in a row failed" in why
 
     def test_no_status_is_stale_with_the_error(self) -> None:
         rec = InstanceRecord("prefill", Instance("h", 1, 2, 3), error="/status answered 500")
-        assert assess(rec, NOW_S, STALE_AFTER_S) == ("stale", "/status answered 500")
+        assert assess(rec, NOW_S, RULE) == ("stale", "no status yet (/status answered 500)")
 
     def test_not_ready_is_unready(self) -> None:
         rec = record("prefill")
         rec.ready = False
-        assert assess(rec, NOW_S, STALE_AFTER_S)[0] == "unready"
+        assert assess(rec, NOW_S, RULE)[0] == "unready"
 
     def test_kv_ready_matters_for_decode_only(self) -> None:
-        assert assess(record("decode", kv_ready=False), NOW_S, STALE_AFTER_S)[0] == "unready"
-        assert assess(record("prefill", kv_ready=False), NOW_S, STALE_AFTER_S)[0] == "eligible"
+        assert assess(record("decode", kv_ready=False), NOW_S, RULE)[0] == "unready"
+        assert assess(record("prefill", kv_ready=False), NOW_S, RULE)[0] == "eligible"
 
     def test_not_accepting_is_busy(self) -> None:
         rec = record("decode", load=Load(4000, 500, 8, 0, 0, accepting=False))
-        assert assess(rec, NOW_S, STALE_AFTER_S)[0] == "busy"
-        assert unavailable_reason([record("prefill"), rec], NOW_S, STALE_AFTER_S) == (
+        assert assess(rec, NOW_S, RULE)[0] == "busy"
+        assert unavailable_reason([record("prefill"), rec], NOW_S, RULE) == (
             "every ready decode instance is busy"
         )
 
     def test_a_wrong_role_is_unready(self) -> None:
         rec = record("prefill")
         rec.status = status("decode")
-        assert assess(rec, NOW_S, STALE_AFTER_S) == ("unready", "reports role 'decode'")
+        assert assess(rec, NOW_S, RULE) == ("unready", "reports role 'decode'")
 
 
 class TestLoadOrder:
@@ -206,33 +238,33 @@ class TestLoadOrder:
         a = record("prefill", "10.0.0.1", load=Load(9000, 0, 8, 0, 1, True))
         b = record("prefill", "10.0.0.2", load=Load(1000, 0, 8, 0, 0, True))
         c = record("prefill", "10.0.0.3", load=Load(2000, 0, 8, 0, 0, True))
-        assert choose([a, b, c], "prefill", NOW_S, STALE_AFTER_S) is c
+        assert choose([a, b, c], "prefill", NOW_S, RULE) is c
         c.sent()  # the router's own request counts until the next status
-        assert choose([a, b, c], "prefill", NOW_S, STALE_AFTER_S) is b
+        assert choose([a, b, c], "prefill", NOW_S, RULE) is b
 
     def test_decode_pending_requests_cost_a_share_each(self) -> None:
         # share = 8192 full tokens / 16 slots = 512 tokens per pending request
         a = record("decode", "10.0.0.1", load=Load(5000, 0, 8, 0, 0, True))
         b = record("decode", "10.0.0.2", load=Load(4800, 0, 8, 0, 0, True))
-        assert choose([a, b], "decode", NOW_S, STALE_AFTER_S) is a
+        assert choose([a, b], "decode", NOW_S, RULE) is a
         a.sent()
-        assert choose([a, b], "decode", NOW_S, STALE_AFTER_S) is b
+        assert choose([a, b], "decode", NOW_S, RULE) is b
 
     def test_decode_ties_by_running_then_address(self) -> None:
         a = record("decode", "10.0.0.2", load=Load(5000, 0, 8, 3, 0, True))
         b = record("decode", "10.0.0.3", load=Load(5000, 0, 8, 1, 0, True))
         c = record("decode", "10.0.0.1", load=Load(5000, 0, 8, 3, 0, True))
-        assert choose([a, b, c], "decode", NOW_S, STALE_AFTER_S) is b
-        assert choose([a, c], "decode", NOW_S, STALE_AFTER_S) is c
+        assert choose([a, b, c], "decode", NOW_S, RULE) is b
+        assert choose([a, c], "decode", NOW_S, RULE) is c
 
     def test_excluded_instances_are_skipped(self) -> None:
         p = record("prefill", "10.0.0.9")
         a = record("decode", "10.0.0.1", load=Load(9000, 0, 8, 0, 0, True))
         b = record("decode", "10.0.0.2")
-        pair = choose_pair([p, a, b], NOW_S, STALE_AFTER_S, frozenset({a.instance}))
+        pair = choose_pair([p, a, b], NOW_S, RULE, frozenset({a.instance}))
         assert pair is not None and pair.decode is b
-        assert choose_pair([p, a, b], NOW_S, STALE_AFTER_S, frozenset({p.instance})) is None
-        assert unavailable_reason([p, a, b], NOW_S, STALE_AFTER_S, frozenset({p.instance})) == (
+        assert choose_pair([p, a, b], NOW_S, RULE, frozenset({p.instance})) is None
+        assert unavailable_reason([p, a, b], NOW_S, RULE, frozenset({p.instance})) == (
             "every ready prefill instance failed this request"
         )
 
@@ -247,15 +279,29 @@ class TestProbes:
         assert rec.pending == 1
         assert rec.status_at_s == NOW_S and rec.ready and rec.error is None
 
-    def test_an_error_clears_the_status_and_a_timeout_keeps_it(self) -> None:
+    def test_misses_keep_the_status_until_the_rule_makes_it_stale(self) -> None:
         rec = InstanceRecord("decode", Instance("h", 1, 2, 3))
         apply_probe(rec, Probe(status("decode"), True, None, 0), NOW_S)
         apply_probe(rec, Probe(None, None, None, 0), NOW_S + 1)  # both probes timed out
         assert (rec.status, rec.status_at_s, rec.ready) == (status("decode"), NOW_S, True)
         assert rec.error == "status probe timed out"
-        apply_probe(rec, Probe(None, False, "/status answered 500", 0), NOW_S + 2)
-        assert rec.status is None and not rec.ready
-        assert assess(rec, NOW_S + 2, STALE_AFTER_S) == ("stale", "/status answered 500")
+        apply_probe(rec, Probe(None, None, "/status answered 503", 0), NOW_S + 2)
+        assert rec.status == status("decode") and rec.liveness.misses == 2
+        assert assess(rec, NOW_S + 5, RULE)[0] == "eligible"  # two misses: not yet
+        apply_probe(rec, Probe(None, False, "/status answered 503", 0), NOW_S + 3)
+        assert not rec.ready and assess(rec, NOW_S + 3, RULE) == (
+            "stale",
+            "3 probes in a row failed, no status for 3.0 s (/status answered 503)",
+        )
+        apply_probe(rec, Probe(status("decode"), True, None, 0), NOW_S + 4)
+        assert assess(rec, NOW_S + 4, RULE) == ("eligible", "")
+
+    def test_a_refused_connection_is_stale_at_once(self) -> None:
+        """Nothing listens: the process is gone (a stopped one still accepts connections)."""
+        rec = record("prefill")
+        apply_probe(rec, Probe(None, False, "/status: refused", 0, refused=True), NOW_S)
+        health, why = assess(rec, NOW_S, RULE)
+        assert health == "stale" and why.startswith("nothing listens")
 
     def test_done_balances_sent(self) -> None:
         rec = InstanceRecord("prefill", Instance("h", 1, 2, 3))
@@ -275,6 +321,37 @@ def test_table_sync_keeps_history_and_drops_the_gone() -> None:
     assert [(r.role, r.instance) for r in table.records()] == [("decode", a), ("prefill", a)]
     assert table.records()[0] is first and first.sent_total == 1
     assert address_key(b) < address_key(a)
+
+
+@PROPERTY
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(WORKER_ROLES),
+            st.sets(
+                st.builds(
+                    Instance,
+                    st.sampled_from(["10.0.0.1", "10.0.0.2"]),
+                    st.integers(1, 3),
+                    st.just(2),
+                    st.just(3),
+                )
+            ),
+        ),
+        max_size=6,
+    )
+)
+def test_records_follow_every_sync(syncs: list[tuple[WorkerRole, set[Instance]]]) -> None:
+    """records() (kept between syncs) is always each role's last sync, sorted by role then
+    address; a caller changing the list it got changes nothing."""
+    table = InstanceTable()
+    last: dict[WorkerRole, set[Instance]] = {}
+    for role, instances in syncs:
+        table.records().clear()
+        table.sync(role, instances)
+        last[role] = instances
+        expected = sorted((r, address_key(i)) for r, group in last.items() for i in group)
+        assert [(r.role, address_key(r.instance)) for r in table.records()] == expected
 
 
 def test_host_port_brackets_ipv6() -> None:

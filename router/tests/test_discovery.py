@@ -4,6 +4,7 @@ name has no address), probes against stub workers, and a router whose prefills c
 from __future__ import annotations
 
 import json
+import socket
 
 import aiohttp
 from router_support import StubWorker, run_async, wait_until
@@ -13,9 +14,11 @@ from dsv4_common.api.rank_config import Instance
 from dsv4_router.choice import InstanceTable, assess
 from dsv4_router.config import RoleTargets, RouterSettings
 from dsv4_router.discovery import Discovery, resolve_host
+from dsv4_router.liveness import LivenessRule
 from dsv4_router.serve import start_router
 
 FIXED = Instance("10.0.0.9", 9001, 9002, 9003)
+RULE = LivenessRule(misses=3, grace_s=30.0)
 
 
 def discovery(
@@ -34,7 +37,7 @@ def discovery(
         session,
         poll_interval_s=0.05,
         status_timeout_s=5.0,
-        stale_after_s=30.0,
+        liveness=RULE,
         resolve=resolve,
     )
 
@@ -76,9 +79,12 @@ async def test_probes_fill_the_records() -> None:
     for worker in (good, garbled):
         await worker.start()
     gone = Instance("127.0.0.1", good.http_port, garbled.http_port, 1)  # no /status there
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        closed = Instance("127.0.0.1", 1, sock.getsockname()[1], 1)
     roles: dict[WorkerRole, RoleTargets] = {
         "decode": RoleTargets(instances=(good.instance,)),
-        "prefill": RoleTargets(instances=(garbled.instance, gone)),
+        "prefill": RoleTargets(instances=(garbled.instance, gone, closed)),
     }
     table = InstanceTable()
     try:
@@ -91,10 +97,13 @@ async def test_probes_fill_the_records() -> None:
     decode = views[good.instance]
     assert decode.ready and decode.status is not None
     assert decode.status.load == good.load
-    assert assess(decode, decode.status_at_s or 0.0, 30.0)[0] == "eligible"
+    assert assess(decode, decode.status_at_s or 0.0, RULE)[0] == "eligible"
     assert views[garbled.instance].status is None
     assert "status.load.free_full_tokens" in (views[garbled.instance].error or "")
     assert views[gone].status is None and views[gone].error is not None
+    # An answer that is not a status is a miss; a refused connection says nothing listens.
+    assert not views[gone].liveness.refused and views[gone].liveness.misses == 1
+    assert views[closed].liveness.refused
 
 
 @run_async

@@ -275,7 +275,7 @@ async def test_bad_bodies_are_400_and_reach_no_worker() -> None:
             assert status == 400, body
             error = json.loads(answer)["error"]
             assert error["type"] == "invalid_request_error"
-            assert set(error) == {"message", "type", "param"}
+            assert set(error) == {"message", "type", "param", "code"}
         assert decode.seen == []
 
 

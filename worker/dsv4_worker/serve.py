@@ -9,6 +9,10 @@ actually loaded (planned vs realized capacity is what `/status` lets the operato
 A prefill worker also binds its KV control socket (`ports.kv`); a decode worker connects to
 prefill instances there (the router names one per request). The router role is
 `dsv4_router` (no torch); the CLI dispatches it before this module is imported.
+
+The HTTP ports are bound before the tokenizer and the weights are read: a busy port or a bad
+`--host` exits 2 at once (`--port 0` takes a free port and prints it). The HTTP rules for
+clients (timeouts, body size, a connection bound) are `dsv4_router.http_guard`'s.
 """
 
 from __future__ import annotations
@@ -22,14 +26,16 @@ import signal
 import socket
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import zmq
 from aiohttp import web
+from safetensors import SafetensorError
 
 from dsv4_common.api.documents import DocumentError
+from dsv4_common.api.http_rules import http_limits
 from dsv4_common.api.manifest import (
     Manifest,
     manifest_hash,
@@ -38,11 +44,13 @@ from dsv4_common.api.manifest import (
     parse_manifest,
 )
 from dsv4_common.api.rank_config import RankConfig, parse_rank_config
-from dsv4_common.api.worker_status import WorkerStatus
+from dsv4_common.api.worker_status import Threads, WorkerStatus
 from dsv4_common.core.model import DSV4Config, ModelConfig, ModelConfigError
 from dsv4_common.core.presets import PRESETS, load_model_config
 from dsv4_common.core.units import GIB
 from dsv4_common.plan.inputs import PlanError, PlanInputs
+from dsv4_router.http_guard import make_runner
+from dsv4_router.http_listen import ListenError, bind, raise_fd_limit, serve_on
 from dsv4_worker.model.checkpoint import is_model_dir, load_checkpoint
 from dsv4_worker.model.ops import COMPUTE
 from dsv4_worker.model.weights import WeightsError, init_weights, load_weights, stage_weights
@@ -57,6 +65,7 @@ from dsv4_worker.server.app import KVState, ServeInfo, build_app, build_status_a
 from dsv4_worker.server.metrics import Metrics
 from dsv4_worker.server.runner import EngineRunner
 from dsv4_worker.server.tokenizer import Tokenizer, load_tokenizer
+from dsv4_worker.threads import configure_threads
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +81,8 @@ class ServeError(Exception):
 @dataclass(frozen=True, slots=True)
 class Built:
     runner: EngineRunner
-    sites: tuple[tuple[web.Application, str, int], ...]  # (app, host, port)
+    # (app, its listening sockets): bound before the weights load, so a busy port fails fast
+    sites: tuple[tuple[web.Application, list[socket.socket]], ...]
     agent: PrefillAgent | DecodeAgent | PrefillFollower | DecodeFollower | None = None
 
 
@@ -107,7 +117,7 @@ def _weights(
             file = file / WEIGHTS_FILE
         try:
             return load_weights(file, model, device, names)
-        except (OSError, WeightsError) as exc:
+        except (OSError, WeightsError, SafetensorError) as exc:
             raise ServeError(f"weights {file}: {exc}") from exc
 
     return load
@@ -125,7 +135,7 @@ def _load_model_dir(
         loaded = load_checkpoint(
             root, model, layers=layers, first=first, last=last, dtype=COMPUTE, device=device
         )
-    except (OSError, WeightsError) as exc:
+    except (OSError, WeightsError, SafetensorError) as exc:
         raise ServeError(f"weights {root}: {exc}") from exc
     if set(loaded.params) != names:
         raise ServeError(f"weights {root}: the checkpoint does not hold this stage's tensors")
@@ -200,6 +210,15 @@ def _transfer_backend(args: argparse.Namespace, config: RankConfig | None) -> st
     return str(backend)
 
 
+def _served_names(names: list[str] | None) -> tuple[str, ...]:
+    """--served-model-name, checked (empty: the model's own name)."""
+    if not names:
+        return ()
+    if any(not n.strip() for n in names):
+        raise ServeError("--served-model-name: a name must not be empty")
+    return tuple(dict.fromkeys(names))
+
+
 def _advertise_host(host: str) -> str:
     """The address peers reach this worker at (the pod IP in Kubernetes)."""
     env = os.environ.get("DSV4_ADVERTISE_HOST") or os.environ.get("POD_IP")
@@ -238,6 +257,8 @@ def build(args: argparse.Namespace) -> Built:
         pp_rank = int(os.environ.get("DSV4_PP_RANK", "0") or 0)
         config = read_rank_config(Path(args.config_dir), args.role, pp_rank)
     pp = _pp_spec(args, config)
+    # Before anything parallel runs (torch sets its inter-op pool once, before first use).
+    threads = configure_threads(args.torch_threads, config.torch_threads if config else None)
     role = args.role
     backend = _transfer_backend(args, config) if role != "colocated" else None
     source = config.model.source if config else args.model
@@ -246,6 +267,14 @@ def build(args: argparse.Namespace) -> Built:
     except ModelConfigError as exc:
         raise ServeError(f"model: {exc}") from exc
     _check_model(model, source)
+    host = args.host or ("0.0.0.0" if config else "127.0.0.1")
+    listeners = _bind_ports(host, args, config)  # before anything slow: a busy port fails now
+    if pp is not None:
+        pp = replace(pp, listen_host=host)  # rank 0 hosts the rendezvous on this host only
+    try:
+        tok = _tokenizer(args.tokenizer, source, model.weights.vocab_size)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise ServeError(f"--tokenizer: {exc}") from exc
     weights_path = config.model.weights_path if config else args.weights
     if weights_path is None and is_model_dir(source):
         weights_path = source  # `--model DIR`: the checkpoint beside its config.json
@@ -265,7 +294,6 @@ def build(args: argparse.Namespace) -> Built:
         raise ServeError(str(exc)) from exc
     pp_rank = pp.rank if pp else 0
     rank, engine = stage.rank, stage.engine
-    host = args.host or ("0.0.0.0" if config else "127.0.0.1")
     runner = EngineRunner(engine)
     agent, kv_state = _pd_agent(args, config, stage, runner, backend, host)
     status = WorkerStatus(
@@ -276,6 +304,7 @@ def build(args: argparse.Namespace) -> Built:
         max_running_requests=rank.max_running_requests,
         max_context_tokens=rank.max_context_tokens,
         kv_backend=backend,  # type: ignore[arg-type]
+        threads=Threads(threads.intra_op, threads.inter_op, threads.source, threads.cpus),
     )
     info = ServeInfo(
         model_name=model.name,
@@ -286,23 +315,36 @@ def build(args: argparse.Namespace) -> Built:
         status=status,
         page_size=rank.page_size,
         kv_state=kv_state,
+        served_model_names=_served_names(getattr(args, "served_model_name", None)),
     )
-    try:
-        tok = _tokenizer(args.tokenizer, source, model.weights.vocab_size)
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise ServeError(f"--tokenizer: {exc}") from exc
     metrics = Metrics(runner.snapshot)
+    limits = http_limits(
+        body_timeout_s=args.http_body_timeout_s,
+        idle_timeout_s=args.http_idle_timeout_s,
+        max_connections=args.max_connections,
+    )
     # A prefill worker takes requests from decode workers only, and a later PP stage from its
     # leader only: their HTTP side is the probes.
     probes_only = role == "prefill" or pp_rank > 0
-    app = build_status_app(runner, info, metrics) if probes_only else None
-    app = app or build_app(runner, tok, info, metrics)
+    app = build_status_app(runner, info, metrics, limits) if probes_only else None
+    app = app or build_app(runner, tok, info, metrics, limits)
     if config is None:
-        return Built(runner, ((app, host, args.port),), agent)
-    status_app = build_status_app(runner, info, metrics)
-    return Built(
-        runner, ((app, host, config.ports.http), (status_app, host, config.ports.status)), agent
-    )
+        return Built(runner, ((app, listeners[0]),), agent)
+    status_app = build_status_app(runner, info, metrics, limits)
+    return Built(runner, ((app, listeners[0]), (status_app, listeners[1])), agent)
+
+
+def _bind_ports(
+    host: str, args: argparse.Namespace, config: RankConfig | None
+) -> list[list[socket.socket]]:
+    """The listening sockets of the API (and, deployed, the status port)."""
+    try:
+        if config is None:
+            return [bind(host, args.port, "--port")]
+        ports = {"ports.http": config.ports.http, "ports.status": config.ports.status}
+        return [bind(host, port, f"rank config {name}") for name, port in ports.items()]
+    except ListenError as exc:
+        raise ServeError(str(exc)) from exc
 
 
 def _pd_agent(
@@ -404,11 +446,12 @@ async def _serve(built: Built) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        for app, host, port in built.sites:
-            app_runner = web.AppRunner(app, access_log=None)
+        for app, sockets in built.sites:
+            app_runner = make_runner(app)
             await app_runner.setup()
-            await web.TCPSite(app_runner, host, port).start()
             runners.append(app_runner)
+            port = await serve_on(app_runner, sockets)
+            host = sockets[0].getsockname()[0]
             print(f"dsv4 serve: listening on http://{host}:{port}", flush=True)
         await stop.wait()
     finally:
@@ -421,6 +464,7 @@ async def _serve(built: Built) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    raise_fd_limit()  # before the apps size their connection bound from it
     try:
         built = build(args)
     except ServeError as exc:

@@ -66,6 +66,21 @@ MAX_NAME_LENGTH: Final = 40
 NAME_PATTERN: Final = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
+# A Kubernetes namespace is a DNS-1123 label.
+NAMESPACE_PATTERN: Final = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+MAX_NAMESPACE_LENGTH: Final = 63
+
+
+def namespace_error(namespace: str) -> str | None:
+    """Why `namespace` cannot be a Kubernetes namespace, or None when it can."""
+    if len(namespace) > MAX_NAMESPACE_LENGTH or not NAMESPACE_PATTERN.match(namespace):
+        return (
+            f"{namespace!r} must be a DNS-1123 label: at most {MAX_NAMESPACE_LENGTH} lower-case "
+            "letters, digits and '-', starting and ending with a letter or digit"
+        )
+    return None
+
+
 def name_error(name: str) -> str | None:
     """Why `name` cannot be a DSV4Deployment name, or None when it can."""
     if not name:

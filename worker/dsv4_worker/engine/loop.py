@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
 from dsv4_common.core.index_space import pages_for_tokens
+from dsv4_worker.engine.logprobs import TokenLogprob, row_layout, token_logprobs
 from dsv4_worker.engine.paged import PagedModel, Segment
 from dsv4_worker.engine.sampler import SamplingParams, greedy_tokens, make_generator, sample
 from dsv4_worker.mem.errors import KVMemoryError
@@ -62,6 +63,9 @@ class Request:
     keep_pages: bool = False  # PD prefill: keep the pages after finishing, until release()
     prefill: str | None = None  # PD decode: the prefill instance that computes the prompt
     retryable: bool = False  # failed before its first token for a reason another pair may not hit
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if asked
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt[1:], if asked
+    plain: bool = True  # greedy on the raw logits, no logprobs: the batch's argmax serves it
 
     @property
     def finished(self) -> bool:
@@ -69,12 +73,23 @@ class Request:
 
 
 Hook = Callable[["Request"], None]
+SampleAt = Sequence[tuple[int, "Request"]]  # (segment index, request), in batch order
+
+
+class Scored(NamedTuple):
+    """What one batch's logits give: a token per sampling request (in `sample_at` order),
+    its logprob entry where the request asks for logprobs, and the prompt logprobs of the
+    chunks that score their prompt: (rid, index into `prompt_logprobs`, entries)."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]
+    prompt: list[tuple[int, int, tuple[TokenLogprob, ...]]]
 
 
 def ends_with(req: Request, token: int) -> FinishReason | None:
-    """Why `token`, sampled next, ends `req` (a stop id, or its last allowed token), if it
-    does."""
-    if token in req.params.stop_token_ids:
+    """Why `token`, sampled next, ends `req` (a stop id once `min_tokens` are out, or its
+    last allowed token), if it does."""
+    if token in req.params.stop_token_ids and len(req.output) >= req.params.min_tokens:
         return "stop"
     if len(req.output) + 1 >= req.params.max_new_tokens:
         return "length"
@@ -131,6 +146,7 @@ class Engine:
         if self.on_prealloc is not None:
             req.phase, req.prefill = Phase.PREALLOC, prefill
         req.generator = make_generator(params, self.mem.device)
+        req.plain = req.generator is None and not params.processed and params.logprobs is None
         self.requests[req.rid] = req
         return req
 
@@ -157,10 +173,16 @@ class Engine:
             req.slot = None
 
     def complete_transfer(
-        self, rid: int, first_token: int, generator_state: torch.Tensor | None = None
+        self,
+        rid: int,
+        first_token: int,
+        generator_state: torch.Tensor | None = None,
+        first_logprob: TokenLogprob | None = None,
+        prompt_logprobs: tuple[TokenLogprob, ...] = (),
     ) -> None:
         """PD decode: the prompt's KV and state have landed; `first_token` was sampled by the
-        prefill side (with the generator state it left behind). The request decodes next."""
+        prefill side (with the generator state it left behind, and the logprobs it computed
+        where the request asks for them). The request decodes next."""
         req = self.requests.get(rid)
         if req is None or req.phase is not Phase.TRANSFER:
             self.release(rid)  # cancelled while in flight: its pages are safe to free now
@@ -168,7 +190,8 @@ class Engine:
         req.phase = Phase.DECODE
         if generator_state is not None and req.generator is not None:
             req.generator.set_state(generator_state)
-        self._accept(req, first_token, self._finished_between)
+        req.prompt_logprobs = list(prompt_logprobs)
+        self._accept(req, first_token, self._finished_between, first_logprob)
 
     def fail_transfer(self, rid: int, why: str) -> None:
         """PD decode: the prefill side failed or timed out; the request ends with an error."""
@@ -246,11 +269,17 @@ class Engine:
         if plan.waiting is not None:
             why = plan.waiting[1]
             self.waits[why] = self.waits.get(why, 0) + 1
-        segments, sample_at = self._grow(plan)
+        segments, sample_at, score_at = self._grow(plan)
         if segments or self.always_run_batch:
-            tokens = self.run_batch(segments, sample_at)
-            for (_, req), token in zip(sample_at, tokens, strict=True):
-                self._accept(req, token, finished)
+            scored = self.run_batch(segments, sample_at, score_at)
+            for rid, start, entries in scored.prompt:
+                req = self.requests[rid]
+                assert len(req.prompt_logprobs) >= start, "prompt chunks are scored in order"
+                req.prompt_logprobs[start:] = entries
+            for (_, req), token, logprob in zip(
+                sample_at, scored.tokens, scored.logprobs, strict=True
+            ):
+                self._accept(req, token, finished, logprob)
         # After the batch: in a PP group that is after the step's barrier, so every stage has
         # preallocated these requests before the prefill side may write into them.
         for rid in plan.preallocs:
@@ -287,16 +316,48 @@ class Engine:
 
     always_run_batch = False  # a PP stage takes part in every step's exchange, even empty ones
 
-    def run_batch(self, segments: list[Segment], sample_at: list[tuple[int, Request]]) -> list[int]:
-        """The forward over the batch and one sampled token per `sample_at` entry."""
-        return self.sample(self.paged.forward(segments), sample_at)
+    def run_batch(
+        self,
+        segments: list[Segment],
+        sample_at: SampleAt,
+        score_at: SampleAt = (),
+    ) -> Scored:
+        """The forward over the batch, one sampled token per `sample_at` entry, and the
+        prompt logprobs of the `score_at` chunks."""
+        if score_at:
+            logits = self.paged.forward(segments, scored_segments(len(segments), score_at))
+        else:
+            logits = self.paged.forward(segments)
+        return self.sample(logits, segments, sample_at, score_at)
 
-    def sample(self, logits: torch.Tensor, sample_at: list[tuple[int, Request]]) -> list[int]:
-        greedy = greedy_tokens(logits)  # one sync for every greedy request
-        return [
-            greedy[i] if req.generator is None else sample(logits[i], req.params, req.generator)
-            for i, req in sample_at
-        ]
+    def sample(
+        self,
+        logits: torch.Tensor,
+        segments: list[Segment],
+        sample_at: SampleAt,
+        score_at: SampleAt = (),
+    ) -> Scored:
+        """Tokens (and logprobs) from a forward's logits: one row per segment, or one per
+        token of the `score_at` segments (`logprobs.row_layout`)."""
+        prompt: list[tuple[int, int, tuple[TokenLogprob, ...]]] = []
+        if score_at:
+            every = scored_segments(len(segments), score_at)
+            rows = row_layout([len(s.token_ids) for s in segments], every)
+            for i, req in score_at:
+                prompt.append(_prompt_logprobs(logits, rows[i], segments[i], req))
+            logits = logits[torch.tensor([last for _, last in rows], device=logits.device)]
+        greedy = greedy_tokens(logits)  # one sync for every plain greedy request
+        tokens = [greedy[i] for i, _ in sample_at]
+        logprobs: list[TokenLogprob | None] = [None] * len(tokens)
+        for j, (i, req) in enumerate(sample_at):
+            if req.plain:
+                continue
+            p = req.params
+            if req.generator is not None or p.processed:
+                tokens[j] = sample(logits[i], p, req.generator, req.prompt, req.output)
+            if p.logprobs is not None:
+                logprobs[j] = token_logprobs(logits[i : i + 1], [tokens[j]], p.logprobs)[0]
+        return Scored(tokens, logprobs, prompt)
 
     def fail_all(self, why: str) -> list[Request]:
         """End every request with an error and free everything it holds (the engine cannot
@@ -369,12 +430,14 @@ class Engine:
             ) from exc
         req.slot, req.num_tokens, req.phase = int(slots[0]), len(req.prompt), Phase.TRANSFER
 
-    def _grow(self, plan: StepPlan) -> tuple[list[Segment], list[tuple[int, Request]]]:
-        """Grow the page tables by this step's tokens; the batch's segments and which segment
-        each sampling request reads its logits from."""
+    def _grow(self, plan: StepPlan) -> tuple[list[Segment], SampleAt, SampleAt]:
+        """Grow the page tables by this step's tokens; the batch's segments, which segment
+        each sampling request reads its logits from, and the prompt chunks whose tokens get
+        logprobs."""
         dev = self.mem.device
         segments: list[Segment] = []
         sample_at: list[tuple[int, Request]] = []
+        score_at: list[tuple[int, Request]] = []
         decoders = [self.requests[rid] for rid in plan.decodes]
         if decoders:
             slot_ids = [r.slot for r in decoders if r.slot is not None]
@@ -409,15 +472,25 @@ class Engine:
                 ) from exc
             start = req.num_tokens
             segments.append(Segment(req.slot, start, req.prompt[start : start + tokens]))
+            if req.params.prompt_logprobs is not None:
+                score_at.append((len(segments) - 1, req))
             req.num_tokens += tokens
             if req.num_tokens == len(req.prompt):
                 sample_at.append((len(segments) - 1, req))
                 req.phase = Phase.DECODE
-        return segments, sample_at
+        return segments, sample_at, score_at
 
-    def _accept(self, req: Request, token: int, finished: list[Request]) -> None:
+    def _accept(
+        self,
+        req: Request,
+        token: int,
+        finished: list[Request],
+        logprob: TokenLogprob | None = None,
+    ) -> None:
         reason = ends_with(req, token)
         req.output.append(token)
+        if logprob is not None:
+            req.logprobs.append(logprob)
         if reason is not None:
             self._finish(req, reason)
             finished.append(req)
@@ -476,3 +549,26 @@ class Engine:
             )
             views.append(make(ReqView, fields))
         return views
+
+
+def scored_segments(count: int, score_at: SampleAt) -> list[bool]:
+    """Per segment of a batch: whether the forward returns logits at each of its tokens."""
+    every = [False] * count
+    for i, _ in score_at:
+        every[i] = True
+    return every
+
+
+def _prompt_logprobs(
+    logits: torch.Tensor, rows: tuple[int, int], seg: Segment, req: Request
+) -> tuple[int, int, tuple[TokenLogprob, ...]]:
+    """The prompt logprobs one chunk gives: position t's logits score prompt token t + 1 (the
+    last prompt position's score the first sampled token instead). Entry j of
+    `prompt_logprobs` is prompt token j + 1's."""
+    first, last = rows
+    targets = req.prompt[seg.start + 1 : seg.end + 1]  # at most to the end of the prompt
+    k = req.params.prompt_logprobs
+    assert k is not None
+    entries = token_logprobs(logits[first : first + len(targets)], targets, k)
+    assert first + len(targets) <= last + 1
+    return req.rid, seg.start, tuple(entries)

@@ -1,12 +1,29 @@
-"""Sampling parameters (frozen) and the sampler: greedy, or temperature with top-k / top-p,
-seeded per request so a seed reproduces its tokens."""
+"""Sampling parameters (frozen) and the sampler: greedy, or temperature with top-k / top-p /
+min-p, seeded per request so a seed reproduces its tokens; logit processors before either.
+
+The order is vLLM's (its V1 sampler), on the model's logits for one request:
+
+    1. min_tokens   while fewer than `min_tokens` tokens are out, `stop_token_ids` get -inf
+    2. logit_bias   logits[id] += bias
+    3. penalties    repetition (tokens of the prompt or the output: a positive logit is
+                    divided by it, a negative one multiplied), then frequency (times the
+                    token's count in the output) and presence (once per token in the output)
+                    are subtracted
+    4. greedy: argmax; else temperature, then min-p, top-k and top-p, then one draw
+
+Logprobs never see these steps: they come from the raw logits (`logprobs.py`).
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from dsv4_worker.engine.logprobs import MAX_TOP_LOGPROBS
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,7 +33,15 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # end generation (the request's, then EOS)
+    min_p: float = 0.0  # 0 = off
+    min_tokens: int = 0  # stop ids cannot be sampled before this many tokens are out
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    logprobs: int | None = None  # None: none; k: each sampled token's and the k most likely
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -27,6 +52,37 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_tokens={self.min_tokens} must be in [0, max_new_tokens={self.max_new_tokens}]"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [-2, 2]")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be in (0, 2]")
+        for token, bias in self.logit_bias:
+            if token < 0 or not math.isfinite(bias) or not -100 <= bias <= 100:
+                raise ValueError(
+                    f"logit_bias {token}: {bias} must be a token id and in [-100, 100]"
+                )
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"{name}={k} must be in [0, {MAX_TOP_LOGPROBS}]")
+
+    @property
+    def processed(self) -> bool:
+        """Whether a logit processor (steps 1-3) can change this request's logits."""
+        return bool(
+            self.min_tokens
+            or self.logit_bias
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+        )
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -37,11 +93,57 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return gen
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """One token from logits [vocab]."""
+def adjust(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt: Sequence[int] = (),
+    output: Sequence[int] = (),
+) -> torch.Tensor:
+    """Steps 1-3 on logits [vocab] (a float64 copy; unchanged values when nothing applies)."""
+    scores = logits.to(torch.float64)
+    if not params.processed:
+        return scores
+    scores = scores.clone()
+    vocab, dev = scores.shape[-1], scores.device
+    if len(output) < params.min_tokens and params.stop_token_ids:
+        stops = [t for t in params.stop_token_ids if t < vocab]
+        scores[torch.tensor(stops, dtype=torch.long, device=dev)] = float("-inf")
+    if params.logit_bias:
+        pairs = [(t, b) for t, b in params.logit_bias if t < vocab]
+        ids = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=dev)
+        scores.index_add_(
+            0, ids, torch.tensor([b for _, b in pairs], dtype=scores.dtype, device=dev)
+        )
+    out = torch.tensor(list(output), dtype=torch.long, device=dev)
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool, device=dev)
+        seen[torch.tensor(list(prompt), dtype=torch.long, device=dev)] = True
+        seen[out] = True
+        p = params.repetition_penalty
+        scores = torch.where(seen, torch.where(scores > 0, scores / p, scores * p), scores)
+    if (params.frequency_penalty or params.presence_penalty) and len(output):
+        counts = torch.bincount(out, minlength=vocab)[:vocab].to(scores.dtype)
+        present = (counts > 0).to(scores.dtype)
+        scores -= params.frequency_penalty * counts + params.presence_penalty * present
+    return scores
+
+
+def sample(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    gen: torch.Generator | None,
+    prompt: Sequence[int] = (),
+    output: Sequence[int] = (),
+) -> int:
+    """One token from logits [vocab], given the request's prompt and output so far (for the
+    penalties and min_tokens)."""
+    scores = adjust(logits, params, prompt, output)
     if params.temperature == 0 or gen is None:
-        return int(logits.argmax())
-    scores = logits.to(torch.float64) / params.temperature
+        return int(scores.argmax())
+    scores = scores / params.temperature
+    if params.min_p > 0:  # relative to the most likely token, before top-k / top-p (vLLM)
+        probs = torch.softmax(scores, dim=-1)
+        scores = scores.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if params.top_k:
         kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -14,21 +14,27 @@ with an error naming the field (`dsv4_common.api.documents`).
 `hello` carries the manifest (with its version) and the control protocol version (`PROTOCOL`);
 prefill refuses either mismatch at handshake, naming it. Protocol 2 split protocol 1's
 `prefill` (which carried the destination) in two, so prefill computes while decode allocates.
+Protocol 3 carries every sampling parameter (penalties, logit bias, min_tokens, logprobs) to
+prefill, which samples the first token as a colocated worker would, and the first token's
+logprobs and the prompt's back in `done`.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 from dsv4_common.api.documents import DocumentError, from_document, to_document
 from dsv4_common.api.manifest import Manifest
+from dsv4_worker.engine.logprobs import TokenLogprob
+from dsv4_worker.engine.sampler import SamplingParams
 
 T = TypeVar("T")
 
-PROTOCOL: Final = 2  # this side's control protocol; a `hello` without one speaks 1
+PROTOCOL: Final = 3  # this side's control protocol; a `hello` without one speaks 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,10 +70,42 @@ class Welcome:
 
 @dataclass(frozen=True, slots=True)
 class Sampling:
+    """How prefill samples the first token: the request's `SamplingParams` but its length."""
+
     temperature: float
     top_p: float
     top_k: int
     seed: int | None
+    min_p: float = 0.0
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+
+_LENGTH_FIELDS: Final = frozenset({"max_new_tokens", "stop_token_ids"})
+
+
+def sampling_of(params: SamplingParams) -> Sampling:
+    """The wire form of `params` (the stop ids travel beside it)."""
+    return Sampling(
+        **{
+            f.name: getattr(params, f.name)
+            for f in dataclasses.fields(SamplingParams)
+            if f.name not in _LENGTH_FIELDS
+        }
+    )
+
+
+def first_token_params(s: Sampling, stop_token_ids: tuple[int, ...]) -> SamplingParams:
+    """What prefill samples the first token with: one token, and min_tokens as it stands
+    before any token is out (more than one is the same as one there)."""
+    fields = {f.name: getattr(s, f.name) for f in dataclasses.fields(Sampling)}
+    fields["min_tokens"] = min(s.min_tokens, 1)
+    return SamplingParams(max_new_tokens=1, stop_token_ids=stop_token_ids, **fields)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +134,8 @@ class Done:
     first_token: int
     generator_state: str | None  # base64 of the sampler's generator state after the token
     tags: tuple[str, ...]  # every transfer tag decode must have seen land
+    first_logprob: TokenLogprob | None = None  # when the request asks for logprobs
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt[1:], when it asks for them
 
 
 @dataclass(frozen=True, slots=True)

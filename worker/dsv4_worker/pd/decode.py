@@ -145,7 +145,7 @@ class DecodeAgent:
         msg = C.PrefillRequest(
             room=self._room(req),
             prompt=req.prompt,
-            sampling=C.Sampling(p.temperature, p.top_p, p.top_k, p.seed),
+            sampling=C.sampling_of(p),
             stop_token_ids=p.stop_token_ids,
             timeout_s=self.transfer_timeout_s,
         )
@@ -323,9 +323,7 @@ class DecodeAgent:
             else:
                 self._end(
                     room,
-                    functools.partial(
-                        self._complete, first_token=done.first_token, generator_state=state
-                    ),
+                    functools.partial(self._complete, done=done, generator_state=state),
                 )
 
     def _expire(self, now: float) -> None:
@@ -347,10 +345,10 @@ class DecodeAgent:
     def _fail(self, rid: int, why: str) -> None:
         self.engine.fail_transfer(rid, why)
 
-    def _complete(
-        self, rid: int, *, first_token: int, generator_state: torch.Tensor | None
-    ) -> None:
-        self.engine.complete_transfer(rid, first_token, generator_state)
+    def _complete(self, rid: int, *, done: C.Done, generator_state: torch.Tensor | None) -> None:
+        self.engine.complete_transfer(
+            rid, done.first_token, generator_state, done.first_logprob, done.prompt_logprobs
+        )
 
     def _end(self, room: str, then: Callable[[int], None]) -> None:
         flight = self._flights.pop(room, None)

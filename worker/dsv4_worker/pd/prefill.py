@@ -48,7 +48,6 @@ from dsv4_common.api.manifest import (
 from dsv4_common.core.index_space import pages_for_tokens
 from dsv4_common.core.layout import IndexSpace
 from dsv4_worker.engine.loop import Engine, Request
-from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.pd import control as C
 from dsv4_worker.pd.blocks import transfer_blocks
 from dsv4_worker.pd.channel import Outbox
@@ -314,16 +313,8 @@ class PrefillAgent(_StageWriter):
         if peer is None:
             self._send(identity, C.Failed(msg.room, "no handshake from this decode worker"))
             return
-        s = msg.sampling
         try:
-            params = SamplingParams(
-                max_new_tokens=1,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                top_k=s.top_k,
-                seed=s.seed,
-                stop_token_ids=msg.stop_token_ids,
-            )
+            params = C.first_token_params(msg.sampling, msg.stop_token_ids)
             req = self.engine.submit(msg.prompt, params, keep_pages=True)
         except ValueError as exc:
             self._send(identity, C.Failed(msg.room, str(exc)))
@@ -400,6 +391,8 @@ class PrefillAgent(_StageWriter):
                         req.output[0],
                         C.b64(state.numpy().tobytes()) if state is not None else None,
                         tags,
+                        req.logprobs[0] if req.logprobs else None,
+                        tuple(req.prompt_logprobs),
                     ),
                 )
                 self._send_step(tx, last=True)

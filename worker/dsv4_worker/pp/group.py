@@ -41,6 +41,7 @@ class PPSpec:
     port: int
     start_timeout_s: float = 300.0
     timeout_s: float = 30.0
+    listen_host: str | None = None  # rank 0 listens here (the worker's --host); None: `host`
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +126,7 @@ def build_stage(
             device=device,
             start_timeout_s=pp.start_timeout_s,
             timeout_s=pp.timeout_s,
+            listen_host=pp.listen_host,
         )
         per_rank = tuple(int(b) for b in link.all_gather(weight_bytes))
     else:

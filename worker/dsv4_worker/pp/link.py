@@ -1,9 +1,11 @@
 """PipeLink: the torch.distributed side of a PP group (gloo; NCCL for activations on GPU).
 
-Rank 0 hosts the rendezvous on the group's PP port. Two process groups: a gloo one for control
-objects (orders, sampled tokens, start-up exchanges) and the activation one (the same gloo
-group on CPU, NCCL on CUDA). Every operation has a timeout; any failure (a peer died, a
-timeout) raises `StageLost` and the link is unusable afterwards: a PP group fails as a unit.
+Rank 0 hosts the rendezvous on the group's PP port, listening on its configured host only
+(`listen_host`, the worker's `--host`), never on every interface. Two process groups: a gloo
+one for control objects (orders, sampled tokens, start-up exchanges) and the activation one
+(the same gloo group on CPU, NCCL on CUDA). Every operation has a timeout; any failure (a peer
+died, a timeout) raises `StageLost` and the link is unusable afterwards: a PP group fails as a
+unit.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import socket
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # (re-exported, untyped)
 
 
 def _short(exc: BaseException) -> str:
@@ -35,6 +39,41 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on `host:port` only (a name: its first address). Raises OSError."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted rank 0 rebinds
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _rendezvous_store(
+    rank: int, size: int, host: str, port: int, listen_host: str | None, timeout: timedelta
+) -> TCPStore:
+    """The group's key-value store. torch's own server binds every interface, so rank 0
+    hands it a socket bound to `listen_host` (torch's `master_listen_fd`)."""
+    if rank != 0:
+        return TCPStore(host, port, size, False, timeout)
+    sock = listen_socket(listen_host or host, port)
+    try:
+        store = TCPStore(
+            host, port, size, True, timeout, master_listen_fd=sock.fileno(), use_libuv=True
+        )
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's server owns the descriptor now
+    return store
+
+
 class PipeLink:
     def __init__(
         self,
@@ -46,27 +85,28 @@ class PipeLink:
         device: torch.device,
         start_timeout_s: float,
         timeout_s: float,
+        listen_host: str | None = None,
     ) -> None:
+        """`host:port`: where the group meets. Rank 0 listens on `listen_host:port` (None:
+        `host`); the others connect to `host:port`."""
         if not 0 <= rank < size:
             raise ValueError(f"PP rank {rank} outside [0, {size})")
         self.rank, self.size = rank, size
         if _is_loopback(host):
             # gloo picks its interface from the environment only; keep a local group local.
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        start_timeout = timedelta(seconds=start_timeout_s)
         try:
+            store = _rendezvous_store(rank, size, host, port, listen_host, start_timeout)
             dist.init_process_group(
-                "gloo",
-                init_method=f"tcp://{host}:{port}",
-                rank=rank,
-                world_size=size,
-                timeout=timedelta(seconds=start_timeout_s),
+                "gloo", store=store, rank=rank, world_size=size, timeout=start_timeout
             )
             self._control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
             if device.type == "cuda":
                 self._data = dist.new_group(backend="nccl", timeout=timedelta(seconds=timeout_s))
             else:
                 self._data = self._control
-        except (RuntimeError, ValueError) as exc:
+        except (RuntimeError, ValueError, OSError) as exc:
             raise StageLost(f"PP group rendezvous at {host}:{port} failed: {exc}") from exc
         self.device = device
         self.broken: str | None = None

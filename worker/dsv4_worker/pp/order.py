@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsv4_worker.engine.logprobs import TokenLogprob
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.sched.scheduler import StepPlan
 
@@ -46,6 +47,8 @@ class CompleteTransfer:
     rid: int
     first_token: int
     generator_state: Any = None  # a torch.Tensor (uint8) or None
+    first_logprob: TokenLogprob | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,9 +86,12 @@ class StepOrder:
 
 @dataclass(frozen=True, slots=True)
 class Sampled:
-    """The last stage's tokens, one per sampling request in batch order, and the generator
+    """The last stage's tokens, one per sampling request in batch order (with their logprob
+    entries and the batch's prompt logprobs, as `loop.Scored` has them), and the generator
     states of seeded requests that finished holding their pages (a PD prefill hands the
     sampler's state to decode)."""
 
     tokens: tuple[int, ...] = ()
     generator_states: tuple[tuple[int, Any], ...] = ()
+    logprobs: tuple[TokenLogprob | None, ...] = ()
+    prompt_logprobs: tuple[tuple[int, int, tuple[TokenLogprob, ...]], ...] = ()

@@ -21,7 +21,16 @@ from typing import Any
 
 import torch
 
-from dsv4_worker.engine.loop import Engine, Hook, Request, ends_with
+from dsv4_worker.engine.logprobs import TokenLogprob
+from dsv4_worker.engine.loop import (
+    Engine,
+    Hook,
+    Request,
+    SampleAt,
+    Scored,
+    ends_with,
+    scored_segments,
+)
 from dsv4_worker.engine.paged import PagedModel, Segment
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.pp.link import PipeLink, StageLost
@@ -73,7 +82,9 @@ class StageEngine(Engine):
             own.request_slots - (t.request_slots - g.request_slots),
         )
 
-    def run_batch(self, segments: list[Segment], sample_at: list[tuple[int, Request]]) -> list[int]:
+    def run_batch(
+        self, segments: list[Segment], sample_at: SampleAt, score_at: SampleAt = ()
+    ) -> Scored:
         stage, link = self.paged.stage, self.link
         out: torch.Tensor | None = None
         if segments:
@@ -81,13 +92,23 @@ class StageEngine(Engine):
             if not stage.first:
                 tokens = sum(len(s.token_ids) for s in segments)
                 hidden = link.recv_hidden((tokens, self.paged.hidden_size), self.paged.dtype)
-            out = self.paged.forward_stage(segments, hidden)
+            every = scored_segments(len(segments), score_at) if score_at else ()
+            out = self.paged.forward_stage(segments, hidden, every)
             if not stage.last:
                 link.send_hidden(out)
         sampled = None
         if stage.last:
-            tokens_out = self.sample(out, sample_at) if out is not None else []
-            sampled = Sampled(tuple(tokens_out), self._handoff_states(sample_at, tokens_out))
+            scored = (
+                self.sample(out, segments, sample_at, score_at)
+                if out is not None
+                else Scored([], [], [])
+            )
+            sampled = Sampled(
+                tuple(scored.tokens),
+                self._handoff_states(sample_at, scored.tokens),
+                tuple(scored.logprobs),
+                tuple(scored.prompt),
+            )
         # All-gather, not a broadcast: it also makes the end of a step a barrier, so once the
         # leader's step is over every stage has applied its order and finished the step
         # before (what the PD prefill leader waits for before saying a request is settled).
@@ -97,10 +118,10 @@ class StageEngine(Engine):
             req = self.requests.get(rid)
             if req is not None and req.generator is not None and not stage.last:
                 req.generator.set_state(state)
-        return list(sampled.tokens)
+        return Scored(list(sampled.tokens), list(sampled.logprobs), list(sampled.prompt_logprobs))
 
     def _handoff_states(
-        self, sample_at: list[tuple[int, Request]], tokens: list[int]
+        self, sample_at: SampleAt, tokens: list[int]
     ) -> tuple[tuple[int, Any], ...]:
         """Generator states of seeded requests this token finishes while they keep their
         pages (the PD prefill sends the state to decode from the leader)."""
@@ -175,10 +196,17 @@ class LeaderEngine(StageEngine):
         self._events.append(Release(rid))
 
     def complete_transfer(
-        self, rid: int, first_token: int, generator_state: torch.Tensor | None = None
+        self,
+        rid: int,
+        first_token: int,
+        generator_state: torch.Tensor | None = None,
+        first_logprob: TokenLogprob | None = None,
+        prompt_logprobs: tuple[TokenLogprob, ...] = (),
     ) -> None:
-        super().complete_transfer(rid, first_token, generator_state)
-        self._events.append(CompleteTransfer(rid, first_token, generator_state))
+        super().complete_transfer(rid, first_token, generator_state, first_logprob, prompt_logprobs)
+        self._events.append(
+            CompleteTransfer(rid, first_token, generator_state, first_logprob, prompt_logprobs)
+        )
 
     def fail_transfer(self, rid: int, why: str) -> None:
         super().fail_transfer(rid, why)
@@ -201,7 +229,7 @@ class FollowerEngine(StageEngine):
             Abort: lambda e: Engine.abort(self, e.rid),
             Release: lambda e: Engine.release(self, e.rid),
             CompleteTransfer: lambda e: Engine.complete_transfer(
-                self, e.rid, e.first_token, e.generator_state
+                self, e.rid, e.first_token, e.generator_state, e.first_logprob, e.prompt_logprobs
             ),
             FailTransfer: lambda e: Engine.fail_transfer(self, e.rid, e.why),
         }

@@ -2,10 +2,12 @@
 (streaming over SSE), models, health, readiness, the `/status` document and `/metrics`.
 
 Errors: a malformed body or a bad field -> 400 naming the field; a full queue -> 503 with
-Retry-After; a client that disconnects (also mid-stream) aborts its request, whose pages the
-engine frees at its next turn. No response header is sent before the first token, so a
-request that fails before it because of its PD prefill side gets a plain 502 the router can
-retry with another prefill. A PD decode worker takes the prefill instance from the
+Retry-After; every error body is OpenAI's shape and the HTTP rules (body size and timeouts,
+connection bound; `dsv4_router.http_guard`, served with its `make_runner`) hold on both apps.
+A client that disconnects (streaming or not) cancels its handler, which aborts its request:
+the engine frees its pages at its next turn. No response header is sent before the first
+token, so a request that fails before it because of its PD prefill side gets a plain 502 the
+router can retry with another prefill. A PD decode worker takes the prefill instance from the
 `X-DSV4-Prefill` header.
 """
 
@@ -14,14 +16,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
+from dsv4_common.api.http_rules import HttpLimits, error_document
 from dsv4_common.api.worker_status import Load, WorkerStatus, build_worker_status
+from dsv4_router.http_guard import guarded_app, json_error, read_json
+from dsv4_worker.server.answer import Answer, Choice
+from dsv4_worker.server.generation import choice_params
 from dsv4_worker.server.metrics import Metrics
 from dsv4_worker.server.protocol import (
     CompletionRequest,
@@ -30,9 +37,10 @@ from dsv4_worker.server.protocol import (
     parse_completion,
 )
 from dsv4_worker.server.runner import Done, EngineRunner, Handle, Snapshot, Token
-from dsv4_worker.server.tokenizer import StreamDecoder, Tokenizer, find_stop, stop_holdback
+from dsv4_worker.server.tokenizer import Tokenizer
 
 RETRY_AFTER_S = 1
+log = logging.getLogger(__name__)
 PREFILL_HEADER = "X-DSV4-Prefill"
 
 
@@ -47,12 +55,32 @@ class KVState:
 
 @dataclass(frozen=True, slots=True)
 class ServeInfo:
-    model_name: str
+    model_name: str  # what the model is (its preset, or its directory's name)
     vocab_size: int
     max_context_tokens: int
     status: WorkerStatus  # realized capacity (what /status reports), without live fields
     page_size: int = 1
     kv_state: Callable[[], KVState] | None = None
+    served_model_names: tuple[str, ...] = ()  # the names `model` may give (default: model_name)
+    created_s: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The names requests may use; the first is the one answers carry by default."""
+        return self.served_model_names or (self.model_name,)
+
+
+def model_card(info: ServeInfo, name: str) -> dict[str, Any]:
+    """One entry of /v1/models (vLLM's fields: its maximum context as `max_model_len`)."""
+    return {
+        "id": name,
+        "object": "model",
+        "created": info.created_s,
+        "owned_by": "dsv4-serve",
+        "root": info.model_name,
+        "parent": None,
+        "max_model_len": info.max_context_tokens,
+    }
 
 
 def live_status(info: ServeInfo, snap: Snapshot, accepting: bool) -> WorkerStatus:
@@ -79,22 +107,20 @@ Parser = Callable[..., CompletionRequest]
 
 
 def build_app(
-    runner: EngineRunner, tok: Tokenizer, info: ServeInfo, metrics: Metrics | None = None
+    runner: EngineRunner,
+    tok: Tokenizer,
+    info: ServeInfo,
+    metrics: Metrics | None = None,
+    limits: HttpLimits | None = None,
 ) -> web.Application:
     """The API with the probes on the same port (the quick form)."""
     metrics = metrics or Metrics(runner.snapshot)
-    app = web.Application(client_max_size=8 * 1024 * 1024)
+    app = guarded_app(limits or HttpLimits(), logger=log)
 
     def error(status: int, message: str, field: str = "", retry: bool = False) -> web.Response:
-        body = {"error": {"message": message, "type": "invalid_request_error", "param": field}}
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if retry else None
-        return web.json_response(body, status=status, headers=headers)
-
-    async def read_json(request: web.Request) -> Any:
-        try:
-            return json.loads(await request.read())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise RequestError("", f"body is not valid JSON ({exc})") from exc
+        return json_error(
+            status, message, param=field or None, retry_after_s=RETRY_AFTER_S if retry else None
+        )
 
     def completion_handler(
         parse: Parser, chat: bool
@@ -106,9 +132,10 @@ def build_app(
                     tok,
                     vocab_size=info.vocab_size,
                     max_context_tokens=info.max_context_tokens,
+                    models=info.names,
                 )
             except RequestError as exc:
-                return error(400, str(exc), exc.field)
+                return json_error(exc.status, str(exc), param=exc.field or None, code=exc.code)
             if not runner.alive:
                 why = runner.failure
                 return error(
@@ -116,39 +143,51 @@ def build_app(
                 )
             if runner.overloaded():
                 return error(503, "too many requests waiting; retry later", retry=True)
-            metrics.prompt_tokens.inc(len(req.prompt_ids))
-            handle = runner.submit(
-                req.prompt_ids,
-                req.params,
-                asyncio.get_running_loop(),
-                prefill=request.headers.get(PREFILL_HEADER),
-            )
+            answer = Answer(tok, req, info.names[0], chat)
+            loop, prefill = asyncio.get_running_loop(), request.headers.get(PREFILL_HEADER)
+            handles = []
+            for c in answer.choices:  # one engine request per choice
+                metrics.prompt_tokens.inc(len(c.prompt.ids))
+                params = choice_params(req.params, c.index % req.gen.n)
+                handles.append(runner.submit(c.prompt.ids, params, loop, prefill=prefill))
             try:
-                call = _Call(runner, handle, req, tok, info, metrics, chat)
+                call = _Call(runner, tuple(handles), answer, metrics)
                 if req.stream:
                     return await _stream(request, call)
                 return await _complete(call)
             except (asyncio.CancelledError, ConnectionResetError):
-                runner.abort(handle)  # the client went away: free its pages now
+                for h in handles:
+                    runner.abort(h)  # the client went away: free its pages now
                 raise
 
         return handle
 
     async def models(_: web.Request) -> web.Response:
         return web.json_response(
-            {"object": "list", "data": [{"id": info.model_name, "object": "model"}]}
+            {"object": "list", "data": [model_card(info, name) for name in info.names]}
         )
+
+    async def model(request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name not in info.names:
+            return json_error(
+                404, f"the model `{name}` does not exist", param="model", code="model_not_found"
+            )
+        return web.json_response(model_card(info, name))
 
     app.router.add_post("/v1/completions", completion_handler(parse_completion, chat=False))
     app.router.add_post("/v1/chat/completions", completion_handler(parse_chat, chat=True))
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model)
     _add_probes(app, runner, info, metrics)
     return app
 
 
-def build_status_app(runner: EngineRunner, info: ServeInfo, metrics: Metrics) -> web.Application:
+def build_status_app(
+    runner: EngineRunner, info: ServeInfo, metrics: Metrics, limits: HttpLimits | None = None
+) -> web.Application:
     """The probes alone, for the status port of a deployed worker."""
-    app = web.Application()
+    app = guarded_app(limits or HttpLimits(), logger=log, probes_only=True)
     _add_probes(app, runner, info, metrics)
     return app
 
@@ -181,169 +220,113 @@ def _add_probes(
     app.router.add_get("/metrics", metrics_page)
 
 
-class _Output:
-    """One request's tokens and text. Stop strings cut the text; while streaming, text that
-    could still become a stop string (or half a UTF-8 character) is held back."""
-
-    def __init__(self, tok: Tokenizer, req: CompletionRequest) -> None:
-        self.decoder = StreamDecoder(tok)
-        self.req = req
-        self.full = ""  # everything decoded so far
-        self.text = ""  # what the client has been given (or will be, at the end)
-        self.token_ids: list[int] = []
-        self.stopped = False
-
-    def push(self, token_id: int) -> str:
-        """The new text this token releases."""
-        self.token_ids.append(token_id)
-        self.full += self.decoder.push(token_id)
-        return self._release(final=False)
-
-    def finish(self) -> str:
-        """The rest of the text at the end of the request."""
-        self.full += self.decoder.flush()
-        return self._release(final=True)
-
-    def _release(self, *, final: bool) -> str:
-        if self.stopped:
-            return ""
-        cut = find_stop(self.full, self.req.stop_strings) if self.req.stop_strings else None
-        if cut is not None:
-            self.stopped = True
-            end = cut
-        elif final:
-            end = len(self.full)
-        else:
-            end = len(self.full) - stop_holdback(self.full, self.req.stop_strings)
-        piece = self.full[len(self.text) : max(end, len(self.text))]
-        self.text += piece
-        return piece
+async def _events(call: _Call) -> AsyncIterator[tuple[Choice, str, Done | None]]:
+    """(choice, its new text, its Done or None) per event of every choice, in order per
+    choice, until every choice has ended. A choice whose stop string matched is aborted and
+    ends with "stop" at once."""
+    handles, choices = call.handles, call.answer.choices
+    last_s: list[float | None] = [None] * len(handles)
+    if len(handles) == 1:  # the common case: one queue, read directly
+        while not choices[0].done:
+            event = await handles[0].events.get()
+            yield choices[0], _on_event(call, 0, event, last_s), _done(event)
+        return
+    pending: dict[asyncio.Future[Token | Done], int] = {}
+    try:
+        for i, h in enumerate(handles):
+            pending[asyncio.ensure_future(h.events.get())] = i
+        while pending:
+            ready, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in sorted(ready, key=lambda f: pending[f]):
+                i = pending.pop(fut)
+                event = fut.result()
+                piece = _on_event(call, i, event, last_s)
+                if not choices[i].done:
+                    pending[asyncio.ensure_future(handles[i].events.get())] = i
+                yield choices[i], piece, _done(event)
+    finally:
+        for fut in pending:
+            fut.cancel()
 
 
-def _choice(
-    out: _Output, reason: str | None, chat: bool, delta: str | None = None
-) -> dict[str, Any]:
-    text = out.text if delta is None else delta
-    choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
-    if chat:
-        key = "message" if delta is None else "delta"
-        choice[key] = {"role": "assistant", "content": text}
+def _done(event: Token | Done) -> Done | None:
+    return event if isinstance(event, Done) else None
+
+
+def _on_event(call: _Call, i: int, event: Token | Done, last_s: list[float | None]) -> str:
+    """Choice `i` takes its next event (and the metrics count it): the text it releases."""
+    c, handle, metrics = call.answer.choices[i], call.handles[i], call.metrics
+    if isinstance(event, Done):
+        metrics.requests.labels(event.reason).inc()
+        metrics.e2e.observe(time.monotonic() - handle.submitted_s)
+        # Echo alone: the one token computed may be a stop id; the answer is the prompt.
+        dropped = not c.req.gen.generate and event.reason == "stop"
+        c.finish_reason = "length" if dropped else event.reason
+        return c.finish()
+    metrics.generation_tokens.inc()
+    before = last_s[i]
+    if before is None:
+        metrics.ttft.observe(event.at_s - handle.submitted_s)
     else:
-        choice["text"] = text
-    if out.req.return_token_ids and delta is None:
-        choice["token_ids"] = out.token_ids
-    return choice
-
-
-def _envelope(handle: Handle, info: ServeInfo, chat: bool, stream: bool) -> dict[str, Any]:
-    kind = "chat.completion" if chat else "text_completion"
-    return {
-        "id": f"cmpl-{handle.rid}",
-        "object": f"{kind}.chunk" if stream and chat else kind,
-        "created": int(time.time()),
-        "model": info.model_name,
-    }
-
-
-async def _events(runner: EngineRunner, handle: Handle, out: _Output, metrics: Metrics) -> Any:
-    """Yields (new text, finish reason or None) per event; stops at Done or a stop string."""
-    last_s = None
-    while True:
-        event = await handle.events.get()
-        if isinstance(event, Done):
-            metrics.requests.labels(event.reason).inc()
-            metrics.e2e.observe(time.monotonic() - handle.submitted_s)
-            yield out.finish(), event.reason, event.error, event.retryable
-            return
-        assert isinstance(event, Token)
-        metrics.generation_tokens.inc()
-        if last_s is None:
-            metrics.ttft.observe(event.at_s - handle.submitted_s)
-        else:
-            metrics.itl.observe(event.at_s - last_s)
-        last_s = event.at_s
-        piece = out.push(event.token_id)
-        if out.stopped:
-            runner.abort(handle)
-            yield piece, "stop", None, False
-            return
-        yield piece, None, None, False
+        metrics.itl.observe(event.at_s - before)
+    last_s[i] = event.at_s
+    piece = c.push(event)
+    if c.stopped:
+        call.runner.abort(handle)
+        c.finish_reason = "stop"
+    return piece
 
 
 @dataclass(frozen=True, slots=True)
 class _Call:
-    """One accepted completion request and what answering it needs."""
+    """One accepted completion request and what answering it needs: an engine request per
+    choice (`handles[i]` is `answer.choices[i]`'s)."""
 
     runner: EngineRunner
-    handle: Handle
-    req: CompletionRequest
-    tok: Tokenizer
-    info: ServeInfo
+    handles: tuple[Handle, ...]
+    answer: Answer
     metrics: Metrics
-    chat: bool
 
 
 async def _complete(call: _Call) -> web.Response:
-    runner, handle, req, info, metrics, chat = (
-        call.runner,
-        call.handle,
-        call.req,
-        call.info,
-        call.metrics,
-        call.chat,
-    )
-    out = _Output(call.tok, req)
-    reason, err, retryable = "length", None, False
-    async for _, finish, error, retry in _events(runner, handle, out, metrics):
-        if finish is not None:
-            reason, err, retryable = finish, error, retry
-    if reason == "error":
-        return _failure(err, retryable and not out.token_ids)
-    body = _envelope(handle, info, chat, stream=False)
-    body["choices"] = [_choice(out, reason, chat)]
-    body["usage"] = {
-        "prompt_tokens": len(req.prompt_ids),
-        "completion_tokens": len(out.token_ids),
-        "total_tokens": len(req.prompt_ids) + len(out.token_ids),
-    }
-    return web.json_response(body)
+    failed: Done | None = None
+    async for _, _, done in _events(call):
+        if done is not None and done.reason == "error" and failed is None:
+            failed = done  # the request fails: the other choices stop too
+            for h in call.handles:
+                call.runner.abort(h)
+    if failed is not None:
+        started = any(c.token_ids for c in call.answer.choices)
+        return _failure(failed.error, failed.retryable and not started)
+    return web.json_response(call.answer.body())
 
 
 def _failure(message: str | None, retryable: bool) -> web.Response:
     """A request that failed. Retryable failures come from the PD prefill side (handshake,
     transfer, timeout): 502 + Retry-After, so the router retries with another prefill."""
-    body = {"error": {"message": message or "failed", "type": "server_error"}}
+    body = error_document(message or "failed", "server_error")
     if retryable:
         return web.json_response(body, status=502, headers={"Retry-After": str(RETRY_AFTER_S)})
     return web.json_response(body, status=500)
 
 
 async def _stream(request: web.Request, call: _Call) -> web.StreamResponse:
-    runner, handle, req, tok, info, metrics, chat = (
-        call.runner,
-        call.handle,
-        call.req,
-        call.tok,
-        call.info,
-        call.metrics,
-        call.chat,
-    )
+    answer = call.answer
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
-    out = _Output(tok, req)
-    async for piece, finish, error, retry in _events(runner, handle, out, metrics):
+    async for c, piece, done in _events(call):
+        error = done.error if done is not None and done.reason == "error" else None
         if not resp.prepared:  # headers go with the first token, so a failure before it is a 5xx
-            if finish == "error" and not out.token_ids:
-                return _failure(error, retry)
+            if error is not None and done is not None:
+                for h in call.handles:
+                    call.runner.abort(h)
+                return _failure(error, done.retryable)
             await resp.prepare(request)
-        chunk = _envelope(handle, info, chat, stream=True)
-        chunk["choices"] = [_choice(out, finish, chat, delta=piece)]
-        if req.return_token_ids and finish is not None:
-            chunk["choices"][0]["token_ids"] = out.token_ids
-        if error:
-            chunk["error"] = {"message": error}
+        chunk = answer.chunk(c, piece, error)
         await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    if answer.req.gen.include_usage:
+        await resp.write(f"data: {json.dumps(answer.usage_chunk())}\n\n".encode())
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dsv4_worker.engine.logprobs import TokenLogprob
 from dsv4_worker.engine.loop import Engine, EngineFailed, Request
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.mem.usage import PoolUsage
@@ -29,6 +30,8 @@ IDLE_CHECK_S = 0.05  # the engine's integrity check waits for this much quiet (i
 class Token:
     token_id: int
     at_s: float  # time.monotonic() when sampled
+    logprob: TokenLogprob | None = None  # when the request asks for logprobs
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # with the first token, if asked
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +212,7 @@ class EngineRunner:
             req = reqs.get(rid)
             if req is None:
                 continue
-            events: list[Token | Done] = [Token(t, now) for t in req.output[sent:]]
+            events: list[Token | Done] = [_token(req, i, now) for i in range(sent, len(req.output))]
             if req.finished:
                 events.append(Done(str(req.finish_reason), req.error, req.retryable))
             if not all(_emit(loop, handle, e) for e in events):
@@ -229,6 +232,15 @@ class EngineRunner:
         )
         with self._lock:
             self._snapshot = snap
+
+
+def _token(req: Request, i: int, now: float) -> Token:
+    """Output token `i` of `req` as an event (with what it asked for: logprobs)."""
+    logprob = req.logprobs[i] if i < len(req.logprobs) else None
+    prompt = None
+    if i == 0 and req.params.prompt_logprobs is not None:
+        prompt = tuple(req.prompt_logprobs)
+    return Token(req.output[i], now, logprob, prompt)
 
 
 def _emit(loop: asyncio.AbstractEventLoop, handle: Handle, event: Token | Done) -> bool:

@@ -63,6 +63,7 @@ def _stage_main(run: GroupRun, rank: int, port: int, out: Any) -> None:
         )
         engine = built.engine
         outputs: list[list[int]] = []
+        logprobs: list[Any] = []  # per request: (sampled tokens', prompt tokens') entries
         retractions = 0
         if rank == 0:
             reqs = [engine.submit(p, s) for p, s in zip(run.prompts, run.params, strict=True)]
@@ -70,6 +71,7 @@ def _stage_main(run: GroupRun, rank: int, port: int, out: Any) -> None:
                 engine.step()
             engine.step()  # one more order: followers apply the last tokens and go idle
             outputs = [list(r.output) for r in reqs]
+            logprobs = [(list(r.logprobs), list(r.prompt_logprobs)) for r in reqs]
             retractions = sum(r.retractions for r in reqs)
             engine.close()
         else:
@@ -82,6 +84,7 @@ def _stage_main(run: GroupRun, rank: int, port: int, out: Any) -> None:
                 rank,
                 {
                     "outputs": outputs,
+                    "logprobs": logprobs,
                     "pool_bytes": built.memory.pool.nbytes,
                     "planned_bytes": built.rank.capacity.kv_bytes,
                     "layers": built.rank.layers,

@@ -139,3 +139,46 @@ def test_an_explicit_split_is_honoured() -> None:
     )
     assert [results[r]["layers"] for r in (0, 1)] == [(0, 1), (1, 6)]
     assert results[0]["outputs"] == _run("tiny", 1)[0]["outputs"]
+
+
+def test_logprobs_and_logit_processors_in_pp_equal_one_process() -> None:
+    """The last stage samples with the penalties, bias and min_tokens (over the replicas'
+    prompts and outputs) and computes the logprobs; the leader gets them all."""
+    params = (
+        SamplingParams(max_new_tokens=8, logprobs=2, prompt_logprobs=1, repetition_penalty=1.3),
+        SamplingParams(
+            max_new_tokens=6,
+            temperature=0.9,
+            seed=4,
+            logprobs=0,
+            presence_penalty=1.0,
+            frequency_penalty=0.5,
+            logit_bias=((5, -100.0), (65, 3.0)),
+        ),
+        SamplingParams(max_new_tokens=6, min_tokens=4, stop_token_ids=(65,), prompt_logprobs=3),
+        SamplingParams(max_new_tokens=5),
+    )
+    runs = [
+        run_group(
+            GroupRun(
+                pp_size=pp_size,
+                prompts=PROMPTS,
+                params=params,
+                gpu_memory_bytes=96 * MIB,
+                chunk_tokens=24,
+            )
+        )[0]
+        for pp_size in (1, 2)
+    ]
+    one, two = runs
+    assert two["outputs"] == one["outputs"]
+    for (lp1, plp1), (lp2, plp2), p, prompt in zip(
+        one["logprobs"], two["logprobs"], params, PROMPTS, strict=True
+    ):
+        assert [e.token_id for e in lp2] == [e.token_id for e in lp1]
+        assert [e.logprob for e in lp2] == pytest.approx([e.logprob for e in lp1], abs=1e-5)
+        assert [[t for t, _ in e.top] for e in lp2] == [[t for t, _ in e.top] for e in lp1]
+        if p.prompt_logprobs is not None:
+            assert len(plp1) == len(prompt) - 1
+        assert [e.logprob for e in plp2] == pytest.approx([e.logprob for e in plp1], abs=1e-5)
+    assert len(one["logprobs"][0][0]) == 8 and len(one["logprobs"][1][0]) == 6

@@ -44,17 +44,19 @@ BAD: list[tuple[str, Any, Any, str, str]] = [
     ("body-list", _completion, [1], "", "JSON object"),
     ("body-str", _completion, "hi", "", "JSON object"),
     ("body-null", _chat, None, "", "JSON object"),
-    ("unknown-field", _completion, _c(best_of=2), "best_of", "allowed fields are"),
+    ("unknown-field", _completion, _c(bogus=2), "bogus", "allowed fields are"),
     ("unknown-lists-allowed", _completion, _c(foo=1), "foo", "max_tokens"),
     ("chat-prompt-not-allowed", _chat, _m(prompt="x"), "prompt", "messages"),
     ("completion-messages-not-allowed", _completion, _c(messages=MSG), "messages", "prompt"),
     ("prompt-missing", _completion, {}, "prompt", "required"),
     ("prompt-empty-str", _completion, {"prompt": ""}, "prompt", "must not be empty"),
     ("prompt-empty-list", _completion, {"prompt": []}, "prompt", "must not be empty"),
-    ("prompt-null", _completion, {"prompt": None}, "prompt", "string or a list"),
-    ("prompt-number", _completion, {"prompt": 5}, "prompt", "string or a list"),
-    ("prompt-strings", _completion, {"prompt": ["a", "b"]}, "prompt[0]", "token id"),
-    ("prompt-nested", _completion, {"prompt": [[1, 2]]}, "prompt[0]", "token id"),
+    ("prompt-null", _completion, {"prompt": None}, "prompt", "a list of token ids"),
+    ("prompt-number", _completion, {"prompt": 5}, "prompt", "a list of token ids"),
+    ("prompt-mixed", _completion, {"prompt": ["a", 5]}, "prompt[1]", "list of token ids"),
+    ("prompt-nested", _completion, {"prompt": [[1, "x"]]}, "prompt[0][1]", "token id"),
+    ("prompt-deep", _completion, {"prompt": [[[1]]]}, "prompt[0][0]", "token id"),
+    ("prompt-batch-empty", _completion, {"prompt": ["a", ""]}, "prompt[1]", "must not be"),
     ("prompt-bool", _completion, {"prompt": [1, True]}, "prompt[1]", "token id"),
     ("prompt-float", _completion, {"prompt": [1, 2.0]}, "prompt[1]", "token id"),
     ("prompt-id-high", _completion, {"prompt": [1, 2, 3, VOCAB]}, "prompt[3]", "vocabulary"),
@@ -66,9 +68,9 @@ BAD: list[tuple[str, Any, Any, str, str]] = [
     (
         "message-bad-role",
         _chat,
-        {"messages": [{"role": "tool", "content": "x"}]},
+        {"messages": [{"role": "robot", "content": "x"}]},
         "messages[0].role",
-        "system, user, assistant",
+        "system, developer, user, assistant",
     ),
     (
         "message-no-role",
@@ -108,8 +110,8 @@ BAD: list[tuple[str, Any, Any, str, str]] = [
     (
         "message-unknown-key",
         _chat,
-        {"messages": [{"role": "user", "content": "x", "name": "bob"}]},
-        "messages[0].name",
+        {"messages": [{"role": "user", "content": "x", "nick": "bob"}]},
+        "messages[0].nick",
         "unknown",
     ),
     ("max-tokens-zero", _completion, _c(max_tokens=0), "max_tokens", "[1, 64]"),
@@ -128,7 +130,7 @@ BAD: list[tuple[str, Any, Any, str, str]] = [
     ("top-p-high", _completion, _c(top_p=1.01), "top_p", "(0, 1]"),
     ("top-p-nan", _chat, _m(top_p=math.nan), "top_p", "finite"),
     ("top-p-neg-inf", _completion, _c(top_p=-math.inf), "top_p", "finite"),
-    ("top-k-neg", _completion, _c(top_k=-1), "top_k", ">= 0"),
+    ("top-k-neg", _completion, _c(top_k=-2), "top_k", ">= 0"),
     ("top-k-float", _completion, _c(top_k=1.5), "top_k", "integer"),
     ("seed-neg", _completion, _c(seed=-1), "seed", "[0, 9223372036854775807]"),
     ("seed-too-big", _completion, _c(seed=2**63), "seed", "[0, 9223372036854775807]"),
@@ -147,9 +149,10 @@ BAD: list[tuple[str, Any, Any, str, str]] = [
     ("stream-int", _completion, _c(stream=1), "stream", "boolean"),
     ("stream-str", _chat, _m(stream="true"), "stream", "boolean"),
     ("return-ids-int", _completion, _c(return_token_ids=0), "return_token_ids", "boolean"),
-    ("n-two", _completion, _c(n=2), "n", "n=1"),
-    ("n-float", _completion, _c(n=1.0), "n", "n=1"),
-    ("n-bool", _completion, _c(n=True), "n", "n=1"),
+    ("n-zero", _completion, _c(n=0), "n", "[1, 128]"),
+    ("n-huge", _completion, _c(n=129), "n", "[1, 128]"),
+    ("n-float", _completion, _c(n=1.0), "n", "integer"),
+    ("n-bool", _completion, _c(n=True), "n", "integer"),
     ("user-int", _completion, _c(user=3), "user", "string"),
     ("model-int", _completion, _c(model=3), "model", "string"),
     (
@@ -312,7 +315,8 @@ def test_good_body_parses(parse: Any, body: object, expected: dict[str, Any]) ->
     request = parse(body)
     assert isinstance(request, CompletionRequest)
     for name, value in expected.items():
-        assert getattr(request, name) == value, name
+        owner = request if hasattr(request, name) else request.gen
+        assert getattr(owner, name) == value, name
 
 
 def test_request_error_is_a_value_error_with_plain_message_for_the_body() -> None:

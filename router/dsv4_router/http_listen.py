@@ -1,0 +1,152 @@
+"""Listening for the apps of `http_guard`: the port is taken before a process does its slow
+start-up (`bind`: a busy port or a bad host fails at once, naming the flag), and the listener
+admits at most the guard's `max_connections` (`serve_on`): past it the oldest connection
+without a whole request is closed to make room (a slow or half-sent client cannot starve
+/health or a completion), and a new one gets a fast 503 only when every open one is busy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import resource
+import socket
+import time
+from typing import Final, cast
+
+from aiohttp import web
+from aiohttp.web_runner import BaseRunner
+
+from dsv4_common.api.http_rules import OpenConnection, admit, error_document
+from dsv4_router.http_guard import ACCEPT_BATCH, GUARD, Guard
+
+LISTEN_BACKLOG: Final = 1024
+REFUSED: Final = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+)
+REFUSED_BODY: Final = json.dumps(
+    error_document(
+        "too many open connections; retry later", "server_error", code="too_many_connections"
+    )
+).encode()
+
+
+class ListenError(OSError):
+    """A host or port that cannot be listened on; the message names the flag."""
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft open-file limit to the hard one (no privilege needed); the new soft."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def bind(host: str, port: int, flag: str = "--port") -> list[socket.socket]:
+    """Listening sockets on every address `host` resolves to, all on one port (`port` 0: a
+    free one). ListenError names `--host` or `flag`."""
+    try:
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except (socket.gaierror, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ListenError(f"--host: cannot listen on {host!r}: {reason}") from exc
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and len(sockets) > 1:  # the same free port on every address
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
+            sock.bind(address)
+            sock.listen(LISTEN_BACKLOG)
+            sock.setblocking(False)
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise ListenError(f"{flag}: cannot listen on {where}: {exc.strerror or exc}") from exc
+    return sockets
+
+
+class _Refused(asyncio.Protocol):
+    """A connection past the limit while every open one is busy: a 503, then closed."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport = cast(asyncio.Transport, transport)  # uvloop's is no asyncio.Transport
+        transport.write(REFUSED % (len(REFUSED_BODY), REFUSED_BODY))
+        transport.close()
+
+
+class GuardedSite(web.BaseSite):
+    """A pre-bound listening socket whose new connections go through `admit`."""
+
+    __slots__ = ("_guard", "_sock")
+
+    def __init__(self, runner: BaseRunner, sock: socket.socket, guard: Guard) -> None:
+        super().__init__(runner)
+        self._sock = sock
+        self._guard = guard
+
+    @property
+    def name(self) -> str:
+        host, port = self._sock.getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    async def start(self) -> None:
+        await super().start()
+        loop = asyncio.get_running_loop()
+        # asyncio takes `backlog` as both the kernel's queue and its accept batch: serve with
+        # the small batch, then give the kernel a deep queue again (a burst of connections
+        # must not overflow it: a dropped SYN costs a client a 1 s retransmit).
+        self._server = await loop.create_server(
+            self._connection, sock=self._sock, backlog=ACCEPT_BATCH
+        )
+        self._sock.listen(LISTEN_BACKLOG)
+
+    def _connection(self) -> asyncio.Protocol:
+        server = self._runner.server
+        assert server is not None
+        guard = self._guard
+        # asyncio accepts a batch of connections and asks for all their handlers in one loop
+        # pass; each is connected (known to the server) in the next. Handed out but not yet
+        # connected, they count too (and cannot be closed): `guard.fresh` holds them one pass.
+        known, now_s = set(server.connections), time.monotonic()
+        if not guard.fresh:
+            asyncio.get_running_loop().call_soon(guard.fresh.clear)
+        connecting = [h for h in guard.fresh if h not in known]
+        live = [h for h in known if h.transport is not None]
+        guard.opened_s = {h: guard.opened_s.get(h, now_s) for h in (*live, *connecting)}
+        views = [OpenConnection(guard.opened_s[h], guard.busy(h)) for h in live]
+        views += [OpenConnection(guard.opened_s[h], busy=True) for h in connecting]
+        decision = admit(views, guard.max_connections)
+        if not decision.accept:
+            guard.note(refused=1)
+            return _Refused()
+        for i in decision.evict:
+            if live[i] in guard.handling:
+                guard.evicted_handlers.add(live[i])
+            live[i].force_close()
+        if decision.evict:
+            guard.note(evicted=len(decision.evict))
+        handler = server()
+        guard.opened_s[handler] = now_s
+        guard.fresh.append(handler)
+        return handler
+
+
+async def serve_on(runner: web.AppRunner, sockets: list[socket.socket]) -> int:
+    """Serve the runner's app on pre-bound sockets (`runner.setup()` first); the bound port."""
+    guard = runner.app[GUARD]
+    for sock in sockets:
+        await GuardedSite(runner, sock, guard).start()
+    port: int = sockets[0].getsockname()[1]
+    return port
