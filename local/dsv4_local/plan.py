@@ -31,6 +31,7 @@ from dsv4_common.api.rank_config import (
     rank_config_to_dict,
     router_config_to_dict,
 )
+from dsv4_common.plan.threads import torch_threads
 from dsv4_local.deployment import Deployment
 
 __all__ = [
@@ -89,8 +90,12 @@ def build_launch_plan(
     router_port: int | None,
     allocate_ports: PortAllocator,
     python: str = sys.executable,
+    cpus: float | None = None,
 ) -> LaunchPlan:
-    """`router_port`: None = the CR's `spec.router.port`, 0 = any free port."""
+    """`router_port`: None = the CR's `spec.router.port`, 0 = any free port. `cpus`: the
+    cores this machine lends the deployment; every worker rank's rank config gets the torch
+    threads of an equal share (None: each worker decides from all it sees, and they
+    oversubscribe)."""
     spec = deployment.spec
     fixed_port = spec.router.port if router_port is None else router_port
     groups = [
@@ -99,6 +104,7 @@ def build_launch_plan(
         for replica in range(spec.role(role).replicas)
     ]
     rank_count = sum(pp_size for _, _, pp_size in groups)
+    threads = None if cpus is None else torch_threads(cpus / rank_count)
     free = _allocate(
         allocate_ports,
         PORTS_PER_RANK * rank_count + 1 + (1 if fixed_port == 0 else 0),
@@ -132,6 +138,7 @@ def build_launch_plan(
                 peers_host_template=HOST,
                 role_services={r: HOST for r in WORKER_ROLES},
                 ports=ports,
+                torch_threads=threads,
             )
             processes.append(process)
             path = process.config_dir / rank_config_key(role, pp_rank)

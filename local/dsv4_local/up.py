@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import tempfile
@@ -62,7 +63,11 @@ def run(args: argparse.Namespace) -> int:
         _check_router_port(deployment, args.port)
         workdir = _workdir(args.workdir)
         plan = build_launch_plan(
-            deployment, workdir, router_port=args.port, allocate_ports=free_ports
+            deployment,
+            workdir,
+            router_port=args.port,
+            allocate_ports=free_ports,
+            cpus=len(os.sched_getaffinity(0)),  # shared out: the workers run side by side
         )
         write_workdir(plan)
     except UpError as exc:

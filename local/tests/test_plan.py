@@ -226,3 +226,22 @@ def test_write_workdir_writes_every_document_and_the_log_dir(tmp_path: Path) -> 
     assert plan.log_dir.is_dir()
     for path, doc in plan.documents.items():
         assert json.loads(path.read_text()) == doc
+
+
+@pytest.mark.parametrize(("cpus", "expected"), [(None, None), (2, 1), (16, 4), (64, 20)])
+def test_every_rank_gets_the_threads_of_an_equal_share_of_the_cores(
+    cpus: float | None, expected: int | None
+) -> None:
+    """3 worker ranks (2 prefill, 1 decode) side by side on one machine: each gets the torch
+    threads of cpus / 3 (one core of each share kept for its own threads), not all it sees."""
+    d = deployment(prefill={"replicas": 2}, decode={"replicas": 1})
+    plan = build_launch_plan(
+        d, WORKDIR, router_port=None, allocate_ports=FakePorts(), python="/py", cpus=cpus
+    )
+    configs = [
+        parse_rank_config(doc)
+        for path, doc in plan.documents.items()
+        if path.parent.name != "router"
+    ]
+    assert len(configs) == 3
+    assert {c.torch_threads for c in configs} == {expected}
