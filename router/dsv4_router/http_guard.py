@@ -169,6 +169,14 @@ async def read_body(request: web.Request) -> bytes:
         raise body_too_large(limits.max_body_bytes) from exc
     except (HttpProcessingError, RequestPayloadError) as exc:
         raise BodyError(400, f"the body is malformed: {one_line(str(exc))}") from exc
+    except RuntimeError as exc:
+        # aiohttp's "Connection closed." when the connection ends under the read (a client
+        # that left, or one the connection bound evicted) before the handler is cancelled:
+        # the middleware's one-line "aborted", not a traceback.
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the connection closed while its body was read") from exc
+        raise
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
