@@ -181,49 +181,52 @@ def build_network_policy(
     workers = L.component_selector(meta.name, "worker")
     router = L.component_selector(meta.name, "router")
     observed_port = WORKER_PORTS[observed_port_name(sglang)]
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": object_meta(
-            meta, L.network_policy_name(meta.name), L.component_labels(meta.name, "worker")
-        ),
-        "spec": {
-            "podSelector": {"matchLabels": workers},
-            "policyTypes": ["Ingress"],
-            "ingress": [
-                {"from": [{"podSelector": {"matchLabels": workers}}]},
-                {
-                    "from": [{"podSelector": {"matchLabels": router}}],
-                    "ports": [
-                        {"protocol": "TCP", "port": HTTP_PORT},
-                        {"protocol": "TCP", "port": STATUS_PORT},
-                    ],
-                },
-                operator_ingress(observed_port),
-                *metrics_ingress(scrape_namespace, sglang=sglang),
-            ],
-        },
-    }
+    return _ingress_policy(
+        meta,
+        L.network_policy_name(meta.name),
+        "worker",
+        [
+            {"from": [{"podSelector": {"matchLabels": workers}}]},
+            {
+                "from": [{"podSelector": {"matchLabels": router}}],
+                "ports": [
+                    {"protocol": "TCP", "port": HTTP_PORT},
+                    {"protocol": "TCP", "port": STATUS_PORT},
+                ],
+            },
+            operator_ingress(observed_port),
+            *metrics_ingress(scrape_namespace, sglang=sglang),
+        ],
+    )
 
 
 def build_router_network_policy(meta: DeploymentMeta, scrape_namespace: str = "") -> Obj:
     """Router ingress: clients from anywhere on the serving port (`http`), the operator (any
     namespace) and the metrics scrapers' namespace (when given) on `status` (/status,
     /metrics). Everything else is denied."""
-    router = L.component_selector(meta.name, "router")
+    return _ingress_policy(
+        meta,
+        L.router_network_policy_name(meta.name),
+        "router",
+        [
+            {"ports": [{"protocol": "TCP", "port": "http"}]},
+            operator_ingress("status"),
+            *metrics_ingress(scrape_namespace),  # the router's /metrics is on `status`
+        ],
+    )
+
+
+def _ingress_policy(
+    meta: DeploymentMeta, name: str, component: L.Component, rules: list[Obj]
+) -> Obj:
+    """A NetworkPolicy admitting only `rules` into the pods of `component`."""
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": object_meta(
-            meta, L.router_network_policy_name(meta.name), L.component_labels(meta.name, "router")
-        ),
+        "metadata": object_meta(meta, name, L.component_labels(meta.name, component)),
         "spec": {
-            "podSelector": {"matchLabels": router},
+            "podSelector": {"matchLabels": L.component_selector(meta.name, component)},
             "policyTypes": ["Ingress"],
-            "ingress": [
-                {"ports": [{"protocol": "TCP", "port": "http"}]},
-                operator_ingress("status"),
-                *metrics_ingress(scrape_namespace),  # the router's /metrics is on `status`
-            ],
+            "ingress": rules,
         },
     }
