@@ -52,7 +52,8 @@ from dsv4_worker.mem.errors import (
     RequestTooLong,
     Verdict,
 )
-from dsv4_worker.mem.held import held_by_batch, held_by_one
+from dsv4_worker.mem.held import held_by_batch
+from dsv4_worker.mem.host_free import free_one, host_views
 from dsv4_worker.mem.integrity import check_kv_allocator
 from dsv4_worker.mem.page_allocator import PageAllocator
 from dsv4_worker.mem.page_math import PageMath
@@ -103,6 +104,8 @@ class KVAllocator:
         self.scratch = BatchScratch(slots, dev)
         # CPU: reading a scalar costs no device sync, and gathers check their own bounds.
         self._host = self.device.type == "cpu"
+        # NOTE: one request's free on the CPU runs in numpy over views of this state.
+        self._host_views = host_views(self) if self._host else None
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -161,26 +164,26 @@ class KVAllocator:
     def free_checked(self, slots: Tensor) -> None:
         """`free` of a non-empty int64 vector on this device (the boundary checked its type);
         ranges, ownership and repeats are still checked here."""
-        if slots.numel() == 1:
+        if slots.numel() == 1 and self._host_views is not None:
             slot = int(slots)
             check_bounds(slot, slot, 1, self.config.num_request_slots, "free: request slots")
-            held = held_by_one(self, slots, slot)
-        else:
-            held = held_by_batch(self, slots, self._checked_num_tokens("free", slots))
-        owners = self.full.claim(held.pages, held.owners)
+            free_one(self, self._host_views, slot)
+            return
+        held = held_by_batch(self, slots, self._checked_num_tokens("free", slots))
+        # NOTE: the claim proves the full pages distinct, so SWA pages each owned by one of
+        # them are distinct too: their pool checks owners only.
+        claimed = self.full.claim(held.pages, held.owners)
         try:
-            self.swa.claim(held.swa_pages, held.swa_owners)
+            self.swa.check_owners(held.swa_pages, held.swa_owners)
         except OwnershipError:
-            self.full.unclaim(held.pages, owners)
+            self.full.unclaim(held.pages, claimed)
             raise
-        # All checks passed: mutate (the table entries last: `pages` may be a view of them).
-        self.swa.release_claimed(held.swa_pages)
-        self.full_to_swa.index_fill_(0, held.pages, 0)
+        # All checks passed: mutate. Only the mapped pages' entries are cleared: the others
+        # read 0 (`held_by_batch` checks).
+        self.swa.release_owned(held.swa_pages)
+        self.full_to_swa.index_fill_(0, held.swa_owners, 0)
         self.full.release_claimed(held.pages)
-        if held.table_index is None:
-            held.pages.fill_(0)
-        else:
-            self.table_flat.index_fill_(0, held.table_index, 0)
+        self.table_flat.index_fill_(0, held.table_index, 0)
         self.num_tokens.index_fill_(0, slots, CLOSED)
         self.swa_start_tokens.index_fill_(0, slots, 0)
         self.next_slot.index_fill_(0, slots, 0)
