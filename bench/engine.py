@@ -2,12 +2,15 @@
 table; not a test).
 
     .venv/bin/python bench/engine.py [--device cpu|cuda] [--steps N] [--rounds R]
+        [--penalties] [--vocab V]
 
 `running` requests decode together (tiny's layout, page 16); each cell is the median over
 `--rounds` rounds of the median step time of `--steps` steps, the best round in brackets.
 What is timed: plan_step over every request's view, the allocator's decode (with its page
 rollovers), sampling bookkeeping and window eviction: everything the engine does besides the
-forward.
+forward. `--penalties`: every request also has the logit processors (presence, frequency and
+repetition penalties, a logit_bias, min_tokens; greedy, so what is timed is the processors,
+not the per-request draw of sampled requests) over logits of `--vocab` tokens (default: tiny's).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ class NoOpModel:
         return self._logits[rows]
 
 
-def build(running: int, steps: int, device: torch.device) -> Engine:
+def build(running: int, steps: int, device: torch.device, vocab: int | None = None) -> Engine:
     model = tiny()
     tokens = PROMPT_TOKENS + steps + 8
     pages = running * (-(-tokens // PAGE) + 1) + 8
@@ -69,13 +72,33 @@ def build(running: int, steps: int, device: torch.device) -> Engine:
         chunk_tokens=running * PROMPT_TOKENS,
         max_tokens_per_request=config.max_tokens_per_request,
     )
-    return Engine(NoOpModel(memory, model.weights.vocab_size), sched)  # type: ignore[arg-type]
+    logits = NoOpModel(memory, vocab or model.weights.vocab_size)
+    return Engine(logits, sched)  # type: ignore[arg-type]
 
 
-def round_median_ms(running: int, steps: int, device: torch.device) -> float:
-    eng = build(running, steps, device)
-    for _ in range(running):
-        eng.submit([2] * PROMPT_TOKENS, SamplingParams(max_new_tokens=steps + 4))
+def processed(i: int, steps: int, vocab: int) -> SamplingParams:
+    """Request i's parameters with every logit processor on, greedy; a stop id it does not
+    reach in time (penalized tokens fall below the untouched zeros, taken from token 0 up)."""
+    return SamplingParams(
+        max_new_tokens=steps + 4,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        repetition_penalty=1.2,
+        logit_bias=((5, 2.0), (7 + i % 8, -1.0)),
+        min_tokens=4,
+        stop_token_ids=(vocab - 1,),
+    )
+
+
+def round_median_ms(
+    running: int, steps: int, device: torch.device, vocab: int | None = None
+) -> float:
+    eng = build(running, steps, device, vocab)
+    for i in range(running):
+        params = SamplingParams(max_new_tokens=steps + 4)
+        if vocab is not None:
+            params = processed(i, steps, vocab)
+        eng.submit([2] * PROMPT_TOKENS, params)
     eng.step()  # the prefill of every request
     times = []
     for _ in range(steps):
@@ -96,17 +119,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--running", type=int, nargs="*", default=[1, 64, 1024])
+    parser.add_argument("--penalties", action="store_true", help="every logit processor on")
+    parser.add_argument("--vocab", type=int, default=None, help="logits width (with --penalties)")
     parser.add_argument("--json", action="store_true", help="also print a @bench-json line")
     args = parser.parse_args()
     torch.set_num_threads(1)
     device = torch.device(args.device)
-    print(f"engine step overhead (no-op model), device={device}, page={PAGE}, torch threads 1")
+    vocab = (args.vocab or tiny().weights.vocab_size) if args.penalties else None
+    what = f", penalties over vocab {vocab}" if vocab else ""
+    print(
+        f"engine step overhead (no-op model), device={device}, page={PAGE}, torch threads 1{what}"
+    )
     print(f"{'running':>8}  {'ms/step (median of rounds)':>27}  {'best round':>10}")
     figures = []
     for running in args.running:
-        rounds = [round_median_ms(running, args.steps, device) for _ in range(args.rounds)]
+        rounds = [round_median_ms(running, args.steps, device, vocab) for _ in range(args.rounds)]
         print(f"{running:>8}  {statistics.median(rounds):>27.3f}  {min(rounds):>10.3f}")
-        figures.append(Figure(f"step, {running} running", statistics.median(rounds), "ms", "lower"))
+        name = f"step, {running} running" + (" with penalties" if vocab else "")
+        figures.append(Figure(name, statistics.median(rounds), "ms", "lower"))
     if args.json:
         emit("engine", figures)
 

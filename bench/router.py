@@ -18,10 +18,11 @@ rotates every round so they share the machine's noise; figures are medians over 
   once and the rest `--stream-gap-ms` later, so a relay that holds the first event back (say,
   Nagle's algorithm meeting a delayed ACK on a kept-alive connection) shows here. Added =
   minus direct.
-- cpu us/req: the router process's user+system CPU time per answered request, warm-up
-  included (/proc/PID/stat; sglang-router's threads included): what a request costs, less
-  sensitive to a shared machine than requests/s. Ours is one thread; sglang-router's runtime
-  has several, so on a busy machine it also gets a larger share of the cores.
+- cpu us/req: the router's user+system CPU time per answered request, warm-up included
+  (/proc/PID/stat of the process and its child processes; sglang-router's threads included):
+  what a request costs, less sensitive to a shared machine than requests/s. Ours runs
+  `--router-processes` processes (default: one per CPU, at most 4; `--processes N` adds a
+  target with N); sglang-router's runtime has several threads.
 
 Then ours / each other router, per round and medians. `--variant NAME=PYTHONPATH` adds our
 router run from another tree's package directories (e.g. the last commit's, extracted with
@@ -104,9 +105,19 @@ def _wait_serving(port: int, proc: subprocess.Popen[bytes], log: Path, what: str
 
 
 def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process, its threads included."""
+    """User + system CPU seconds of a process and its running child processes (a router of
+    several processes), threads included."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS_PER_S
+    own = (int(fields[11]) + int(fields[12])) / TICKS_PER_S
+    return own + sum(_cpu_s(child) for child in _children(pid))
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            out += [int(c) for c in (task / "children").read_text().split()]
+    return out
 
 
 class Procs:
@@ -144,14 +155,21 @@ def start_stub(procs: Procs, stream_gap_ms: float) -> dict[str, int]:
 
 
 def start_ours(
-    procs: Procs, ports: dict[str, int], name: str = "ours", pythonpath: str | None = None
+    procs: Procs,
+    ports: dict[str, int],
+    name: str = "ours",
+    pythonpath: str | None = None,
+    processes: int | None = None,
 ) -> Target:
     """`dsv4 serve --role router` in front of the stub; `pythonpath` first on its path (a
-    variant: another tree's package directories)."""
+    variant: another tree's package directories); `processes`: its --router-processes (None:
+    its default)."""
     port = _free_port()
     api = ports["api"]
     argv = [sys.executable, "-m", "dsv4_common.cli", "serve", "--role", "router"]
     argv += ["--host", HOST, "--port", str(port)]
+    if processes is not None:
+        argv += ["--router-processes", str(processes)]
     argv += ["--instance", f"prefill={HOST}:{api}:{ports['prefill_status']}:1"]
     argv += ["--instance", f"decode={HOST}:{api}:{ports['decode_status']}:1"]
     env = dict(os.environ)
@@ -409,6 +427,14 @@ def main() -> int:
         help="also our router from another tree (its package directories), e.g. the commit "
         "before (bench/README.md)",
     )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        action="append",
+        default=[],
+        metavar="N",
+        help="also our router with --router-processes N, as target ours_pN (repeatable)",
+    )
     parser.add_argument("--json", action="store_true", help="also print a @bench-json line")
     args = parser.parse_args()
     cells = _cells([int(c) for c in args.connections.split(",")], args.modes.split(","))
@@ -418,6 +444,7 @@ def main() -> int:
         ports = start_stub(procs, args.stream_gap_ms)
         targets = [Target(DIRECT, ports["api"], None), start_ours(procs, ports)]
         targets += [start_ours(procs, ports, name, paths) for name, paths in args.variant]
+        targets += [start_ours(procs, ports, f"ours_p{n}", processes=n) for n in args.processes]
         if missing is None:
             targets.append(start_sglang(procs, args.sglang_python, ports))
         load = Load(procs)

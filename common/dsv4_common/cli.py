@@ -264,7 +264,29 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="torch intra-op threads (default: the rank config's, else the CPUs this process "
         "may use less one for its own threads; see dsv4_common.plan.threads)",
     )
+    p.add_argument(
+        "--drain-timeout-s",
+        type=_positive_float,
+        default=None,
+        help="worker: after SIGTERM, requests in flight get this long to finish before they "
+        "are aborted with an error (default 20; a second signal ends the drain at once)",
+    )
     _add_sizing_args(p)
+    queue = p.add_argument_group("admission (worker)")
+    queue.add_argument(
+        "--max-queue-requests",
+        type=_positive_int,
+        default=None,
+        help="requests that may wait for the engine at once; past it a request gets 503 + "
+        "Retry-After at once (default: the rank config's, else 2 x max running requests)",
+    )
+    queue.add_argument(
+        "--queue-timeout-s",
+        type=_positive_float,
+        default=None,
+        help="a request not scheduled this long after it arrived is removed and answered "
+        "503 + Retry-After (default: the rank config's, else 5)",
+    )
     http = p.add_argument_group("HTTP clients (worker and router)")
     http.add_argument(
         "--http-idle-timeout-s",
@@ -344,6 +366,14 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=[],
         metavar="ROLE=HOST:HTTP:STATUS:KV",
         help="router: a prefill or decode instance (repeat for each)",
+    )
+    pd.add_argument(
+        "--router-processes",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="router: N processes serving one port, each with its own event loop (default: "
+        "one per CPU this process may use, at most 4)",
     )
 
 

@@ -191,6 +191,28 @@ def test_a_killed_decode_is_restarted_while_the_others_keep_serving(tmp_path: Pa
         stop_and_check_no_orphans(handle, signal.SIGTERM)
 
 
+def test_a_killed_prefill_is_restarted_and_the_running_decode_serves_it(tmp_path: Path) -> None:
+    """#25 item 2: the decode, not restarted, handshakes with the new prefill process (before,
+    every request through it got 502 "no handshake" until the decode itself restarted)."""
+    with up("tiny-pd.yaml", tmp_path) as handle:
+        api = handle.url("api", "router")
+        assert request(f"{api}/v1/completions", "POST", BODY)[0] == 200
+        before = handle.pids()
+        completions = [(f"{api}/v1/completions", "POST", BODY)]
+        with Sampler(completions) as clients:
+            os.kill(before["prefill-0"], signal.SIGKILL)
+            wait_until(lambda: "prefill-0 ready again" in handle.err(), "the restart", RECOVER_S)
+            wait_until(recovered(api), "a request to succeed again", RECOVER_S)
+        assert all("Retry-After=1" in t for _, s, t in clients.results if s in (502, 503)), (
+            clients.results
+        )
+        assert {s for _, s, _ in clients.results} <= {200, 502, 503}, clients.results
+        after = handle.pids()
+        assert after["prefill-0"] != before["prefill-0"]
+        assert after["decode-0"] == before["decode-0"] and after["router"] == before["router"]
+        stop_and_check_no_orphans(handle, signal.SIGTERM)
+
+
 def test_a_killed_pp_stage_restarts_its_whole_group(tmp_path: Path) -> None:
     with up("tiny-pp.yaml", tmp_path) as handle:
         api = handle.url("api", "router")

@@ -6,8 +6,9 @@ against SGLang's flags (the committed snapshot of the version the operator rende
 
 Refused: a flag SGLang does not know (abbreviations included: argparse would take them, but
 they hide which flag is meant), a flag the operator computes (`sglang_command.SERVER_FLAGS`,
-under any of its aliases), the few flags that would undo the plan (REFUSED), and a command line
-SGLang's parser rejects once engineArgs are appended (a bad value, a missing one).
+under any of its aliases, and `--served-model-name` when `spec.model.servedModelNames` is set),
+the few flags that would undo the plan (REFUSED), and a command line SGLang's parser rejects
+once engineArgs are appended (a bad value, a missing one).
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ from dsv4_common.api.deployment import MemoryPlan
 from dsv4_common.api.errors import SpecError
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec
 from dsv4_operator import labels as L
-from dsv4_operator.sglang_command import PP_RANK_ENV, SERVER_FLAGS, expand, server_args
+from dsv4_operator.sglang_command import (
+    PP_RANK_ENV,
+    SERVED_NAME_FLAG,
+    SERVED_NAME_SOURCE,
+    SERVER_FLAGS,
+    expand,
+    server_args,
+)
 from dsv4_operator.sglang_flags import (
     SGLANG_VERSION,
     SglangArgsError,
@@ -50,11 +58,14 @@ def _canonical(name: str) -> str | None:
     return None if info is None else str(info.dest)
 
 
-def _owned() -> dict[str, tuple[str, str]]:
+def _owned(spec: DeploymentSpec) -> dict[str, tuple[str, str]]:
     """dest -> (flag, what follows its name in the error), for every flag the operator computes
-    or refuses."""
+    (for this spec) or refuses."""
     out: dict[str, tuple[str, str]] = {}
-    for flag, source in SERVER_FLAGS.items():
+    computed = dict(SERVER_FLAGS)
+    if spec.model.served_model_names:
+        computed[SERVED_NAME_FLAG] = SERVED_NAME_SOURCE
+    for flag, source in computed.items():
         dest = _canonical(flag)
         assert dest is not None, f"{flag} is not an SGLang {SGLANG_VERSION} flag"
         out[dest] = (flag, f"is computed by the operator (from {source})")
@@ -71,7 +82,7 @@ def engine_args_errors(
     """Why the role's engineArgs cannot run (empty: they can)."""
     role_spec = spec.role(role)
     path = f"spec.{role}.engineArgs"
-    owned = _owned()
+    owned = _owned(spec)
     with_pp = {_canonical(f): (f, why) for f, why in REFUSED_WITH_PP.items()}
     errors: list[str] = []
     for i, arg in enumerate(role_spec.engine_args):

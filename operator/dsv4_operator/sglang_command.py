@@ -58,6 +58,10 @@ SERVER_FLAGS: Final = {
     "--mem-fraction-static": "spec.memFraction",
     "--enable-metrics": "always on",
 }
+# Set from spec.model.servedModelNames (one name: SGLang takes one) when the spec gives names;
+# without them engineArgs may set it.
+SERVED_NAME_FLAG: Final = "--served-model-name"
+SERVED_NAME_SOURCE: Final = "spec.model.servedModelNames"
 
 _VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
@@ -142,7 +146,8 @@ def server_args(
     replica: int,
 ) -> tuple[str, ...]:
     """The argv after SERVER_COMMAND for every PP rank of one group: the operator's flags (see
-    SERVER_FLAGS), then the role's engineArgs as written (engine_args.py checks them)."""
+    SERVER_FLAGS, and SERVED_NAME_FLAG), then the role's engineArgs as written (engine_args.py
+    checks them)."""
     role_spec = spec.role(role)
     figures = group_figures(memory.role(role))
     weights = spec.model.weights
@@ -174,6 +179,9 @@ def server_args(
         "--mem-fraction-static", repr(figures.mem_fraction),
         "--enable-metrics",
     ]  # fmt: skip
+    if spec.model.served_model_names:
+        (name,) = spec.model.served_model_names  # one with engine sglang (spec.py)
+        args += [SERVED_NAME_FLAG, name]
     return (*args, *role_spec.engine_args)
 
 

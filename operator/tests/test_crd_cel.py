@@ -115,6 +115,11 @@ PREDICATES: dict[tuple[str, str], Callable[[Any], bool]] = {
     ("spec", "self.engine.name != 'sglang' || has(self.model.weights)"): lambda s: (
         not _sglang(s) or "weights" in s["model"]
     ),
+    (
+        "spec",
+        "self.engine.name != 'sglang' || !has(self.model.servedModelNames) || "
+        "self.model.servedModelNames.size() == 1",
+    ): lambda s: not _sglang(s) or len(s["model"].get("servedModelNames", [0])) == 1,
     ("spec", "self.engine.name != 'sglang' || self.speculativeDraftTokens == 0"): lambda s: (
         not _sglang(s) or s["speculativeDraftTokens"] == 0
     ),

@@ -35,7 +35,6 @@ def with_args(make_body: Callable[..., Body], role: str, args: list[str], **spec
     "args",
     [
         [],
-        ["--served-model-name", "flash"],
         ["--decode-log-interval=40", "--enable-cache-report"],
         ["--watchdog-timeout", "-1"],
         ["--log-level", "debug", "--enable-dp-attention"],  # decode runs PP 1 in the sample
@@ -51,10 +50,24 @@ def test_sglang_flags_the_operator_leaves_alone_pass(
 def test_every_flag_the_operator_computes_is_refused_naming_it(
     make_body: Callable[..., Body], flag: str
 ) -> None:
-    args = ["--served-model-name", "flash", f"{flag}=1"]
+    args = ["--log-level", "info", f"{flag}=1"]
     assert errors_of(with_args(make_body, "decode", args)) == [
         f"spec.decode.engineArgs[2]: {flag} is computed by the operator (from {SERVER_FLAGS[flag]})"
     ]
+
+
+def test_served_model_name_is_the_specs_when_it_names_the_model(
+    make_body: Callable[..., Body],
+) -> None:
+    """The sample names its model (spec.model.servedModelNames): the operator passes it, so
+    engineArgs may not; without servedModelNames engineArgs may name it."""
+    body = with_args(make_body, "decode", ["--served-model-name", "flash"])
+    assert errors_of(body) == [
+        "spec.decode.engineArgs[0]: --served-model-name is computed by the operator "
+        "(from spec.model.servedModelNames)"
+    ]
+    del body["spec"]["model"]["servedModelNames"]
+    assert errors_of(body) == []
 
 
 @pytest.mark.parametrize(
@@ -100,7 +113,7 @@ def test_dp_attention_is_refused_only_with_pipeline_parallelism(
 
 @pytest.mark.parametrize(
     "args",
-    [["--decode-log-interval", "often"], ["--served-model-name"], ["--schedule-policy", "nope"]],
+    [["--decode-log-interval", "often"], ["--log-level"], ["--schedule-policy", "nope"]],
 )
 def test_a_command_line_sglangs_parser_rejects_is_refused(
     make_body: Callable[..., Body], args: list[str]

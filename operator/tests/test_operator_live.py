@@ -16,6 +16,7 @@ prunes unknown fields, as the API server would, so a status the CRD does not all
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -256,6 +257,30 @@ def test_rejected_specs_apply_no_workers_and_say_why_in_status(live: Live) -> No
         assert live.children(kind, api_version) == {}, kind
     writes = [r for r in live.server.requests if r.method in ("PATCH", "PUT", "POST")]
     assert not [r for r in writes if r.content_type == "application/apply-patch+yaml"]
+
+
+def test_served_model_names_reach_every_rank_config_and_bad_ones_are_refused(
+    live: Live,
+) -> None:
+    names = ["tiny-chat", "tiny"]
+    live.create_cr("tiny-cpu.yaml", model={"preset": "tiny", "servedModelNames": names})
+
+    def rank_configs() -> list[dict[str, Any]]:
+        config_map = live.children("ConfigMap", "v1").get("tiny-config") or {"data": {}}
+        keys = [k for k in config_map["data"] if "-rank-" in k]
+        return [json.loads(config_map["data"][k]) for k in keys]
+
+    configs = live.wait("the rank configs", rank_configs)
+    assert len(configs) == 3  # prefill PP 2, decode PP 1
+    assert all(c["model"]["served_model_names"] == names for c in configs)
+    # What a real API server refuses, the strict fake refuses: a repeated name (a list-type
+    # set), whitespace in a name (the pattern), two names for SGLang (a CEL rule).
+    for sample in ("served-names-duplicate", "served-name-with-space", "sglang-two-served-names"):
+        bad = yaml.safe_load((SAMPLES / "invalid" / f"{sample}.yaml").read_text())
+        bad["metadata"]["namespace"] = NS
+        with pytest.raises(ApiError, match=r"spec\.model\.servedModelNames") as refused:
+            live.server.create(bad)
+        assert refused.value.code == 422
 
 
 def test_deleting_the_cr_releases_the_finalizer(live: Live) -> None:

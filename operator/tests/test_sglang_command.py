@@ -205,6 +205,19 @@ def test_engine_args_follow_the_operators_flags_as_written() -> None:
     parse_server_args(list(argv))
 
 
+def test_the_specs_served_name_is_sglangs_served_model_name() -> None:
+    body = sglang_body("deepseek-v4-flash", 2)
+    body["spec"]["model"]["servedModelNames"] = ["flash"]
+    spec, meta = parse_spec(body), parse_meta(body)
+    for role in ("prefill", "decode"):
+        argv = server_args(spec, meta, plan_memory(spec), role, 0)  # type: ignore[arg-type]
+        assert parse_server_args(list(expand(argv, {PP_RANK_ENV: "0"}))).served_model_name == (
+            "flash"
+        )
+    plain, _, memory = planned("deepseek-v4-flash", 2, "nixl")
+    assert "--served-model-name" not in server_args(plain, meta, memory, "decode", 0)
+
+
 def test_every_operator_flag_is_an_sglang_flag() -> None:
     for flag in SERVER_FLAGS:
         assert server_flag(flag) is not None, flag

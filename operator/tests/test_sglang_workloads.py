@@ -115,6 +115,9 @@ def test_the_worker_runs_sglangs_server_with_the_rendered_command_line(
         assert worker["image"] == "lmsysorg/sglang:v0.5.23"
         assert worker["command"] == list(SERVER_COMMAND)
         assert worker["args"] == list(server_args(spec, meta, memory, role, replica))
+        # The sample's spec.model.servedModelNames, as SGLang's one served name.
+        served = worker["args"].index("--served-model-name")
+        assert worker["args"][served + 1] == "deepseek-v4-flash"
         env = env_of(worker)
         assert env["DSV4_PP_RANK"]["fieldRef"]["fieldPath"].endswith("pod-index']")
         assert env["SGLANG_HOST_IP"]["fieldRef"]["fieldPath"] == "status.podIP"

@@ -5,7 +5,9 @@ Routing rules:
 
 - Eligible instance: it is live (a `/status` parsed, and not `stale_after_misses` probes
   in a row missed over the grace: `liveness`), its last `/ready` answered 200, it reports the
-  role it is listed under, `load.accepting` is true, and (decode) `kv_ready` is true.
+  role it is listed under, `load.accepting` is true, its queue is not full (`load.waiting`, or
+  the router's own requests open there beyond its running slots, below
+  `load.max_queue_requests`: `choice.queue_full`), and (decode) `kv_ready` is true.
   Discovery probes every instance every `poll_interval_s`.
 - Pair: the prefill with the fewest queued requests (its `waiting` plus the router's requests
   sent since that status), then the most free full tokens; the decode with the most free full
@@ -20,8 +22,8 @@ Routing rules:
   failed, or no headers within `first_byte_timeout_s`) or 503 excludes the decode, 502 (the
   decode could not use the prefill) excludes the prefill, another 5xx excludes both.
 - Giving up: 503 with `Retry-After: 1` saying why (no ready prefill or decode, every ready
-  one busy or failed); 502 with the decode's message when the last attempt got a 5xx other
-  than 503.
+  one busy or failed), at once, counted by `dsv4_router_shed_requests{reason}`; 502 with
+  the decode's message when the last attempt got a 5xx other than 503.
 - Mid-stream: an upstream that breaks ends the stream with an SSE error event; a client that
   disconnects cancels its handler, which closes the upstream connection at once (the decode
   worker aborts the request and frees its pages).
@@ -30,25 +32,39 @@ Routing rules:
   shape, 404 and 405 included. Connections follow `settings.http` (timeouts, a bound).
 - A client that disconnects from a non-streaming request cancels its handler too, which
   closes the upstream connection while decode has not answered: the worker aborts it.
-- `/ready` is 200 iff at least one prefill and one decode are eligible. `/live`, `/ready`,
+- Draining (SIGTERM, `drain`): the listeners stay open, `/ready` answers 503 `draining` and
+  new completions 503 + Retry-After (code `draining`); open ones get `shutdown_timeout_s`,
+  then a stream ends with an error event and `[DONE]`, a request with no byte sent a 503.
+- `/ready` is 200 iff at least one prefill and one decode are eligible, and (several router
+  processes, `processes`) every process saw such a pair in its last discovery round, so a
+  client whose connection lands on any of them is served. `/live`, `/ready`,
   `/health`, `/metrics`, `/instances` and `/status` (JSON: readiness, every instance and its
   state, the settings; `views.router_status`) are also served on the status port.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 from aiohttp import web
 
 from dsv4_common.api.http_rules import BodyError
+from dsv4_common.api.lifecycle import DRAIN_CODE
 from dsv4_router.choice import InstanceTable, choose_pair, unavailable_reason
 from dsv4_router.config import RouterSettings
-from dsv4_router.http_guard import body_error_response, guarded_app, read_checked_body
+from dsv4_router.drain import CUT, REFUSED, RouterDrain
+from dsv4_router.errors import RETRY_AFTER_S
+from dsv4_router.http_guard import (
+    body_error_response,
+    guarded_app,
+    json_error,
+    read_checked_body,
+)
 from dsv4_router.metrics import CONTENT_TYPE, RouterMetrics
 from dsv4_router.proxy import Proxy
 from dsv4_router.views import instance_view, router_status
@@ -67,6 +83,8 @@ class RouterState:
     metrics: RouterMetrics
     proxy: Proxy
     clock: Callable[[], float]
+    process: int = 0  # which of the router's processes this is (`processes`)
+    drain: RouterDrain = field(default_factory=RouterDrain)  # set at SIGTERM (`serve`)
 
 
 def build_api_app(state: RouterState) -> web.Application:
@@ -74,12 +92,27 @@ def build_api_app(state: RouterState) -> web.Application:
     app = build_probe_app(state, probes_only=False)
 
     async def completion(request: web.Request) -> web.StreamResponse:
-        try:
-            body = await read_checked_body(request)  # the worker gets the client's exact bytes
-        except BodyError as exc:
-            state.metrics.count("client_error")
-            return body_error_response(exc)
-        return await state.proxy.completion(request, body)
+        if state.drain.draining:
+            state.metrics.count("unavailable")
+            return json_error(503, REFUSED, code=DRAIN_CODE, retry_after_s=RETRY_AFTER_S)
+        with state.drain.track():
+            try:
+                body = await read_checked_body(request)  # the worker gets the exact bytes
+            except BodyError as exc:
+                state.metrics.count("client_error")
+                return body_error_response(exc)
+            try:
+                return await state.proxy.completion(request, body)
+            except asyncio.CancelledError:
+                # Cut by the drain before any byte was sent: say so (a stream that had
+                # started ended with an error event in `proxy`).
+                if not state.drain.was_cut() or request.writer.output_size > 0:
+                    raise
+                task = asyncio.current_task()
+                assert task is not None
+                task.uncancel()
+                state.metrics.count("unavailable")
+                return json_error(503, CUT, code=DRAIN_CODE, retry_after_s=RETRY_AFTER_S)
 
     async def models(request: web.Request) -> web.StreamResponse:
         return await state.proxy.models(request)
@@ -104,9 +137,15 @@ def build_probe_app(state: RouterState, *, probes_only: bool = True) -> web.Appl
         return web.Response(text="ok\n")
 
     async def ready(_: web.Request) -> web.Response:
+        if state.drain.draining:
+            return web.Response(status=503, text=f"{DRAIN_CODE}\n")
         records, now_s = state.table.records(), state.clock()
         if choose_pair(records, now_s, state.settings.liveness) is not None:
-            return web.Response(text="ready\n")
+            if state.metrics.every_process_ready():
+                return web.Response(text="ready\n")
+            return web.Response(
+                status=503, text="not ready: another router process sees no pair yet\n"
+            )
         reason = unavailable_reason(records, now_s, state.settings.liveness)
         return web.Response(status=503, text=f"not ready: {reason}\n")
 
@@ -119,7 +158,9 @@ def build_probe_app(state: RouterState, *, probes_only: bool = True) -> web.Appl
         return web.json_response(views, dumps=lambda v: json.dumps(v, indent=2))
 
     async def status(_: web.Request) -> web.Response:
-        doc = router_status(state.table.records(), state.clock(), state.settings)
+        doc = router_status(
+            state.table.records(), state.clock(), state.settings, process=state.process
+        )
         return web.json_response(doc, dumps=lambda v: json.dumps(v, indent=2))
 
     app.router.add_get("/live", live)

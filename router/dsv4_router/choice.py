@@ -3,7 +3,10 @@
 
 Pure: records hold what discovery observed and what the router sent; every decision takes the
 clock as an argument. Whether an instance is live is `liveness`'s rule (consecutive missed
-probes and a grace), never the age of one status alone. Invariants: `choose_pair` returns only
+probes and a grace), never the age of one status alone. A ready instance whose queue is full
+(`queue_full`: what it reports, or the router's own open requests past its running slots) is
+`busy` and skipped; when no pair is left the router sheds at once (`unavailable`: 503 +
+Retry-After with a reason label). Invariants: `choose_pair` returns only
 eligible, non-excluded instances of the right roles, and returns None only when no such pair
 exists; ties fall to the lowest address, so the choice never depends on record order.
 """
@@ -22,6 +25,11 @@ from dsv4_router.liveness import Liveness, LivenessRule, ProbeOutcome, observe, 
 # `busy` is a fresh, ready instance that refuses work now (not accepting); the metric folds it
 # into `unready`.
 Health = Literal["eligible", "busy", "unready", "stale"]
+# Why the router found no pair (the `reason` label of `dsv4_router_shed_requests`): `busy`
+# every ready instance of a role is full; `unavailable` a role has no ready instance; `failed`
+# every ready one failed this request; `upstream_shed` the last decode tried answered 503.
+ShedReason = Literal["busy", "unavailable", "failed", "upstream_shed"]
+SHED_REASONS: Final[tuple[ShedReason, ...]] = ("busy", "unavailable", "failed", "upstream_shed")
 MetricState = Literal["eligible", "unready", "stale"]
 METRIC_STATES: Final[tuple[MetricState, ...]] = ("eligible", "unready", "stale")
 
@@ -121,7 +129,22 @@ def assess(record: InstanceRecord, now_s: float, rule: LivenessRule) -> tuple[He
         return "unready", "KV transfer not ready"
     if not status.load.accepting:
         return "busy", "not accepting requests"
+    if queue_full(record):
+        return "busy", "its queue is full"
     return "eligible", ""
+
+
+def queue_full(record: InstanceRecord) -> bool:
+    """The instance's queue is at its bound: as it reported, or as the router's own requests
+    open there now beyond its running slots count it (fresher than any status). False when
+    it reports no bound."""
+    status = record.status
+    assert status is not None, "only records with a status are judged"
+    bound = status.load.max_queue_requests
+    if bound <= 0:
+        return False
+    beyond_slots = record.inflight - status.max_running_requests
+    return max(status.load.waiting, beyond_slots) >= bound
 
 
 def metric_state(health: Health) -> MetricState:
@@ -216,6 +239,17 @@ def unavailable_reason(
     excluded: frozenset[Instance] = frozenset(),
 ) -> str:
     """Why `choose_pair` found nothing (for the 503 message); "" if it would find a pair."""
+    return unavailable(records, now_s, rule, excluded)[1]
+
+
+def unavailable(
+    records: Iterable[InstanceRecord],
+    now_s: float,
+    rule: LivenessRule,
+    excluded: frozenset[Instance] = frozenset(),
+) -> tuple[ShedReason, str]:
+    """Why `choose_pair` found nothing: the reason label and the message ("" if it would find
+    a pair; the label is then meaningless)."""
     pool = list(records)
     for role in WORKER_ROLES:
         of_role = [r for r in pool if r.role == role]
@@ -224,13 +258,13 @@ def unavailable_reason(
         if "eligible" in usable:
             continue
         if not of_role:
-            return f"no {role} instance is known"
+            return "unavailable", f"no {role} instance is known"
         if "eligible" in health:
-            return f"every ready {role} instance failed this request"
+            return "failed", f"every ready {role} instance failed this request"
         if "busy" in usable:
-            return f"every ready {role} instance is busy"
-        return f"no ready {role} instance"
-    return ""
+            return "busy", f"every ready {role} instance is busy"
+        return "unavailable", f"no ready {role} instance"
+    return "unavailable", ""
 
 
 class InstanceTable:

@@ -16,7 +16,7 @@ from typing import Final
 
 from dsv4_common.api.documents import DocumentError
 from dsv4_common.api.http_rules import HttpLimits, http_limits
-from dsv4_common.api.lifecycle import DRAIN_S
+from dsv4_common.api.lifecycle import ROUTER_DRAIN_S
 from dsv4_common.api.names import WORKER_ROLES, WorkerRole
 from dsv4_common.api.rank_config import (
     ROUTER_CONFIG_KEY,
@@ -30,6 +30,7 @@ QUICK_HOST: Final = "127.0.0.1"
 DEPLOYED_HOST: Final = "0.0.0.0"
 INSTANCE_FORM: Final = "ROLE=HOST:HTTP:STATUS:KV"
 MAX_PORT: Final = 65535
+MAX_DEFAULT_PROCESSES: Final = 4
 _ROLE_NAMES: Final[dict[str, WorkerRole]] = {role: role for role in WORKER_ROLES}
 
 
@@ -68,8 +69,9 @@ class RouterSettings:
     # Decode sends its headers with the first token, so this covers the whole prefill.
     first_byte_timeout_s: float = 600.0
     max_attempts: int = 3  # pairs tried per request
-    shutdown_timeout_s: float = DRAIN_S  # open streams get this long after SIGTERM
+    shutdown_timeout_s: float = ROUTER_DRAIN_S  # open streams get this long after SIGTERM
     http: HttpLimits = field(default_factory=HttpLimits)  # timeouts, body size, connections
+    processes: int | None = None  # router processes on the port (None: `default_processes`)
     # What set the ports, for errors ("--port", "<dir>/router.json: router_config.port").
     port_name: str = "--port"
     status_port_name: str = "router_config.status_port"
@@ -84,20 +86,36 @@ class RouterSettings:
         )
 
 
+def default_processes(cpus: float) -> int:
+    """Router processes when `--router-processes` is not given: one per whole CPU this
+    process may use, at most MAX_DEFAULT_PROCESSES (each process costs a discovery loop and
+    its memory; past a few, the workers, not the router, are the limit)."""
+    return max(1, min(MAX_DEFAULT_PROCESSES, int(cpus)))
+
+
 def settings_from_args(args: argparse.Namespace) -> RouterSettings:
     config_dir: str | None = getattr(args, "config_dir", None)
     flags: Sequence[str] = getattr(args, "instance", None) or []
     host: str | None = getattr(args, "host", None)
     http = _http_limits(args)
+    processes: int | None = getattr(args, "router_processes", None)
+    if processes is not None and processes < 1:
+        raise ConfigError(f"--router-processes: must be >= 1, got {processes}")
     if config_dir is not None:
         if flags:
             raise ConfigError("--instance: not with --config-dir (router.json lists the roles)")
-        return replace(_deployed(Path(config_dir), host or DEPLOYED_HOST), http=http)
+        deployed = _deployed(Path(config_dir), host or DEPLOYED_HOST)
+        return replace(deployed, http=http, processes=processes)
     port = getattr(args, "port", 8000)
     if not isinstance(port, int) or not 0 <= port <= MAX_PORT:
         raise ConfigError(f"--port: must be in 0..{MAX_PORT}, got {port!r}")
     return RouterSettings(
-        host=host or QUICK_HOST, port=port, status_port=None, roles=_quick_roles(flags), http=http
+        host=host or QUICK_HOST,
+        port=port,
+        status_port=None,
+        roles=_quick_roles(flags),
+        http=http,
+        processes=processes,
     )
 
 

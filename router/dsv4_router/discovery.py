@@ -73,8 +73,11 @@ class Discovery:
         liveness: LivenessRule,
         clock: Callable[[], float] = time.monotonic,
         resolve: Resolver = resolve_host,
+        after_round: Callable[[], None] = lambda: None,
     ) -> None:
+        """`after_round`: called after every round (on the event loop)."""
         self._table = table
+        self._after_round = after_round
         self._roles = roles
         self._session = session
         self._poll_interval_s = poll_interval_s
@@ -100,6 +103,7 @@ class Discovery:
         records = self._table.records()
         await asyncio.gather(*(self._poll(r) for r in records))
         self._log_changes(records)
+        self._after_round()
 
     async def refresh(self) -> None:
         for role, targets in self._roles.items():

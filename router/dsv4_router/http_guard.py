@@ -11,8 +11,10 @@ are light, aiohttp only).
   `read_checked_body`: the same checks, the bytes as they came (what a proxy forwards).
 - `make_runner(app)`: handlers are cancelled when their client disconnects (that is what
   aborts a request and frees its pages, streaming or not); idle_timeout_s is aiohttp's
-  keep-alive timeout, which also closes a connection whose headers have not arrived by then;
-  aiohttp's own 400s for malformed HTTP log one line.
+  keep-alive timeout, which also closes a connection whose headers have not arrived by then.
+- `new_protocol(server)`: the connection protocol the listener (`http_listen`) hands out; the
+  answers aiohttp writes itself (400 for malformed HTTP, 500/504 past a handler) are
+  OpenAI-shaped JSON too, and malformed HTTP logs one line.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any, Final
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
+from aiohttp.web_request import BaseRequest
 
 from dsv4_common.api.http_rules import (
     BodyError,
@@ -221,12 +225,20 @@ def _middleware(guard: Guard) -> Any:
             if guard.evicted_handlers:
                 guard.evicted_handlers.discard(protocol)
         if response.status >= 400:
-            level = logging.WARNING if response.status >= 500 else logging.INFO
             where = _where(request)
+            level = _log_level(response)
             guard.log.log(level, "%s -> %d: %s", where, response.status, _message(response))
         return response
 
     return guarded
+
+
+def _log_level(response: web.StreamResponse) -> int:
+    """A shed request (503 + Retry-After) is expected under load and counted by the shed
+    metrics: a line for each would flood the log exactly when the process is busiest."""
+    if response.status == 503 and "Retry-After" in response.headers:
+        return logging.DEBUG
+    return logging.WARNING if response.status >= 500 else logging.INFO
 
 
 def _where(request: web.Request) -> str:
@@ -269,6 +281,41 @@ class _ClientFaultLog(logging.LoggerAdapter):  # type: ignore[type-arg]
             self.info("%s: %d %s", text, exc.code, one_line(exc.message))
             return
         super().exception(msg, *args, exc_info=exc_info, **kw)
+
+
+class JsonErrorProtocol(RequestHandler):
+    """aiohttp's connection protocol, whose own error answers are OpenAI-shaped JSON: what it
+    writes without reaching the app (malformed HTTP: a bad request line, header or chunk
+    size) and past a handler (an uncaught exception: 500, a timeout: 504). Same layout as
+    its base (no new slots)."""
+
+    __slots__ = ()
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if isinstance(exc, HttpProcessingError) and status < 500:  # the client's fault
+            reason = one_line(exc.message or message or "")
+            text = f"malformed HTTP request: {reason}"
+            self.logger.info("malformed HTTP from %s: %d %s", request.remote, status, reason)
+        else:  # a real failure on our side: its traceback belongs in the log
+            self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
+            text = HTTPStatus(status).description
+        if request.writer.output_size > 0:  # as aiohttp: nothing more can be said
+            raise ConnectionError("the response was sent already; cannot send an error")
+        response = json_error(status, text)
+        response.force_close()
+        return response
+
+
+def new_protocol(server: web.Server) -> RequestHandler:
+    """A protocol for one new connection to `server` (what `server()` builds, answering its
+    own errors in JSON)."""
+    return JsonErrorProtocol(server, loop=asyncio.get_running_loop(), **server._kwargs)
 
 
 def make_runner(app: web.Application, *, shutdown_timeout_s: float = 20.0) -> web.AppRunner:

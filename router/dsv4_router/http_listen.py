@@ -19,7 +19,7 @@ from aiohttp import web
 from aiohttp.web_runner import BaseRunner
 
 from dsv4_common.api.http_rules import OpenConnection, admit, error_document
-from dsv4_router.http_guard import ACCEPT_BATCH, GUARD, Guard
+from dsv4_router.http_guard import ACCEPT_BATCH, GUARD, Guard, new_protocol
 
 LISTEN_BACKLOG: Final = 1024
 REFUSED: Final = (
@@ -46,9 +46,12 @@ def raise_fd_limit() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
-def bind(host: str, port: int, flag: str = "--port") -> list[socket.socket]:
+def bind(
+    host: str, port: int, flag: str = "--port", *, reuse_port: bool = False
+) -> list[socket.socket]:
     """Listening sockets on every address `host` resolves to, all on one port (`port` 0: a
-    free one). ListenError names `--host` or `flag`."""
+    free one). ListenError names `--host` or `flag`. `reuse_port`: SO_REUSEPORT, so that
+    more sockets can be bound to the same port (the kernel spreads connections over them)."""
     try:
         infos = socket.getaddrinfo(
             host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
@@ -62,6 +65,8 @@ def bind(host: str, port: int, flag: str = "--port") -> list[socket.socket]:
             sock = socket.socket(family, kind, proto)
             sockets.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             if port == 0 and len(sockets) > 1:  # the same free port on every address
@@ -137,7 +142,7 @@ class GuardedSite(web.BaseSite):
             live[i].force_close()
         if decision.evict:
             guard.note(evicted=len(decision.evict))
-        handler = server()
+        handler = new_protocol(server)
         guard.opened_s[handler] = now_s
         guard.fresh.append(handler)
         return handler

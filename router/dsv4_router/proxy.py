@@ -10,6 +10,8 @@ a failure excludes and what the client gets when every attempt failed are the pu
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import Callable, Iterable
@@ -24,12 +26,14 @@ from dsv4_common.api.rank_config import Instance
 from dsv4_router.choice import (
     InstanceTable,
     Pair,
+    ShedReason,
     choose,
     choose_pair,
     host_port,
-    unavailable_reason,
+    unavailable,
 )
 from dsv4_router.config import RouterSettings
+from dsv4_router.drain import CUT
 from dsv4_router.errors import error_body, error_response, upstream_message
 from dsv4_router.metrics import Outcome, RouterMetrics
 from dsv4_router.upstream import Answer, Upstream
@@ -87,11 +91,20 @@ def failure_exclusions(pair: Pair, status: int | None) -> tuple[Instance, ...]:
 
 def give_up_status(failures: list[Failure]) -> int:
     """502 when the last attempt got an upstream error other than 503 (its message is passed
-    on); otherwise 503 with Retry-After: nothing was free, or the decode was busy or gone."""
+    on); otherwise 503: nothing was free, or the decode was busy or gone. Both carry
+    Retry-After (the next attempt may find a healed or another pair)."""
     last = failures[-1] if failures else None
     if last is not None and last.status is not None and last.status != 503:
         return 502
     return 503
+
+
+def shed_reason(failures: list[Failure], found: ShedReason) -> ShedReason:
+    """The label of a 503 the router gives: `upstream_shed` when the last decode tried shed
+    the request itself (503), else why no pair was left."""
+    if failures and failures[-1].status == 503:
+        return "upstream_shed"
+    return found
 
 
 def returned_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
@@ -156,7 +169,7 @@ class Proxy:
                 records, now_s = self._table.records(), self._clock()
                 pair = choose_pair(records, now_s, settings.liveness, frozenset(excluded))
                 if pair is None:
-                    reason = unavailable_reason(
+                    shed, reason = unavailable(
                         records, now_s, settings.liveness, frozenset(excluded)
                     )
                     break
@@ -172,8 +185,10 @@ class Proxy:
                 failures.append(result)
                 excluded.update(result.excluded)
             else:
-                reason = f"{settings.max_attempts} attempts failed"
+                shed, reason = "failed", f"{settings.max_attempts} attempts failed"
             response, outcome = _give_up(failures, reason)
+            if outcome == "unavailable":
+                self._metrics.shed(shed_reason(failures, shed))
             return response
         finally:
             self._metrics.count(outcome)
@@ -250,6 +265,11 @@ class Proxy:
         while True:
             try:
                 chunk = await upstream.read_chunk()
+            except asyncio.CancelledError:  # the drain cut it (or the client left: no one reads)
+                event = json.dumps(error_body(CUT, "server_error"))
+                if await _write_quietly(response, f"data: {event}\n\ndata: [DONE]\n\n".encode()):
+                    await _end_quietly(response)
+                raise
             except OSError as exc:
                 log.warning("%s: stream broke: %s", where, exc or type(exc).__name__)
                 message = f"{where}: the stream broke: {exc or type(exc).__name__}"
@@ -295,10 +315,16 @@ class Proxy:
 
 def _give_up(failures: list[Failure], reason: str) -> tuple[web.Response, Outcome]:
     if give_up_status(failures) == 502:
-        return error_response(502, failures[-1].message), "upstream_error"
+        return error_response(502, failures[-1].message, retry=True), "upstream_error"
     last = f"; last failure: {failures[-1].message}" if failures else ""
     message = f"no instance pair can take the request: {reason}{last}"
     return error_response(503, message, retry=True), "unavailable"
+
+
+async def _end_quietly(response: web.StreamResponse) -> None:
+    """End the body (its last chunk) if the client is still there."""
+    with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
+        await response.write_eof()
 
 
 async def _write_quietly(response: web.StreamResponse, data: bytes) -> bool:

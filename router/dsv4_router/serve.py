@@ -3,7 +3,9 @@ until SIGTERM or SIGINT (exit 0). A bad argument or config, or a port it cannot 
 prints `dsv4 serve: error: ...` naming it and exits 2.
 
 `start_router` is the whole router as an async context manager (tests run it in-process).
-`run` picks the event loop and settles the garbage collector once listening (`runtime`).
+`run` picks the event loop and settles the garbage collector once listening (`runtime`), and
+with `--router-processes` N > 1 (default: by CPUs, `config.default_processes`) runs N such
+routers on one port (`processes`: what each process shares and what it keeps to itself).
 """
 
 from __future__ import annotations
@@ -13,22 +15,27 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final
 
 import aiohttp
 from aiohttp import web
 
+from dsv4_common.api.http_rules import HttpLimits
+from dsv4_common.core.cpus import available_cpus
 from dsv4_router.app import RouterState, build_api_app, build_probe_app
-from dsv4_router.choice import InstanceTable, host_port
-from dsv4_router.config import ConfigError, RouterSettings, settings_from_args
+from dsv4_router.choice import InstanceTable, choose_pair, host_port
+from dsv4_router.config import ConfigError, RouterSettings, default_processes, settings_from_args
 from dsv4_router.discovery import Discovery, Resolver, resolve_host
+from dsv4_router.drain import drain
 from dsv4_router.http_guard import make_runner
 from dsv4_router.http_listen import ListenError, bind, raise_fd_limit, serve_on
-from dsv4_router.metrics import RouterMetrics
+from dsv4_router.metrics import RouterMetrics, SharedCounts
+from dsv4_router.processes import STOP_SIGNAL, Prebound, run_processes
 from dsv4_router.proxy import Proxy
 from dsv4_router.runtime import loop_factory, settle_gc
 from dsv4_router.upstream import Upstream
@@ -50,12 +57,19 @@ async def start_router(
     *,
     clock: Callable[[], float] = time.monotonic,
     resolve: Resolver = resolve_host,
+    prebound: Prebound | None = None,
+    counts: SharedCounts | None = None,
+    process: int = 0,
 ) -> AsyncIterator[Listening]:
-    """Discovery running and the apps listening; everything stops on exit."""
+    """Discovery running and the apps listening; everything stops on exit. `prebound`: the
+    sockets to serve on (else bound here); `counts`, `process`: the counters shared with the
+    router's other processes and this one's row (`metrics.SharedCounts`)."""
     table = InstanceTable()
     for role, targets in settings.roles.items():
         table.sync(role, targets.instances)
-    metrics = RouterMetrics(lambda: (table.records(), clock()), settings.liveness)
+    metrics = RouterMetrics(
+        lambda: (table.records(), clock()), settings.liveness, counts=counts, process=process
+    )
     probe_session = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=MAX_PROBE_CONNECTIONS)
     )
@@ -66,7 +80,7 @@ async def start_router(
     )
     upstream = Upstream(connect_timeout_s=settings.connect_timeout_s)
     proxy = Proxy(table, settings, metrics, api_session, upstream, clock)
-    state = RouterState(settings, table, metrics, proxy, clock)
+    state = RouterState(settings, table, metrics, proxy, clock, process)
     discovery = Discovery(
         table,
         settings.roles,
@@ -76,22 +90,19 @@ async def start_router(
         liveness=settings.liveness,
         clock=clock,
         resolve=resolve,
+        after_round=lambda: metrics.note_ready(
+            choose_pair(table.records(), clock(), settings.liveness) is not None
+        ),
     )
     polling = asyncio.create_task(discovery.run())
     runners: list[web.AppRunner] = []
     try:
-        api_port = await _listen(
-            build_api_app(state), settings, settings.port, settings.port_name, runners
-        )
+        if prebound is None:
+            prebound = bind_router(settings)
+        api_port = await _listen(build_api_app(state), settings, prebound.api, runners)
         status_port = None
-        if settings.status_port is not None and _separate(settings.status_port, settings.port):
-            status_port = await _listen(
-                build_probe_app(state),
-                settings,
-                settings.status_port,
-                settings.status_port_name,
-                runners,
-            )
+        if prebound.status is not None:
+            status_port = await _listen(build_probe_app(state), settings, prebound.status, runners)
         yield Listening(state, api_port, status_port)
     finally:
         for runner in reversed(runners):
@@ -109,44 +120,121 @@ def _separate(status_port: int, api_port: int) -> bool:
     return status_port == 0 or status_port != api_port
 
 
+def bind_router(settings: RouterSettings, *, reuse_port: bool = False) -> Prebound:
+    """The API's listening sockets and, when it is a port of its own, the status port's;
+    ConfigError names the flag or field of a port that cannot be listened on."""
+    api: list[socket.socket] = []
+    try:
+        api = bind(settings.host, settings.port, settings.port_name, reuse_port=reuse_port)
+        status = None
+        if settings.status_port is not None and _separate(settings.status_port, settings.port):
+            status_port = settings.status_port
+            status = bind(
+                settings.host, status_port, settings.status_port_name, reuse_port=reuse_port
+            )
+    except ListenError as exc:
+        for sock in api:
+            sock.close()
+        raise ConfigError(str(exc)) from exc
+    return Prebound(api, status)
+
+
+def bind_copies(settings: RouterSettings, copies: int) -> list[Prebound]:
+    """`copies` sets of sockets on the same ports (SO_REUSEPORT; a port 0 becomes the one the
+    first set took)."""
+    first = bind_router(settings, reuse_port=True)
+    taken = replace(
+        settings,
+        port=first.api[0].getsockname()[1],
+        status_port=None if first.status is None else first.status[0].getsockname()[1],
+    )
+    out = [first]
+    try:
+        for _ in range(copies - 1):
+            out.append(bind_router(taken, reuse_port=True))
+    except ConfigError:
+        for done in out:
+            done.close()
+        raise
+    return out
+
+
 async def _listen(
     app: web.Application,
     settings: RouterSettings,
-    port: int,
-    port_name: str,
+    sockets: list[socket.socket],
     runners: list[web.AppRunner],
 ) -> int:
-    """Serve `app` on (settings.host, port) under the HTTP rules (`http_guard`); returns the
+    """Serve `app` on the bound `sockets` under the HTTP rules (`http_guard`); returns the
     bound port. Handlers are cancelled when their client disconnects (that is what closes
     the upstream request, streaming or not)."""
-    try:
-        sockets = bind(settings.host, port, port_name)
-    except ListenError as exc:
-        raise ConfigError(str(exc)) from exc
     runner = make_runner(app, shutdown_timeout_s=settings.shutdown_timeout_s)
     await runner.setup()
     runners.append(runner)
     return await serve_on(runner, sockets)
 
 
-async def _serve(settings: RouterSettings) -> None:
-    stop = asyncio.Event()
+async def _serve(settings: RouterSettings, *, child: _Child | None = None) -> None:
+    """Until SIGTERM or SIGINT; `child`: one of several processes (`run_processes` says
+    where it listens), else this process is the router and prints where it listens."""
+    stop, hurry = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
-    signals = (signal.SIGTERM, signal.SIGINT)
+    # One of several processes stops when the parent says so (`processes`: signals).
+    signals = (signal.SIGTERM, signal.SIGINT) if child is None else (STOP_SIGNAL,)
     for sig in signals:
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, _on_signal, stop, hurry)
     try:
-        async with start_router(settings) as listening:
+        if child is None:
+            started = start_router(settings)
+        else:
+            started = start_router(
+                settings, prebound=child.prebound, counts=child.counts, process=child.index
+            )
+        async with started as listening:
             settle_gc()
-            url = f"http://{host_port(settings.host, listening.api_port)}"
-            print(f"dsv4 serve: router listening on {url}", flush=True)
-            if listening.status_port is not None:
-                probes = f"http://{host_port(settings.host, listening.status_port)}"
-                print(f"dsv4 serve: router probes and metrics on {probes}", flush=True)
+            if child is None:
+                _print_listening(settings, listening.api_port, listening.status_port)
+            else:
+                child.ready()
             await stop.wait()
+            # Still listening: /ready answers 503 and new completions are refused meanwhile.
+            listening.state.drain.start()
+            timeout_s = settings.shutdown_timeout_s
+            await drain(listening.state.drain, timeout_s=timeout_s, hurried=hurry)
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
+
+
+def _on_signal(stop: asyncio.Event, hurry: asyncio.Event) -> None:
+    """The first signal starts the drain, a second one ends it at once."""
+    if stop.is_set():
+        hurry.set()
+    stop.set()
+
+
+@dataclass(frozen=True, slots=True)
+class _Child:
+    prebound: Prebound
+    counts: SharedCounts
+    index: int
+    ready: Callable[[], None]
+
+
+def per_process_limits(limits: HttpLimits, count: int) -> HttpLimits:
+    """One of `count` processes' share of a set connection bound (rounded up); a bound from
+    the fd limit stays each process's own (each has its own descriptors)."""
+    if limits.max_connections is None:
+        return limits
+    return replace(limits, max_connections=-(-limits.max_connections // count))
+
+
+def _print_listening(settings: RouterSettings, api_port: int, status_port: int | None) -> None:
+    url = f"http://{host_port(settings.host, api_port)}"
+    print(f"dsv4 serve: router listening on {url}", flush=True)
+    if status_port is not None:
+        probes = f"http://{host_port(settings.host, status_port)}"
+        print(f"dsv4 serve: router probes and metrics on {probes}", flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -157,12 +245,38 @@ def run(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     raise_fd_limit()  # before the apps size their connection bound from it
+    count = settings.processes or default_processes(available_cpus())
+    settings = replace(settings, processes=count)
     name, factory = loop_factory()
-    logging.getLogger(__name__).info("event loop: %s", name)
+    logging.getLogger(__name__).info("event loop: %s; %d router process(es)", name, count)
     try:
+        if count > 1:
+            return _run_processes(settings, count, factory)
         with asyncio.Runner(loop_factory=factory) as runner:
             runner.run(_serve(settings))
     except ConfigError as exc:
         print(f"dsv4 serve: error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _run_processes(
+    settings: RouterSettings, count: int, factory: Callable[[], asyncio.AbstractEventLoop]
+) -> int:
+    """`count` routers on the same ports (bound here, so a busy port is exit 2 at once); a
+    `--max-connections` bound is shared out among them."""
+    settings = replace(settings, http=per_process_limits(settings.http, count))
+    copies = bind_copies(settings, count)
+    api_port = copies[0].api[0].getsockname()[1]
+    status = copies[0].status
+    status_port = None if status is None else status[0].getsockname()[1]
+
+    def main(own: Prebound, counts: SharedCounts, index: int, ready: Callable[[], None]) -> int:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(_serve(settings, child=_Child(own, counts, index, ready)))
+        return 0
+
+    def on_ready() -> None:
+        _print_listening(settings, api_port, status_port)
+
+    return run_processes(copies, main, on_ready)

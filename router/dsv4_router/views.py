@@ -45,10 +45,11 @@ def instance_view(record: InstanceRecord, now_s: float, rule: LivenessRule) -> d
 
 
 def router_status(
-    records: Sequence[InstanceRecord], now_s: float, settings: RouterSettings
+    records: Sequence[InstanceRecord], now_s: float, settings: RouterSettings, process: int = 0
 ) -> dict[str, Any]:
     """GET /status: `ready` as /ready decides it (and why not), the instances by role and
-    state, each instance, and the settings."""
+    state, each instance, and the settings, as router process `process` sees them (each
+    process polls the instances itself: `processes`)."""
     rule = settings.liveness
     counts = {role: dict.fromkeys(METRIC_STATES, 0) for role in WORKER_ROLES}
     for record in records:
@@ -59,6 +60,7 @@ def router_status(
         "reason": None if ready else unavailable_reason(records, now_s, rule),
         "instance_counts": counts,
         "instances": [instance_view(r, now_s, rule) for r in records],
+        "process": process,
         "settings": settings_view(settings),
     }
 
@@ -84,5 +86,6 @@ def settings_view(settings: RouterSettings) -> dict[str, Any]:
         "first_byte_timeout_s": settings.first_byte_timeout_s,
         "max_attempts": settings.max_attempts,
         "shutdown_timeout_s": settings.shutdown_timeout_s,
+        "processes": settings.processes,
         "http": to_document(settings.http),
     }

@@ -1,7 +1,7 @@
 """A stub worker (`router_support.StubWorker`) in a process of its own, so that a test can
 stop it with SIGSTOP: prints its instance as one JSON line, then serves until SIGTERM.
 
-    python stub_process.py ROLE
+    python stub_process.py ROLE [MODE]     # MODE: a StubWorker mode (default json)
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from router_support import StubWorker
 from dsv4_common.api.names import WORKER_ROLES
 
 
-async def main(name: str) -> None:
+async def main(name: str, mode: str = "json") -> None:
     (role,) = [r for r in WORKER_ROLES if r == name]
-    worker = StubWorker(role)
+    worker = StubWorker(role, mode=mode)  # type: ignore[arg-type]
     await worker.start()
     instance = worker.instance
     doc = {"host": instance.host, "http_port": instance.http_port}
@@ -31,4 +31,4 @@ async def main(name: str) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1]))
+    asyncio.run(main(*sys.argv[1:3]))

@@ -143,8 +143,9 @@ async def test_a_502_gives_502_with_the_upstream_message() -> None:
     prefill = StubWorker("prefill")
     decodes = [StubWorker("decode", mode="fail502", load=PREFERRED), StubWorker("decode")]
     async with routed([prefill], decodes) as router:
-        status, body, _ = await router.post(BODY)
+        status, body, headers = await router.post(BODY)
         assert status == 502
+        assert headers["Retry-After"] == "1"  # every 502/503 carries it
         assert "stub says 502" in json.loads(body)["error"]["message"]
         assert [len(d.seen) for d in decodes] == [1, 0]
         assert await router.metric("dsv4_router_requests_total", outcome="upstream_error") == 1

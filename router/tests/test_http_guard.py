@@ -15,12 +15,13 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from router_support import StubWorker, routed, run_async, wait_until
 
 from dsv4_common.api.http_rules import HttpLimits
 from dsv4_router.http_guard import GUARD, guarded_app, make_runner
-from dsv4_router.http_listen import GuardedSite, bind
+from dsv4_router.http_listen import GuardedSite, bind, serve_on
 
 BODY = {"model": "tiny", "prompt": "Hi", "max_tokens": 3}
 ANSWER_S = 1.0  # what a client may wait while others misbehave
@@ -250,7 +251,7 @@ def test_rejections_log_one_line_each_and_no_traceback(caplog: pytest.LogCapture
     assert sum("GET /nope -> 404" in line for line in lines) == 1
     assert sum("-> 408" in line for line in lines) == 1
     malformed = [r for r in caplog.records if r.name == "aiohttp.server"]
-    assert len(malformed) == 2 and all(": 400 " in r.getMessage() for r in malformed)
+    assert len(malformed) == 3 and all(": 400 " in r.getMessage() for r in malformed)
     assert sum("cancelled (the client disconnected)" in line for line in lines) == 1
 
 
@@ -281,3 +282,76 @@ async def test_connections_that_came_and_went_leave_room() -> None:
             writer.close()
         status, _, _ = await router.post(BODY)
         assert status == 200
+
+
+MALFORMED_HTTP = {
+    "a bad request line": b"GARBAGE\r\n\r\n",
+    "a bad method": b"G\x00T / HTTP/1.1\r\nHost: x\r\n\r\n",
+    "a header line of 10,000 bytes": b"GET /health HTTP/1.1\r\nX: " + b"a" * 10_000 + b"\r\n\r\n",
+    "an invalid header name": b"GET /health HTTP/1.1\r\nHost: x\r\nBad Name: 1\r\n\r\n",
+    "two Content-Lengths": (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n"
+        b"Content-Length: 2\r\n\r\n{}"
+    ),
+    "a bad chunk size": (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"
+    ),
+    "a bad HTTP version": b"GET /health HTTP/9.x\r\nHost: x\r\n\r\n",
+}
+
+
+def answer_parts(answer: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines)}
+    return int(status_line.split(" ")[1]), headers, body
+
+
+@pytest.mark.parametrize("case", list(MALFORMED_HTTP))
+def test_aiohttps_own_400s_for_malformed_http_are_openai_shaped(
+    case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def check() -> None:
+        prefill, decode = StubWorker("prefill"), StubWorker("decode")
+        async with routed([prefill], [decode]) as router:
+            reader, writer = await raw(port_of(router), MALFORMED_HTTP[case])
+            answer = await closed_within(reader, 10.0)
+            writer.close()
+            status, headers, body = answer_parts(answer)
+            assert status == 400, answer[:300]
+            assert headers["content-type"].startswith("application/json")
+            error = json.loads(body)["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert error["type"] == "invalid_request_error" and error["message"]
+            assert decode.seen == []
+
+    with caplog.at_level(logging.INFO):
+        asyncio.run(check())
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+
+
+def test_a_handler_failure_is_a_json_500_and_logs_its_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def broken(request: web.Request) -> web.Response:
+        raise ValueError("a bug")
+
+    async def fetch() -> bytes:
+        app = guarded_app(limits())
+        app.router.add_get("/broken", broken)
+        runner = make_runner(app)
+        await runner.setup()
+        try:
+            port = await serve_on(runner, bind("127.0.0.1", 0))
+            reader, writer = await raw(port, b"GET /broken HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = await closed_within(reader, 10.0)
+            writer.close()
+            return answer
+        finally:
+            await runner.cleanup()
+
+    answer = asyncio.run(fetch())
+    status, headers, body = answer_parts(answer)
+    assert status == 500 and headers["content-type"].startswith("application/json")
+    assert json.loads(body)["error"]["type"] == "server_error"
+    assert any(r.exc_info and isinstance(r.exc_info[1], ValueError) for r in caplog.records)

@@ -38,9 +38,9 @@ BODY: Final = {"prompt": "hi", "max_tokens": 2}
 
 
 @contextlib.contextmanager
-def stub_process(role: str) -> Iterator[tuple[subprocess.Popen[str], Instance]]:
+def stub_process(role: str, mode: str = "json") -> Iterator[tuple[subprocess.Popen[str], Instance]]:
     proc = subprocess.Popen(
-        [sys.executable, str(STUB), role], stdout=subprocess.PIPE, text=True, cwd=STUB.parent
+        [sys.executable, str(STUB), role, mode], stdout=subprocess.PIPE, text=True, cwd=STUB.parent
     )
     try:
         assert proc.stdout is not None

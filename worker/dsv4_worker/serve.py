@@ -26,7 +26,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -36,6 +36,7 @@ from safetensors import SafetensorError
 
 from dsv4_common.api.documents import DocumentError
 from dsv4_common.api.http_rules import http_limits
+from dsv4_common.api.lifecycle import ABORT_GRACE_S, DRAIN_S
 from dsv4_common.api.manifest import (
     Manifest,
     manifest_hash,
@@ -51,6 +52,7 @@ from dsv4_common.core.units import GIB
 from dsv4_common.plan.inputs import PlanError, PlanInputs
 from dsv4_router.http_guard import make_runner
 from dsv4_router.http_listen import ListenError, bind, raise_fd_limit, serve_on
+from dsv4_worker.engine.grammar import GrammarCompiler
 from dsv4_worker.model.checkpoint import is_model_dir, load_checkpoint
 from dsv4_worker.model.ops import COMPUTE
 from dsv4_worker.model.weights import WeightsError, init_weights, load_weights, stage_weights
@@ -61,7 +63,9 @@ from dsv4_worker.pd.transfer import Region, TransferError, make_initiator, make_
 from dsv4_worker.pp.group import BuiltStage, PPSpec, build_stage
 from dsv4_worker.pp.link import StageLost
 from dsv4_worker.pp.stage import FollowerEngine
+from dsv4_worker.server.admission import AdmissionPolicy, default_policy
 from dsv4_worker.server.app import KVState, ServeInfo, build_app, build_status_app
+from dsv4_worker.server.drain import Drain, drain, engine_busy
 from dsv4_worker.server.metrics import Metrics
 from dsv4_worker.server.runner import EngineRunner
 from dsv4_worker.server.tokenizer import Tokenizer, load_tokenizer
@@ -84,6 +88,7 @@ class Built:
     # (app, its listening sockets): bound before the weights load, so a busy port fails fast
     sites: tuple[tuple[web.Application, list[socket.socket]], ...]
     agent: PrefillAgent | DecodeAgent | PrefillFollower | DecodeFollower | None = None
+    drain: Drain = field(default_factory=Drain)  # what the apps read; set at SIGTERM
 
 
 def _device(name: str) -> torch.device:
@@ -211,7 +216,7 @@ def _transfer_backend(args: argparse.Namespace, config: RankConfig | None) -> st
 
 
 def _served_names(names: list[str] | None) -> tuple[str, ...]:
-    """--served-model-name, checked (empty: the model's own name)."""
+    """--served-model-name, checked (empty: the rank config's names, else the model's own)."""
     if not names:
         return ()
     if any(not n.strip() for n in names):
@@ -294,7 +299,9 @@ def build(args: argparse.Namespace) -> Built:
         raise ServeError(str(exc)) from exc
     pp_rank = pp.rank if pp else 0
     rank, engine = stage.rank, stage.engine
-    runner = EngineRunner(engine)
+    engine.grammar = GrammarCompiler(tok, model.weights.vocab_size)  # response_format
+    engine.grammar.warm_in_background()
+    runner = EngineRunner(engine, _admission_policy(args, config, rank.max_running_requests))
     agent, kv_state = _pd_agent(args, config, stage, runner, backend, host)
     status = WorkerStatus(
         role=role,
@@ -315,9 +322,11 @@ def build(args: argparse.Namespace) -> Built:
         status=status,
         page_size=rank.page_size,
         kv_state=kv_state,
-        served_model_names=_served_names(getattr(args, "served_model_name", None)),
+        served_model_names=_served_names(getattr(args, "served_model_name", None))
+        or (config.model.served_model_names if config else ()),
+        drain=Drain(),
     )
-    metrics = Metrics(runner.snapshot)
+    metrics = Metrics(runner.snapshot, runner.queue_view, runner.policy.max_queue_requests)
     limits = http_limits(
         body_timeout_s=args.http_body_timeout_s,
         idle_timeout_s=args.http_idle_timeout_s,
@@ -329,9 +338,21 @@ def build(args: argparse.Namespace) -> Built:
     app = build_status_app(runner, info, metrics, limits) if probes_only else None
     app = app or build_app(runner, tok, info, metrics, limits)
     if config is None:
-        return Built(runner, ((app, listeners[0]),), agent)
+        return Built(runner, ((app, listeners[0]),), agent, info.drain)
     status_app = build_status_app(runner, info, metrics, limits)
-    return Built(runner, ((app, listeners[0]), (status_app, listeners[1])), agent)
+    return Built(runner, ((app, listeners[0]), (status_app, listeners[1])), agent, info.drain)
+
+
+def _admission_policy(
+    args: argparse.Namespace, config: RankConfig | None, max_running_requests: int
+) -> AdmissionPolicy:
+    """The queue's bound and deadline: the flags, else the rank config's, else derived."""
+    max_queue = getattr(args, "max_queue_requests", None)
+    timeout_s = getattr(args, "queue_timeout_s", None)
+    if config is not None:
+        max_queue = max_queue or config.max_queue_requests
+        timeout_s = timeout_s or config.queue_timeout_s
+    return default_policy(max_running_requests, max_queue, timeout_s)
 
 
 def _bind_ports(
@@ -436,30 +457,78 @@ def _pd_agent(
     return decode, lambda: KVState(decode.kv_status()[0], digest, None)
 
 
-async def _serve(built: Built) -> None:
+AGENT_WATCH_S = 0.2  # how often `_serve` looks whether the PD agent's thread died
+
+
+async def _watch_agent(
+    agent: PrefillAgent | DecodeAgent | PrefillFollower | DecodeFollower, stop: asyncio.Event
+) -> None:
+    """A PD agent whose control thread died (it failed its requests and the engine, so /ready
+    answers 503): stop serving; `run` exits non-zero and a supervisor restarts the worker."""
+    while agent.failure is None:
+        await asyncio.sleep(AGENT_WATCH_S)
+    print(f"dsv4 serve: {agent.failure}: exiting", file=sys.stderr, flush=True)
+    stop.set()
+
+
+async def _serve(built: Built, drain_timeout_s: float = DRAIN_S) -> int:
+    """Serve until SIGTERM/SIGINT (0) or until the PD agent's thread dies (1). Then drain
+    (`server.drain`): unready at once, the requests in flight get `drain_timeout_s` (after a
+    second signal or the agent's death: no more), the rest are aborted with an error."""
     runners = []
     built.runner.start()
     if built.agent is not None:
         built.agent.start()
-    stop = asyncio.Event()
+    stop, hurry = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            hurry.set()
+        built.drain.start()  # /ready answers 503 from here on
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
+    watch = asyncio.ensure_future(_watch_agent(built.agent, stop)) if built.agent else None
     try:
         for app, sockets in built.sites:
-            app_runner = make_runner(app)
+            # Past the drain every handler has answered: closing needs no long wait.
+            app_runner = make_runner(app, shutdown_timeout_s=ABORT_GRACE_S)
             await app_runner.setup()
             runners.append(app_runner)
             port = await serve_on(app_runner, sockets)
             host = sockets[0].getsockname()[0]
             print(f"dsv4 serve: listening on http://{host}:{port}", flush=True)
         await stop.wait()
+        if not built.drain.draining:  # the agent died: what is in flight cannot finish
+            built.drain.start()
+            hurry.set()
+        timeout_s, busy = _drain_rule(built, drain_timeout_s)
+        print(f"dsv4 serve: draining (up to {timeout_s:g} s)", flush=True)
+        aborted = await drain(
+            built.drain, built.runner, timeout_s=timeout_s, hurried=hurry, busy=busy
+        )
+        print(f"dsv4 serve: drained ({aborted} requests aborted); stopping", flush=True)
     finally:
+        if watch is not None:
+            watch.cancel()
         for app_runner in runners:
             await app_runner.cleanup()
         built.runner.stop()
         if built.agent is not None:
             built.agent.stop()
+    return 1 if built.agent is not None and built.agent.failure is not None else 0
+
+
+def _drain_rule(built: Built, drain_timeout_s: float) -> tuple[float, Callable[[], bool]]:
+    """How long this worker drains and while what it waits. A later PP stage follows its
+    leader: it steps while the leader drains and waits for its stop order, past the leader's
+    drain and abort (a stage that left first would fail the leader's last requests)."""
+    engine = built.runner.engine
+    if isinstance(engine, FollowerEngine):
+        return drain_timeout_s + 2 * ABORT_GRACE_S, lambda: not (engine.stopped or engine.failure)
+    return drain_timeout_s, lambda: engine_busy(built.runner)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -470,5 +539,4 @@ def run(args: argparse.Namespace) -> int:
     except ServeError as exc:
         print(f"dsv4 serve: error: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(_serve(built))
-    return 0
+    return asyncio.run(_serve(built, getattr(args, "drain_timeout_s", None) or DRAIN_S))

@@ -36,6 +36,9 @@ DEFAULT_ENGINE: Final[Engine] = "dsv4"
 SGLANG_TRANSFERS: Final[tuple[Transfer, ...]] = ("nixl", "mooncake")
 MAX_ENGINE_ARGS: Final = 64  # entries of spec.<role>.engineArgs
 MAX_ENGINE_ARG_LENGTH: Final = 1024
+# `spec.model.servedModelNames`: the names the API answers to (`model`, /v1/models).
+MAX_SERVED_MODEL_NAMES: Final = 16
+MAX_SERVED_MODEL_NAME_LENGTH: Final = 256
 
 # Presets `spec.model.preset` may name: every built-in preset. CPU mode (no GPU) runs only
 # the CPU-sized ones.

@@ -69,6 +69,9 @@ class ModelRef:
     preset: str | None
     config_path: str | None
     weights_path: str | None = None
+    # The names the API answers to (spec.model.servedModelNames; `dsv4 serve
+    # --served-model-name` overrides them); empty: the model's own name.
+    served_model_names: tuple[str, ...] = ()
 
     @property
     def source(self) -> str:
@@ -141,6 +144,10 @@ class RankConfig:
     # Torch intra-op threads (the operator's, from the pod's CPU request); None: the worker
     # decides from the CPUs it may use. `dsv4 serve --torch-threads` overrides it.
     torch_threads: int | None = None
+    # Admission (`dsv4_worker.server.admission`): the queue's bound and deadline; None: the
+    # worker derives them. `dsv4 serve --max-queue-requests/--queue-timeout-s` override them.
+    max_queue_requests: int | None = None
+    queue_timeout_s: float | None = None
 
     def plan_inputs(self, model: ModelConfig, device_memory_bytes: int | None = None) -> PlanInputs:
         """The planner inputs of this rank's group; `device_memory_bytes` replaces the planned
@@ -239,6 +246,7 @@ def build_rank_config(
                 else spec.model.config_path
             ),
             weights_path=spec.model.weights.path if spec.model.weights else None,
+            served_model_names=spec.model.served_model_names,
         ),
         max_context_tokens=spec.max_context_tokens,
         kv=KVSettings(
@@ -325,8 +333,19 @@ def _check_rank(c: RankConfig) -> None:
         )
     if (c.model.preset is None) == (c.model.config_path is None):
         raise DocumentError("rank_config.model: exactly one of preset and config_path")
+    names = c.model.served_model_names
+    if any(not n.strip() for n in names) or len(set(names)) != len(names):
+        raise DocumentError(
+            f"rank_config.model.served_model_names: must be unique non-empty names, got {names!r}"
+        )
     missing = sorted(set(WORKER_ROLES) - set(c.role_services))
     if missing:
         raise DocumentError(f"rank_config.role_services: missing {', '.join(missing)}")
     if c.torch_threads is not None and c.torch_threads < 1:
         raise DocumentError(f"rank_config.torch_threads: must be >= 1, got {c.torch_threads}")
+    if c.max_queue_requests is not None and c.max_queue_requests < 1:
+        raise DocumentError(
+            f"rank_config.max_queue_requests: must be >= 1, got {c.max_queue_requests}"
+        )
+    if c.queue_timeout_s is not None and not c.queue_timeout_s > 0:
+        raise DocumentError(f"rank_config.queue_timeout_s: must be > 0, got {c.queue_timeout_s}")

@@ -28,6 +28,8 @@ from dsv4_common.api.names import (
     MAX_LAYERS_PER_RANK,
     MAX_PIPELINE_PARALLEL,
     MAX_ROLE_REPLICAS,
+    MAX_SERVED_MODEL_NAME_LENGTH,
+    MAX_SERVED_MODEL_NAMES,
     MAX_SURGE,
     MAX_TENSOR_PARALLEL,
     MODEL_PRESETS,
@@ -56,6 +58,7 @@ _LABEL_KEY = re.compile(rf"^({_DNS_SUBDOMAIN}/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za
 _QUEUE = re.compile(rf"^{_DNS_SUBDOMAIN}$")
 _CONFIG_MAP_NAME = re.compile(rf"^{_DNS_SUBDOMAIN}$")
 _CONFIG_MAP_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+_SERVED_NAME = re.compile(r"^\S+$")
 DEFAULT_CONFIG_MAP_KEY = "config.json"
 
 # A partial PodTemplateSpec (`metadata.labels/annotations`, `spec`), a plain mapping: its shape
@@ -85,6 +88,9 @@ class ModelSpec:
     config_path: str | None
     weights: WeightsSpec | None = None
     config_map: ConfigMapRef | None = None
+    # The names requests may give as `model` (unique; the first is what answers carry by
+    # default); empty: the model's own name.
+    served_model_names: tuple[str, ...] = ()
 
     @property
     def source(self) -> str:
@@ -370,6 +376,12 @@ def _engine_rules(
         r.fail("spec.gpu.type", f"required {why}: SGLang runs on GPUs only")
     if model is not None and model.weights is None:
         r.fail("spec.model.weights", f"required {why}: SGLang loads the model from it")
+    if model is not None and len(model.served_model_names) > 1:
+        r.fail(
+            "spec.model.servedModelNames",
+            f"holds one name {why} (SGLang's --served-model-name takes one), got "
+            f"{len(model.served_model_names)}",
+        )
     if draft:
         r.fail(
             "spec.speculativeDraftTokens",
@@ -388,7 +400,7 @@ def _engine_rules(
 def _model(r: FieldReader, raw: object) -> ModelSpec | None:
     path = "spec.model"
     m = r.obj(raw, path, required=True)
-    r.keys(m, path, {"preset", "configPath", "configMapRef", "weights"})
+    r.keys(m, path, {"preset", "configPath", "configMapRef", "weights", "servedModelNames"})
     preset = r.string(m, "preset", path, enum=MODEL_PRESETS)
     config_path = r.string(m, "configPath", path, min_length=2, max_length=1024, pattern=_ABS_PATH)
     config_map = _config_map_ref(r, m.get("configMapRef"), f"{path}.configMapRef")
@@ -412,9 +424,39 @@ def _model(r: FieldReader, raw: object) -> ModelSpec | None:
         wpath = r.string(w, "path", wp, min_length=2, max_length=1024, pattern=_ABS_PATH)
         if pvc is not None and wpath is not None:
             weights = WeightsSpec(persistent_volume_claim=pvc, path=wpath)
+    served = _served_names(r, m.get("servedModelNames"), f"{path}.servedModelNames")
     if preset is None and config_path is None and config_map is None:
         return None
-    return ModelSpec(preset=preset, config_path=config_path, weights=weights, config_map=config_map)
+    return ModelSpec(
+        preset=preset,
+        config_path=config_path,
+        weights=weights,
+        config_map=config_map,
+        served_model_names=served,
+    )
+
+
+def _served_names(r: FieldReader, raw: object, path: str) -> tuple[str, ...]:
+    """The CRD's set of names: 1 to MAX_SERVED_MODEL_NAMES unique strings without spaces."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_SERVED_MODEL_NAMES:
+        r.fail(path, f"must be a list of 1 to {MAX_SERVED_MODEL_NAMES} names, got {raw!r}")
+        return ()
+    names: list[str] = []
+    for i, name in enumerate(raw):
+        if not isinstance(name, str) or not 1 <= len(name) <= MAX_SERVED_MODEL_NAME_LENGTH:
+            r.fail(
+                f"{path}[{i}]",
+                f"must be a string of 1 to {MAX_SERVED_MODEL_NAME_LENGTH} characters",
+            )
+        elif not _SERVED_NAME.match(name):
+            r.fail(f"{path}[{i}]", f"must not contain whitespace, got {name!r}")
+        elif name in names:
+            r.fail(f"{path}[{i}]", f"duplicate name {name!r}")
+        else:
+            names.append(name)
+    return tuple(names)
 
 
 def _config_map_ref(r: FieldReader, raw: object, path: str) -> ConfigMapRef | None:

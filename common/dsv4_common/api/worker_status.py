@@ -9,7 +9,8 @@ used by the operator and the router). Wire form, snake_case JSON:
      "kv_transfer": {"backend": "nixl" | null, "ready": bool, "layout_hash": str | null,
                      "endpoint": "host:port" | null},
      "load": {"free_full_tokens": int, "free_swa_tokens": int, "free_request_slots": int,
-              "running": int, "waiting": int, "accepting": bool},
+              "running": int, "waiting": int, "accepting": bool, "draining": bool,
+              "max_queue_requests": int},
      "threads": {"intra_op": int, "inter_op": int, "cpus": float,
                  "source": "flag" | "rank_config" | "auto" | "unknown"}}
 
@@ -66,8 +67,10 @@ class Load:
     free_swa_tokens: int = 0
     free_request_slots: int = 0
     running: int = 0
-    waiting: int = 0
+    waiting: int = 0  # requests accepted and not yet scheduled (its queue depth)
     accepting: bool = False  # its queue has room for another request
+    draining: bool = False  # it got SIGTERM: it finishes what it has and takes nothing new
+    max_queue_requests: int = 0  # the bound of its queue (0: not reported)
 
 
 ThreadSource = Literal["flag", "rank_config", "auto", "unknown"]
@@ -149,7 +152,7 @@ def parse_worker_status(doc: object) -> WorkerStatus:
         **{
             f"load.{k}": getattr(parsed.load, k)
             for k in Load.__dataclass_fields__
-            if k != "accepting"
+            if k not in ("accepting", "draining")
         },
         "threads.intra_op": parsed.threads.intra_op,
         "threads.inter_op": parsed.threads.inter_op,

@@ -74,7 +74,7 @@ def test_rank_config_wire_keys_are_the_v1_schema() -> None:
     assert set(doc) == {
         "version", "deployment", "namespace", "role", "pp_rank", "pp_size", "tp_size",
         "serving_rank", "model", "max_context_tokens", "kv", "plan", "planned", "ports",
-        "peers", "role_services", "torch_threads",
+        "peers", "role_services", "torch_threads", "max_queue_requests", "queue_timeout_s",
     }  # fmt: skip
     assert doc["version"] == 1 and doc["plan"]["layer_split"] == [3, 3]
     assert doc["ports"] == {"http": 8080, "status": 8081, "pp": 8082, "kv": 8083}
@@ -113,6 +113,11 @@ def _with(doc: dict[str, Any], path: str, value: object) -> dict[str, Any]:
         ("plan.mem_fraction", float("nan"), "rank_config.plan.mem_fraction: must be finite"),
         ("torch_threads", 0, "rank_config.torch_threads: must be >= 1, got 0"),
         ("torch_threads", 1.5, "rank_config.torch_threads: must be an integer"),
+        ("max_queue_requests", 0, "rank_config.max_queue_requests: must be >= 1, got 0"),
+        ("queue_timeout_s", 0, "rank_config.queue_timeout_s: must be > 0, got 0"),
+        ("model.served_model_names", ["a", "a"], "rank_config.model.served_model_names: must"),
+        ("model.served_model_names", [" "], "rank_config.model.served_model_names: must"),
+        ("model.served_model_names", "a", "rank_config.model.served_model_names"),
     ],
 )
 def test_rank_config_errors_name_the_field(path: str, value: object, needle: str) -> None:
@@ -129,6 +134,33 @@ def test_rank_config_torch_threads_is_optional_and_round_trips() -> None:
     assert rc.parse_rank_config(doc).torch_threads is None
     doc = _with(rc.rank_config_to_dict(config), "torch_threads", 7)
     assert rc.parse_rank_config(doc).torch_threads == 7
+
+
+def test_rank_config_queue_settings_are_optional_and_round_trip() -> None:
+    config = tiny_configs()[0]
+    assert (config.max_queue_requests, config.queue_timeout_s) == (None, None)  # derived
+    doc = rc.rank_config_to_dict(config)
+    for key in ("max_queue_requests", "queue_timeout_s"):
+        doc = _with(doc, key, KeyError)  # an older operator's
+    parsed = rc.parse_rank_config(doc)
+    assert (parsed.max_queue_requests, parsed.queue_timeout_s) == (None, None)
+    doc = _with(_with(doc, "max_queue_requests", 12), "queue_timeout_s", 2.5)
+    parsed = rc.parse_rank_config(doc)
+    assert (parsed.max_queue_requests, parsed.queue_timeout_s) == (12, 2.5)
+
+
+def test_rank_config_carries_the_specs_served_model_names() -> None:
+    body = yaml.safe_load((SAMPLES / "tiny-cpu.yaml").read_text())
+    body["spec"]["model"]["servedModelNames"] = ["tiny-chat", "tiny"]
+    spec, meta = parse_spec(body), parse_meta(body)
+    memory, services = plan_memory(spec), {r: f"{r}.local" for r in WORKER_ROLES}
+    config = rc.build_rank_config(
+        spec, meta, memory, "decode", 0, peers_host_template="h", role_services=services
+    )
+    assert config.model.served_model_names == ("tiny-chat", "tiny")
+    assert rc.parse_rank_config(wire(rc.rank_config_to_dict(config))) == config
+    doc = _with(rc.rank_config_to_dict(config), "model.served_model_names", KeyError)
+    assert rc.parse_rank_config(doc).model.served_model_names == ()  # an older operator's
 
 
 def test_router_config_round_trips_and_needs_both_roles() -> None:

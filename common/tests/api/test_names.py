@@ -57,6 +57,9 @@ def test_crd_bounds_are_the_names() -> None:
         assert prop(role, "pipelineParallel")["maximum"] == names.MAX_PIPELINE_PARALLEL
         assert prop(role, "tensorParallel")["maximum"] == names.MAX_TENSOR_PARALLEL
     assert prop("kv", "transfer")["default"] == names.DEFAULT_TRANSFER
+    served = prop("model", "servedModelNames")
+    assert served["maxItems"] == names.MAX_SERVED_MODEL_NAMES
+    assert served["items"]["maxLength"] == names.MAX_SERVED_MODEL_NAME_LENGTH
     crd_text = CRD_FILE.read_text()
     assert f"self.metadata.name.size() <= {names.MAX_NAME_LENGTH}" in crd_text
 

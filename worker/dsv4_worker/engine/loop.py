@@ -26,14 +26,16 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Final, Literal, NamedTuple
 
 import torch
 
 from dsv4_common.core.index_space import pages_for_tokens
+from dsv4_worker.engine.grammar import GrammarCompiler, Matcher, allowed_tokens
 from dsv4_worker.engine.logprobs import TokenLogprob, row_layout, token_logprobs
 from dsv4_worker.engine.paged import PagedModel, Segment
-from dsv4_worker.engine.sampler import SamplingParams, greedy_tokens, make_generator, sample
+from dsv4_worker.engine.penalties import Processed, TokenCounts, apply_processors, penalized
+from dsv4_worker.engine.sampler import SamplingParams, draw, greedy_tokens, make_generator
 from dsv4_worker.mem.errors import KVMemoryError
 from dsv4_worker.mem.offload import OffloadedRequest, offload_request, reload_request
 from dsv4_worker.sched.budget import NOTHING, Capacity, Need
@@ -66,6 +68,8 @@ class Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if asked
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt[1:], if asked
     plain: bool = True  # greedy on the raw logits, no logprobs: the batch's argmax serves it
+    counts: TokenCounts | None = None  # its tokens for the penalties, kept step by step
+    matcher: Matcher | None = None  # params.json_schema's: masks its logits, ends it when done
 
     @property
     def finished(self) -> bool:
@@ -96,6 +100,18 @@ def ends_with(req: Request, token: int) -> FinishReason | None:
     return None
 
 
+class Adjusted(NamedTuple):
+    """One step's logit processors: the scores of the requests that have some (row
+    `rows[j]` for sample_at entry j) and the tokens of the greedy ones (by entry)."""
+
+    scores: torch.Tensor
+    rows: dict[int, int]
+    greedy: dict[int, int]
+
+
+NOTHING_ADJUSTED: Final = Adjusted(torch.empty(0), {}, {})
+
+
 class EngineFailed(RuntimeError):
     """The engine cannot serve any more (e.g. its PP group lost a stage)."""
 
@@ -115,6 +131,7 @@ class Engine:
         self.on_prealloc = on_prealloc  # set: a PD decode engine
         self.on_admit: Hook | None = None  # PD decode: a preallocation was planned (optional)
         self.on_cancel = on_cancel
+        self.grammar: GrammarCompiler | None = None  # set: requests may carry a json_schema
         self.requests: dict[int, Request] = {}  # unfinished, by rid
         self.held: dict[int, Request] = {}  # finished but holding pages until release()
         self._held_needs: dict[tuple[int, int], Need] = {}  # _views' shared Need per count
@@ -145,8 +162,17 @@ class Engine:
         req = Request(next(self._rids), tuple(prompt), params, keep_pages=keep_pages)
         if self.on_prealloc is not None:
             req.phase, req.prefill = Phase.PREALLOC, prefill
+        if params.json_schema is not None:
+            if self.grammar is None:
+                raise ValueError("json_schema: this engine has no grammar compiler")
+            req.matcher = self.grammar.matcher(params.json_schema)
         req.generator = make_generator(params, self.mem.device)
-        req.plain = req.generator is None and not params.processed and params.logprobs is None
+        req.plain = (
+            req.generator is None
+            and not params.processed
+            and params.logprobs is None
+            and req.matcher is None
+        )
         self.requests[req.rid] = req
         return req
 
@@ -349,15 +375,60 @@ class Engine:
         greedy = greedy_tokens(logits)  # one sync for every plain greedy request
         tokens = [greedy[i] for i, _ in sample_at]
         logprobs: list[TokenLogprob | None] = [None] * len(tokens)
+        processed = self._processed(logits, sample_at)
+        masks = self._masks(logits, sample_at)
         for j, (i, req) in enumerate(sample_at):
             if req.plain:
                 continue
             p = req.params
-            if req.generator is not None or p.processed:
-                tokens[j] = sample(logits[i], p, req.generator, req.prompt, req.output)
+            if j in masks:  # the grammar last, on what the processors left
+                k = processed.rows.get(j)
+                scores = logits[i] if k is None else processed.scores[k]
+                tokens[j] = draw(scores.masked_fill(~masks[j], float("-inf")), p, req.generator)
+            elif j in processed.greedy:
+                tokens[j] = processed.greedy[j]
+            elif req.generator is not None or p.processed:
+                k = processed.rows.get(j)
+                tokens[j] = draw(logits[i] if k is None else processed.scores[k], p, req.generator)
             if p.logprobs is not None:
                 logprobs[j] = token_logprobs(logits[i : i + 1], [tokens[j]], p.logprobs)[0]
         return Scored(tokens, logprobs, prompt)
+
+    def _processed(self, logits: torch.Tensor, sample_at: SampleAt) -> Adjusted:
+        """The logit processors of every request that has one, batched, and the tokens of
+        the greedy ones among them (one argmax)."""
+        todo = [
+            (j, i, req)
+            for j, (i, req) in enumerate(sample_at)
+            if not req.plain and req.params.processed
+        ]
+        if not todo:  # the usual step: one pass, nothing built
+            return NOTHING_ADJUSTED
+        batch: list[Processed] = []
+        at: list[int] = []
+        for j, i, req in todo:
+            if req.counts is None and penalized(req.params):
+                req.counts = TokenCounts.new(req.params, req.prompt, logits.device)
+            batch.append(Processed(i, req.params, req.output, req.counts))
+            at.append(j)
+        scores = apply_processors(logits, batch)
+        rows = {j: k for k, j in enumerate(at)}
+        picks = [k for k, j in enumerate(at) if sample_at[j][1].generator is None]
+        if len(picks) == len(at):  # all greedy: no copy
+            tops = greedy_tokens(scores)
+        else:
+            tops = greedy_tokens(scores[picks]) if picks else []
+        return Adjusted(scores, rows, {at[k]: t for k, t in zip(picks, tops, strict=True)})
+
+    def _masks(self, logits: torch.Tensor, sample_at: SampleAt) -> dict[int, torch.Tensor]:
+        """The allowed tokens of every request with a grammar, batched: sample_at index ->
+        bool [vocab]. A request without one costs a test."""
+        index = [j for j, (_, req) in enumerate(sample_at) if req.matcher is not None]
+        if not index:
+            return {}
+        matchers = [m for _, r in sample_at if (m := r.matcher) is not None]
+        allowed = allowed_tokens(matchers, logits.shape[-1], logits.device)
+        return {j: allowed[k] for k, j in enumerate(index)}
 
     def fail_all(self, why: str) -> list[Request]:
         """End every request with an error and free everything it holds (the engine cannot
@@ -372,6 +443,10 @@ class Engine:
             self.release(rid)
         self.mem.check_integrity()
         return out
+
+    def fail_all_between(self, why: str) -> None:
+        """`fail_all` outside a step (a PD agent's thread died): `take_finished` reports them."""
+        self._finished_between += self.fail_all(why)
 
     def close(self) -> None:
         """The serving loop is ending (a PP leader tells its followers)."""
@@ -488,6 +563,13 @@ class Engine:
         logprob: TokenLogprob | None = None,
     ) -> None:
         reason = ends_with(req, token)
+        matcher = req.matcher
+        if matcher is not None:  # a PD decode replays the prefill's first token here too
+            if not matcher.accept(token):
+                req.error = f"token {token} breaks the response_format grammar"
+                reason = "error"
+            elif matcher.done:
+                reason = "stop"  # the JSON is complete (even on the last allowed token)
         req.output.append(token)
         if logprob is not None:
             req.logprobs.append(logprob)

@@ -9,9 +9,13 @@ The order is vLLM's (its V1 sampler), on the model's logits for one request:
                     divided by it, a negative one multiplied), then frequency (times the
                     token's count in the output) and presence (once per token in the output)
                     are subtracted
-    4. greedy: argmax; else temperature, then min-p, top-k and top-p, then one draw
+    4. grammar      a request with a `json_schema` keeps only the tokens its matcher
+                    allows (`grammar.py`: the engine applies it, batched)
+    5. greedy: argmax; else temperature, then min-p, top-k and top-p, then one draw
 
-Logprobs never see these steps: they come from the raw logits (`logprobs.py`).
+Logprobs never see these steps: they come from the raw logits (`logprobs.py`). The engine
+runs steps 1-3 batched over a step's requests (`penalties.py`, equal to `adjust` bit for bit),
+then `draw`; `sample` is the same for one request.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     logprobs: int | None = None  # None: none; k: each sampled token's and the k most likely
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    json_schema: str | None = None  # the output is JSON this schema (text) allows: grammar.py
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -136,8 +141,14 @@ def sample(
     output: Sequence[int] = (),
 ) -> int:
     """One token from logits [vocab], given the request's prompt and output so far (for the
-    penalties and min_tokens)."""
-    scores = adjust(logits, params, prompt, output)
+    penalties and min_tokens). The engine runs steps 1-3 batched (`penalties.py`), then
+    `draw`; this is the same for one request."""
+    return draw(adjust(logits, params, prompt, output), params, gen)
+
+
+def draw(scores: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+    """Step 5 on scores [vocab] that went through steps 1-4 (or need none)."""
+    scores = scores.to(torch.float64)
     if params.temperature == 0 or gen is None:
         return int(scores.argmax())
     scores = scores / params.temperature

@@ -2,18 +2,33 @@
 
 Other threads (the engine thread) hand it outgoing messages through `Outbox.put`, an inproc
 PUSH socket guarded by a lock that wakes the owner's poller at once (no polling delay).
+
+A control thread that dies does not die quietly: `guarded` records why and reports it, so the
+worker turns unready, fails what it holds and exits non-zero (a supervisor restarts it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import zmq
 
 _ids = itertools.count()
+log = logging.getLogger(__name__)
+
+
+def guarded(name: str, body: Callable[[], None], on_crash: Callable[[str], None]) -> None:
+    """Run a control thread's `body`; if it raises, log it and call `on_crash(why)`."""
+    try:
+        body()
+    except BaseException as exc:  # the thread is gone: whatever it was, the worker must know
+        why = f"PD {name} thread died: {exc!r}"
+        log.exception("%s", why)
+        on_crash(why)
 
 
 class Outbox:

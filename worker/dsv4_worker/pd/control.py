@@ -10,13 +10,18 @@ with an error naming the field (`dsv4_common.api.documents`).
     prefill -> decode   failed    the request cannot be served (the message says why)
     decode -> prefill   abort     stop and forget the request (client gone, timeout)
     prefill -> decode   aborted   nothing more will be written for it
+    decode -> prefill   ping      every heartbeat interval (`liveness`)
+    prefill -> decode   pong      at once: its process instance, and whether it knows this
+                                  connection's handshake (a restarted prefill does not)
 
 `hello` carries the manifest (with its version) and the control protocol version (`PROTOCOL`);
 prefill refuses either mismatch at handshake, naming it. Protocol 2 split protocol 1's
 `prefill` (which carried the destination) in two, so prefill computes while decode allocates.
 Protocol 3 carries every sampling parameter (penalties, logit bias, min_tokens, logprobs) to
 prefill, which samples the first token as a colocated worker would, and the first token's
-logprobs and the prompt's back in `done`.
+logprobs and the prompt's back in `done`. Protocol 4 adds the heartbeat (`ping`/`pong`) and
+the prefill's process instance in `welcome`, so decode detects a dead, stopped or restarted
+prefill within the heartbeat timeout and handshakes again.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from dsv4_worker.engine.sampler import SamplingParams
 
 T = TypeVar("T")
 
-PROTOCOL: Final = 3  # this side's control protocol; a `hello` without one speaks 1
+PROTOCOL: Final = 4  # this side's control protocol; a `hello` without one speaks 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +71,7 @@ class Welcome:
     ok: bool
     message: str = ""
     manifest_hash: str = ""
+    instance: str = ""  # the prefill process (a new one after a restart)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +90,7 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    json_schema: str | None = None  # response_format: prefill masks the first token too
 
 
 _LENGTH_FIELDS: Final = frozenset({"max_new_tokens", "stop_token_ids"})
@@ -154,7 +161,20 @@ class Aborted:
     room: str
 
 
-Message = Hello | Welcome | PrefillRequest | Destination | Done | Failed | Abort | Aborted
+@dataclass(frozen=True, slots=True)
+class Ping:
+    peer: str  # the decode worker's peer id
+
+
+@dataclass(frozen=True, slots=True)
+class Pong:
+    instance: str  # the prefill process
+    known: bool  # a handshake from this connection is in force
+
+
+Message = (
+    Hello | Welcome | PrefillRequest | Destination | Done | Failed | Abort | Aborted | Ping | Pong
+)
 TYPES: Final[dict[str, type[Any]]] = {
     "hello": Hello,
     "welcome": Welcome,
@@ -164,6 +184,8 @@ TYPES: Final[dict[str, type[Any]]] = {
     "failed": Failed,
     "abort": Abort,
     "aborted": Aborted,
+    "ping": Ping,
+    "pong": Pong,
 }
 _NAMES: Final = {cls: name for name, cls in TYPES.items()}
 

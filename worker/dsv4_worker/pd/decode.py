@@ -15,12 +15,21 @@ A request completes when `done` arrived and every tag it lists landed. A request
 does not answer within `transfer_timeout_s` fails (the client may retry elsewhere); a cancelled
 request keeps its pages until the prefill side says `aborted` (nothing more will land) or the
 timeout passes.
+
+Liveness (`liveness`): the control thread pings every prefill it talks to; a prefill silent for
+the heartbeat timeout (killed, stopped, unreachable) is lost: every request sent there fails at
+once (retryable: the router tries another pair) and it is handshaken again after a short pause.
+A pong from another process at the address (a restarted prefill), or one that no longer knows
+this connection, does the same at once. If the control thread itself dies, the worker fails
+everything it holds and reports `failure` (unready; `dsv4 serve` exits non-zero).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
 import threading
 import time
 import uuid
@@ -33,8 +42,16 @@ import zmq
 from dsv4_common.api.manifest import Manifest
 from dsv4_worker.engine.loop import Engine, Request
 from dsv4_worker.pd import control as C
-from dsv4_worker.pd.channel import Outbox
+from dsv4_worker.pd.channel import Outbox, guarded
 from dsv4_worker.pd.columns import tail_cols
+from dsv4_worker.pd.liveness import (
+    Heartbeat,
+    PongVerdict,
+    ping_due,
+    pong_verdict,
+    rooms_of,
+    silent,
+)
 from dsv4_worker.pd.prefill import Post, generator_state_tensor
 from dsv4_worker.pd.transfer import TransferTarget
 
@@ -42,7 +59,9 @@ log = logging.getLogger(__name__)
 
 POLL_MS = 50
 LANDED_POLL_S = 0.05  # a decode follower's wait for its target's wake-up (a safety net)
-HANDSHAKE_TIMEOUT_S = 10.0
+HANDSHAKE_TIMEOUT_S = 10.0  # a prefill that answers pings but not the handshake
+# Test hook: "control-crash" makes the control thread raise at its first request.
+FAULT_ENV = "DSV4_TEST_PD_FAULT"
 
 
 @dataclass(slots=True)
@@ -53,6 +72,10 @@ class _Prefill:
     error: str = ""
     since_s: float = field(default_factory=time.monotonic)
     queued: list[tuple[str, list[bytes]]] = field(default_factory=list)  # (room, encoded)
+    instance: str = ""  # the prefill process that welcomed us
+    heard_s: float = field(default_factory=time.monotonic)  # its last message (or our hello)
+    pinged_s: float | None = None
+    retry_at_s: float | None = None  # failed: handshake again from then on (None: not by itself)
 
 
 @dataclass(slots=True)
@@ -77,8 +100,10 @@ class DecodeAgent:
         peer_id: str | None = None,
         stages: tuple[C.StageTarget, ...] = (),
         landed_bind: str | None = None,
+        heartbeat: Heartbeat | None = None,
     ) -> None:
         self.engine = engine
+        self.heartbeat = heartbeat or Heartbeat()
         self.post = post
         self.target = target
         self.manifest = manifest
@@ -105,9 +130,15 @@ class DecodeAgent:
         self._landed: set[str] = set()
         target.on_landed(lambda: self._outbox.kick(b"wake"))
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="dsv4-pd-decode", daemon=True)
+        self._thread = threading.Thread(
+            target=guarded, args=("decode control", self._run, self._crashed), daemon=True
+        )
+        self._thread.name = "dsv4-pd-decode"
+        self._poller = zmq.Poller()  # the control thread's
         self._lock = threading.Lock()
         self._status: tuple[bool, str | None] = (False, None)
+        self.failure: str | None = None  # set: the control thread died
+        self._crash_on_request = os.environ.get(FAULT_ENV) == "control-crash"
         engine.on_admit = self.on_admit
         engine.on_prealloc = self.on_prealloc
         engine.on_cancel = self.on_cancel
@@ -121,15 +152,28 @@ class DecodeAgent:
         self._stop.set()
         self._outbox.kick(b"wake")
         self._thread.join(timeout=5)
+        if self._thread.is_alive():  # its sockets are still in use: leave them to the exit
+            log.error("the PD decode control thread did not stop")
+            return
         self._outbox.close()
         for p in self._prefills.values():
             p.sock.close(linger=0)
         if self._landed_in is not None:
             self._landed_in.close(linger=0)
-        self._ctx.term()
+        self._ctx.destroy(linger=0)  # closes any socket a crash left open, then terminates
+
+    def _crashed(self, why: str) -> None:
+        """The control thread died: nothing will land or complete; fail everything."""
+        self.failure = why
+        with self._lock:
+            self._status = (False, why)
+        self.post(functools.partial(self._fail_all, why))
+
+    def _fail_all(self, why: str) -> None:
+        self.engine.fail_all_between(why)
 
     def kv_status(self) -> tuple[bool, str | None]:
-        """(a handshake succeeded and none failed since, the last handshake error)."""
+        """(some prefill's handshake is in force, the last handshake or liveness error)."""
         with self._lock:
             return self._status
 
@@ -188,7 +232,7 @@ class DecodeAgent:
     # -- control thread --------------------------------------------------------------------------
 
     def _run(self) -> None:
-        poller = zmq.Poller()
+        poller = self._poller
         poller.register(self._outbox.pull, zmq.POLLIN)
         if self._landed_in is not None:
             poller.register(self._landed_in, zmq.POLLIN)
@@ -202,7 +246,9 @@ class DecodeAgent:
                     self._incoming(sock, sock.recv_multipart())
             self._landed.update(self.target.poll_landed())
             self._complete_landed()
-            self._expire(time.monotonic())
+            now = time.monotonic()
+            self._heartbeat(now, poller)
+            self._expire(now)
             if bool(self._flights) != self._expecting:
                 self._expecting = not self._expecting
                 self.target.expect(self._expecting)
@@ -212,14 +258,18 @@ class DecodeAgent:
         if peer is not None and peer.state != "failed":
             return peer
         if peer is not None:  # failed before: try again with a fresh socket
-            poller.unregister(peer.sock)
-            peer.sock.close(linger=0)
+            self._close(peer, poller)
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(f"tcp://{address}")
-        poller.register(sock, zmq.POLLIN)
         peer = _Prefill(address, sock)
         self._prefills[address] = peer
+        try:
+            sock.connect(f"tcp://{address}")
+        except zmq.ZMQError as exc:  # not an address (a bad --prefill or header): fail now
+            sock.close(linger=0)
+            self._lose(peer, f"prefill {address}: cannot connect: {exc}", retry=False)
+            return peer
+        poller.register(sock, zmq.POLLIN)
         hello = C.Hello(
             self.peer_id,
             self.target.backend,
@@ -240,12 +290,16 @@ class DecodeAgent:
         elif kind == b"prefill":
             address, rid, encoded = frames[1].decode(), int(frames[2]), frames[4:]
             room = frames[3].decode()
+            if self._crash_on_request:
+                raise RuntimeError(f"{FAULT_ENV}=control-crash")
             peer = self._peer(address, poller)
             self._flights[room] = _Flight(rid, address, time.monotonic() + self.transfer_timeout_s)
             if peer.state == "ready":
                 peer.sock.send_multipart(encoded)
-            else:
+            elif peer.state == "connecting":
                 peer.queued.append((room, encoded))
+            else:  # the address does not parse: nothing will answer
+                self._end(room, functools.partial(self._fail, why=peer.error))
         elif kind == b"destination":  # always after its `prefill`: the outbox keeps order
             room, encoded = frames[3].decode(), frames[4:]
             flight = self._flights.get(room)
@@ -272,14 +326,22 @@ class DecodeAgent:
 
     def _incoming(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
         peer = next((p for p in self._prefills.values() if p.sock is sock), None)
-        if peer is None:
+        if peer is None or peer.state == "failed":
             return
+        peer.heard_s = time.monotonic()
         try:
             msg = C.decode(frames)
         except C.ControlError as exc:
             log.warning("bad control message from prefill %s: %s", peer.address, exc)
             return
-        if isinstance(msg, C.Welcome):
+        if isinstance(msg, C.Pong):
+            if peer.state == "ready":
+                verdict = pong_verdict(peer.instance, msg.instance, msg.known)
+                if verdict is not PongVerdict.ALIVE:
+                    why = f"prefill {peer.address}: {verdict.value} (pong from {msg.instance})"
+                    self._lose(peer, why, retry=True)
+                    peer.retry_at_s = peer.heard_s  # handshake with it again at once
+        elif isinstance(msg, C.Welcome):
             self._welcome(peer, msg)
         elif isinstance(msg, C.Done):
             flight = self._flights.get(msg.room)
@@ -292,24 +354,65 @@ class DecodeAgent:
 
     def _welcome(self, peer: _Prefill, msg: C.Welcome) -> None:
         if msg.ok:
-            peer.state = "ready"
-            with self._lock:
-                self._status = (True, None)
+            peer.state, peer.instance, peer.error = "ready", msg.instance, ""
+            self._set_status(None)
             for _, encoded in peer.queued:
                 peer.sock.send_multipart(encoded)
             peer.queued.clear()
             log.info("KV transfer handshake with prefill %s: ok", peer.address)
             return
-        self._handshake_failed(peer, f"prefill {peer.address} refused the handshake: {msg.message}")
+        why = f"prefill {peer.address} refused the handshake: {msg.message}"
+        self._lose(peer, why, retry=False)  # the next request to it tries again
 
-    def _handshake_failed(self, peer: _Prefill, why: str) -> None:
-        log.error("%s", why)
+    def _heartbeat(self, now: float, poller: zmq.Poller) -> None:
+        """Ping every live prefill, lose the silent ones, handshake again with lost ones."""
+        hb = self.heartbeat
+        for peer in list(self._prefills.values()):
+            if peer.state == "failed":
+                if peer.retry_at_s is not None and now >= peer.retry_at_s:
+                    self._peer(peer.address, poller)
+                continue
+            if silent(peer.heard_s, now, hb):
+                self._lose(peer, f"prefill {peer.address}: no answer for {hb.timeout_s:g} s")
+            elif ping_due(peer.pinged_s, now, hb):
+                peer.pinged_s = now
+                with contextlib.suppress(zmq.Again):  # a full queue: it is silent anyway
+                    peer.sock.send_multipart(C.encode(C.Ping(self.peer_id)), zmq.NOBLOCK)
+
+    def _lose(self, peer: _Prefill, why: str, *, retry: bool = True) -> None:
+        """The prefill is gone (or refused us): every request sent there ends now (a cancelled
+        one frees its pages: nothing more will land), and with `retry` it is handshaken again
+        after the reconnect pause."""
+        if peer.state == "ready" or not retry:
+            log.error("%s", why)
+        else:  # still connecting (it is down): once per attempt, quietly
+            log.info("%s", why)
         peer.state, peer.error = "failed", why
-        with self._lock:
-            self._status = (False, why)
-        for room, _ in peer.queued:
-            self._end(room, functools.partial(self._fail, why=why))
+        peer.retry_at_s = time.monotonic() + self.heartbeat.reconnect_s if retry else None
         peer.queued.clear()
+        self._close(peer, self._poller)
+        self._set_status(why)
+        for room in rooms_of(((r, f.prefill) for r, f in self._flights.items()), peer.address):
+            cancelled = self._flights[room].cancelled
+            self._end(
+                room,
+                self.engine.release if cancelled else functools.partial(self._fail, why=why),
+            )
+
+    def _set_status(self, error: str | None) -> None:
+        """Ready while some prefill's handshake is in force: one lost prefill (retried every
+        few seconds) must not take a decode that others serve out of the router's choice."""
+        ready = any(p.state == "ready" for p in self._prefills.values())
+        with self._lock:
+            self._status = (ready, error)
+
+    @staticmethod
+    def _close(peer: _Prefill, poller: zmq.Poller) -> None:
+        if peer.sock.closed:
+            return
+        with contextlib.suppress(KeyError):  # never registered: its connect failed
+            poller.unregister(peer.sock)
+        peer.sock.close(linger=0)
 
     def _complete_landed(self) -> None:
         for room, flight in list(self._flights.items()):
@@ -329,7 +432,7 @@ class DecodeAgent:
     def _expire(self, now: float) -> None:
         for peer in self._prefills.values():
             if peer.state == "connecting" and now - peer.since_s > HANDSHAKE_TIMEOUT_S:
-                self._handshake_failed(
+                self._lose(
                     peer,
                     f"prefill {peer.address}: no handshake answer in {HANDSHAKE_TIMEOUT_S:g} s",
                 )
@@ -374,7 +477,14 @@ class DecodeFollower:
         self._stop = threading.Event()
         self._wake = threading.Event()  # set by the target when tags land, and on stop
         target.on_landed(self._wake.set)
-        self._thread = threading.Thread(target=self._run, name="dsv4-pd-landed", daemon=True)
+        self._thread = threading.Thread(
+            target=guarded, args=("decode landed", self._run, self._crashed), daemon=True
+        )
+        self._thread.name = "dsv4-pd-landed"
+        self.failure: str | None = None  # set: its thread died (the leader times out)
+
+    def _crashed(self, why: str) -> None:
+        self.failure = why
 
     def start(self) -> None:
         self._thread.start()

@@ -15,6 +15,12 @@ then the last step writes the remaining pages, the window tail and the request s
 then are the pages freed. A transfer error, a decode `abort` or the request's own timeout
 frees everything at once.
 
+Liveness (`liveness`): the control thread answers each decode's `ping` at once with a `pong`
+(this process's instance, and whether that connection's handshake is in force); after every
+step the engine thread drops a decode not heard from within the heartbeat timeout: its
+transfers fail and free, nothing more is written to it, and its next message needs a new
+handshake (its pongs say so).
+
 PP: every stage of a prefill group writes its own layers (`transfer_blocks` filters by layer
 id). The leader (rank 0) owns the control socket, the handshake and every decision; it tells
 the followers (`PrefillFollower`) about each decode peer and each request through the engine's
@@ -32,6 +38,7 @@ import functools
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,11 +54,12 @@ from dsv4_common.api.manifest import (
 )
 from dsv4_common.core.index_space import pages_for_tokens
 from dsv4_common.core.layout import IndexSpace
-from dsv4_worker.engine.loop import Engine, Request
+from dsv4_worker.engine.loop import Engine, EngineFailed, Request
 from dsv4_worker.pd import control as C
 from dsv4_worker.pd.blocks import transfer_blocks
-from dsv4_worker.pd.channel import Outbox
+from dsv4_worker.pd.channel import Outbox, guarded
 from dsv4_worker.pd.columns import send_step, tail_cols
+from dsv4_worker.pd.liveness import Heartbeat, silent
 from dsv4_worker.pd.transfer import TransferError, TransferInitiator
 
 log = logging.getLogger(__name__)
@@ -128,7 +136,10 @@ class _StageWriter:
         self._txs: dict[str, _Tx] = {}  # room -> transfer
 
     def _connect(self, peer: str, targets: tuple[C.StageTarget, ...]) -> None:
-        """Connect to every decode stage that holds some of this stage's layers."""
+        """Connect to every decode stage that holds some of this stage's layers (once per
+        decode process: a peer id names one process, so a second handshake keeps the routes)."""
+        if peer in self._routes:
+            return
         routes = []
         for d, t in enumerate(targets):
             if not shared_layers(self.manifest, t.manifest):
@@ -188,9 +199,12 @@ class PrefillAgent(_StageWriter):
         *,
         write_timeout_s: float = WRITE_TIMEOUT_S,
         stages: tuple[Manifest, ...] | None = None,
+        heartbeat: Heartbeat | None = None,
     ) -> None:
         super().__init__(engine, initiator, manifest, rank=0, write_timeout_s=write_timeout_s)
         self.post = post
+        self.heartbeat = heartbeat or Heartbeat()
+        self.instance = uuid.uuid4().hex[:12]  # this process, as decode sees it in pongs
         self.stages = stages or (manifest,)  # every stage's manifest, in rank order
         self.hash = manifest_hash(manifest)
         self._peers: dict[str, _Peer] = {}
@@ -206,8 +220,20 @@ class PrefillAgent(_StageWriter):
         self.endpoint = last.decode()
         self._outbox = Outbox(self._ctx, "prefill")
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="dsv4-pd-prefill", daemon=True)
+        self._thread = threading.Thread(
+            target=guarded, args=("prefill control", self._run, self._crashed), daemon=True
+        )
+        self._thread.name = "dsv4-pd-prefill"
+        # Identities with a handshake in force: written by the engine thread (a new frozenset
+        # each time), read by the control thread to answer pings.
+        self._known: frozenset[bytes] = frozenset()
+        self._heard_lock = threading.Lock()
+        self._heard: dict[bytes, float] = {}  # identity -> when a message last came from it
+        # Every message that arrived before this was read (the control thread's own clock: a
+        # starved control thread must not make its peers look silent).
+        self._caught_up_s = time.monotonic()
         self.ready = False  # a decode worker completed the handshake
+        self.failure: str | None = None  # set: the control thread died
 
     @property
     def port(self) -> int:
@@ -221,7 +247,17 @@ class PrefillAgent(_StageWriter):
         self._thread.join(timeout=5)
         self._outbox.close()
         self._router.close(linger=0)
-        self._ctx.term()
+        if not self._thread.is_alive():  # else a socket may still be open: term would hang
+            self._ctx.term()
+
+    def _crashed(self, why: str) -> None:
+        self.failure = why
+        self.ready = False
+        self.post(lambda: self._fail_everything(why))
+
+    def _fail_everything(self, why: str) -> None:
+        self._txs.clear()
+        self.engine.fail_all_between(why)
 
     # -- control thread --------------------------------------------------------------------------
 
@@ -230,17 +266,28 @@ class PrefillAgent(_StageWriter):
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._outbox.pull, zmq.POLLIN)
         while not self._stop.is_set():
+            started_s = time.monotonic()
             for sock, _ in poller.poll(POLL_MS):
                 if sock is self._outbox.pull:
                     self._router.send_multipart(self._outbox.pull.recv_multipart())
                     continue
-                identity, *frames = self._router.recv_multipart()
-                try:
-                    msg = C.decode(frames)
-                except C.ControlError as exc:
-                    log.warning("bad control message from a decode worker: %s", exc)
-                    continue
-                self.post(functools.partial(self._handle, identity, msg))
+                while self._router.poll(0):  # all of it: see `_caught_up_s`
+                    self._receive(*self._router.recv_multipart())
+            self._caught_up_s = started_s
+
+    def _receive(self, identity: bytes, *frames: bytes) -> None:
+        with self._heard_lock:
+            self._heard[identity] = time.monotonic()
+        try:
+            msg = C.decode(list(frames))
+        except C.ControlError as exc:
+            log.warning("bad control message from a decode worker: %s", exc)
+            return
+        if isinstance(msg, C.Ping):  # answered here: a long step must not look dead
+            pong = C.Pong(self.instance, identity in self._known)
+            self._router.send_multipart([identity, *C.encode(pong)])
+            return
+        self.post(functools.partial(self._handle, identity, msg))
 
     def _send(self, identity: bytes, msg: C.Message) -> None:
         self._outbox.put([identity, *C.encode(msg)])
@@ -289,7 +336,17 @@ class PrefillAgent(_StageWriter):
             log.error("refused decode worker %s at handshake: %s", msg.peer, why)
             self._send(identity, C.Welcome(False, why))
             return
+        old = self._peers.get(msg.peer)
+        if old is not None:
+            # Decode handshakes again (it lost us: a new socket, a new session). It failed
+            # every request of the old session, so none of their transfers may go on: one
+            # still waiting for its destination would hold its pages until its deadline,
+            # one with a destination would write into pages decode has since given away.
+            for room, tx in [(r, t) for r, t in self._txs.items() if t.peer == msg.peer]:
+                self._fail(room, tx, f"decode {msg.peer} handshook again")
+            self._known = self._known - {old.identity}
         self._peers[msg.peer] = _Peer(identity, msg.manifest)
+        self._known = self._known | {identity}  # before the welcome: its pongs say "known"
         # Every (prefill stage, decode stage) pair that shares layers writes each step.
         self._pairs[msg.peer] = [
             (s, d)
@@ -300,7 +357,7 @@ class PrefillAgent(_StageWriter):
         self.engine.note(ConnectNote(msg.peer, targets))
         self.ready = True
         log.info("decode worker %s connected (manifest %s)", msg.peer, self.hash)
-        self._send(identity, C.Welcome(True, manifest_hash=self.hash))
+        self._send(identity, C.Welcome(True, manifest_hash=self.hash, instance=self.instance))
 
     def _peer_of(self, identity: bytes) -> str | None:
         for name, peer in self._peers.items():
@@ -316,7 +373,7 @@ class PrefillAgent(_StageWriter):
         try:
             params = C.first_token_params(msg.sampling, msg.stop_token_ids)
             req = self.engine.submit(msg.prompt, params, keep_pages=True)
-        except ValueError as exc:
+        except (ValueError, EngineFailed) as exc:  # failed: its PP group lost a stage
             self._send(identity, C.Failed(msg.room, str(exc)))
             return
         self._txs[msg.room] = _Tx(msg.room, peer, req, msg, time.monotonic() + msg.timeout_s)
@@ -359,8 +416,32 @@ class PrefillAgent(_StageWriter):
             self._send(identity, msg)
         self._unsettled = [u for u in self._unsettled if u[0] >= steps]
         now = time.monotonic()
+        with self._heard_lock:
+            heard = {name: self._heard.get(p.identity) for name, p in self._peers.items()}
+        self._drop_silent(heard)
+        # Not heard lately (by the wall clock): write nothing to it, since it may have given
+        # the pages away (this process was stopped); dropped once the control thread catches up.
+        quiet = {n for n, at in heard.items() if at is None or silent(at, now, self.heartbeat)}
         for room, tx in list(self._txs.items()):
-            self._advance(room, tx, now)
+            if tx.peer not in quiet:
+                self._advance(room, tx, now)
+
+    def _drop_silent(self, heard: dict[str, float | None]) -> None:
+        """Forget every decode not heard from within the heartbeat timeout before the control
+        thread last caught up: its transfers fail (pages freed, nothing more written), and its
+        next message needs a new handshake."""
+        caught_up_s = self._caught_up_s
+        for name, at in heard.items():
+            if at is not None and not silent(at, caught_up_s, self.heartbeat):
+                continue
+            why = f"decode {name}: nothing heard for {self.heartbeat.timeout_s:g} s"
+            log.warning("%s: dropping it and its transfers", why)
+            for room, tx in [(r, t) for r, t in self._txs.items() if t.peer == name]:
+                self._fail(room, tx, why)
+            identity = self._peers.pop(name).identity
+            self._known = self._known - {identity}
+            with self._heard_lock:
+                self._heard.pop(identity, None)
 
     def _advance(self, room: str, tx: _Tx, now: float) -> None:
         """Write what the request's steps computed, if its destination is known; end it when
@@ -429,6 +510,7 @@ class PrefillFollower(_StageWriter):
     ) -> None:
         super().__init__(engine, initiator, manifest, rank=rank, write_timeout_s=write_timeout_s)
         self.ready = False
+        self.failure: str | None = None  # no thread of its own: nothing dies here
         self._failed: set[str] = set()  # peers this stage could not connect to
 
     def on_note(self, note: object) -> None:

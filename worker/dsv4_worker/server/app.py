@@ -2,8 +2,9 @@
 (streaming over SSE), models, health, readiness, the `/status` document and `/metrics`.
 
 Errors: a malformed body or a bad field -> 400 naming the field; a full queue -> 503 with
-Retry-After; every error body is OpenAI's shape and the HTTP rules (body size and timeouts,
-connection bound; `dsv4_router.http_guard`, served with its `make_runner`) hold on both apps.
+Retry-After; so does a draining worker (after SIGTERM: code `draining`, `drain`); every
+error body is OpenAI's shape and the HTTP rules (body size and timeouts, connection bound;
+`dsv4_router.http_guard`, served with its `make_runner`) hold on both apps.
 A client that disconnects (streaming or not) cancels its handler, which aborts its request:
 the engine frees its pages at its next turn. No response header is sent before the first
 token, so a request that fails before it because of its PD prefill side gets a plain 502 the
@@ -25,9 +26,12 @@ from typing import Any
 from aiohttp import web
 
 from dsv4_common.api.http_rules import HttpLimits, error_document
+from dsv4_common.api.lifecycle import DRAIN_CODE
 from dsv4_common.api.worker_status import Load, WorkerStatus, build_worker_status
 from dsv4_router.http_guard import guarded_app, json_error, read_json
+from dsv4_worker.server.admission import RETRY_AFTER_S, SHED_REASONS
 from dsv4_worker.server.answer import Answer, Choice
+from dsv4_worker.server.drain import REFUSED, Drain
 from dsv4_worker.server.generation import choice_params
 from dsv4_worker.server.metrics import Metrics
 from dsv4_worker.server.protocol import (
@@ -39,7 +43,6 @@ from dsv4_worker.server.protocol import (
 from dsv4_worker.server.runner import Done, EngineRunner, Handle, Snapshot, Token
 from dsv4_worker.server.tokenizer import Tokenizer
 
-RETRY_AFTER_S = 1
 log = logging.getLogger(__name__)
 PREFILL_HEADER = "X-DSV4-Prefill"
 
@@ -63,6 +66,7 @@ class ServeInfo:
     kv_state: Callable[[], KVState] | None = None
     served_model_names: tuple[str, ...] = ()  # the names `model` may give (default: model_name)
     created_s: int = field(default_factory=lambda: int(time.time()))
+    drain: Drain = field(default_factory=Drain)  # set at SIGTERM (`serve`); the apps read it
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -83,16 +87,25 @@ def model_card(info: ServeInfo, name: str) -> dict[str, Any]:
     }
 
 
-def live_status(info: ServeInfo, snap: Snapshot, accepting: bool) -> WorkerStatus:
-    """The /status document now: realized capacity, what is free, and the transfer state."""
+def live_status(
+    info: ServeInfo,
+    snap: Snapshot,
+    accepting: bool,
+    queued: int | None = None,
+    max_queue_requests: int = 0,
+) -> WorkerStatus:
+    """The /status document now: realized capacity, what is free, the queue (its depth:
+    `queued`, else the snapshot's waiting) and the transfer state."""
     free = {u.pool: u.free for u in snap.usage}
     load = Load(
         free_full_tokens=free.get("full", 0) * info.page_size,
         free_swa_tokens=free.get("swa", 0) * info.page_size,
         free_request_slots=free.get("req_slots", 0),
         running=snap.running,
-        waiting=snap.waiting,
-        accepting=accepting,
+        waiting=snap.waiting if queued is None else queued,
+        max_queue_requests=max_queue_requests,
+        accepting=accepting and not info.drain.draining,
+        draining=info.drain.draining,
     )
     status = dataclasses.replace(info.status, load=load)
     if info.kv_state is not None:
@@ -136,13 +149,22 @@ def build_app(
                 )
             except RequestError as exc:
                 return json_error(exc.status, str(exc), param=exc.field or None, code=exc.code)
+            if info.drain.draining:
+                return json_error(503, REFUSED, code=DRAIN_CODE, retry_after_s=RETRY_AFTER_S)
             if not runner.alive:
                 why = runner.failure
+                metrics.shed.labels("engine_unavailable").inc()
                 return error(
                     503, "the engine is not running" + (f": {why}" if why else ""), retry=True
                 )
-            if runner.overloaded():
-                return error(503, "too many requests waiting; retry later", retry=True)
+            need_tokens = max(len(p.ids) for p in req.prompts) + req.params.max_new_tokens
+            verdict = runner.admission(need_tokens)
+            if not verdict.admitted:  # shed at once: 503 + Retry-After, never a queue past bound
+                assert verdict.reason is not None
+                metrics.shed.labels(verdict.reason).inc()
+                return json_error(
+                    503, verdict.message, code=verdict.reason, retry_after_s=RETRY_AFTER_S
+                )
             answer = Answer(tok, req, info.names[0], chat)
             loop, prefill = asyncio.get_running_loop(), request.headers.get(PREFILL_HEADER)
             handles = []
@@ -150,11 +172,12 @@ def build_app(
                 metrics.prompt_tokens.inc(len(c.prompt.ids))
                 params = choice_params(req.params, c.index % req.gen.n)
                 handles.append(runner.submit(c.prompt.ids, params, loop, prefill=prefill))
+            call = _Call(runner, tuple(handles), answer, metrics)
             try:
-                call = _Call(runner, tuple(handles), answer, metrics)
-                if req.stream:
-                    return await _stream(request, call)
-                return await _complete(call)
+                with info.drain.track(call.handles):
+                    if req.stream:
+                        return await _stream(request, call)
+                    return await _complete(call)
             except (asyncio.CancelledError, ConnectionResetError):
                 for h in handles:
                     runner.abort(h)  # the client went away: free its pages now
@@ -199,16 +222,20 @@ def _add_probes(
         return web.Response(text="ok")
 
     async def ready(_: web.Request) -> web.Response:
+        if info.drain.draining:
+            return web.Response(status=503, text=DRAIN_CODE)
         if runner.alive:
             return web.Response(text="ready")
         why = runner.failure
         return web.Response(status=503, text="engine not running" + (f": {why}" if why else ""))
 
     async def status(_: web.Request) -> web.Response:
+        view = runner.queue_view()
         accepting = runner.alive and not runner.overloaded()
-        return web.json_response(
-            build_worker_status(live_status(info, runner.snapshot(), accepting))
+        doc = live_status(
+            info, runner.snapshot(), accepting, view.waiting, runner.policy.max_queue_requests
         )
+        return web.json_response(build_worker_status(doc))
 
     async def metrics_page(_: web.Request) -> web.Response:
         return web.Response(body=metrics.render(), content_type="text/plain")
@@ -258,6 +285,8 @@ def _on_event(call: _Call, i: int, event: Token | Done, last_s: list[float | Non
     c, handle, metrics = call.answer.choices[i], call.handles[i], call.metrics
     if isinstance(event, Done):
         metrics.requests.labels(event.reason).inc()
+        if event.code in SHED_REASONS:
+            metrics.shed.labels(event.code).inc()
         metrics.e2e.observe(time.monotonic() - handle.submitted_s)
         # Echo alone: the one token computed may be a stop id; the answer is the prompt.
         dropped = not c.req.gen.generate and event.reason == "stop"
@@ -297,13 +326,18 @@ async def _complete(call: _Call) -> web.Response:
                 call.runner.abort(h)
     if failed is not None:
         started = any(c.token_ids for c in call.answer.choices)
-        return _failure(failed.error, failed.retryable and not started)
+        return _failure(failed.error, failed.retryable and not started, failed.code)
     return web.json_response(call.answer.body())
 
 
-def _failure(message: str | None, retryable: bool) -> web.Response:
+def _failure(message: str | None, retryable: bool, code: str | None = None) -> web.Response:
     """A request that failed. Retryable failures come from the PD prefill side (handshake,
-    transfer, timeout): 502 + Retry-After, so the router retries with another prefill."""
+    transfer, timeout): 502 + Retry-After, so the router retries with another prefill. One
+    aborted by a drain: 503 + Retry-After, code `draining`."""
+    if code == DRAIN_CODE:
+        return json_error(503, message or REFUSED, code=code, retry_after_s=RETRY_AFTER_S)
+    if code in SHED_REASONS:  # removed from the queue unscheduled: nothing was computed
+        return json_error(503, message or "shed", code=code, retry_after_s=RETRY_AFTER_S)
     body = error_document(message or "failed", "server_error")
     if retryable:
         return web.json_response(body, status=502, headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -321,7 +355,7 @@ async def _stream(request: web.Request, call: _Call) -> web.StreamResponse:
             if error is not None and done is not None:
                 for h in call.handles:
                     call.runner.abort(h)
-                return _failure(error, done.retryable)
+                return _failure(error, done.retryable, done.code)
             await resp.prepare(request)
         chunk = answer.chunk(c, piece, error)
         await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())

@@ -19,7 +19,10 @@ parameters the engine runs with and what the answer carries. Pure.
     return_token_ids               this server's: the choice's token ids
     include_stop_str_in_output     vLLM: the matched stop string stays in the text
     skip_special_tokens            vLLM: only true (the default) is supported
-    response_format                {"type": "text"} only: no constrained decoding yet
+    response_format                text; json_object (any JSON object) and     grammar.py
+                                   json_schema ({"name", "schema", "strict"}:
+                                   always enforced) by constrained decoding;
+                                   the answer ends ("stop") when the JSON does
     user                           accepted, unused
 
 Logprobs and echo differ per endpoint; the endpoint's parser passes what it read.
@@ -31,6 +34,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from dsv4_worker.engine.grammar import JSON_OBJECT, canonical_schema, schema_error
 from dsv4_worker.engine.logprobs import MAX_TOP_LOGPROBS
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.server.fields import (
@@ -159,6 +163,7 @@ def parse_generation(
         logit_bias=_logit_bias(obj, vocab_size),
         logprobs=options.logprobs,
         prompt_logprobs=options.logprobs if echo else None,
+        json_schema=_response_format(obj),
     )
     stream = boolean(obj, "stream")
     stream_options = optional_object(obj, "stream_options") or {}
@@ -172,7 +177,6 @@ def parse_generation(
         lambda v: v is True,
         "only true is supported: special tokens never appear in the text",
     )
-    _check_response_format(obj)
     optional_str(obj, "user")  # accepted and unused
     return Generation(
         params=params,
@@ -266,17 +270,49 @@ def _parse_stop(stop: object, vocab_size: int) -> tuple[tuple[str, ...], tuple[i
     return tuple(strings), tuple(ids)
 
 
-def _check_response_format(obj: Mapping[str, object]) -> None:
+_JSON_SCHEMA_FIELDS = frozenset({"name", "schema", "strict", "description"})
+
+
+def _response_format(obj: Mapping[str, object]) -> str | None:
+    """The JSON schema (text) the output must match; None for plain text."""
     fmt = optional_object(obj, "response_format")
     if fmt is None:
-        return
+        return None
+    unknown_fields(fmt, frozenset({"type", "json_schema"}), "response_format")
     kind = fmt.get("type")
     if kind == "text":
-        return
-    if kind in ("json_object", "json_schema"):
+        return None
+    if kind == "json_object":
+        return _enforceable("response_format", JSON_OBJECT)
+    if kind != "json_schema":
         raise RequestError(
-            "response_format",
-            f"{kind} is not supported: this server has no constrained decoding yet "
-            '(only {"type": "text"})',
+            "response_format.type", f'must be "text", "json_object" or "json_schema", got {kind!r}'
         )
-    raise RequestError("response_format.type", f'must be "text", got {kind!r}')
+    where = "response_format.json_schema"
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise RequestError(where, f"must be an object, not {json_type(spec)}")
+    unknown_fields(spec, _JSON_SCHEMA_FIELDS, where)
+    name = spec.get("name")
+    if not isinstance(name, str) or not name:
+        raise RequestError(f"{where}.name", "must be a non-empty string")
+    for key, kind, label in (("description", str, "string"), ("strict", bool, "boolean")):
+        value = spec.get(key)  # strict or not, the schema is enforced
+        if value is not None and not isinstance(value, kind):
+            raise RequestError(f"{where}.{key}", f"must be a {label}, not {json_type(value)}")
+    schema = spec.get("schema")
+    if schema is None:
+        return _enforceable(where, JSON_OBJECT)  # OpenAI: without a schema, any JSON object
+    if not isinstance(schema, dict):
+        raise RequestError(f"{where}.schema", f"must be an object, not {json_type(schema)}")
+    return _enforceable(f"{where}.schema", canonical_schema(schema))
+
+
+def _enforceable(where: str, schema: str) -> str:
+    try:
+        why = schema_error(schema)
+    except RuntimeError as exc:  # the library is missing (it comes with the worker extra)
+        raise RequestError("response_format", str(exc)) from None
+    if why is not None:
+        raise RequestError(where, f"not a JSON schema this server can enforce: {why}")
+    return schema

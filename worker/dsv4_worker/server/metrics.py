@@ -1,7 +1,9 @@
 """Prometheus metrics of one worker, in a registry of its own (no process globals).
 
-Pool gauges are read from the runner's latest snapshot at scrape time; counters and latency
-histograms are fed by the request handlers.
+Pool gauges are read from the runner's latest snapshot at scrape time, the queue's depth
+from the runner's own count; counters and latency histograms are fed by the request handlers
+(`dsv4_requests_shed_total{reason}`: requests answered 503 + Retry-After by admission, reasons
+as in `admission.SHED_REASONS`).
 """
 
 from __future__ import annotations
@@ -12,14 +14,22 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from dsv4_worker.server.admission import SHED_REASONS, QueueView
 from dsv4_worker.server.runner import Snapshot
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class _PoolCollector(Collector):
-    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+    def __init__(
+        self,
+        snapshot: Callable[[], Snapshot],
+        queue: Callable[[], QueueView] | None,
+        max_queue_requests: int,
+    ) -> None:
         self.snapshot = snapshot
+        self.queue = queue
+        self.max_queue_requests = max_queue_requests
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         snap = self.snapshot()
@@ -36,13 +46,32 @@ class _PoolCollector(Collector):
             ("retracted", snap.retracted),
         ):
             yield GaugeMetricFamily(f"dsv4_requests_{name}", f"Requests {name}", value=value)
+        depth = self.queue().waiting if self.queue is not None else snap.waiting
+        yield GaugeMetricFamily(
+            "dsv4_queue_depth_requests", "Requests accepted and not yet scheduled", value=depth
+        )
+        yield GaugeMetricFamily(
+            "dsv4_queue_limit_requests",
+            "Bound of the queue (a request past it is shed)",
+            value=self.max_queue_requests,
+        )
 
 
 class Metrics:
-    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+    def __init__(
+        self,
+        snapshot: Callable[[], Snapshot],
+        queue: Callable[[], QueueView] | None = None,
+        max_queue_requests: int = 0,
+    ) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_PoolCollector(snapshot))
+        self.registry.register(_PoolCollector(snapshot, queue, max_queue_requests))
         r = self.registry
+        self.shed = Counter(
+            "dsv4_requests_shed", "Requests shed with 503 + Retry-After", ["reason"], registry=r
+        )
+        for reason in SHED_REASONS:
+            self.shed.labels(reason)  # every reason is exported from the start, at 0
         self.prompt_tokens = Counter("dsv4_prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter("dsv4_generation_tokens", "Generated tokens", registry=r)
         self.requests = Counter(

@@ -5,6 +5,12 @@ asyncio queue receives `Token` and `Done` events; `abort(rid)` ends a request (i
 freed at the runner's next turn). After every step the runner publishes a `Snapshot` of pool
 usage and queue lengths for `/metrics` and `/status`. Other components (the PD agents) run
 code on the engine thread with `call(fn)`, and `after_step` runs after every turn.
+
+Admission (`admission`'s rules): the HTTP side asks `admission(need_tokens)` before it
+submits; the runner counts every submitted request until the engine schedules it (`_queued`,
+in arrival order), and one still unscheduled after `queue_timeout_s` is removed at the next
+turn and answered with Done("error", code="queue_timeout"). NOTE: a queued request (WAITING,
+PREALLOC) holds no slot and no pages, so removing it frees nothing.
 """
 
 from __future__ import annotations
@@ -21,9 +27,19 @@ from dsv4_worker.engine.loop import Engine, EngineFailed, Request
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.mem.usage import PoolUsage
 from dsv4_worker.sched.scheduler import Phase
+from dsv4_worker.server.admission import (
+    AdmissionPolicy,
+    QueueView,
+    Verdict,
+    decide,
+    default_policy,
+    expired,
+    timeout_message,
+)
 
 IDLE_WAIT_S = 0.05  # how long the idle runner blocks waiting for work
 IDLE_CHECK_S = 0.05  # the engine's integrity check waits for this much quiet (it is slow)
+QUEUED_PHASES = (Phase.WAITING, Phase.PREALLOC)  # accepted, not scheduled: no slot, no pages
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +55,7 @@ class Done:
     reason: str  # stop | length | error | abort
     error: str | None = None
     retryable: bool = False  # failed before any token; another instance may succeed
+    code: str | None = None  # an OpenAI error code ("draining": the worker is stopping)
 
 
 @dataclass(slots=True)
@@ -75,17 +92,20 @@ class EngineRunner:
     def __init__(
         self,
         engine: Engine,
-        max_waiting: int = 256,
+        policy: AdmissionPolicy | None = None,
         after_step: Callable[[list[Request]], None] | None = None,
     ) -> None:
         self.engine = engine
-        self.max_waiting = max_waiting
+        self.policy = policy or default_policy(engine.total.request_slots)
         self.after_step = after_step  # runs on the engine thread with the finished requests
         self._inbox: queue.SimpleQueue[_Submit | _Call | int | None] = queue.SimpleQueue()
         # engine rid -> (handle, its event loop, tokens sent); handle rid -> engine rid
         self._listeners: dict[int, tuple[Handle, asyncio.AbstractEventLoop, int]] = {}
         self._engine_rids: dict[int, int] = {}
         self._lock = threading.Lock()
+        # handle rid -> time.monotonic() at submit, for requests not yet scheduled (under
+        # _lock; insertion order is arrival order, so the first entry is the oldest)
+        self._queued: dict[int, float] = {}
         self._snapshot = Snapshot(usage=engine.mem.usage())
         self._thread = threading.Thread(target=self._run, name="dsv4-engine", daemon=True)
         self._next_rid = 0
@@ -115,8 +135,29 @@ class EngineRunner:
         with self._lock:
             return self._snapshot
 
+    def queue_view(self) -> QueueView:
+        """The queue now (requests submitted and not yet scheduled, and the engine's own
+        waiting ones) and the free capacity of the last snapshot."""
+        now = time.monotonic()
+        with self._lock:
+            snap = self._snapshot
+            queued = len(self._queued)
+            oldest_s = next(iter(self._queued.values()), now)
+        free = {u.pool: u.free for u in snap.usage}
+        return QueueView(
+            waiting=max(queued, snap.waiting),
+            oldest_wait_s=now - oldest_s,
+            free_request_slots=free.get("req_slots", 0),
+            free_full_tokens=free.get("full", 0) * self.engine.config.page_size,
+        )
+
+    def admission(self, need_tokens: int) -> Verdict:
+        """Whether a request needing `need_tokens` of KV may be submitted now."""
+        return decide(self.queue_view(), self.policy, need_tokens)
+
     def overloaded(self) -> bool:
-        return self.snapshot().waiting >= self.max_waiting
+        """A small request would be shed now (what /status reports as not accepting)."""
+        return not self.admission(1).admitted
 
     def submit(
         self,
@@ -128,7 +169,8 @@ class EngineRunner:
         with self._lock:
             rid = self._next_rid
             self._next_rid += 1
-        handle = Handle(rid, asyncio.Queue(), time.monotonic())
+            handle = Handle(rid, asyncio.Queue(), time.monotonic())
+            self._queued[rid] = handle.submitted_s
         self._inbox.put(_Submit(prompt, params, handle, loop, prefill))
         return handle
 
@@ -149,6 +191,7 @@ class EngineRunner:
                 if calls is None:
                     self.engine.close()
                     return
+                self._expire(time.monotonic())
                 finished = self.engine.take_finished()
                 if calls or finished:
                     # What changed outside a step (a PD decode's first token, which a call
@@ -188,15 +231,46 @@ class EngineRunner:
             try:
                 req = self.engine.submit(item.prompt, item.params, prefill=item.prefill)
             except EngineFailed as exc:  # another instance may serve it
+                self._unqueue(item.handle.rid)
                 _emit(item.loop, item.handle, Done("error", str(exc), retryable=True))
                 continue
             except ValueError as exc:  # refused before it ran: tell the client, keep serving
+                self._unqueue(item.handle.rid)
                 _emit(item.loop, item.handle, Done("error", str(exc)))
                 continue
             self._listeners[req.rid] = (item.handle, item.loop, 0)
             self._engine_rids[item.handle.rid] = req.rid
 
+    def _unqueue(self, handle_rid: int) -> None:
+        with self._lock:
+            self._queued.pop(handle_rid, None)
+
+    def _expire(self, now: float) -> None:
+        """Remove the requests that waited past the queue deadline without being scheduled;
+        each gets Done("error", code="queue_timeout"), which the app answers with 503."""
+        with self._lock:
+            due = []
+            for handle_rid, at_s in self._queued.items():
+                if not expired(now - at_s, self.policy):
+                    break  # arrival order: the rest waited less
+                due.append(handle_rid)
+        for handle_rid in due:
+            rid = self._engine_rids.get(handle_rid)
+            if rid is None:
+                continue  # still in the inbox (taken at the next turn)
+            req = self.engine.requests.get(rid)
+            if req is None or req.phase not in QUEUED_PHASES:
+                continue  # scheduled or finished since (the next publish unqueues it)
+            assert req.slot is None, "a queued request holds no slot and no pages"
+            self.engine.abort(rid)
+            del self._engine_rids[handle_rid]
+            handle, loop, _ = self._listeners.pop(rid)
+            self._unqueue(handle_rid)
+            message = timeout_message(self.policy)
+            _emit(loop, handle, Done("error", message, code="queue_timeout"))
+
     def _abort(self, handle_rid: int) -> None:
+        self._unqueue(handle_rid)
         rid = self._engine_rids.pop(handle_rid, None)
         if rid is None or rid not in self._listeners:
             return  # already finished
@@ -208,9 +282,14 @@ class EngineRunner:
         now = time.monotonic()
         done = {r.rid: r for r in finished}
         reqs = {**self.engine.requests, **done}
+        with self._lock:  # bounded by the queue's bound, unlike the listeners
+            queued = set(self._queued)
+        scheduled: list[int] = []  # handle rids that left the queue
         for rid, (handle, loop, sent) in list(self._listeners.items()):
             req = reqs.get(rid)
             if req is None:
+                if handle.rid in queued:
+                    scheduled.append(handle.rid)  # gone from the engine: not queued any more
                 continue
             events: list[Token | Done] = [_token(req, i, now) for i in range(sent, len(req.output))]
             if req.finished:
@@ -222,6 +301,14 @@ class EngineRunner:
             if req.finished or rid not in self.engine.requests:
                 del self._listeners[rid]
                 self._engine_rids.pop(handle.rid, None)
+                if handle.rid in queued:
+                    scheduled.append(handle.rid)
+            elif handle.rid in queued and req.phase not in QUEUED_PHASES:
+                scheduled.append(handle.rid)
+        if scheduled:
+            with self._lock:
+                for handle_rid in scheduled:
+                    self._queued.pop(handle_rid, None)
         phases = [r.phase for r in self.engine.requests.values()]
         snap = Snapshot(
             usage=self.engine.mem.usage(),

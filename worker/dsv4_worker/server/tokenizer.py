@@ -56,6 +56,11 @@ class Tokenizer(Protocol):
 
     def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> ChatPrompt: ...
 
+    def tokenizer_json(self) -> str | None:
+        """tokenizer.json's text (with the added tokens), for the grammar library; None: the
+        byte tokenizer."""
+        ...
+
 
 def render_chat(messages: Sequence[Mapping[str, str]]) -> str:
     """The built-in chat template, for tokenizers without one: "<|{role}|>\\n{content}\\n"
@@ -76,6 +81,9 @@ class ByteTokenizer:
         self.vocab_size: int = _BYTE_VOCAB
         self.eos_token_id: int | None = None
         self.eos_token_ids: tuple[int, ...] = ()
+
+    def tokenizer_json(self) -> str | None:
+        return None
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -126,6 +134,9 @@ class HFTokenizer:
                 template.text, origin=template.origin, special_tokens=config.special_tokens
             )
         )
+
+    def tokenizer_json(self) -> str | None:
+        return str(self._tok.to_str())
 
     def encode(self, text: str) -> list[int]:
         """A plain prompt (a completion, or chat without a template): BOS as the module's

@@ -32,6 +32,7 @@ from tokenizer_support import (
 
 from dsv4_common.api.worker_status import WorkerStatus
 from dsv4_worker.engine.sampler import SamplingParams
+from dsv4_worker.server.admission import ADMIT, Verdict
 from dsv4_worker.server.app import ServeInfo, build_app
 from dsv4_worker.server.chat_template import ChatTemplate, ChatTemplateError
 from dsv4_worker.server.protocol import RequestError, parse_chat, parse_completion
@@ -466,6 +467,9 @@ class ReplyRunner:
 
     def overloaded(self) -> bool:
         return False
+
+    def admission(self, need_tokens: int) -> Verdict:
+        return ADMIT
 
     def submit(self, prompt: tuple[int, ...], params: SamplingParams, *_: Any, **__: Any) -> Any:
         self.submitted.append((prompt, params))

@@ -294,7 +294,15 @@ def test_models_model_check_and_unique_ids(client: openai.OpenAI) -> None:
     ("kwargs", "param"),
     [
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": []},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
         ({"tool_choice": "required"}, "tool_choice"),
         (
             {

@@ -146,6 +146,40 @@ def test_torch_threads_come_from_the_flag_then_the_rank_config(
 
 
 @pytest.mark.parametrize(
+    ("flag", "want"),
+    [([], ["chat", "tiny"]), (["--served-model-name", "cli"], ["cli"])],
+    ids=["rank-config", "flag"],
+)
+def test_served_model_names_come_from_the_flag_then_the_rank_config(
+    tmp_path: Path, flag: list[str], want: list[str]
+) -> None:
+    http_port, status_port = free_port(), free_port()
+    config = colocated_config(http_port, status_port)
+    model = dataclasses.replace(config.model, served_model_names=("chat", "tiny"))
+    config = dataclasses.replace(config, model=model)
+    cmd = [*CLI, "--role", "colocated", "--config-dir", str(write(tmp_path, config))]
+    proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", *flag], stdout=subprocess.DEVNULL)
+    try:
+        wait_ready(proc, status_port)
+        c = http.client.HTTPConnection("127.0.0.1", http_port, timeout=60)
+        c.request("GET", "/v1/models")
+        assert [m["id"] for m in json.loads(c.getresponse().read())["data"]] == want
+        for name, status in ((want[-1], 200), ("other", 404)):
+            body = {"model": name, "prompt": "hi", "max_tokens": 1}
+            c.request("POST", "/v1/completions", body=json.dumps(body))
+            answer = c.getresponse()
+            document = json.loads(answer.read())
+            assert answer.status == status, document
+            if status == 404:
+                assert document["error"]["code"] == "model_not_found"
+            else:
+                assert document["model"] == name
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize(
     ("role", "files", "needle"),
     [
         ("prefill", True, "prefill-rank-0.json"),  # a colocated config is not a prefill's
