@@ -7,6 +7,7 @@ checked and /v1/models answered through the router."""
 
 from __future__ import annotations
 
+import json
 import queue
 import re
 import signal
@@ -178,3 +179,46 @@ def test_model_check_and_models_through_the_router(clients: tuple[Any, Any]) -> 
         with pytest.raises(openai.NotFoundError) as info:
             call()
         assert info.value.code == "model_not_found"
+
+
+def test_response_format_through_the_router_equals_colocated(clients: tuple[Any, Any]) -> None:
+    """Constrained decoding across PD: prefill masks the first token, decode rebuilds the
+    matcher from it and masks the rest; the JSON equals colocated's, streamed or not."""
+    pd, colocated = clients
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
+        "required": ["name", "ok"],
+        "additionalProperties": False,
+    }
+    kwargs: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "A person as JSON."}],
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "person", "strict": True, "schema": schema},
+        },
+        "max_tokens": 200,
+        "n": 2,
+        "seed": 5,
+        "temperature": 1.0,
+    }
+
+    def whole(client: Any) -> list[tuple[str, str]]:
+        answer = client.chat.completions.create(**kwargs)
+        return [(c.message.content, c.finish_reason) for c in answer.choices]
+
+    def streamed(client: Any) -> list[str]:
+        texts = ["", ""]
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            for c in chunk.choices:
+                texts[c.index] += c.delta.content or ""
+        return texts
+
+    got = whole(pd)
+    assert got == whole(colocated)
+    for text, reason in got:
+        assert reason == "stop", text
+        value = json.loads(text)
+        assert set(value) == {"name", "ok"} and isinstance(value["ok"], bool), value
+    assert streamed(pd) == [text for text, _ in got]
