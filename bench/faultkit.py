@@ -133,7 +133,10 @@ class Deployment:
 
     @classmethod
     @contextlib.contextmanager
-    def start(cls, sample: str, workdir: Path, timeout_s: float = START_S) -> Iterator[Deployment]:
+    def start(
+        cls, sample: str | Path, workdir: Path, timeout_s: float = START_S
+    ) -> Iterator[Deployment]:
+        """`sample`: a file name under crds/samples, or a CR's path."""
         workdir.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "dsv4_common.cli", "up", str(SAMPLES / sample)]
         argv += ["--port", "0", "--workdir", str(workdir)]

@@ -8,22 +8,19 @@ from __future__ import annotations
 
 import http.client
 import re
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 import yaml
+from faultkit import Deployment
 from overload_support import check_outcomes, run_load, summary
 
 from dsv4_worker.server.admission import DEFAULT_QUEUE_TIMEOUT_S
 
 pytestmark = pytest.mark.slow
 SAMPLE = Path(__file__).resolve().parents[2] / "crds" / "samples" / "tiny-pd.yaml"
-START_S = 300.0  # a cold start of every process on a loaded 2-core machine
 MAX_RUNNING = 8  # the decode's request slots: its saturation concurrency
 CLIENTS = 4 * MAX_RUNNING
 DURATION_S = 15.0
@@ -52,25 +49,12 @@ def test_a_pd_deployment_at_4x_saturation_answers_2xx_or_503_in_time(tmp_path: P
     cr = yaml.safe_load(SAMPLE.read_text())
     cr["spec"]["decode"]["maxRunningRequests"] = MAX_RUNNING
     (tmp_path / "cr.yaml").write_text(yaml.safe_dump(cr))
-    argv = [sys.executable, "-m", "dsv4_common.cli", "up", str(tmp_path / "cr.yaml")]
-    argv += ["--port", "0", "--workdir", str(tmp_path / "work")]
-    out_path, err_path = tmp_path / "up.out", tmp_path / "up.err"
-    with out_path.open("wb") as out, err_path.open("wb") as err:
-        popen = subprocess.Popen(argv, stdout=out, stderr=err)
-    try:
-        deadline_s = time.monotonic() + START_S
-        while "Ctrl-C stops every process" not in err_path.read_text():
-            assert popen.poll() is None, err_path.read_text()
-            assert time.monotonic() < deadline_s, err_path.read_text()
-            time.sleep(0.2)
-        printed = out_path.read_text()
-        api = re.search(r"^api: +router +(\S+)", printed, re.M)
-        assert api, printed
-        status_urls = dict(re.findall(r"^status: +(\S+) +(\S+)", printed, re.M))
-        assert {"router", "prefill-0", "decode-0"} <= set(status_urls), printed
+    with Deployment.start(tmp_path / "cr.yaml", tmp_path / "work") as dep:
+        status_urls = dict(re.findall(r"^status: +(\S+) +(\S+)", dep.out(), re.M))
+        assert {"router", "prefill-0", "decode-0"} <= set(status_urls), dep.out()
 
         outcomes = run_load(
-            api.group(1),
+            dep.api_url,
             CLIENTS,
             DURATION_S,
             BODY,
@@ -97,10 +81,3 @@ def test_a_pd_deployment_at_4x_saturation_answers_2xx_or_503_in_time(tmp_path: P
         )
         assert sheds == sum(o.status == 503 for o in outcomes), (router, summary(outcomes))
         assert metric(decode, "dsv4_queue_limit_requests") == 2 * MAX_RUNNING
-    finally:
-        popen.send_signal(signal.SIGTERM)
-        try:
-            popen.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            popen.kill()
-            popen.wait()

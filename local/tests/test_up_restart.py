@@ -8,37 +8,23 @@ successors included. The budget running out is shown on stand-ins (test_supervis
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+from faultkit import Deployment, is_gone, wait_until
 from listeners import listening_addresses
 
 pytestmark = pytest.mark.slow
-SAMPLES = Path(__file__).resolve().parents[2] / "crds" / "samples"
-START_S = 300.0  # a cold start of every process on a loaded 2-core machine
 RECOVER_S = 180.0
 BODY = {"prompt": "This License applies to", "max_tokens": 4, "temperature": 0}
-
-
-def wait_until(condition: Callable[[], bool], what: str, timeout_s: float) -> None:
-    deadline_s = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline_s, f"timed out after {timeout_s:g} s: {what}"
-        time.sleep(0.1)
 
 
 def request(url: str, method: str = "GET", body: dict[str, Any] | None = None) -> tuple[int, str]:
@@ -58,76 +44,12 @@ def request(url: str, method: str = "GET", body: dict[str, Any] | None = None) -
         conn.close()
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    with contextlib.suppress(OSError):  # a zombie has exited
-        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    return False
-
-
-@dataclass
-class Up:
-    popen: subprocess.Popen[bytes]
-    workdir: Path
-    seen_pids: set[int] = field(default_factory=set)
-
-    def out(self) -> str:
-        return (self.workdir / "up.out").read_text()
-
-    def err(self) -> str:
-        return (self.workdir / "up.err").read_text()
-
-    def url(self, kind: str, name: str) -> str:
-        match = re.search(rf"^{kind}: +{re.escape(name)} +(\S+)", self.out(), re.M)
-        assert match, self.out()
-        return match.group(1)
-
-    def units(self) -> dict[str, dict[str, Any]]:
-        doc = json.loads((self.workdir / "status.json").read_text())
-        units = {u["name"]: u for u in doc["units"]}
-        for unit in units.values():
-            self.seen_pids.update(unit["pids"].values())
-        return units
-
-    def pids(self) -> dict[str, int]:
-        return {n: p for u in self.units().values() for n, p in u["pids"].items()}
-
-
-@contextlib.contextmanager
-def up(sample: str, tmp_path: Path) -> Iterator[Up]:
-    argv = [sys.executable, "-m", "dsv4_common.cli", "up", str(SAMPLES / sample), "--port", "0"]
-    with (tmp_path / "up.out").open("wb") as out, (tmp_path / "up.err").open("wb") as err:
-        popen = subprocess.Popen([*argv, "--workdir", str(tmp_path)], stdout=out, stderr=err)
-    handle = Up(popen, tmp_path)
-    try:
-        wait_until(
-            lambda: "Ctrl-C stops every process" in handle.err() or popen.poll() is not None,
-            "dsv4 up to be ready",
-            START_S,
-        )
-        assert popen.poll() is None, handle.err()
-        handle.units()
-        yield handle
-    finally:
-        if popen.poll() is None:
-            popen.send_signal(signal.SIGTERM)
-            try:
-                popen.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                popen.kill()
-                popen.wait()
-
-
-def stop_and_check_no_orphans(handle: Up, signum: signal.Signals) -> None:
+def stop_and_check_no_orphans(handle: Deployment, signum: signal.Signals) -> None:
     handle.units()  # every PID it has run
     handle.popen.send_signal(signum)
     assert handle.popen.wait(timeout=120) == 0, handle.err()
     for pid in handle.seen_pids:
-        wait_until(lambda pid=pid: not alive(pid), f"process {pid} to be gone", 30.0)
+        wait_until(lambda pid=pid: is_gone(pid), f"process {pid} to be gone", 30.0)
 
 
 class Sampler:
@@ -160,7 +82,7 @@ def recovered(router_api: str) -> Callable[[], bool]:
 
 
 def test_a_killed_decode_is_restarted_while_the_others_keep_serving(tmp_path: Path) -> None:
-    with up("tiny-pd.yaml", tmp_path) as handle:
+    with Deployment.start("tiny-pd.yaml", tmp_path) as handle:
         api = handle.url("api", "router")
         status, text = request(handle.url("status", "router"))  # the printed URL answers
         assert status == 200 and json.loads(text)["ready"] is True
@@ -194,7 +116,7 @@ def test_a_killed_decode_is_restarted_while_the_others_keep_serving(tmp_path: Pa
 def test_a_killed_prefill_is_restarted_and_the_running_decode_serves_it(tmp_path: Path) -> None:
     """#25 item 2: the decode, not restarted, handshakes with the new prefill process (before,
     every request through it got 502 "no handshake" until the decode itself restarted)."""
-    with up("tiny-pd.yaml", tmp_path) as handle:
+    with Deployment.start("tiny-pd.yaml", tmp_path) as handle:
         api = handle.url("api", "router")
         assert request(f"{api}/v1/completions", "POST", BODY)[0] == 200
         before = handle.pids()
@@ -214,7 +136,7 @@ def test_a_killed_prefill_is_restarted_and_the_running_decode_serves_it(tmp_path
 
 
 def test_a_killed_pp_stage_restarts_its_whole_group(tmp_path: Path) -> None:
-    with up("tiny-pp.yaml", tmp_path) as handle:
+    with Deployment.start("tiny-pp.yaml", tmp_path) as handle:
         api = handle.url("api", "router")
         for role in ("prefill", "decode"):  # item 6: the rendezvous on 127.0.0.1 only
             config = json.loads((tmp_path / f"{role}-0" / f"{role}-rank-0.json").read_text())

@@ -7,22 +7,17 @@ from __future__ import annotations
 
 import http.client
 import json
-import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 import yaml
+from faultkit import Deployment
 
 pytestmark = pytest.mark.slow
 SAMPLE = Path(__file__).resolve().parents[2] / "crds" / "samples" / "tiny-pd.yaml"
 NAMES = ["tiny-chat", "tiny"]
-START_S = 300.0  # a cold start of every process on a loaded 2-core machine
 
 
 def call(url: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
@@ -41,20 +36,8 @@ def test_the_crs_served_names_are_what_the_router_serves(tmp_path: Path) -> None
     cr = yaml.safe_load(SAMPLE.read_text())
     cr["spec"]["model"]["servedModelNames"] = NAMES
     (tmp_path / "cr.yaml").write_text(yaml.safe_dump(cr))
-    argv = [sys.executable, "-m", "dsv4_common.cli", "up", str(tmp_path / "cr.yaml")]
-    argv += ["--port", "0", "--workdir", str(tmp_path / "work")]
-    out_path, err_path = tmp_path / "up.out", tmp_path / "up.err"
-    with out_path.open("wb") as out, err_path.open("wb") as err:
-        popen = subprocess.Popen(argv, stdout=out, stderr=err)
-    try:
-        deadline_s = time.monotonic() + START_S
-        while "Ctrl-C stops every process" not in err_path.read_text():
-            assert popen.poll() is None, err_path.read_text()
-            assert time.monotonic() < deadline_s, err_path.read_text()
-            time.sleep(0.2)
-        match = re.search(r"^api: +router +(\S+)", out_path.read_text(), re.M)
-        assert match, out_path.read_text()
-        api = match.group(1)
+    with Deployment.start(tmp_path / "cr.yaml", tmp_path / "work") as dep:
+        api = dep.api_url
         for role in ("prefill", "decode"):
             config = json.loads(
                 (tmp_path / "work" / f"{role}-0" / f"{role}-rank-0.json").read_text()
@@ -72,10 +55,3 @@ def test_the_crs_served_names_are_what_the_router_serves(tmp_path: Path) -> None
             assert status == 200 and answer["model"] == "tiny-chat", answer
             status, answer = call(api, path, {**body, "model": "tiny-pd"})
             assert status == 404 and answer["error"]["code"] == "model_not_found", answer
-    finally:
-        popen.send_signal(signal.SIGTERM)
-        try:
-            popen.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            popen.kill()
-            popen.wait()
