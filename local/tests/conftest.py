@@ -7,11 +7,12 @@ import contextlib
 import os
 import signal
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import faultkit
 import pytest
+from faultkit import is_gone
 
 from dsv4_local.plan import ProcessSpec
 from dsv4_local.ports import free_ports
@@ -21,24 +22,7 @@ DEADLINE_S = 60.0  # generous: a loaded 2-core machine starts Python slowly
 
 
 def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = DEADLINE_S) -> None:
-    deadline_s = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline_s:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(0.02)
-
-
-def is_gone(pid: int) -> bool:
-    """No such process, or only its zombie (exited, not yet reaped by its new parent)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+    faultkit.wait_until(condition, what, timeout_s)
 
 
 class StandIns:
