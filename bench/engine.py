@@ -73,7 +73,11 @@ def build(running: int, steps: int, device: torch.device, vocab: int | None = No
         max_tokens_per_request=config.max_tokens_per_request,
     )
     logits = NoOpModel(memory, vocab or model.weights.vocab_size)
-    return Engine(logits, sched)  # type: ignore[arg-type]
+    try:
+        from dsv4_worker.engine.role import EngineConfig
+    except ImportError:  # a tree from before explicit roles (bench/compare.py's baseline)
+        return Engine(logits, sched)  # type: ignore[arg-type]
+    return Engine(logits, EngineConfig(sched))  # type: ignore[arg-type]
 
 
 def processed(i: int, steps: int, vocab: int) -> SamplingParams:

@@ -138,7 +138,7 @@ class Deployment:
     ) -> Iterator[Deployment]:
         """`sample`: a file name under crds/samples, or a CR's path."""
         workdir.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-m", "dsv4_common.cli", "up", str(SAMPLES / sample)]
+        argv = [sys.executable, "-m", "dsv4_cli", "up", str(SAMPLES / sample)]
         argv += ["--port", "0", "--workdir", str(workdir)]
         with (workdir / "up.out").open("wb") as out, (workdir / "up.err").open("wb") as err:
             popen = subprocess.Popen(argv, stdout=out, stderr=err)

@@ -29,6 +29,7 @@ from dsv4_common.plan.inputs import PlanInputs
 from dsv4_common.plan.planner import plan
 from dsv4_worker.engine.loop import Engine
 from dsv4_worker.engine.paged import PagedModel
+from dsv4_worker.engine.role import EngineConfig
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.mem.alloc_config import AllocatorConfig
 from dsv4_worker.mem.memory import KVMemory
@@ -66,7 +67,7 @@ def _engine(params: dict[str, torch.Tensor], chunk: int) -> Engine:
         max_tokens_per_request=config.max_tokens_per_request,
         retained_tokens=config.retained_tokens,
     )
-    return Engine(PagedModel(model, params, memory), sched)
+    return Engine(PagedModel(model, params, memory), EngineConfig(sched))
 
 
 def ours_tokens_per_s(params: dict[str, torch.Tensor], prompts: list[list[int]], new: int) -> float:

@@ -31,8 +31,12 @@ from dsv4_common.core.gpus import gpu_type
 from dsv4_common.core.presets import load_model_config
 from dsv4_common.plan.inputs import PlanInputs
 from dsv4_common.plan.planner import plan
-from dsv4_worker.sched.budget import Capacity
 from dsv4_worker.sched.scheduler import Phase, ReqView, SchedulerConfig, plan_step
+
+try:
+    from dsv4_worker.sched.budget import PoolRoom
+except ImportError:  # a tree from before the rename (bench/compare.py's baseline)
+    from dsv4_worker.sched.budget import Capacity as PoolRoom  # type: ignore[attr-defined,no-redef]
 
 ENV = {**os.environ, "UCX_NET_DEVICES": "lo"}
 COMMON = http_bench.TINY
@@ -144,8 +148,8 @@ def admission(prompt_tokens: int, max_new_tokens: int) -> None:
         swa_ratio=0.1,
     )
     rank = plan(inputs).ranks[0]
-    cap = rank.capacity
-    total = Capacity(cap.full_pages, cap.swa_pages, cap.request_slots)
+    cap, tokens = rank.pools, rank.capacity
+    total = PoolRoom(cap.full_pages, cap.swa_pages, cap.request_slots)
     retained = rank.layout.window_tokens + rank.layout.draft_tokens
     views = [
         ReqView(rid, Phase.PREALLOC, prompt_tokens, max_new_tokens)
@@ -156,14 +160,14 @@ def admission(prompt_tokens: int, max_new_tokens: int) -> None:
         config = SchedulerConfig(
             page_size=rank.page_size,
             chunk_tokens=inputs.resolved_chunk_tokens,
-            max_tokens_per_request=rank.max_context_tokens,
+            max_tokens_per_request=tokens.max_context_tokens,
             retained_tokens=window,
         )
         step = plan_step(views, total, total, config, new_token_ratio=0.1)
         counts[name] = len(step.preallocs)
     print(
-        f"\nDSV4-Pro decode rank (TP=8, H200, SWA ratio 0.1): {rank.full_tokens:,} full tokens, "
-        f"{rank.swa_tokens:,} SWA tokens, {cap.request_slots} request slots, page "
+        f"\nDSV4-Pro decode rank (TP=8, H200, SWA ratio 0.1): {tokens.full_tokens:,} full tokens, "
+        f"{tokens.swa_tokens:,} SWA tokens, {cap.request_slots} request slots, page "
         f"{rank.page_size}, window {rank.layout.window_tokens}"
     )
     print(f"{prompt_tokens:,}-token prompts, max_tokens {max_new_tokens}, preallocated at once:")

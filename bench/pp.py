@@ -64,7 +64,7 @@ def _plan_or_none(inputs: PlanInputs) -> Plan | None:
 
 
 def rank_table(role: Role, pps: Sequence[int]) -> None:
-    base = plan(_inputs("pro", role, 1, "h200", 8, ISSUE)).ranks[0].full_tokens
+    base = plan(_inputs("pro", role, 1, "h200", 8, ISSUE)).ranks[0].capacity.full_tokens
     print(
         f"\nDSV4-Pro {role}: per-rank KV capacity, TP=8 on H200 "
         f"({gpu_type('h200').memory_bytes / GIB:.1f} GiB), SWA ratio 0.1, mem fraction 0.88, "
@@ -79,11 +79,12 @@ def rank_table(role: Role, pps: Sequence[int]) -> None:
         split = format_split(p.split.layers_per_rank)
         for r in p.ranks:
             mark = "*" if r.pp_rank == p.bottleneck_rank else " "
+            c = r.capacity
             print(
                 f"{pp:>3}  {split if r.pp_rank == 0 else '':>12}  {r.pp_rank:>3}{mark}  "
-                f"{r.layers[0]:>3}-{r.layers[1] - 1:<3}  {r.full_tokens:>13,}  "
-                f"{r.full_tokens / base:>6.2f}x  {r.max_running_requests:>8}  "
-                f"{r.max_context_tokens:>11,}"
+                f"{r.layers[0]:>3}-{r.layers[1] - 1:<3}  {c.full_tokens:>13,}  "
+                f"{c.full_tokens / base:>6.2f}x  {c.max_running_requests:>8}  "
+                f"{c.max_context_tokens:>11,}"
             )
 
 

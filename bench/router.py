@@ -166,7 +166,7 @@ def start_ours(
     its default)."""
     port = _free_port()
     api = ports["api"]
-    argv = [sys.executable, "-m", "dsv4_common.cli", "serve", "--role", "router"]
+    argv = [sys.executable, "-m", "dsv4_cli", "serve", "--role", "router"]
     argv += ["--host", HOST, "--port", str(port)]
     if processes is not None:
         argv += ["--router-processes", str(processes)]

@@ -27,6 +27,7 @@ import signal
 from collections.abc import Callable
 from typing import Any, Final, cast
 
+from dsv4_common.api import RankCapacity
 from dsv4_common.api.worker_status import Load, WorkerStatus, build_worker_status
 
 HOST: Final = "127.0.0.1"
@@ -88,10 +89,12 @@ def status_document(role: str) -> bytes:
     status = WorkerStatus(
         role=role,  # type: ignore[arg-type]
         pp_rank=0,
-        full_tokens=1 << 20,
-        swa_tokens=1 << 16,
-        max_running_requests=4096,
-        max_context_tokens=8192,
+        capacity=RankCapacity(
+            full_tokens=1 << 20,
+            swa_tokens=1 << 16,
+            max_running_requests=4096,
+            max_context_tokens=8192,
+        ),
         kv_backend="zmq",
         kv_ready=True,
         kv_endpoint=f"{HOST}:1",

@@ -39,7 +39,7 @@ TINY = ["--model", "tiny", "--gpu-memory-gib", "0.25"]  # the small worker the t
 
 def serve_argv(*args: str) -> list[str]:
     """`dsv4 serve ARGS` as a subprocess argv."""
-    return [sys.executable, "-m", "dsv4_common.cli", "serve", *args]
+    return [sys.executable, "-m", "dsv4_cli", "serve", *args]
 
 
 def _free_port() -> int:
@@ -154,14 +154,16 @@ def replay_tps(
 ) -> dict[int, float]:
     """Median tokens/s of the same workload run through the engine directly (no HTTP), per
     number of clients."""
-    from dsv4_common.cli import build_parser
+    from dsv4_cli.main import build_parser
     from dsv4_common.core.presets import tiny
     from dsv4_worker.engine.sampler import SamplingParams
+    from dsv4_worker.options import ServeOptions
     from dsv4_worker.serve import build
     from dsv4_worker.server.tokenizer import load_tokenizer
 
     argv = ["serve", "--model", "tiny", "--device", device, "--gpu-memory-gib", "0.25"]
-    built = build(build_parser().parse_args([*argv, "--port", str(_free_port()), *serve_args]))
+    flags = build_parser().parse_args([*argv, "--port", str(_free_port()), *serve_args])
+    built = build(ServeOptions.from_args(flags))
     engine = built.runner.engine
     prompt = load_tokenizer(None, tiny().weights.vocab_size).encode(PROMPT)
     params = SamplingParams(max_new_tokens=max_tokens)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Write (or --check) the snapshots of SGLang's and sglang-router's command-line flags that the
-operator ships in operator/dsv4_operator/data/ (see dsv4_operator/sglang_flags.py).
+operator ships in operator/dsv4_operator/data/ (see dsv4_operator/flavors/sglang/flags.py).
 
 It imports the real parsers, so run it with a Python where they import. The main .venv
 cannot (it must not get sglang); make a throwaway one (about 2.5 GB, 1-2 minutes here):
@@ -37,15 +37,16 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if importlib.util.find_spec("dsv4_operator") is None:  # the throwaway venv: use the tree
-    sys.path.insert(0, str(ROOT / "operator"))  # (dsv4_operator.sglang_* are stdlib-only)
+    # (sglang flags, snapshot: stdlib; the flavors package imports the shared package)
+    sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "common")]
 
-from dsv4_operator.sglang_flags import (  # noqa: E402
+from dsv4_operator.flavors.sglang.flags import (  # noqa: E402
     ROUTER_SNAPSHOT,
     ROUTER_VERSION,
     SERVER_SNAPSHOT,
     SGLANG_VERSION,
 )
-from dsv4_operator.sglang_snapshot import snapshot_parser  # noqa: E402
+from dsv4_operator.flavors.sglang.snapshot import snapshot_parser  # noqa: E402
 
 DATA = ROOT / "operator" / "dsv4_operator" / "data"
 SERVER_SOURCE = "argparse.ArgumentParser(); sglang.srt.server_args.ServerArgs.add_cli_args(parser)"

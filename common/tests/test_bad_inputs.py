@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
+from dsv4_cli.main import EXIT_BROKEN_PIPE, main
 from dsv4_common.api.deployment import MemoryPlanError, plan_memory
 from dsv4_common.api.spec import parse_spec
-from dsv4_common.cli import EXIT_BROKEN_PIPE, main
 from dsv4_common.core.hf import from_hf_config
 from dsv4_common.core.model import ModelConfigError
 
@@ -233,7 +233,7 @@ def test_plan_into_a_closed_pipe_exits_quietly() -> None:
     os.close(read_fd)  # the reader is gone before the first byte
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "dsv4_common.cli", *TINY, "--gpu", "h200", "--json"],
+            [sys.executable, "-m", "dsv4_cli", *TINY, "--gpu", "h200", "--json"],
             stdout=write_fd,
             stderr=subprocess.PIPE,
             text=True,

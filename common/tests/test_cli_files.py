@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from repo_paths import SAMPLES
 
-from dsv4_common.cli import main
+from dsv4_cli.main import main
 
 
 def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from repo_paths import MODEL_DATA
 from test_bad_inputs import dsv4_hf, hybrid_hf
 
+from dsv4_cli.main import main
 from dsv4_common.api.deployment import MemoryPlanError, plan_memory
 from dsv4_common.api.spec import SpecError, parse_spec
-from dsv4_common.cli import main
 from dsv4_common.core.hf import from_hf_config
 from dsv4_common.core.model import ModelConfigError
 from dsv4_common.core.units import GIB

@@ -36,7 +36,7 @@ def test_plan_and_render_run_without_torch() -> None:
         {"torch", "numpy", "zmq", "nixl_cu12", "nixl_cu13"},
         f"""
         import sys
-        from dsv4_common.cli import main
+        from dsv4_cli.main import main
         assert main(["plan", "--model", "deepseek-v4-pro", "--gpu", "h200", "--tp", "8",
                      "--pp", "4", "--role", "decode"]) == 0
         assert main(["render", {str(SAMPLES / "tiny-cpu.yaml")!r}]) == 0
@@ -65,16 +65,19 @@ def test_the_worker_never_imports_kopf_or_the_kubernetes_client() -> None:
     assert proc.returncode == 0, proc.stderr
 
 
-def test_the_shared_package_imports_neither_side_nor_torch() -> None:
+ABOVE_THE_SHARED_PACKAGE = {"dsv4_worker", "dsv4_operator", "dsv4_router", "dsv4_local", "dsv4_cli"}
+
+
+def test_the_shared_package_imports_nothing_above_it_nor_torch() -> None:
     proc = run_blocked(
-        {"torch", "numpy", "kopf", "kubernetes", "zmq", "dsv4_worker", "dsv4_operator"},
+        {"torch", "numpy", "kopf", "kubernetes", "zmq", *ABOVE_THE_SHARED_PACKAGE},
         """
         import importlib, pkgutil
         import dsv4_common
         names = [m.name for m in pkgutil.walk_packages(dsv4_common.__path__, "dsv4_common.")]
         for name in names:
             importlib.import_module(name)
-        assert "dsv4_common.api.rank_config" in names and "dsv4_common.cli" in names
+        assert "dsv4_common.api.rank_config" in names and "dsv4_common.api.serve_flags" in names
         """,
     )
     assert proc.returncode == 0, proc.stderr
@@ -85,7 +88,7 @@ def test_render_without_the_operator_package_says_what_to_install() -> None:
         {"dsv4_operator"},
         f"""
         import sys
-        from dsv4_common.cli import main
+        from dsv4_cli.main import main
         sys.exit(main(["render", {str(SAMPLES / "tiny-cpu.yaml")!r}]))
         """,
     )

@@ -236,7 +236,7 @@ def _serve_argv(python: str, role: str, config_dir: Path) -> tuple[str, ...]:
     return (
         python,
         "-m",
-        "dsv4_common.cli",
+        "dsv4_cli",
         "serve",
         "--role",
         role,

@@ -82,7 +82,7 @@ class TestTwoPrefillOneDecode:
             base = (
                 "/py",
                 "-m",
-                "dsv4_common.cli",
+                "dsv4_cli",
                 "serve",
                 "--role",
                 p.role,

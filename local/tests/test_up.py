@@ -15,7 +15,7 @@ import yaml
 
 import dsv4_local.supervisor
 import dsv4_local.up
-from dsv4_common.cli import main
+from dsv4_cli.main import main
 from dsv4_local.plan import LaunchPlan
 from dsv4_local.up import CompletionRequest
 

@@ -56,7 +56,7 @@ def test_a_transformers_checkpoint_through_a_local_pd_deployment(tmp_path: Path)
     cr = tmp_path / "cr.yaml"
     cr.write_text(CR.format(root=root))
     port = _free_port()
-    argv = [sys.executable, "-m", "dsv4_common.cli", "up", str(cr), "--port", str(port)]
+    argv = [sys.executable, "-m", "dsv4_cli", "up", str(cr), "--port", str(port)]
     up = subprocess.Popen(
         [*argv, "--workdir", str(tmp_path / "work")],
         stdout=subprocess.PIPE,

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = ROOT / "crds" / "samples"
 SAMPLE = SAMPLES / "tiny-pd.yaml"
-UP = [sys.executable, "-m", "dsv4_common.cli", "up", str(SAMPLE), "--port", "0"]
+UP = [sys.executable, "-m", "dsv4_cli", "up", str(SAMPLE), "--port", "0"]
 
 
 def _alive(pid: int) -> bool:
@@ -45,7 +45,7 @@ def _alive(pid: int) -> bool:
 def test_request_through_a_local_pd_deployment(
     tmp_path: Path, sample: str, workers: tuple[str, ...]
 ) -> None:
-    up = [sys.executable, "-m", "dsv4_common.cli", "up", str(SAMPLES / sample), "--port", "0"]
+    up = [sys.executable, "-m", "dsv4_cli", "up", str(SAMPLES / sample), "--port", "0"]
     done = subprocess.run(
         [*up, "--workdir", str(tmp_path), "--request", "Hello", "--max-tokens", "5"],
         capture_output=True,

@@ -4,23 +4,36 @@
 - engine sglang: PP rank 0 of a group answers `/server_info` for the whole group (SGLang sizes
   every rank's pool to the least over the ranks), so one `Seen` covers every rank.
 
-What a worker was asked to realize (`pinned`): for our worker, its rank's plan; for SGLang,
-the figures the operator put on its command line (`sglang_command.group_figures`), the same on
-every rank. A realized figure that differs from it by more than one page (`mismatches`) means
-the plan did not predict the engine: a GPU with less free memory than `spec.gpu` says, memory
-taken before the pools were sized, or an engine version that prices KV differently.
+What a worker was asked to realize (`pinned`, from the engine's flavor): for our worker, its
+rank's plan (`rank_pinned`); for SGLang, the figures the operator put on its command line
+(`flavors.sglang.command.group_figures`), the same on every rank. A realized figure that
+differs from it by more than one page (`mismatches`) means the plan did not predict the
+engine: a GPU with less free memory than `spec.gpu` says, memory taken before the pools were
+sized, or an engine version that prices KV differently.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Final, Literal
 
+from dsv4_common.api import RankCapacity
 from dsv4_common.api.deployment import MemoryPlan
 from dsv4_common.api.spec import DeploymentSpec
 from dsv4_operator import labels as L
+from dsv4_operator.flavors import flavor_of
+from dsv4_operator.flavors.sglang.info import ServerInfo
 from dsv4_operator.observe import Observed
-from dsv4_operator.sglang_command import group_figures, sglang_swa_tokens
+
+Figure = Literal["full_tokens", "swa_tokens", "max_running_requests", "max_context_tokens"]
+# The key of each RankCapacity figure in the CR's status (`status.plan[]` and its `observed`).
+CAPACITY_KEYS: Final[Mapping[Figure, str]] = {
+    "full_tokens": "fullTokens",
+    "swa_tokens": "swaTokens",
+    "max_running_requests": "maxRunningRequests",
+    "max_context_tokens": "maxContextTokens",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,10 +43,15 @@ class Seen:
     worker: str  # the pod that reported it
     role: L.WorkerRole
     pp_ranks: tuple[int, ...]
-    full_tokens: int
-    max_context_tokens: int
-    swa_tokens: int | None = None  # None: not reported
-    max_running_requests: int | None = None  # None: not reported
+    capacity: RankCapacity
+    # Figures its engine does not report (SGLang may leave out its SWA pool and request
+    # count): their value in `capacity` is 0 and is never compared or shown.
+    unreported: frozenset[Figure] = frozenset()
+
+    def figure(self, name: Figure) -> int | None:
+        """A realized figure; None: not reported."""
+        value: int = getattr(self.capacity, name)
+        return None if name in self.unreported else value
 
     def ranks_text(self) -> str:
         first, last = self.pp_ranks[0], self.pp_ranks[-1]
@@ -42,11 +60,9 @@ class Seen:
 
 @dataclass(frozen=True, slots=True)
 class Pinned:
-    """What a rank was asked to realize."""
+    """What a rank was asked to realize (its max context is not compared)."""
 
-    full_tokens: int
-    swa_tokens: int
-    max_running_requests: int
+    capacity: RankCapacity
     page_size: int
 
 
@@ -64,10 +80,7 @@ def seen_capacity(
                 worker=name,
                 role=r.role,
                 pp_ranks=(r.pp_rank,),
-                full_tokens=r.full_tokens,
-                max_context_tokens=r.max_context_tokens,
-                swa_tokens=r.swa_tokens,
-                max_running_requests=r.max_running_requests,
+                capacity=r.capacity,
             )
         )
     pods = {p.name: p for p in observed.pods}
@@ -81,33 +94,39 @@ def seen_capacity(
                 worker=name,
                 role=role,
                 pp_ranks=tuple(range(spec.role(role).pipeline_parallel)),
-                full_tokens=info.full_tokens,
-                max_context_tokens=info.max_context_tokens,
-                swa_tokens=info.swa_tokens,
-                max_running_requests=info.max_running_requests,
+                capacity=_capacity_of(info),
+                unreported=_unreported_by(info),
             )
         )
     return tuple(sorted(out, key=lambda s: s.worker))
 
 
-def pinned(spec: DeploymentSpec, plan: MemoryPlan, role: L.WorkerRole, pp_rank: int) -> Pinned:
-    role_plan = plan.role(role)
-    page = role_plan.inputs.resolved_page_size
-    if spec.engine.sglang:
-        g = group_figures(role_plan)
-        return Pinned(
-            full_tokens=g.full_tokens,
-            swa_tokens=sglang_swa_tokens(g.full_tokens, g.swa_ratio, page),
-            max_running_requests=g.max_running_requests,
-            page_size=page,
-        )
-    rank = role_plan.ranks[pp_rank]
-    return Pinned(
-        full_tokens=rank.full_tokens,
-        swa_tokens=rank.swa_tokens,
-        max_running_requests=rank.max_running_requests,
-        page_size=page,
+def _capacity_of(info: ServerInfo) -> RankCapacity:
+    return RankCapacity(
+        full_tokens=info.full_tokens,
+        swa_tokens=info.swa_tokens or 0,
+        max_running_requests=info.max_running_requests or 0,
+        max_context_tokens=info.max_context_tokens,
     )
+
+
+def _unreported_by(info: ServerInfo) -> frozenset[Figure]:
+    missing: dict[Figure, int | None] = {
+        "swa_tokens": info.swa_tokens,
+        "max_running_requests": info.max_running_requests,
+    }
+    return frozenset(name for name, value in missing.items() if value is None)
+
+
+def pinned(spec: DeploymentSpec, plan: MemoryPlan, role: L.WorkerRole, pp_rank: int) -> Pinned:
+    """What the rank was asked to realize, as the spec's engine flavor says."""
+    return flavor_of(spec).pinned(plan, role, pp_rank)
+
+
+def rank_pinned(plan: MemoryPlan, role: L.WorkerRole, pp_rank: int) -> Pinned:
+    """The rank's own plan (a worker that sizes each rank's pools for that rank)."""
+    role_plan = plan.role(role)
+    return Pinned(role_plan.ranks[pp_rank].capacity, role_plan.inputs.resolved_page_size)
 
 
 def _tokens(name: str, seen: int, want: int, page_size: int) -> str | None:
@@ -130,15 +149,17 @@ def mismatches(spec: DeploymentSpec, plan: MemoryPlan, seen: Sequence[Seen]) -> 
                 diffs.append(f"PP rank {rank} is not in the plan ({len(ranks)} ranks)")
                 continue
             want = pinned(spec, plan, s.role, rank)
+            planned = want.capacity
+            swa, requests = s.figure("swa_tokens"), s.figure("max_running_requests")
             found = [
-                _tokens("fullTokens", s.full_tokens, want.full_tokens, want.page_size),
+                _tokens("fullTokens", s.capacity.full_tokens, planned.full_tokens, want.page_size),
                 None
-                if s.swa_tokens is None
-                else _tokens("swaTokens", s.swa_tokens, want.swa_tokens, want.page_size),
+                if swa is None
+                else _tokens("swaTokens", swa, planned.swa_tokens, want.page_size),
                 None
-                if s.max_running_requests in (None, want.max_running_requests)
-                else f"maxRunningRequests {s.max_running_requests} realized, "
-                f"{want.max_running_requests} planned",
+                if requests in (None, planned.max_running_requests)
+                else f"maxRunningRequests {requests} realized, "
+                f"{planned.max_running_requests} planned",
             ]
             diffs += [d for d in found if d is not None and d not in diffs]
         if diffs:

@@ -136,17 +136,10 @@ def build_pdb(meta: DeploymentMeta, role: L.WorkerRole) -> Obj:
     }
 
 
-def observed_port_name(sglang: bool) -> str:
-    """The worker port the operator and the metrics scrapers reach. Engine dsv4: `status`
-    (8081: /status, /metrics, on every rank). Engine sglang: `http` (8080: /server_info,
-    /metrics, on PP rank 0 only); SGLang serves nothing on `status`."""
-    return "http" if sglang else "status"
-
-
-def metrics_ingress(scrape_namespace: str, *, sglang: bool = False) -> list[Obj]:
+def metrics_ingress(scrape_namespace: str, *, port: str = "status") -> list[Obj]:
     """Every pod of `scrape_namespace` (Prometheus) on the port serving /metrics, by name
-    (`observed_port_name`: `status` for engine dsv4, `http` for sglang); no rule when it is
-    empty."""
+    (the engine flavor's `observed_port` on workers, `status` on the router); no rule when
+    it is empty."""
     if not scrape_namespace:
         return []
     return [
@@ -154,7 +147,7 @@ def metrics_ingress(scrape_namespace: str, *, sglang: bool = False) -> list[Obj]
             "from": [
                 {"namespaceSelector": {"matchLabels": {L.NAMESPACE_NAME_LABEL: scrape_namespace}}}
             ],
-            "ports": [{"protocol": "TCP", "port": observed_port_name(sglang)}],
+            "ports": [{"protocol": "TCP", "port": port}],
         }
     ]
 
@@ -170,17 +163,17 @@ def operator_ingress(port: int | str) -> Obj:
 
 
 def build_network_policy(
-    meta: DeploymentMeta, scrape_namespace: str = "", *, sglang: bool = False
+    meta: DeploymentMeta, scrape_namespace: str = "", *, observed_port: str = "status"
 ) -> Obj:
     """Worker ingress: peer workers of this deployment on any port (PP activations and KV
     transfer; UCX/NIXL data paths use ephemeral ports), the router on the serving and status
     ports, the operator (any namespace) on the port it observes and, when given, the metrics
     scrapers' namespace (`metrics_ingress`). Everything else is denied. The operator and the
-    scrapers get the status port (8081) with engine dsv4, the HTTP port (8080) with sglang
-    (`observed_port_name`)."""
+    scrapers get `observed_port` (a worker port name, the engine flavor's: `status`, 8081, on
+    every rank of our worker; `http`, 8080, on PP rank 0 of SGLang's)."""
     workers = L.component_selector(meta.name, "worker")
     router = L.component_selector(meta.name, "router")
-    observed_port = WORKER_PORTS[observed_port_name(sglang)]
+    observed_number = WORKER_PORTS[observed_port]
     return _ingress_policy(
         meta,
         L.network_policy_name(meta.name),
@@ -194,8 +187,8 @@ def build_network_policy(
                     {"protocol": "TCP", "port": STATUS_PORT},
                 ],
             },
-            operator_ingress(observed_port),
-            *metrics_ingress(scrape_namespace, sglang=sglang),
+            operator_ingress(observed_number),
+            *metrics_ingress(scrape_namespace, port=observed_port),
         ],
     )
 

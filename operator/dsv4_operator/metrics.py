@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 
 from dsv4_common.api.deployment import MemoryPlan
 from dsv4_operator import labels as L
+from dsv4_operator.capacity import CAPACITY_KEYS
 from dsv4_operator.kube import KubeError
 from dsv4_operator.reconcile import ReconcileResult
 
@@ -33,13 +34,9 @@ RECONCILE_BUCKETS_S: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 
 # Labels of every capacity series (`namespace` collides with the scrape target's own label:
 # the chart's ServiceMonitor sets honorLabels so the CR's namespace wins).
 RANK_LABELS: Final = ("namespace", "deployment", "role", "pp_rank")
-# status.plan[] keys -> the suffix of the planned_* and observed_* gauges.
-CAPACITY_FIELDS: Final = {
-    "fullTokens": "full_tokens",
-    "swaTokens": "swa_tokens",
-    "maxRunningRequests": "max_running_requests",
-    "maxContextTokens": "max_context_tokens",
-}
+# status.plan[] keys -> the suffix of the planned_* and observed_* gauges (the RankCapacity
+# field's name).
+CAPACITY_FIELDS: Final = {key: name for name, key in CAPACITY_KEYS.items()}
 PLANNED_PREFIX: Final = "dsv4_operator_planned_"
 OBSERVED_PREFIX: Final = "dsv4_operator_observed_"
 PLANNED_PAGES: Final = "dsv4_operator_planned_kv_pages"  # + label `pool`: full | swa | req_slots
@@ -79,17 +76,12 @@ def capacity_series(
     for role in L.WORKER_ROLES:
         for rank in memory.role(role).ranks:
             key: tuple[str, ...] = (namespace, name, role, str(rank.pp_rank))
-            planned = {
-                "full_tokens": rank.full_tokens,
-                "swa_tokens": rank.swa_tokens,
-                "max_running_requests": rank.max_running_requests,
-                "max_context_tokens": rank.max_context_tokens,
-            }
+            planned = {k: getattr(rank.capacity, k) for k in CAPACITY_KEYS}
             out.extend(Series(PLANNED_PREFIX + k, key, v) for k, v in planned.items())
             pools = {
-                "full": rank.capacity.full_pages,
-                "swa": rank.capacity.swa_pages,
-                "req_slots": rank.capacity.request_slots,
+                "full": rank.pools.full_pages,
+                "swa": rank.pools.swa_pages,
+                "req_slots": rank.pools.request_slots,
             }
             out.extend(Series(PLANNED_PAGES, (*key, pool), v) for pool, v in pools.items())
     for entry in status.get("plan") or []:

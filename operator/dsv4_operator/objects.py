@@ -5,9 +5,9 @@ Each object carries an applied-hash annotation (a hash of the object as planned)
 reconciler can skip objects the cluster already holds; each pod template carries a
 template-hash annotation (template + the config it reads) so a change rolls its pods.
 A role's `podTemplate` is merged into its pod templates (`podtemplate.py`); what it may not set
-raises `SpecError`, naming the field. Engine `sglang` swaps the worker and router containers
-for SGLang's (`sglang_workloads.py`), checks each role's engineArgs (`engine_args.py`) and adds
-the router's static list of the groups that exist (surge groups in use included).
+raises `SpecError`, naming the field. What differs between engines (images, containers, the
+checks beyond the CRD, a router that lists the groups that exist) comes from the spec's
+`EngineFlavor` (`flavors`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 from dsv4_common.api.deployment import MemoryPlan
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec, PodTemplate, SpecError
 from dsv4_operator import labels as L
-from dsv4_operator.engine_args import check_sglang_spec
+from dsv4_operator.flavors import flavor_of
 from dsv4_operator.gang import POD_GROUP_KINDS, build_pod_group
 from dsv4_operator.manifests import (
     Obj,
@@ -35,11 +35,6 @@ from dsv4_operator.manifests import (
     build_service_account,
 )
 from dsv4_operator.podtemplate import merge_pod_template
-from dsv4_operator.sglang_workloads import (
-    DEFAULT_SGLANG_IMAGE,
-    sglang_router_container,
-    sglang_worker_container,
-)
 from dsv4_operator.workerconfig import ROUTER_CONFIG_KEY, config_data, role_config_data
 from dsv4_operator.workloads import (
     DEFAULT_WORKER_IMAGE,
@@ -53,11 +48,6 @@ from dsv4_operator.workloads import (
 )
 
 ObjKey = tuple[str, str, str]  # (apiVersion, kind, name)
-# Engine sglang: a podTemplate's main-container `args` (worker, router) and where to go instead.
-_SGLANG_ARGS_REFUSED: dict[bool, str] = {
-    False: "not supported with engine sglang: put SGLang flags in spec.<role>.engineArgs",
-    True: "not supported with engine sglang: the operator owns sglang-router's command line",
-}
 
 # Every kind the operator creates (the pruner lists exactly these).
 MANAGED_KINDS: tuple[tuple[str, str], ...] = (
@@ -92,8 +82,9 @@ class DesiredState:
     # surge groups a roll could add included.
     template_hashes: dict[str, str]
     surge_groups: tuple[SurgeGroup, ...] = ()
-    # Engine sglang: sglang-router lists the groups that exist, so a roll's surge groups change
-    # its Deployment (it rolls to the new list); None where the router finds groups itself.
+    # A router that lists the groups that exist (`EngineFlavor.router_lists_groups`): a roll's
+    # surge groups change its Deployment (it rolls to the new list); None where the router
+    # finds groups itself.
     router_with_surge: Callable[[Mapping[L.WorkerRole, int]], Obj] | None = None
 
     def keys(self) -> set[ObjKey]:
@@ -135,35 +126,31 @@ def build_desired_state(
     metrics_scrape_namespace: str = "",
     model_config_hash: str | None = None,  # of a configMapRef's config.json: rolls workers
 ) -> DesiredState:
-    sglang = spec.engine.sglang
-    image = (spec.engine.image or DEFAULT_SGLANG_IMAGE) if sglang else spec.image or default_image
+    flavor = flavor_of(spec)
+    image = flavor.worker_image(spec, default_image)
     data = config_data(spec, meta, memory, worker_torch_threads(spec))
     objects: list[Obj] = [
         build_service_account(meta),
         build_config_map(meta, data),
-        build_network_policy(meta, metrics_scrape_namespace, sglang=sglang),
+        build_network_policy(meta, metrics_scrape_namespace, observed_port=flavor.observed_port),
         build_router_network_policy(meta, metrics_scrape_namespace),
     ]
     hashes: dict[str, str] = {}
     workloads: list[Obj] = []
     surge_groups: list[SurgeGroup] = []
-    errors: list[str] = []
-    if sglang:
-        try:
-            check_sglang_spec(spec, meta, memory)
-        except SpecError as exc:
-            errors.extend(exc.errors)
+    errors: list[str] = flavor.spec_errors(spec, meta, memory)
 
     def merged(base: Obj, user: PodTemplate | None, role: str, **defaults: str) -> Obj:
         """The base template with the role's podTemplate merged in (errors collected)."""
+        main: L.Component = "router" if role == "router" else "worker"
         try:
             return merge_pod_template(
                 base,
                 user,
                 path=f"spec.{role}.podTemplate",
-                main="router" if role == "router" else "worker",
+                main=main,
                 default_requests=defaults,
-                args_refused=_SGLANG_ARGS_REFUSED[role == "router"] if sglang else None,
+                args_refused=flavor.args_refused(main),
             )
         except SpecError as exc:
             errors.extend(e for e in exc.errors if e not in errors)
@@ -182,13 +169,10 @@ def build_desired_state(
                 spec,
                 role,
                 replica,
-                image,
+                flavor.worker_container(meta, spec, memory, role, replica, image),
+                tmp_limit=flavor.tmp_limit,
+                engine_labels=flavor.worker_pod_labels(spec),
                 model_config_hash=model_config_hash,
-                container=(
-                    sglang_worker_container(meta, spec, memory, role, replica, image)
-                    if sglang
-                    else None
-                ),
             )
             template = merged(base, spec.role(role).pod_template, role, **defaults)
             hashes[group] = stable_hash(template, role_data)
@@ -205,14 +189,13 @@ def build_desired_state(
             else:
                 stamped = tuple(_stamp_applied_hash(o) for o in (*group_objects, statefulset))
                 surge_groups.append(SurgeGroup(role, replica - replicas, stamped))
-    router_image = spec.engine.router_image or image
+    router_image = flavor.router_image(spec, image)
 
     def router_deployment(surge: Mapping[L.WorkerRole, int]) -> tuple[Obj, str]:
-        """The router Deployment and its template hash (engine sglang: for `surge`)."""
-        container = sglang_router_container(meta, spec, router_image, surge) if sglang else None
-        base = router_pod_template(
-            meta, spec, router_image if sglang else image, container=container
-        )
+        """The router Deployment and its template hash (for `surge` where the router lists
+        the groups)."""
+        container = flavor.router_container(meta, spec, router_image, surge)
+        base = router_pod_template(meta, spec, container, tmp_limit=flavor.tmp_limit)
         template = merged(base, spec.router.pod_template, "router")
         template_hash = stable_hash(template, data[ROUTER_CONFIG_KEY])
         deployment = build_router_deployment(
@@ -232,6 +215,8 @@ def build_desired_state(
         template_hashes=hashes,
         surge_groups=tuple(surge_groups),
         router_with_surge=(
-            (lambda surge: _stamp_applied_hash(router_deployment(surge)[0])) if sglang else None
+            (lambda surge: _stamp_applied_hash(router_deployment(surge)[0]))
+            if flavor.router_lists_groups
+            else None
         ),
     )

@@ -1,7 +1,8 @@
 """What the operator observes: worker pods (as small frozen records), the router's readiness and
 each worker's realized capacity: our workers' `/status` documents
 (`dsv4_common.api.worker_status`), or SGLang's `/server_info` from PP rank 0 of each group
-(`sglang_info`). Pure: `probe.HttpWorkerProbe` fetches the documents.
+(`flavors.sglang.info`). The engine's flavor decides which (`EngineFlavor.observe`). Pure:
+`probe.HttpWorkerProbe` fetches the documents.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Protocol
 from dsv4_common.api.documents import DocumentError
 from dsv4_common.api.worker_status import WorkerStatus, parse_worker_status
 from dsv4_operator import labels as L
-from dsv4_operator.sglang_info import ServerInfo, ServerInfoError, parse_server_info
+from dsv4_operator.flavors.sglang.info import ServerInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,17 +105,3 @@ def parse_report(doc: Mapping[str, Any]) -> WorkerStatus | None:
 
 def parse_reports(raw: Mapping[str, Mapping[str, Any]]) -> dict[str, WorkerStatus]:
     return {name: r for name, doc in raw.items() if (r := parse_report(doc)) is not None}
-
-
-def parse_server_infos(
-    raw: Mapping[str, Mapping[str, Any]],
-) -> tuple[dict[str, ServerInfo], dict[str, str]]:
-    """(parsed documents, why the others were refused), both by pod name."""
-    parsed: dict[str, ServerInfo] = {}
-    refused: dict[str, str] = {}
-    for name, doc in raw.items():
-        try:
-            parsed[name] = parse_server_info(doc)
-        except ServerInfoError as exc:
-            refused[name] = f"/server_info: {exc}"
-    return parsed, refused

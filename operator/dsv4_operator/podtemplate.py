@@ -37,6 +37,7 @@ from typing import Any, Final
 
 from dsv4_common.api.errors import SpecError
 from dsv4_common.api.names import GPU_RESOURCE
+from dsv4_common.api.serve_flags import operator_owned
 from dsv4_common.api.spec import PodTemplate
 from dsv4_operator import labels as L
 from dsv4_operator.gang import COSCHEDULING_GROUP_LABEL, VOLCANO_GROUP_ANNOTATION
@@ -68,28 +69,8 @@ OWNED_CONTAINER_FIELDS: Final = {
     "securityContext": "",
 }
 MAIN_CONTAINER_FIELDS: Final = ("args", "env", "envFrom", "volumeMounts", "resources")
-# `dsv4 serve` flags the operator computes, with where to set them instead.
-OWNED_FLAGS: Final = {
-    "--role": "the pod's role",
-    "--config-dir": "the mounted config",
-    "--host": "the pod's address",
-    "--port": "the worker's ports",
-    "--kv-port": "the worker's ports",
-    "--model": "spec.model",
-    "--weights": "spec.model.weights",
-    "--transfer": "spec.kv.transfer",
-    "--page-size": "spec.kv.pageSize",
-    "--request-state": "the rank config",
-    "--max-running-requests": "spec.<role>.maxRunningRequests",
-    "--chunked-prefill-size": "spec.<role>.chunkedPrefillTokens",
-    "--context-len": "spec.maxContextTokens",
-    "--gpu-memory-gib": "spec.gpu",
-    "--pp-size": "spec.<role>.pipelineParallel",
-    "--pp-rank": "the pod's PP rank",
-    "--pp-addr": "the group's Service",
-    "--prefill": "the router config",
-    "--instance": "the router config",
-}
+# `dsv4 serve` flags the operator computes, with where to set them instead (the flag table's).
+OWNED_FLAGS: Final = operator_owned()
 _RESERVED_PREFIX: Final = f"{L.GROUP}/"
 _OWNED_LABELS: Final = frozenset({L.POD_INDEX_LABEL, COSCHEDULING_GROUP_LABEL})
 _OWNED_ANNOTATIONS: Final = frozenset({VOLCANO_GROUP_ANNOTATION})

@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
+from dsv4_operator.flavors.sglang.info import SERVER_INFO_PATH
 from dsv4_operator.observe import PodState
-from dsv4_operator.sglang_info import SERVER_INFO_PATH
 from dsv4_operator.workerconfig import HTTP_PORT, STATUS_PORT
 
 PROBE_TIMEOUT_S: Final = 2.0

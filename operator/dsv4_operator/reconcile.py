@@ -17,6 +17,7 @@ from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec, SpecError, pars
 from dsv4_operator import labels as L
 from dsv4_operator.config import DEFAULT_CONFIG, OperatorConfig
 from dsv4_operator.diff import needs_apply, status_patch
+from dsv4_operator.flavors import flavor_of
 from dsv4_operator.groups import GroupAction, GroupPlan, GroupState, group_states, plan_groups
 from dsv4_operator.kube import Kube, KubeError
 from dsv4_operator.modelsource import resolve_model
@@ -27,13 +28,7 @@ from dsv4_operator.objects import (
     ObjKey,
     build_desired_state,
 )
-from dsv4_operator.observe import (
-    Observed,
-    WorkerProbe,
-    parse_reports,
-    parse_server_infos,
-    pod_state,
-)
+from dsv4_operator.observe import Observed, WorkerProbe, pod_state
 from dsv4_operator.restarts import format_time, records_from_status
 from dsv4_operator.status import STATUS_KEYS, Problem, summarize
 
@@ -258,19 +253,7 @@ def _observe(
     )
     router = kube.get("apps/v1", "Deployment", meta.namespace, L.router_name(meta.name))
     ready_replicas = int(((router or {}).get("status") or {}).get("readyReplicas") or 0)
-    if spec.engine.sglang:  # no /status documents: SGLang's /server_info on PP rank 0
-        info, unreadable = parse_server_infos(probe.server_info(pods))
-        return Observed(
-            pods=pods,
-            router_ready_replicas=ready_replicas,
-            server_info=info,
-            unreadable=unreadable,
-        )
-    return Observed(
-        pods=pods,
-        reports=parse_reports(probe.fetch(pods)),
-        router_ready_replicas=ready_replicas,
-    )
+    return flavor_of(spec).observe(probe, pods, ready_replicas)
 
 
 __all__ = ["DesiredState", "OperatorConfig", "ReconcileResult", "reconcile", "utc_clock"]

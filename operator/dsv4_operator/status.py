@@ -16,7 +16,8 @@ from dsv4_common.api.deployment import MemoryPlan
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec
 from dsv4_common.api.worker_status import WorkerStatus
 from dsv4_operator import labels as L
-from dsv4_operator.capacity import Seen, mismatches, seen_capacity
+from dsv4_operator.capacity import CAPACITY_KEYS, Seen, mismatches, seen_capacity
+from dsv4_operator.flavors import flavor_of
 from dsv4_operator.groups import GroupAction, GroupPlan, GroupState
 from dsv4_operator.observe import Observed
 from dsv4_operator.restarts import RestartRecord, records_to_status
@@ -187,14 +188,10 @@ def _observed_for(role: str, rank: int, seen: Sequence[Seen]) -> dict[str, int] 
     mine = [s for s in seen if s.role == role and rank in s.pp_ranks]
     if not mine:
         return None
-    out = {
-        "fullTokens": min(s.full_tokens for s in mine),
-        "maxContextTokens": min(s.max_context_tokens for s in mine),
-    }
-    if swa := [s.swa_tokens for s in mine if s.swa_tokens is not None]:
-        out["swaTokens"] = min(swa)
-    if requests := [s.max_running_requests for s in mine if s.max_running_requests is not None]:
-        out["maxRunningRequests"] = min(requests)
+    out: dict[str, int] = {}
+    for name, key in CAPACITY_KEYS.items():
+        if figures := [f for s in mine if (f := s.figure(name)) is not None]:
+            out[key] = min(figures)
     return out
 
 
@@ -211,11 +208,8 @@ def _plan_entries(plan: MemoryPlan, seen: Sequence[Seen]) -> list[dict[str, Any]
                 "bytesPerSwaToken": round(r.layout.bytes_per_swa_token, 2),
                 "bytesPerRequest": r.layout.bytes_per_request_slot,
                 "weightBytes": r.weight_bytes,
-                "kvBytes": r.capacity.kv_bytes,
-                "fullTokens": r.full_tokens,
-                "swaTokens": r.swa_tokens,
-                "maxRunningRequests": r.max_running_requests,
-                "maxContextTokens": r.max_context_tokens,
+                "kvBytes": r.pools.kv_bytes,
+                **{key: getattr(r.capacity, name) for name, key in CAPACITY_KEYS.items()},
                 "bottleneck": r.pp_rank == p.bottleneck_rank,
             }
             if (realized := _observed_for(role, r.pp_rank, seen)) is not None:
@@ -226,15 +220,9 @@ def _plan_entries(plan: MemoryPlan, seen: Sequence[Seen]) -> list[dict[str, Any]
 
 def _kv_transfer(spec: DeploymentSpec, reports: Mapping[str, WorkerStatus]) -> Cond:
     backend = spec.kv.transfer
-    if spec.engine.sglang:
-        # NOTE: SGLang workers publish no /status: Unknown, and Ready does not wait on it.
-        return Cond(
-            "KVTransferReady",
-            "Unknown",
-            "NotReported",
-            f"engine sglang: SGLang workers do not report their {backend} transfer engine; "
-            "Ready follows the workers' and the router's readiness",
-        )
+    if (unreported := flavor_of(spec).kv_transfer_unreported(backend)) is not None:
+        # NOTE: the workers publish nothing of it: Unknown, and Ready does not wait on it.
+        return Cond("KVTransferReady", "Unknown", "NotReported", unreported)
     wrong = sorted(n for n, r in reports.items() if r.kv_backend not in (None, backend))
     if wrong:
         return Cond(
@@ -324,7 +312,9 @@ def _degraded(spec: DeploymentSpec, health: _Health, seen: Sequence[Seen]) -> Co
             for g, left in sorted(health.waiting.items())
         ]
         return Cond("Degraded", "True", "GroupRestarted", "; ".join(parts))
-    short = sorted(s.worker for s in seen if s.max_context_tokens < spec.max_context_tokens)
+    short = sorted(
+        s.worker for s in seen if s.capacity.max_context_tokens < spec.max_context_tokens
+    )
     if short:
         return Cond(
             "Degraded",
@@ -387,7 +377,7 @@ def _capacity_matches(
 ) -> Cond:
     """False when a worker realized other figures than it was asked to (capacity.mismatches);
     else Unknown while a role has no report (or a report could not be read); else True."""
-    source = "/server_info" if spec.engine.sglang else "/status"
+    source = flavor_of(spec).capacity_source
     differ = mismatches(spec, plan, seen)
     if differ:
         return Cond(

@@ -1,5 +1,6 @@
 """Pure builders for the pod-bearing children: one StatefulSet per PP group (its pods are the
-group's PP ranks) and the router Deployment, plus the hardened pod template they share.
+group's PP ranks) and the router Deployment, plus the hardened pod template they share. The
+containers in them are the engine's (`flavors`).
 
 NOTE: a PP group's StatefulSet uses `updateStrategy: OnDelete`. The operator replaces a group's
 pods together (`groups.py`), so a group never runs mixed template versions and a role never
@@ -9,6 +10,7 @@ loses more than one group to a rollout.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, Final
 
 from dsv4_common.api.names import GPU_RESOURCE
@@ -22,7 +24,7 @@ from dsv4_operator.gang import pod_fields
 from dsv4_operator.manifests import Obj, group_meta, router_meta
 from dsv4_operator.placement import group_affinity
 from dsv4_operator.quantities import quantity
-from dsv4_operator.workerconfig import CONFIG_DIR, STATUS_PORT, WORKER_PORTS
+from dsv4_operator.workerconfig import CONFIG_DIR, WORKER_PORTS
 
 RUN_AS_USER: Final = 10001  # the images' non-root user (Dockerfile.worker)
 DEFAULT_WORKER_IMAGE: Final = "ghcr.io/dsv4-serve/worker:0.1.0"
@@ -41,20 +43,10 @@ STARTUP_FAILURES: Final = 360
 WEIGHT_MEMORY_MARGIN: Final = 0.10
 RUNTIME_MEMORY_BYTES: Final = 8 * GIB
 CPU_PER_GPU: Final = 2
-SGLANG_TMP_LIMIT: Final = "16Gi"
 
 
 def _env_field(name: str, path: str) -> Obj:
     return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
-
-
-def _probe(path: str, period_s: int, failures: int) -> Obj:
-    return {
-        "httpGet": {"path": path, "port": "status"},
-        "periodSeconds": period_s,
-        "failureThreshold": failures,
-        "timeoutSeconds": 2,
-    }
 
 
 def container_security() -> Obj:
@@ -140,10 +132,10 @@ def gpu_worker_requests(spec: DeploymentSpec, plan: Plan) -> dict[str, str]:
     return {"cpu": str(CPU_PER_GPU * spec.gpu.per_pod), "memory": f"{math.ceil(need / GIB)}Gi"}
 
 
-def _volumes(meta: DeploymentMeta, spec: DeploymentSpec) -> tuple[list[Obj], list[Obj]]:
+def _volumes(
+    meta: DeploymentMeta, spec: DeploymentSpec, tmp_limit: str
+) -> tuple[list[Obj], list[Obj]]:
     shm_limit = "1Gi" if spec.gpu.cpu_mode else "32Gi"
-    # SGLang compiles kernels at start-up (Triton, DeepGEMM, FlashInfer) into caches under /tmp.
-    tmp_limit = SGLANG_TMP_LIMIT if spec.engine.sglang else "1Gi"
     volumes: list[Obj] = [
         {"name": "config", "configMap": {"name": L.config_name(meta.name)}},
         {"name": "tmp", "emptyDir": {"sizeLimit": tmp_limit}},
@@ -175,8 +167,10 @@ def _volumes(meta: DeploymentMeta, spec: DeploymentSpec) -> tuple[list[Obj], lis
     return volumes, mounts
 
 
-def _pod_spec(meta: DeploymentMeta, spec: DeploymentSpec, container: Obj, *, gpu: bool) -> Obj:
-    volumes, mounts = _volumes(meta, spec)
+def _pod_spec(
+    meta: DeploymentMeta, spec: DeploymentSpec, container: Obj, *, gpu: bool, tmp_limit: str
+) -> Obj:
+    volumes, mounts = _volumes(meta, spec, tmp_limit)
     pod: Obj = {
         "serviceAccountName": L.service_account_name(meta.name),
         "automountServiceAccountToken": False,
@@ -211,49 +205,24 @@ def worker_ports() -> list[Obj]:
     return [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in WORKER_PORTS.items()]
 
 
-def worker_container(
-    meta: DeploymentMeta, spec: DeploymentSpec, role: L.WorkerRole, image: str
-) -> Obj:
-    """The `worker` container of engine dsv4: `dsv4 serve` reading its rank config."""
-    return {
-        "name": "worker",
-        "image": image,
-        "imagePullPolicy": "IfNotPresent",
-        "command": ["dsv4", "serve"],
-        "args": ["--role", role, "--config-dir", CONFIG_DIR],
-        "env": worker_env(meta, role),
-        "ports": worker_ports(),
-        "resources": worker_resources(spec),
-        "startupProbe": _probe("/live", STARTUP_PERIOD_S, STARTUP_FAILURES),
-        "livenessProbe": _probe("/live", 10, 3),
-        # Every rank has it; on the serving rank /ready means "the whole PP group is up", and
-        # only serving ranks are endpoints of the routing Service.
-        "readinessProbe": _probe("/ready", 5, 2),
-        "securityContext": container_security(),
-    }
-
-
 def worker_pod_template(
     meta: DeploymentMeta,
     spec: DeploymentSpec,
     role: L.WorkerRole,
     replica: int,
-    image: str,
+    container: Obj,
     *,
+    tmp_limit: str,
+    engine_labels: Mapping[str, str],
     model_config_hash: str | None = None,
-    container: Obj | None = None,
 ) -> Obj:
     """The template of one group's pods, without the template-hash annotation. The hash of a
     configMapRef model's config.json is an annotation: editing that ConfigMap changes the
-    template, so the group rolls. `container`: the engine's `worker` container (default: ours,
-    `worker_container`). Engine sglang's pods also carry `ENGINE_LABEL` (the PodMonitor tells
-    them apart by it)."""
-    if container is None:
-        container = worker_container(meta, spec, role, image)
-    pod = _pod_spec(meta, spec, container, gpu=not spec.gpu.cpu_mode)
+    template, so the group rolls. `container`, `tmp_limit` and `engine_labels` (after the
+    group's labels) come from the engine's flavor (`flavors`)."""
+    pod = _pod_spec(meta, spec, container, gpu=not spec.gpu.cpu_mode, tmp_limit=tmp_limit)
     metadata: Obj = {"labels": L.group_labels(meta.name, role, replica)}
-    if spec.engine.sglang:  # NOTE: not on engine dsv4's pods, whose template hash it would change
-        metadata["labels"][L.ENGINE_LABEL] = spec.engine.name
+    metadata["labels"].update(engine_labels)
     gang = pod_fields(spec.scheduling.gang, L.group_name(meta.name, role, replica))
     metadata["labels"].update(gang.labels)
     annotations = dict(gang.annotations)
@@ -291,43 +260,11 @@ def build_group_statefulset(
     }
 
 
-def router_container(meta: DeploymentMeta, spec: DeploymentSpec, image: str) -> Obj:
-    """The `router` container of engine dsv4: `dsv4 serve --role router`."""
-    return {
-        "name": "router",
-        "image": image,
-        "imagePullPolicy": "IfNotPresent",
-        "command": ["dsv4", "serve"],
-        "args": ["--role", "router", "--config-dir", CONFIG_DIR],
-        "env": [
-            {"name": "DSV4_DEPLOYMENT", "value": meta.name},
-            {"name": "DSV4_ROLE", "value": "router"},
-            {"name": "DSV4_CONFIG_DIR", "value": CONFIG_DIR},
-            {"name": "HOME", "value": "/tmp"},
-        ],
-        "ports": [
-            {"name": "http", "containerPort": spec.router.port, "protocol": "TCP"},
-            {"name": "status", "containerPort": STATUS_PORT, "protocol": "TCP"},
-        ],
-        "resources": {"requests": dict(ROUTER_REQUESTS), "limits": dict(ROUTER_LIMITS)},
-        "livenessProbe": _probe("/live", 10, 3),
-        "readinessProbe": _probe("/ready", 5, 2),
-        "securityContext": container_security(),
-    }
-
-
 def router_pod_template(
-    meta: DeploymentMeta,
-    spec: DeploymentSpec,
-    image: str,
-    *,
-    container: Obj | None = None,
+    meta: DeploymentMeta, spec: DeploymentSpec, container: Obj, *, tmp_limit: str
 ) -> Obj:
-    """The router's pod template. `container`: the engine's `router` container (default:
-    ours, `router_container`)."""
-    if container is None:
-        container = router_container(meta, spec, image)
-    pod = _pod_spec(meta, spec, container, gpu=False)
+    """The router's pod template around the engine's `router` container (`flavors`)."""
+    pod = _pod_spec(meta, spec, container, gpu=False, tmp_limit=tmp_limit)
     # The router needs the config only (no weights, little shared memory).
     pod["volumes"] = [v for v in pod["volumes"] if v["name"] in ("config", "tmp")]
     pod["containers"][0]["volumeMounts"] = [

@@ -11,10 +11,10 @@ import pytest
 from dsv4_common.api.deployment import plan_memory
 from dsv4_common.api.spec import SpecError, parse_meta, parse_spec
 from dsv4_operator.admission import AdmissionRequest, review
-from dsv4_operator.engine_args import REFUSED, check_sglang_spec, engine_args_errors
+from dsv4_operator.flavors.sglang.command import SERVER_FLAGS
+from dsv4_operator.flavors.sglang.engine_args import REFUSED, check_sglang_spec, engine_args_errors
+from dsv4_operator.flavors.sglang.flags import SGLANG_VERSION
 from dsv4_operator.objects import build_desired_state
-from dsv4_operator.sglang_command import SERVER_FLAGS
-from dsv4_operator.sglang_flags import SGLANG_VERSION
 
 SAMPLE = "sglang-flash-pd.yaml"
 Body = dict[str, Any]

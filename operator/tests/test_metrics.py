@@ -109,14 +109,20 @@ def test_capacity_series_are_the_plan_per_rank(make_body: Callable[..., dict[str
     for role in L.WORKER_ROLES:
         for r in memory.role(role).ranks:
             key = ("ns", "tiny", role, str(r.pp_rank))
-            assert got["dsv4_operator_planned_full_tokens", key] == r.full_tokens
-            assert got["dsv4_operator_planned_swa_tokens", key] == r.swa_tokens
-            assert got["dsv4_operator_planned_max_running_requests", key] == r.max_running_requests
-            assert got["dsv4_operator_planned_max_context_tokens", key] == r.max_context_tokens
+            assert got["dsv4_operator_planned_full_tokens", key] == r.capacity.full_tokens
+            assert got["dsv4_operator_planned_swa_tokens", key] == r.capacity.swa_tokens
+            assert (
+                got["dsv4_operator_planned_max_running_requests", key]
+                == r.capacity.max_running_requests
+            )
+            assert (
+                got["dsv4_operator_planned_max_context_tokens", key]
+                == r.capacity.max_context_tokens
+            )
             pages = "dsv4_operator_planned_kv_pages"
-            assert got[pages, (*key, "full")] == r.capacity.full_pages
-            assert got[pages, (*key, "swa")] == r.capacity.swa_pages
-            assert got[pages, (*key, "req_slots")] == r.capacity.request_slots
+            assert got[pages, (*key, "full")] == r.pools.full_pages
+            assert got[pages, (*key, "swa")] == r.pools.swa_pages
+            assert got[pages, (*key, "req_slots")] == r.pools.request_slots
     assert not any(s.name.startswith("dsv4_operator_observed_") for s in series)
     for s in series:
         assert len(s.labels) == len(CAPACITY_GAUGES[s.name][1])

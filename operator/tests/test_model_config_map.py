@@ -21,10 +21,10 @@ from repo_paths import MODEL_DATA, SAMPLES
 from support.chart_support import needs_helm, render
 from support.fake_kube import FakeKube, FakeProbe
 
+from dsv4_cli.main import main
 from dsv4_common.api.deployment import MemoryPlanError, plan_memory
 from dsv4_common.api.rank_config import parse_rank_config
 from dsv4_common.api.spec import SpecError, parse_meta, parse_spec
-from dsv4_common.cli import main
 from dsv4_common.core.presets import deepseek_v4_flash
 from dsv4_operator import labels as L
 from dsv4_operator import main as operator_main

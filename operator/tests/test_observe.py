@@ -34,8 +34,13 @@ def _without(path: tuple[str, ...]) -> dict[str, Any]:
 def test_a_complete_report_parses() -> None:
     r = parse_report(GOOD)
     assert r is not None
-    assert (r.role, r.pp_rank, r.full_tokens, r.swa_tokens) == ("decode", 1, 8192, 1024)
-    assert (r.max_running_requests, r.max_context_tokens) == (16, 4096)
+    assert (r.role, r.pp_rank, r.capacity.full_tokens, r.capacity.swa_tokens) == (
+        "decode",
+        1,
+        8192,
+        1024,
+    )
+    assert (r.capacity.max_running_requests, r.capacity.max_context_tokens) == (16, 4096)
     assert (r.kv_backend, r.kv_ready, r.kv_layout_hash) == ("nixl", True, "abc123")
 
 

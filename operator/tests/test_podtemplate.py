@@ -18,10 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from repo_paths import SAMPLES
 
+from dsv4_cli.main import main
 from dsv4_common.api.deployment import plan_memory
 from dsv4_common.api.names import GPU_RESOURCE
 from dsv4_common.api.spec import SpecError, parse_meta, parse_spec
-from dsv4_common.cli import main
 from dsv4_common.core.units import GIB
 from dsv4_operator import labels as L
 from dsv4_operator.objects import DesiredState, build_desired_state

@@ -11,9 +11,9 @@ import pytest
 import yaml
 from repo_paths import SAMPLES
 
+from dsv4_cli.main import main
 from dsv4_common.api.deployment import plan_memory
 from dsv4_common.api.spec import SpecError, parse_meta, parse_spec
-from dsv4_common.cli import main
 from dsv4_operator.objects import build_desired_state
 from dsv4_operator.render import render, render_file
 

@@ -15,7 +15,7 @@ import pytest
 from dsv4_common.api.deployment import MemoryPlan, plan_memory
 from dsv4_common.api.names import SGLANG_TRANSFERS, WORKER_ROLES, Transfer, WorkerRole
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec, parse_meta, parse_spec
-from dsv4_operator.sglang_command import (
+from dsv4_operator.flavors.sglang.command import (
     LAYER_PARTITION_ENV,
     PP_RANK_ENV,
     SERVER_FLAGS,
@@ -27,7 +27,7 @@ from dsv4_operator.sglang_command import (
     sglang_swa_tokens,
     swa_ratio_text,
 )
-from dsv4_operator.sglang_flags import parse_router_args, parse_server_args, server_flag
+from dsv4_operator.flavors.sglang.flags import parse_router_args, parse_server_args, server_flag
 
 TP_ON_H200 = {"deepseek-v4-pro": 8, "deepseek-v4-flash": 4}
 WEIGHTS = "/models/weights"
@@ -104,13 +104,13 @@ def test_the_flags_carry_the_plans_figures_exactly(case: Case) -> None:
     spec, meta, memory = planned(preset, pp, transfer)
     plan = memory.role(role)
     v = values(server_args(spec, meta, memory, role, 0))
-    full = min(r.full_tokens for r in plan.ranks)
-    swa = min(r.swa_tokens for r in plan.ranks)
+    full = min(r.capacity.full_tokens for r in plan.ranks)
+    swa = min(r.capacity.swa_tokens for r in plan.ranks)
     page = plan.inputs.resolved_page_size
     assert v["--max-total-tokens"] == str(full)
     ratio = v["--swa-full-tokens-ratio"]
     assert ratio is not None and sglang_swa_tokens(full, ratio, page) == swa
-    assert {r.max_running_requests for r in plan.ranks} == {plan.max_running_requests}
+    assert {r.capacity.max_running_requests for r in plan.ranks} == {plan.max_running_requests}
     assert v["--max-running-requests"] == str(plan.max_running_requests)
     assert float(v["--mem-fraction-static"] or "nan") == plan.inputs.mem_fraction
     assert v["--page-size"] == str(page) == "256"
@@ -181,10 +181,10 @@ def test_a_group_runs_with_its_least_figures() -> None:
     """Pro at PP 2: the ranks' pools differ; every rank gets the smaller one."""
     _, _, memory = planned("deepseek-v4-pro", 2, "nixl")
     ranks = memory.decode.ranks
-    assert len({r.full_tokens for r in ranks}) == 2
+    assert len({r.capacity.full_tokens for r in ranks}) == 2
     figures = group_figures(memory.decode)
-    assert figures.full_tokens == min(r.full_tokens for r in ranks)
-    assert figures.swa_tokens == min(r.swa_tokens for r in ranks)
+    assert figures.full_tokens == min(r.capacity.full_tokens for r in ranks)
+    assert figures.swa_tokens == min(r.capacity.swa_tokens for r in ranks)
     assert figures.layer_split == (31, 30)
 
 

@@ -16,8 +16,8 @@ import pytest
 import sglang_cmdlines as C
 from repo_paths import ROOT
 
-from dsv4_operator import sglang_flags as F
-from dsv4_operator.sglang_snapshot import (
+from dsv4_operator.flavors.sglang import flags as F
+from dsv4_operator.flavors.sglang.snapshot import (
     SglangArgsError,
     build_parser,
     human_readable_int,

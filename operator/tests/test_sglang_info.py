@@ -12,8 +12,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from support.sglang_stand_in import server_info_doc
 
-from dsv4_operator.observe import parse_server_infos
-from dsv4_operator.sglang_info import ServerInfo, ServerInfoError, parse_server_info
+from dsv4_operator.flavors.sglang.info import (
+    ServerInfo,
+    ServerInfoError,
+    parse_server_info,
+    parse_server_infos,
+)
 
 
 def test_reads_the_pools_the_requests_and_the_context() -> None:

@@ -61,9 +61,9 @@ import pytest
 import sglang_cmdlines as C
 from repo_paths import ROOT
 
-from dsv4_operator import sglang_flags as F
-from dsv4_operator.sglang_info import parse_server_info
-from dsv4_operator.sglang_snapshot import SglangArgsError
+from dsv4_operator.flavors.sglang import flags as F
+from dsv4_operator.flavors.sglang.info import parse_server_info
+from dsv4_operator.flavors.sglang.snapshot import SglangArgsError
 
 pytestmark = pytest.mark.sglang
 OPT_IN = os.environ.get("DSV4_SGLANG_TESTS", "")
@@ -148,7 +148,7 @@ def test_real_server_args_from_the_command_line(
     assert {k: getattr(record, k) for k in C.SERVER_VALUES} == C.SERVER_VALUES
 
 
-# ---- /server_info (what the operator reads of it: sglang_info.py) ------------------------
+# ---- /server_info (what the operator reads of it: flavors/sglang/info.py) --------------------
 
 
 def _source(server_args: ModuleType, relative: str) -> str:

@@ -22,22 +22,22 @@ import yaml
 from repo_paths import SAMPLES
 from support.fake_kube import FakeKube
 
+from dsv4_cli.main import main
 from dsv4_common.api.deployment import plan_memory
 from dsv4_common.api.spec import SpecError, parse_meta, parse_spec
-from dsv4_common.cli import main
 from dsv4_operator import labels as L
-from dsv4_operator.objects import DesiredState, build_desired_state
-from dsv4_operator.observe import PodState
-from dsv4_operator.reconcile import reconcile
-from dsv4_operator.sglang_command import (
+from dsv4_operator.flavors.sglang.command import (
     LAYER_PARTITION_ENV,
     ROUTER_COMMAND,
     SERVER_COMMAND,
     router_args,
     server_args,
 )
-from dsv4_operator.sglang_flags import SGLANG_VERSION
-from dsv4_operator.sglang_workloads import DEFAULT_SGLANG_IMAGE
+from dsv4_operator.flavors.sglang.flags import SGLANG_VERSION
+from dsv4_operator.flavors.sglang.workloads import DEFAULT_SGLANG_IMAGE
+from dsv4_operator.objects import DesiredState, build_desired_state
+from dsv4_operator.observe import PodState
+from dsv4_operator.reconcile import reconcile
 
 KUBERNETES_VERSIONS = ("1.30", "1.37")
 SAMPLE = "sglang-flash-pd.yaml"

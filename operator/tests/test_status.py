@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from dsv4_common.api import RankCapacity
 from dsv4_common.api.deployment import plan_memory
 from dsv4_common.api.spec import parse_meta, parse_spec
 from dsv4_common.api.worker_status import WorkerStatus
@@ -22,10 +23,9 @@ def report(role: str, rank: int, full: int, **kw: Any) -> WorkerStatus:
     fields: dict[str, Any] = {
         "role": role,
         "pp_rank": rank,
-        "full_tokens": full,
-        "swa_tokens": 1,
-        "max_running_requests": 8,
-        "max_context_tokens": full,
+        "capacity": RankCapacity(
+            full_tokens=full, swa_tokens=1, max_running_requests=8, max_context_tokens=full
+        ),
         "kv_backend": "nixl",
         "kv_ready": True,
         "kv_layout_hash": "h",

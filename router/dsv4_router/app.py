@@ -24,9 +24,14 @@ Routing rules:
 - Giving up: 503 with `Retry-After: 1` saying why (no ready prefill or decode, every ready
   one busy or failed), at once, counted by `dsv4_router_shed_requests{reason}`; 502 with
   the decode's message when the last attempt got a 5xx other than 503.
-- Mid-stream: an upstream that breaks ends the stream with an SSE error event; a client that
-  disconnects cancels its handler, which closes the upstream connection at once (the decode
-  worker aborts the request and frees its pages).
+- Mid-stream: an upstream that breaks ends the stream with an SSE error event (code
+  `upstream_broken`); a client that disconnects cancels its handler, which closes the upstream
+  connection at once (the decode worker aborts the request and frees its pages).
+- A frozen decode (`liveness.frozen_reason`: no byte for `stall_after_s` of the router's own
+  progress and its latest status probe missed; a slow decode answers its probes): its open
+  streams end with an error event (code `upstream_stalled`) and `[DONE]`; a request with no
+  byte sent yet is retried on another pair as above, or, with none free, waits while the
+  decode is in its grace (it may only be starved) and gets a 503 once it is stale.
 - Bad requests never reach a worker: the body is read and checked by the shared HTTP rules
   (`http_guard.read_json`: 400 naming the field, 408, 413); every error body is OpenAI's
   shape, 404 and 405 included. Connections follow `settings.http` (timeouts, a bound).
@@ -34,7 +39,8 @@ Routing rules:
   closes the upstream connection while decode has not answered: the worker aborts it.
 - Draining (SIGTERM, `drain`): the listeners stay open, `/ready` answers 503 `draining` and
   new completions 503 + Retry-After (code `draining`); open ones get `shutdown_timeout_s`,
-  then a stream ends with an error event and `[DONE]`, a request with no byte sent a 503.
+  then a stream ends with an error event (code `draining`) and `[DONE]`, a request with no
+  byte sent a 503.
 - `/ready` is 200 iff at least one prefill and one decode are eligible, and (several router
   processes, `processes`) every process saw such a pair in its last discovery round, so a
   client whose connection lands on any of them is served. `/live`, `/ready`,

@@ -143,7 +143,7 @@ def queue_full(record: InstanceRecord) -> bool:
     bound = status.load.max_queue_requests
     if bound <= 0:
         return False
-    beyond_slots = record.inflight - status.max_running_requests
+    beyond_slots = record.inflight - status.capacity.max_running_requests
     return max(status.load.waiting, beyond_slots) >= bound
 
 
@@ -164,7 +164,8 @@ def decode_key(record: InstanceRecord) -> tuple[int, int, AddressKey]:
     per pending request, then fewest running."""
     status = record.status
     assert status is not None, "only records with a status are ranked"
-    share_tokens = status.full_tokens // max(1, status.max_running_requests)
+    capacity = status.capacity
+    share_tokens = capacity.full_tokens // max(1, capacity.max_running_requests)
     free_tokens = status.load.free_full_tokens - record.pending * share_tokens
     return (-free_tokens, status.load.running, address_key(record.instance))
 

@@ -24,7 +24,7 @@ from dsv4_common.api.rank_config import (
     RouterConfig,
     parse_router_config,
 )
-from dsv4_router.liveness import LivenessRule, liveness_rule
+from dsv4_router.liveness import LivenessRule, StallRule, liveness_rule
 
 QUICK_HOST: Final = "127.0.0.1"
 DEPLOYED_HOST: Final = "0.0.0.0"
@@ -68,6 +68,9 @@ class RouterSettings:
     connect_timeout_s: float = 3.0  # to a decode's API
     # Decode sends its headers with the first token, so this covers the whole prefill.
     first_byte_timeout_s: float = 600.0
+    # An open request's decode silent this long with its latest probe missed: frozen
+    # (`liveness.frozen_reason`); the relay ends the request or retries it elsewhere.
+    stall_after_s: float = 1.0
     max_attempts: int = 3  # pairs tried per request
     shutdown_timeout_s: float = ROUTER_DRAIN_S  # open streams get this long after SIGTERM
     http: HttpLimits = field(default_factory=HttpLimits)  # timeouts, body size, connections
@@ -84,6 +87,10 @@ class RouterSettings:
             misses=self.stale_after_misses,
             grace_polls=self.stale_after_polls,
         )
+
+    @property
+    def stall(self) -> StallRule:
+        return StallRule(silence_s=self.stall_after_s)
 
 
 def default_processes(cpus: float) -> int:

@@ -1,5 +1,6 @@
 """OpenAI-style error bodies the router answers with itself (the shape is the shared
-`http_rules.error_document`), and reading one from upstream."""
+`http_rules.error_document`), the SSE error event that ends a relayed stream, and reading an
+error body from upstream."""
 
 from __future__ import annotations
 
@@ -14,10 +15,20 @@ ErrorType = Literal["invalid_request_error", "server_error"]
 RETRY_AFTER_S: Final = 1
 # How much of an upstream error body is kept for the router's own message.
 MAX_UPSTREAM_MESSAGE_CHARS: Final = 500
+# `error.code` of the event that ends a relayed stream: the decode's connection broke, or the
+# decode went silent and missed its probes (`liveness.frozen_reason`).
+BROKEN_CODE: Final = "upstream_broken"
+STALLED_CODE: Final = "upstream_stalled"
 
 
 def error_body(message: str, error_type: ErrorType, param: str | None = None) -> dict[str, Any]:
     return error_document(message, error_type, param)
+
+
+def error_event(message: str, code: str, *, done: bool) -> bytes:
+    """An SSE event with an OpenAI error (`server_error`), then `data: [DONE]` if `done`."""
+    event = f"data: {json.dumps(error_document(message, 'server_error', None, code))}\n\n"
+    return (event + "data: [DONE]\n\n" if done else event).encode()
 
 
 def error_response(

@@ -5,14 +5,15 @@ I/O (upstream HTTP): completions go over `upstream`'s pooled keep-alive connecti
 client's body and end-to-end headers as they came (`request_head`), the answer's body relayed
 as it came; /v1/models goes through aiohttp's client. Which pair is `choice.choose_pair`; what
 a failure excludes and what the client gets when every attempt failed are the pure
-`failure_exclusions` and `give_up_status`.
+`failure_exclusions` and `give_up_status`. A decode that goes silent is watched
+(`upstream.Watch`); whether to give up on it is `liveness.frozen_reason` and
+`liveness.give_up_frozen`, asked by `_StallCheck`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -22,8 +23,10 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from dsv4_common.api.lifecycle import DRAIN_CODE
 from dsv4_common.api.rank_config import Instance
 from dsv4_router.choice import (
+    InstanceRecord,
     InstanceTable,
     Pair,
     ShedReason,
@@ -34,9 +37,22 @@ from dsv4_router.choice import (
 )
 from dsv4_router.config import RouterSettings
 from dsv4_router.drain import CUT
-from dsv4_router.errors import error_body, error_response, upstream_message
+from dsv4_router.errors import (
+    BROKEN_CODE,
+    STALLED_CODE,
+    error_event,
+    error_response,
+    upstream_message,
+)
+from dsv4_router.liveness import (
+    LivenessRule,
+    StallRule,
+    frozen_reason,
+    give_up_frozen,
+    stale_reason,
+)
 from dsv4_router.metrics import Outcome, RouterMetrics
-from dsv4_router.upstream import Answer, Upstream
+from dsv4_router.upstream import Answer, Upstream, UpstreamStalled
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +155,31 @@ def relayed_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]
     return [(k, v) for k, v in headers if k.lower() not in _NOT_RELAYED]
 
 
+@dataclass(slots=True, eq=False)
+class _StallCheck:
+    """One attempt's `Watch` verdict: why to give up on its decode (`liveness`: silent and
+    its latest probe missed, and the client has bytes, another pair is free, or the decode
+    is stale), or None to wait on."""
+
+    table: InstanceTable
+    liveness: LivenessRule
+    stall: StallRule
+    clock: Callable[[], float]
+    decode: InstanceRecord
+    excluded: frozenset[Instance]
+    answered: bool = False  # the client has bytes (a stream's head went out)
+
+    def __call__(self, silent_s: float) -> str | None:
+        why = frozen_reason(silent_s, self.decode.liveness, self.stall)
+        if why is None or self.answered:  # answered: `give_up_frozen` holds whatever the rest
+            return why
+        now_s, rule = self.clock(), self.liveness
+        stale = stale_reason(self.decode.liveness, now_s, rule) is not None
+        others = self.excluded | {self.decode.instance}
+        other_pair = choose_pair(self.table.records(), now_s, rule, others) is not None
+        return why if give_up_frozen(answered=False, other_pair=other_pair, stale=stale) else None
+
+
 class Proxy:
     def __init__(
         self,
@@ -156,6 +197,7 @@ class Proxy:
         self._session = session
         self._upstream = upstream
         self._clock = clock
+        self._rules = (settings.liveness, settings.stall)  # the settings are frozen
 
     async def completion(self, request: web.Request, body: bytes) -> web.StreamResponse:
         """Route one completion; counts its outcome once (`aborted` if cancelled, which is what
@@ -175,7 +217,7 @@ class Proxy:
                     break
                 if attempt > 0:
                     self._metrics.retries.inc()
-                result = await self._attempt(request, body, pair)
+                result = await self._attempt(request, body, pair, frozenset(excluded))
                 if not isinstance(result, Failure):
                     response, outcome = result
                     return response
@@ -194,7 +236,7 @@ class Proxy:
             self._metrics.count(outcome)
 
     async def _attempt(
-        self, request: web.Request, body: bytes, pair: Pair
+        self, request: web.Request, body: bytes, pair: Pair, excluded: frozenset[Instance]
     ) -> tuple[web.StreamResponse, Outcome] | Failure:
         decode = pair.decode.instance
         address = host_port(decode.host, decode.http_port)
@@ -207,13 +249,15 @@ class Proxy:
             len(body),
         )
         timeout_s = self._settings.first_byte_timeout_s
+        liveness, stall = self._rules
+        check = _StallCheck(self._table, liveness, stall, self._clock, pair.decode, excluded)
         pair.prefill.sent()
         pair.decode.sent()
         started_s = self._clock()
         try:
             try:
                 upstream = await self._upstream.send(
-                    decode.host, decode.http_port, head, body, timeout_s=timeout_s
+                    decode.host, decode.http_port, head, body, timeout_s=timeout_s, watch=check
                 )
             except TimeoutError:
                 message = f"decode {address}: no response within {timeout_s:g} s"
@@ -230,7 +274,7 @@ class Proxy:
                     headers = relayed_headers(upstream.headers)
                     response = web.Response(status=status, body=payload, headers=headers)
                     return response, "ok" if status < 400 else "client_error"
-                return await self._relay(request, upstream, pair, f"decode {address}")
+                return await self._relay(request, upstream, pair, check, f"decode {address}")
             except OSError as exc:
                 return Failure(None, f"decode {address}: {exc or type(exc).__name__}", (decode,))
             finally:
@@ -245,36 +289,42 @@ class Proxy:
             pair.decode.done()
 
     async def _relay(
-        self, request: web.Request, upstream: Answer, pair: Pair, where: str
+        self, request: web.Request, upstream: Answer, pair: Pair, check: _StallCheck, where: str
     ) -> tuple[web.StreamResponse, Outcome] | Failure:
         """A 5xx (a failed attempt) or an event stream; OSError if the upstream breaks."""
         if upstream.status >= 500:
             message = f"{where}: {upstream.status}: {upstream_message(await upstream.read())}"
             return Failure(upstream.status, message, failure_exclusions(pair, upstream.status))
-        return await self._stream(request, upstream, where)
+        return await self._stream(request, upstream, check, where)
 
     async def _stream(
-        self, request: web.Request, upstream: Answer, where: str
+        self, request: web.Request, upstream: Answer, check: _StallCheck, where: str
     ) -> tuple[web.StreamResponse, Outcome]:
         """Relay each chunk as it arrives. Past this point the client has bytes: a broken
-        upstream ends the stream with an error event, never a retry."""
+        upstream ends the stream with an error event, a stalled one with an error event and
+        `[DONE]`, never a retry."""
         response = web.StreamResponse(
             status=upstream.status, headers=relayed_headers(upstream.headers)
         )
         await response.prepare(request)
+        check.answered = True
         while True:
             try:
                 chunk = await upstream.read_chunk()
             except asyncio.CancelledError:  # the drain cut it (or the client left: no one reads)
-                event = json.dumps(error_body(CUT, "server_error"))
-                if await _write_quietly(response, f"data: {event}\n\ndata: [DONE]\n\n".encode()):
+                if await _write_quietly(response, error_event(CUT, DRAIN_CODE, done=True)):
                     await _end_quietly(response)
                 raise
+            except UpstreamStalled as exc:
+                log.warning("%s: stream stalled: %s", where, exc)
+                message = f"{where} stalled: {exc}"
+                if await _write_quietly(response, error_event(message, STALLED_CODE, done=True)):
+                    await _end_quietly(response)
+                return response, "upstream_error"
             except OSError as exc:
                 log.warning("%s: stream broke: %s", where, exc or type(exc).__name__)
                 message = f"{where}: the stream broke: {exc or type(exc).__name__}"
-                event = json.dumps(error_body(message, "server_error"))
-                await _write_quietly(response, f"data: {event}\n\n".encode())
+                await _write_quietly(response, error_event(message, BROKEN_CODE, done=False))
                 return response, "upstream_error"
             if not chunk:
                 break

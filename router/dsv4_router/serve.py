@@ -78,7 +78,9 @@ async def start_router(
         connector=aiohttp.TCPConnector(limit=0),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s),
     )
-    upstream = Upstream(connect_timeout_s=settings.connect_timeout_s)
+    upstream = Upstream(
+        connect_timeout_s=settings.connect_timeout_s, look_every_s=settings.stall.look_every_s
+    )
     proxy = Proxy(table, settings, metrics, api_session, upstream, clock)
     state = RouterState(settings, table, metrics, proxy, clock, process)
     discovery = Discovery(

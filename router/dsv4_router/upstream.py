@@ -13,6 +13,16 @@ A connection taken from the pool may have been closed by the worker while idle: 
 before any byte of the answer, the request is sent once more on a new connection (the worker
 never saw it). Every other failure is `UpstreamError` (a ConnectionError), a connect timeout
 included.
+
+`send(..., watch=verdict)` watches the worker's silence from the request on until the answer
+is released or closed: every `look_every_s` (one ticker for all the watched connections) it
+asks `verdict` about the seconds without a byte, and when that names a reason the connection
+closes and the waiting `send` or read raises `UpstreamStalled`. NOTE: silence is counted up
+to the previous look, by which time the event loop had read everything that had arrived
+(each look runs in a later loop iteration than the one before): a starved router does not
+take its own lag for the worker's silence (`liveness.Silence`). Bytes the caller has not
+taken yet, or reading paused by flow control, count as heard (the router, not the worker,
+holds them up).
 """
 
 from __future__ import annotations
@@ -20,12 +30,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from collections.abc import Callable
 from typing import Final, cast
+
+from dsv4_router.liveness import Silence
 
 MAX_HEAD_BYTES: Final = 65536
 MAX_IDLE_PER_ADDRESS: Final = 512
 # Idle connections older than this are not reused (a worker's own idle timeout is 75 s).
 IDLE_REUSE_S: Final = 30.0
+# How often watched connections are looked at (`send(..., watch=...)`).
+LOOK_EVERY_S: Final = 0.2
 # Reading pauses while this much of a body waits for the caller (flow control).
 HIGH_WATER_BYTES: Final = 1 << 20
 _NO_BODY_STATUS: Final = frozenset({204, 304})
@@ -36,6 +51,14 @@ Address = tuple[str, int]
 class UpstreamError(ConnectionError):
     """No usable answer: connecting failed or timed out, the connection broke, or the answer
     is not HTTP/1.1 this client reads."""
+
+
+class UpstreamStalled(UpstreamError):
+    """A watch gave up on a silent worker (the message says why)."""
+
+
+# Seconds the worker has been silent -> why to give up on it, or None to wait on.
+Watch = Callable[[float], str | None]
 
 
 class _Stale(Exception):
@@ -95,6 +118,8 @@ class _Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._loop = asyncio.get_running_loop()
         self.idle_since_s = 0.0
+        self._watch: Watch | None = None
+        self._silence = Silence(0.0, 0.0)
         self._reset()
 
     def _reset(self) -> None:
@@ -120,9 +145,13 @@ class _Connection(asyncio.Protocol):
 
     # -- the caller's side
 
-    def send(self, head: bytes, body: bytes) -> asyncio.Future[Answer]:
+    def send(self, head: bytes, body: bytes, watch: Watch | None = None) -> asyncio.Future[Answer]:
         assert self._transport is not None and self._head is None, "one request at a time"
         self._head = self._loop.create_future()
+        if watch is not None:
+            self._watch = watch
+            self._silence.heard_s = self._silence.looked_s = time.monotonic()
+            self._pool.watch(self)
         self._transport.write(head + body if len(body) < 16384 else head)
         if len(body) >= 16384:
             self._transport.write(body)
@@ -147,6 +176,7 @@ class _Connection(asyncio.Protocol):
         return piece
 
     def finish(self, *, reuse: bool) -> None:
+        self._unwatch()
         if reuse and self.keep_alive and self.body_done and self.usable and not self._buf:
             if self._paused and self._transport is not None:
                 self._transport.resume_reading()
@@ -156,6 +186,7 @@ class _Connection(asyncio.Protocol):
             self.abort()
 
     def abort(self) -> None:
+        self._unwatch()
         if self._transport is not None:
             self._transport.abort()
             self._transport = None
@@ -188,6 +219,7 @@ class _Connection(asyncio.Protocol):
             self.abort()
             return
         self._got_bytes = True
+        self._silence.heard_s = time.monotonic()
         self._buf += data
         try:
             if not self._in_body:
@@ -320,8 +352,32 @@ class _Connection(asyncio.Protocol):
             self._wake()
 
     def _fail(self, error: BaseException) -> None:
-        self._error = error
+        if self._error is None:  # the first cause stays (closing after a stall is no news)
+            self._error = error
         self._wake()
+
+    def look(self, now_s: float) -> None:
+        """The pool's ticker: give up on the worker if the watch says so."""
+        watch = self._watch
+        if watch is None or self.body_done or self._transport is None:
+            self._unwatch()
+            return
+        if self.pieces or self._paused:  # held up here, not by the worker
+            self._silence.heard_s = now_s
+        why = watch(self._silence.look(now_s))
+        if why is None:
+            return
+        error = UpstreamStalled(why)
+        if self._head is not None and not self._head.done():
+            self._head.set_exception(error)
+        else:
+            self._fail(error)
+        self.abort()
+
+    def _unwatch(self) -> None:
+        if self._watch is not None:
+            self._watch = None
+            self._pool.unwatch(self)
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
@@ -331,18 +387,35 @@ class _Connection(asyncio.Protocol):
 class Upstream:
     """Connections to the workers, idle ones kept per address (newest reused first)."""
 
-    def __init__(self, *, connect_timeout_s: float, idle_reuse_s: float = IDLE_REUSE_S) -> None:
+    def __init__(
+        self,
+        *,
+        connect_timeout_s: float,
+        idle_reuse_s: float = IDLE_REUSE_S,
+        look_every_s: float = LOOK_EVERY_S,
+    ) -> None:
         self._connect_timeout_s = connect_timeout_s
         self._idle_reuse_s = idle_reuse_s
+        self._look_every_s = look_every_s
         self._idle: dict[Address, list[_Connection]] = {}
+        self._watched: set[_Connection] = set()
+        self._ticker: asyncio.TimerHandle | None = None  # while any connection is watched
         self._closed = False
 
     async def send(
-        self, host: str, port: int, head: bytes, body: bytes, *, timeout_s: float
+        self,
+        host: str,
+        port: int,
+        head: bytes,
+        body: bytes,
+        *,
+        timeout_s: float,
+        watch: Watch | None = None,
     ) -> Answer:
         """Send one request (`head`: request line and headers, Content-Length included);
         returns when the answer's head has arrived. TimeoutError when it has not within
-        `timeout_s` (connecting included); the connection is closed then."""
+        `timeout_s` (connecting included); the connection is closed then. `watch`: give up
+        on a silent worker (`UpstreamStalled`), from the request on to the answer's end."""
         loop = asyncio.get_running_loop()
         deadline_s = loop.time() + timeout_s
         address = (host, port)
@@ -351,7 +424,7 @@ class Upstream:
         if conn is None:
             conn = await self._connect(address, deadline_s)
         while True:
-            head_future = conn.send(head, body)
+            head_future = conn.send(head, body, watch)
             late = loop.call_at(deadline_s, _time_out, head_future)
             try:
                 return await head_future
@@ -402,6 +475,24 @@ class Upstream:
         idle = self._idle.get(conn.address)
         if idle is not None and conn in idle:
             idle.remove(conn)
+
+    def watch(self, conn: _Connection) -> None:
+        self._watched.add(conn)
+        if self._ticker is None:
+            loop = asyncio.get_running_loop()
+            self._ticker = loop.call_later(self._look_every_s, self._tick)
+
+    def unwatch(self, conn: _Connection) -> None:
+        self._watched.discard(conn)
+
+    def _tick(self) -> None:
+        now_s = time.monotonic()
+        for conn in list(self._watched):
+            conn.look(now_s)
+        self._ticker = None
+        if self._watched:
+            loop = asyncio.get_running_loop()
+            self._ticker = loop.call_later(self._look_every_s, self._tick)
 
     def idle_count(self) -> int:
         return sum(len(v) for v in self._idle.values())

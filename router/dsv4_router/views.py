@@ -84,6 +84,7 @@ def settings_view(settings: RouterSettings) -> dict[str, Any]:
         "stale_after_grace_s": rule.grace_s,
         "connect_timeout_s": settings.connect_timeout_s,
         "first_byte_timeout_s": settings.first_byte_timeout_s,
+        "stall_after_s": settings.stall_after_s,
         "max_attempts": settings.max_attempts,
         "shutdown_timeout_s": settings.shutdown_timeout_s,
         "processes": settings.processes,

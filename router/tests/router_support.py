@@ -1,26 +1,35 @@
 """Stub workers and an in-process router for the router's HTTP tests, all on 127.0.0.1.
 
 A `StubWorker` serves what a serving rank serves to the router: `/status` (built with the
-shared builder), `/ready`, and the OpenAI paths, which answer as its `mode` says. Tests change
-its fields while it runs (the next poll reports them). `routed` starts stubs and a router
-that polls them quickly; `wait_until` waits on a condition with a deadline (never a sleep).
+shared builder), `/ready`, and the OpenAI paths, which answer as its `mode` says (`trickle`:
+`trickle_events` events `gap_s` apart, then [DONE]). Tests change its fields while it runs
+(the next poll reports them; `status_hangs`: /status answers nothing while set). `routed`
+starts stubs and a router that polls them quickly; `wait_until` waits on a condition with a
+deadline (never a sleep); `stub_process` runs a stub in a process of its own (to SIGSTOP it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
 
 import aiohttp
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from dsv4_common.api import RankCapacity
 from dsv4_common.api.names import WorkerRole
 from dsv4_common.api.rank_config import Instance
 from dsv4_common.api.worker_status import Load, WorkerStatus, build_worker_status
@@ -30,9 +39,18 @@ from dsv4_router.serve import Listening, start_router
 T = TypeVar("T")
 DEADLINE_S: Final = 15.0  # generous: the tests must pass on a loaded 2-core machine
 TEST_TIMEOUT_S: Final = 60.0
+STUB: Final = Path(__file__).with_name("stub_process.py")
 
 Mode = Literal[
-    "json", "stream", "fail503", "fail502", "bad400", "hang_before", "hang_mid", "break_mid"
+    "json",
+    "stream",
+    "fail503",
+    "fail502",
+    "bad400",
+    "hang_before",
+    "hang_mid",
+    "break_mid",
+    "trickle",
 ]
 
 STREAM_EVENTS: Final = (
@@ -42,6 +60,14 @@ STREAM_EVENTS: Final = (
     b'"finish_reason":"length"}]}\n\n',
     b"data: [DONE]\n\n",
 )
+
+
+def trickle_event(i: int) -> bytes:
+    choice = {"index": 0, "text": str(i)}
+    doc = {"id": "cmpl-t", "object": "text_completion", "choices": [choice]}
+    return f"data: {json.dumps(doc)}\n\n".encode()
+
+
 JSON_ANSWER: Final = {
     "id": "cmpl-j",
     "object": "text_completion",
@@ -70,6 +96,10 @@ class StubWorker:
     kv_ready: bool = True
     ready: bool = True
     status_valid: bool = True  # False: /status serves a document that does not parse
+    status_hangs: bool = False  # True: /status answers nothing until it turns False again
+    release: asyncio.Event = field(default_factory=asyncio.Event)  # ends `hang_before`
+    gap_s: float = 0.05  # `trickle`: between events
+    trickle_events: int = 20
     kv_port: int = field(default_factory=lambda: next(_kv_ports))
     seen: list[Seen] = field(default_factory=list)
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
@@ -93,10 +123,9 @@ class StubWorker:
         status = WorkerStatus(
             role=self.role,
             pp_rank=0,
-            full_tokens=8192,
-            swa_tokens=1024,
-            max_running_requests=16,
-            max_context_tokens=4096,
+            capacity=RankCapacity(
+                full_tokens=8192, swa_tokens=1024, max_running_requests=16, max_context_tokens=4096
+            ),
             kv_backend="zmq",
             kv_ready=self.kv_ready,
             kv_endpoint=self.kv_address,
@@ -132,6 +161,8 @@ class StubWorker:
             await self._runner.cleanup()
 
     async def _status(self, _: web.Request) -> web.Response:
+        while self.status_hangs:
+            await asyncio.sleep(0.01)
         return web.json_response(self.status_doc())
 
     async def _ready(self, _: web.Request) -> web.Response:
@@ -160,9 +191,17 @@ class StubWorker:
             body = {"error": {"message": f"stub says {status}", "type": "server_error"}}
             return web.json_response(body, status=status)
         if self.mode == "hang_before":
-            await asyncio.Event().wait()
+            await self.release.wait()
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        if self.mode == "trickle":
+            for i in range(self.trickle_events):
+                if i:
+                    await asyncio.sleep(self.gap_s)
+                await response.write(trickle_event(i))
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
         for event in STREAM_EVENTS:
             await response.write(event)
             if self.mode == "hang_mid":
@@ -287,3 +326,24 @@ def run_async(test: Callable[[], Coroutine[Any, Any, T]]) -> Callable[[], T]:
     run.__name__ = test.__name__
     run.__doc__ = test.__doc__
     return run
+
+
+@contextlib.contextmanager
+def stub_process(role: str, *args: str) -> Iterator[tuple[subprocess.Popen[str], Instance]]:
+    """`stub_process.py ROLE *args` running, and its instance; resumed and ended on exit."""
+    proc = subprocess.Popen(
+        [sys.executable, str(STUB), role, *args], stdout=subprocess.PIPE, text=True, cwd=STUB.parent
+    )
+    try:
+        assert proc.stdout is not None
+        doc = json.loads(proc.stdout.readline())  # the stub prints its instance, then serves
+        yield proc, Instance(doc["host"], doc["http_port"], doc["status_port"], doc["kv_port"])
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,7 +1,8 @@
 """A stub worker (`router_support.StubWorker`) in a process of its own, so that a test can
 stop it with SIGSTOP: prints its instance as one JSON line, then serves until SIGTERM.
 
-    python stub_process.py ROLE [MODE]     # MODE: a StubWorker mode (default json)
+    python stub_process.py ROLE [MODE [GAP_S EVENTS]]   # a StubWorker mode (default json);
+                                                        # `trickle`: its gap and events
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from router_support import StubWorker
 from dsv4_common.api.names import WORKER_ROLES
 
 
-async def main(name: str, mode: str = "json") -> None:
+async def main(name: str, mode: str = "json", gap_s: str = "0.05", events: str = "20") -> None:
     (role,) = [r for r in WORKER_ROLES if r == name]
     worker = StubWorker(role, mode=mode)  # type: ignore[arg-type]
+    worker.gap_s, worker.trickle_events = float(gap_s), int(events)
     await worker.start()
     instance = worker.instance
     doc = {"host": instance.host, "http_port": instance.http_port}
@@ -31,4 +33,4 @@ async def main(name: str, mode: str = "json") -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(*sys.argv[1:3]))
+    asyncio.run(main(*sys.argv[1:5]))

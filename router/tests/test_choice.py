@@ -8,6 +8,7 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dsv4_common.api import RankCapacity
 from dsv4_common.api.names import WORKER_ROLES, WorkerRole
 from dsv4_common.api.rank_config import Instance
 from dsv4_common.api.worker_status import Load, WorkerStatus
@@ -38,10 +39,9 @@ def status(
     return WorkerStatus(
         role=role,
         pp_rank=0,
-        full_tokens=8192,
-        swa_tokens=1024,
-        max_running_requests=slots,
-        max_context_tokens=4096,
+        capacity=RankCapacity(
+            full_tokens=8192, swa_tokens=1024, max_running_requests=slots, max_context_tokens=4096
+        ),
         kv_ready=kv_ready,
         load=load or Load(4000, 500, 8, 0, 0, True),
     )
@@ -145,7 +145,8 @@ def test_the_pair_is_the_least_loaded(
 
     def decode_free(r: InstanceRecord) -> int:
         assert r.status is not None
-        share = r.status.full_tokens // max(1, r.status.max_running_requests)
+        capacity = r.status.capacity
+        share = capacity.full_tokens // max(1, capacity.max_running_requests)
         return r.status.load.free_full_tokens - r.pending * share
 
     assert pair.prefill.status is not None

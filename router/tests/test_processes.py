@@ -96,7 +96,7 @@ def _router(
         _, prefill = stack.enter_context(stub_process("prefill"))
         _, decode = stack.enter_context(stub_process("decode", decode_mode))
         port = _free_port()
-        argv = [sys.executable, "-m", "dsv4_common.cli", "serve", "--role", "router"]
+        argv = [sys.executable, "-m", "dsv4_cli", "serve", "--role", "router"]
         argv += ["--port", str(port), "--router-processes", str(processes)]
         for role, inst in (("prefill", prefill), ("decode", decode)):
             argv += [
@@ -208,7 +208,7 @@ def test_a_busy_port_is_exit_2_before_any_process_starts() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        argv = [sys.executable, "-m", "dsv4_common.cli", "serve", "--role", "router"]
+        argv = [sys.executable, "-m", "dsv4_cli", "serve", "--role", "router"]
         argv += ["--port", str(port), "--router-processes", "3"]
         argv += ["--instance", "prefill=127.0.0.1:1:2:3", "--instance", "decode=127.0.0.1:4:5:6"]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=DEADLINE_S)

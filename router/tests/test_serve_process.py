@@ -34,7 +34,7 @@ def get(port: int, path: str) -> tuple[int, bytes]:
 
 
 def start(*args: str) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "dsv4_common.cli", "serve", "--role", "router", *args]
+    cmd = [sys.executable, "-m", "dsv4_cli", "serve", "--role", "router", *args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 

@@ -43,7 +43,7 @@ def queued_records(draw: st.DrawFn) -> InstanceRecord:
 @given(queued_records())
 def test_a_full_queue_is_busy(rec: InstanceRecord) -> None:
     assert rec.status is not None
-    load, slots = rec.status.load, rec.status.max_running_requests
+    load, slots = rec.status.load, rec.status.capacity.max_running_requests
     full = load.max_queue_requests > 0 and (
         max(load.waiting, rec.inflight - slots) >= load.max_queue_requests
     )

@@ -7,27 +7,20 @@ eligible again once resumed."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
 import pytest
-from router_support import StubWorker, wait_until
+from router_support import StubWorker, stub_process, wait_until
 
 from dsv4_common.api.rank_config import Instance
 from dsv4_router.config import RoleTargets, RouterSettings
 from dsv4_router.serve import start_router
 
 pytestmark = pytest.mark.slow
-STUB: Final = Path(__file__).with_name("stub_process.py")
 POLL_S: Final = 0.1
 PROBE_TIMEOUT_S: Final = 0.5
 MISSES: Final = 3
@@ -35,26 +28,6 @@ GRACE_S: Final = 5.0  # >> a short stop + a poll + a round (1.6 s): room for a l
 SHORT_STOP_S: Final = 1.0
 TEST_TIMEOUT_S: Final = 120.0
 BODY: Final = {"prompt": "hi", "max_tokens": 2}
-
-
-@contextlib.contextmanager
-def stub_process(role: str, mode: str = "json") -> Iterator[tuple[subprocess.Popen[str], Instance]]:
-    proc = subprocess.Popen(
-        [sys.executable, str(STUB), role, mode], stdout=subprocess.PIPE, text=True, cwd=STUB.parent
-    )
-    try:
-        assert proc.stdout is not None
-        doc = json.loads(proc.stdout.readline())  # the stub prints its instance, then serves
-        yield proc, Instance(doc["host"], doc["http_port"], doc["status_port"], doc["kv_port"])
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGCONT)
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_a_stop_shorter_than_the_grace_refuses_nothing_a_longer_one_is_stale() -> None:

@@ -30,6 +30,7 @@ async def test_the_status_port_serves_the_routers_status() -> None:
         settings = doc["settings"]
         assert settings["status_port"] == 0 and settings["poll_interval_s"] == 0.05
         assert settings["stale_after_misses"] == 3 and settings["stale_after_grace_s"] == 30.0
+        assert settings["stall_after_s"] == 1.0
         assert settings["roles"]["decode"]["instances"][0]["http_port"] == decode.http_port
 
         decode.ready = False

@@ -4,7 +4,9 @@ One generic encoder and one generic, strict decoder, driven by the dataclass's t
 a document's schema is its dataclass and nothing else. The decoder checks every field's type
 (int, float, bool, str, Literal, None, tuple, dict[str, T], nested dataclasses) and raises
 `DocumentError` naming the field path of the first problem; unknown keys are ignored (a newer
-writer may add fields within one version). Pure.
+writer may add fields within one version). A dataclass field marked `INLINE` is written as its
+own fields in the enclosing object (not nested under its name), so a type can be embedded
+without changing a document's wire form. Pure.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ import functools
 import math
 import types
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, Final, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+from dsv4_common.core.invariants import FieldError
 
 T = TypeVar("T")
 
@@ -24,6 +29,8 @@ class DocumentError(ValueError):
 
 
 _SCALARS: Final = (int, float, bool, str, type(None))
+# `field(metadata=INLINE)`: a dataclass-typed field whose fields sit in the enclosing object.
+INLINE: Final = MappingProxyType({"inline": True})
 
 
 def to_document(obj: Any) -> Any:
@@ -31,7 +38,14 @@ def to_document(obj: Any) -> Any:
     if type(obj) in _SCALARS:
         return obj
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {name: to_document(getattr(obj, name)) for name in _field_names(type(obj))}
+        doc: dict[str, Any] = {}
+        for name, inline in _fields(type(obj)):
+            value = to_document(getattr(obj, name))
+            if inline:
+                doc.update(value)
+            else:
+                doc[name] = value
+        return doc
     if isinstance(obj, tuple | list):
         return [v if type(v) in _SCALARS else to_document(v) for v in obj]
     if isinstance(obj, Mapping):
@@ -60,8 +74,13 @@ _Decoder = Callable[[object, str], Any]
 
 
 @functools.cache
-def _field_names(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls))
+def _fields(cls: type) -> tuple[tuple[str, bool], ...]:
+    """(name, inline) of each field."""
+    return tuple((f.name, _is_inline(f)) for f in dataclasses.fields(cls))
+
+
+def _is_inline(f: dataclasses.Field[Any]) -> bool:
+    return bool(f.metadata.get("inline"))
 
 
 @functools.cache
@@ -189,12 +208,13 @@ def _dict_decoder(key_tp: Any, val_tp: Any) -> _Decoder:
 
 def _dataclass_decoder(cls: Any) -> _Decoder:
     hints = get_type_hints(cls)
-    # (name, has a default, decoder); the field decoders are built on first use, so a
+    # (name, has a default, inline, type); the field decoders are built on first use, so a
     # dataclass may refer to itself.
     fields = [
         (
             f.name,
             f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING,
+            _is_inline(f),
             hints[f.name],
         )
         for f in dataclasses.fields(cls)
@@ -205,7 +225,10 @@ def _dataclass_decoder(cls: Any) -> _Decoder:
         if not isinstance(value, Mapping):
             raise DocumentError(f"{path}: must be an object, got {_kind(value)}")
         kwargs: dict[str, Any] = {}
-        for name, has_default, tp in fields:
+        for name, has_default, inline, tp in fields:
+            if inline:  # its fields are this object's: decode them from here, at this path
+                kwargs[name] = _decoder(tp)(value, path)
+                continue
             if name not in value:
                 if has_default:
                     continue
@@ -213,6 +236,8 @@ def _dataclass_decoder(cls: Any) -> _Decoder:
             kwargs[name] = _decoder(tp)(value[name], f"{path}.{name}")
         try:
             return cls(**kwargs)
+        except FieldError as exc:  # an invariant of one field: name that field's path
+            raise DocumentError(f"{path}.{exc.field}: {exc.reason}") from exc
         except ValueError as exc:  # the dataclass's own invariants (__post_init__)
             raise DocumentError(f"{path}: {exc}") from exc
 

@@ -12,11 +12,12 @@ the builders: Kubernetes DNS names for the operator, loopback ports for `dsv4 up
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from dsv4_common.api.deployment import MemoryPlan
 from dsv4_common.api.documents import (
+    INLINE,
     DocumentError,
     check_version,
     from_document,
@@ -24,6 +25,7 @@ from dsv4_common.api.documents import (
 )
 from dsv4_common.api.names import WORKER_ROLES, Transfer, WorkerRole
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec
+from dsv4_common.core.capacity import RankCapacity
 from dsv4_common.core.model import ModelConfig
 from dsv4_common.plan.inputs import PlanInputs, Role
 from dsv4_common.plan.planner import RankPlan
@@ -108,10 +110,8 @@ class PlannedRank:
 
     layers: tuple[int, int]  # target layers [start, end)
     draft_layers: tuple[int, ...]
-    full_tokens: int
-    swa_tokens: int
-    max_running_requests: int
-    max_context_tokens: int
+    # On the wire its four fields sit in `planned` itself, as before RankCapacity existed.
+    capacity: RankCapacity = field(metadata=INLINE)
     weight_bytes: int
     kv_bytes: int
 
@@ -206,12 +206,9 @@ def planned_rank(rank: RankPlan) -> PlannedRank:
     return PlannedRank(
         layers=rank.layers,
         draft_layers=rank.layout.draft_layer_ids,
-        full_tokens=rank.full_tokens,
-        swa_tokens=rank.swa_tokens,
-        max_running_requests=rank.max_running_requests,
-        max_context_tokens=rank.max_context_tokens,
+        capacity=rank.capacity,
         weight_bytes=rank.weight_bytes,
-        kv_bytes=rank.capacity.kv_bytes,
+        kv_bytes=rank.pools.kv_bytes,
     )
 
 

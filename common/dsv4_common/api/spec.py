@@ -174,7 +174,7 @@ class RoleSpec:
     layer_split: tuple[int, ...] | None = None  # target layers per PP rank; None = balanced
     rollout: RolloutSpec = RolloutSpec()
     # Extra engine flags (engine sglang only), appended after the operator's; the operator
-    # checks them against SGLang's flags (dsv4_operator.engine_args).
+    # checks them against SGLang's flags (dsv4_operator.flavors.sglang.engine_args).
     engine_args: tuple[str, ...] = ()
 
 

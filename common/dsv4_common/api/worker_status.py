@@ -14,10 +14,10 @@ used by the operator and the router). Wire form, snake_case JSON:
      "threads": {"intra_op": int, "inter_op": int, "cpus": float,
                  "source": "flag" | "rank_config" | "auto" | "unknown"}}
 
-`capacity` is what the pools realize (fixed at start); `load` is what is free now (the router
-picks instances by it); `threads` is torch's thread counts, set once at start, where they came
-from and the CPUs the worker found it may use (all 0 / "unknown" from a worker that predates
-it). `kv_transfer.endpoint` is a prefill's KV control address (decode
+`capacity` (a `RankCapacity`) is what the pools realize (fixed at start); `load` is what is
+free now (the router picks instances by it); `threads` is torch's thread counts, set once at
+start, where they came from and the CPUs the worker found it may use (all 0 / "unknown" from a
+worker that predates it). `kv_transfer.endpoint` is a prefill's KV control address (decode
 workers connect there); `ready` turns true once a manifest handshake with a peer succeeded.
 
 A document of another version, or one missing or mistyping a field, is refused with an error
@@ -36,19 +36,10 @@ from dsv4_common.api.documents import (
     to_document,
 )
 from dsv4_common.api.names import Transfer
+from dsv4_common.core.capacity import RankCapacity
 
 WORKER_STATUS_VERSION: Final = 1
 StatusRole = Literal["colocated", "prefill", "decode"]
-
-
-@dataclass(frozen=True, slots=True)
-class Capacity:
-    """What a worker's pools realize (the planner's figures from the memory it measured)."""
-
-    full_tokens: int
-    swa_tokens: int
-    max_running_requests: int
-    max_context_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +84,7 @@ class WorkerStatusDoc:
     version: int
     role: StatusRole
     pp_rank: int
-    capacity: Capacity
+    capacity: RankCapacity  # what its pools realize (the planner's figures from measured memory)
     kv_transfer: KVTransferState = KVTransferState()
     load: Load = Load()
     threads: Threads = Threads()
@@ -105,10 +96,7 @@ class WorkerStatus:
 
     role: StatusRole
     pp_rank: int
-    full_tokens: int
-    swa_tokens: int
-    max_running_requests: int
-    max_context_tokens: int
+    capacity: RankCapacity
     kv_backend: Transfer | None = None
     kv_ready: bool = False
     kv_layout_hash: str | None = None
@@ -123,12 +111,7 @@ def build_worker_status(status: WorkerStatus) -> dict[str, Any]:
         version=WORKER_STATUS_VERSION,
         role=status.role,
         pp_rank=status.pp_rank,
-        capacity=Capacity(
-            full_tokens=status.full_tokens,
-            swa_tokens=status.swa_tokens,
-            max_running_requests=status.max_running_requests,
-            max_context_tokens=status.max_context_tokens,
-        ),
+        capacity=status.capacity,
         kv_transfer=KVTransferState(
             backend=status.kv_backend,
             ready=status.kv_ready,
@@ -145,10 +128,9 @@ def build_worker_status(status: WorkerStatus) -> dict[str, Any]:
 def parse_worker_status(doc: object) -> WorkerStatus:
     """Parse a /status document; raises DocumentError naming the first bad field."""
     check_version(doc, "status", WORKER_STATUS_VERSION)
-    parsed = from_document(WorkerStatusDoc, doc, "status")
+    parsed = from_document(WorkerStatusDoc, doc, "status")  # RankCapacity checks its own counts
     counts = {
         "pp_rank": parsed.pp_rank,
-        **{f"capacity.{k}": getattr(parsed.capacity, k) for k in Capacity.__dataclass_fields__},
         **{
             f"load.{k}": getattr(parsed.load, k)
             for k in Load.__dataclass_fields__
@@ -161,14 +143,11 @@ def parse_worker_status(doc: object) -> WorkerStatus:
     for name, value in counts.items():
         if value < 0:
             raise DocumentError(f"status.{name}: must be >= 0, got {value}")
-    c, kv = parsed.capacity, parsed.kv_transfer
+    kv = parsed.kv_transfer
     return WorkerStatus(
         role=parsed.role,
         pp_rank=parsed.pp_rank,
-        full_tokens=c.full_tokens,
-        swa_tokens=c.swa_tokens,
-        max_running_requests=c.max_running_requests,
-        max_context_tokens=c.max_context_tokens,
+        capacity=parsed.capacity,
         kv_backend=kv.backend,
         kv_ready=kv.ready,
         kv_layout_hash=kv.layout_hash,

@@ -46,7 +46,10 @@ def swa_pages_needed(need: SwaNeed, max_running: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class RankCapacity:
+class PoolSizes:
+    """The pools one rank's buffers hold, in pages and slots (the tokens and requests they
+    make, `dsv4_common.core.capacity.RankCapacity`, are `RankPlan.capacity`)."""
+
     full_pages: int  # usable (excluding the reserved page 0)
     swa_pages: int
     request_slots: int  # usable (excluding slot 0) == max running requests
@@ -128,7 +131,7 @@ def solve_rank(
     need: SwaNeed,
     swa_ratio: float | None,
     max_full_pages: int,
-) -> RankCapacity:
+) -> PoolSizes:
     """Largest full pool that fits next to the SWA pool and `max_running` request slots."""
     coeffs = coefficients(layout)
     pages = pool_pages(
@@ -154,7 +157,7 @@ def solve_rank(
             "max_running_requests, raise gpu memory / mem_fraction, or add PP ranks"
         )
     _check_swa_fits(layout, pp_rank, swa_pages, need, swa_ratio)
-    return RankCapacity(
+    return PoolSizes(
         full_pages=full_pages,
         swa_pages=swa_pages,
         request_slots=max_running,

@@ -15,11 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from dsv4_common.core.capacity import RankCapacity
 from dsv4_common.core.index_space import pages_for_tokens
 from dsv4_common.core.layout import KVLayout, LayoutError, build_layout
 from dsv4_common.core.units import format_bytes
 from dsv4_common.plan.capacity import (
-    RankCapacity,
+    PoolSizes,
     SwaNeed,
     auto_max_running,
     solve_rank,
@@ -54,7 +55,7 @@ class RankPlan:
     layout: KVLayout  # this rank's slice (target layers + draft layers it owns)
     weight_bytes: int
     available_bytes: int  # for KV after weights and the memory fraction
-    capacity: RankCapacity
+    pools: PoolSizes
     swa_need: SwaNeed
     context_len: int
 
@@ -63,29 +64,24 @@ class RankPlan:
         return self.layout.page_size
 
     @property
-    def full_tokens(self) -> int:
-        return self.capacity.full_pages * self.page_size
-
-    @property
-    def swa_tokens(self) -> int:
-        return self.capacity.swa_pages * self.page_size
-
-    @property
-    def max_running_requests(self) -> int:
-        return self.capacity.request_slots
-
-    @property
-    def max_context_tokens(self) -> int:
-        """Bounded by the full pool and the model context only, never by the SWA pool."""
-        return min(self.context_len, self.full_tokens)
+    def capacity(self) -> RankCapacity:
+        """The tokens and requests its pools hold. The longest context is bounded by the full
+        pool and the model context only, never by the SWA pool."""
+        full_tokens = self.pools.full_pages * self.page_size
+        return RankCapacity(
+            full_tokens=full_tokens,
+            swa_tokens=self.pools.swa_pages * self.page_size,
+            max_running_requests=self.pools.request_slots,
+            max_context_tokens=min(self.context_len, full_tokens),
+        )
 
     @property
     def swa_ratio(self) -> float:
-        return self.swa_tokens / self.full_tokens
+        return self.pools.swa_pages / self.pools.full_pages
 
     def component_units(self) -> dict[str, int]:
         """Units (pages or request slots) per layer of every component, reserved unit 0 included."""
-        units = self.capacity.units
+        units = self.pools.units
         return {c.name: units[c.index_space] for c in self.layout.components}
 
 
@@ -122,15 +118,16 @@ class Plan:
 
     @property
     def max_context_tokens(self) -> int:
-        return min(r.max_context_tokens for r in self.ranks)
+        return min(r.capacity.max_context_tokens for r in self.ranks)
 
     @property
     def max_running_requests(self) -> int:
-        return min(r.max_running_requests for r in self.ranks)
+        return min(r.capacity.max_running_requests for r in self.ranks)
 
 
 def _rank_key(r: RankPlan) -> BottleneckKey:
-    return (r.max_context_tokens, r.max_running_requests, r.full_tokens)
+    c = r.capacity
+    return (c.max_context_tokens, c.max_running_requests, c.full_tokens)
 
 
 def split_layers(num_layers: int, pp_size: int, split: tuple[int, ...] | None) -> list[range]:
@@ -258,7 +255,7 @@ def plan(inputs: PlanInputs) -> Plan:
             layout=stage.layout,
             weight_bytes=stage.weight_bytes,
             available_bytes=stage.available_bytes,
-            capacity=solve_rank(
+            pools=solve_rank(
                 stage.layout,
                 pp_rank=stage.rank,
                 available_bytes=stage.available_bytes,

@@ -10,6 +10,7 @@ from dsv4_common.plan.split import BottleneckKey, format_split
 
 
 def rank_to_dict(r: RankPlan) -> dict[str, Any]:
+    c = r.capacity
     return {
         "pp_rank": r.pp_rank,
         "layers": [r.layers[0], r.layers[1]],
@@ -17,14 +18,14 @@ def rank_to_dict(r: RankPlan) -> dict[str, Any]:
         "bytes_per_full_token": round(r.layout.bytes_per_full_token, 2),
         "bytes_per_swa_token": round(r.layout.bytes_per_swa_token, 2),
         "bytes_per_request": r.layout.bytes_per_request_slot,
-        "full_tokens": r.full_tokens,
-        "swa_tokens": r.swa_tokens,
+        "full_tokens": c.full_tokens,
+        "swa_tokens": c.swa_tokens,
         "swa_ratio": round(r.swa_ratio, 6),
-        "max_running_requests": r.max_running_requests,
-        "max_context_tokens": r.max_context_tokens,
+        "max_running_requests": c.max_running_requests,
+        "max_context_tokens": c.max_context_tokens,
         "weight_bytes": r.weight_bytes,
         "available_kv_bytes": r.available_bytes,
-        "planned_kv_bytes": r.capacity.kv_bytes,
+        "planned_kv_bytes": r.pools.kv_bytes,
         "swa_pages_per_request": r.swa_need.pages_per_request,
         "components": {
             c.name: {
@@ -155,6 +156,7 @@ def format_table(p: Plan, balanced: Plan | None = None) -> str:
     for r in p.ranks:
         start, end = r.layers
         layers = f"{start}-{end - 1}" + ("+d" if r.layout.draft_layer_ids else "")
+        c = r.capacity
         cells = (
             str(r.pp_rank) + ("*" if r.pp_rank == p.bottleneck_rank else ""),
             layers,
@@ -162,12 +164,12 @@ def format_table(p: Plan, balanced: Plan | None = None) -> str:
             f"{r.layout.bytes_per_swa_token:,.1f}",
             f"{r.layout.bytes_per_request_slot / MIB:.2f}",
             f"{r.weight_bytes / GIB:.2f}",
-            f"{r.capacity.kv_bytes / GIB:.2f}",
-            f"{r.full_tokens:,}",
-            f"{r.swa_tokens:,}",
+            f"{r.pools.kv_bytes / GIB:.2f}",
+            f"{c.full_tokens:,}",
+            f"{c.swa_tokens:,}",
             f"{r.swa_ratio:.4f}",
-            str(r.max_running_requests),
-            f"{r.max_context_tokens:,}",
+            str(c.max_running_requests),
+            f"{c.max_context_tokens:,}",
         )
         lines.append("  ".join(c.rjust(w) for c, (_, w) in zip(cells, _COLUMNS, strict=True)))
     lines.append(

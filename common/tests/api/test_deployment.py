@@ -145,7 +145,7 @@ def test_unreadable_config_path_names_the_field() -> None:
 def test_bottleneck_names_the_role_and_rank_that_limit_context() -> None:
     memory = plan_memory(flash_tp8(24, 1_048_576))
     role, rank = memory.bottleneck
-    assert memory.role(role).ranks[rank].max_context_tokens == memory.max_context_tokens
+    assert memory.role(role).ranks[rank].capacity.max_context_tokens == memory.max_context_tokens
 
 
 # --- the layer split: balanced by default, fixed by spec.<role>.layerSplit ---------------------

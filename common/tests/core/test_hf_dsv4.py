@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from model_samples import tiny_hf_config
 from repo_paths import MODEL_DATA, SAMPLES
 
-from dsv4_common.cli import main
+from dsv4_cli.main import main
 from dsv4_common.core.hf import from_hf_config, load_hf_config, parse_hf_config
 from dsv4_common.core.model import DSV4Config, ModelConfig, ModelConfigError, Quantization
 from dsv4_common.core.presets import PRESETS, load_model_config

@@ -51,7 +51,7 @@ def test_pro_decode_on_h200_holds_more_with_online_state() -> None:
                 request_state=state,  # type: ignore[arg-type]
             )
         )
-        return p.max_running_requests, p.ranks[0].full_tokens
+        return p.max_running_requests, p.ranks[0].capacity.full_tokens
 
     ring, online = decode("ring", None), decode("online", None)
     assert online[0] > ring[0] and online[1] > ring[1]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from dsv4_common.cli import main
+from dsv4_cli.main import main
 
 PRO_H200 = ["--model", "deepseek-v4-pro", "--tp", "8", "--gpu", "h200"]
 
@@ -110,7 +110,7 @@ def test_console_script_runs_as_a_process() -> None:
         [
             sys.executable,
             "-m",
-            "dsv4_common.cli",
+            "dsv4_cli",
             "plan",
             "--model",
             "tiny",

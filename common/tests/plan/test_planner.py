@@ -51,21 +51,21 @@ def test_tiny_colocated_pp1_hand_computed() -> None:
     p = plan(tiny_inputs("colocated"))
     (r,) = p.ranks
     # SWA: 4 requests x (ceil(8 / 16) + 1 = 2 pages) + one chunk (ceil((64 + 8) / 16) + 1 = 6)
-    assert r.capacity.swa_pages == 4 * 2 + 6 == 14
+    assert r.pools.swa_pages == 4 * 2 + 6 == 14
     fixed = TINY_BF + TINY_BS + TINY_BQ * (4 + 1)  # reserved page 0 of each space + 5 slots
     full_pages = (MIB - fixed - 14 * TINY_BS) // TINY_BF
     assert full_pages == 498
-    assert r.capacity.full_pages == full_pages
-    assert r.full_tokens == 498 * 16 == 7968
-    assert r.max_context_tokens == 7968  # the full pool, below context_len=16384
-    assert r.capacity.kv_bytes == 499 * TINY_BF + 15 * TINY_BS + 5 * TINY_BQ <= MIB
+    assert r.pools.full_pages == full_pages
+    assert r.capacity.full_tokens == 498 * 16 == 7968
+    assert r.capacity.max_context_tokens == 7968  # the full pool, below context_len=16384
+    assert r.pools.kv_bytes == 499 * TINY_BF + 15 * TINY_BS + 5 * TINY_BQ <= MIB
 
 
 def test_tiny_decode_pp1_hand_computed_has_no_chunk_in_flight() -> None:
     (r,) = plan(tiny_inputs("decode")).ranks
-    assert r.capacity.swa_pages == 4 * 2
+    assert r.pools.swa_pages == 4 * 2
     fixed = TINY_BF + TINY_BS + TINY_BQ * 5
-    assert r.capacity.full_pages == (MIB - fixed - 8 * TINY_BS) // TINY_BF == 613
+    assert r.pools.full_pages == (MIB - fixed - 8 * TINY_BS) // TINY_BF == 613
 
 
 def test_tiny_prefill_pp2_hand_computed_and_bottleneck() -> None:
@@ -78,10 +78,10 @@ def test_tiny_prefill_pp2_hand_computed_and_bottleneck() -> None:
     assert (r0.layout.bytes_per_full_page, r0.layout.bytes_per_swa_page) == (bf0, bs0)
     assert (r1.layout.bytes_per_full_page, r1.layout.bytes_per_swa_page) == (bf1, bs1)
     assert bf0 + bf1 == TINY_BF and bs0 + bs1 == TINY_BS and bq0 + bq1 == TINY_BQ
-    assert r0.capacity.full_pages == (MIB - (bf0 + bs0 + 5 * bq0) - 14 * bs0) // bf0 == 1985
-    assert r1.capacity.full_pages == (MIB - (bf1 + bs1 + 5 * bq1) - 14 * bs1) // bf1 == 957
-    assert r0.max_context_tokens == 16_384  # context_len binds on rank 0
-    assert r1.max_context_tokens == 957 * 16
+    assert r0.pools.full_pages == (MIB - (bf0 + bs0 + 5 * bq0) - 14 * bs0) // bf0 == 1985
+    assert r1.pools.full_pages == (MIB - (bf1 + bs1 + 5 * bq1) - 14 * bs1) // bf1 == 957
+    assert r0.capacity.max_context_tokens == 16_384  # context_len binds on rank 0
+    assert r1.capacity.max_context_tokens == 957 * 16
     assert p.bottleneck_rank == 1
     assert p.max_context_tokens == 957 * 16
 
@@ -105,10 +105,10 @@ def test_pro_decode_pp1_hand_computed() -> None:
     swa_pages = 64 * 2  # window 128 + page 256 -> ceil(128 / 256) + 1 = 2 pages per request
     fixed = PRO_BF + PRO_BS + PRO_BQ * 65
     full_pages = (available - fixed - swa_pages * PRO_BS) // PRO_BF
-    assert (r.capacity.swa_pages, r.capacity.full_pages) == (swa_pages, full_pages)
+    assert (r.pools.swa_pages, r.pools.full_pages) == (swa_pages, full_pages)
     assert full_pages == 18_005
     assert r.layout.bytes_per_full_token == pytest.approx(5586.75)
-    assert r.max_context_tokens == min(1_048_576, full_pages * 256)
+    assert r.capacity.max_context_tokens == min(1_048_576, full_pages * 256)
 
 
 @pytest.mark.parametrize("role", ["colocated", "prefill", "decode"])
@@ -132,7 +132,7 @@ def test_flash_pp4_ranks_price_only_their_layers(role: Role) -> None:
             65_536 + 16_384
         )
         assert r.layout.bytes_per_request_slot == n128 * 524_288
-        assert r.capacity.kv_bytes <= r.available_bytes
+        assert r.pools.kv_bytes <= r.available_bytes
 
 
 @pytest.mark.parametrize("role", ["colocated", "prefill", "decode"])
@@ -148,11 +148,11 @@ def test_pro_plans_fit_their_memory_for_every_role(role: Role, pp: int) -> None:
         )
     )
     for r in p.ranks:
-        assert r.capacity.kv_bytes <= r.available_bytes
+        assert r.pools.kv_bytes <= r.available_bytes
         # nothing left on the table: one more full page would not fit
-        assert r.available_bytes - r.capacity.kv_bytes < r.layout.bytes_per_full_page
-        assert r.capacity.swa_pages >= r.swa_need.pages_per_request * r.max_running_requests
-        assert r.capacity.swa_pages >= r.swa_need.chunk_pages
+        assert r.available_bytes - r.pools.kv_bytes < r.layout.bytes_per_full_page
+        assert r.pools.swa_pages >= r.swa_need.pages_per_request * r.capacity.max_running_requests
+        assert r.pools.swa_pages >= r.swa_need.chunk_pages
 
 
 # ------------------------------------------------------------------------------------------
@@ -172,7 +172,7 @@ def test_pp4_rank_prices_about_a_quarter_not_all_layers() -> None:
     assert sum(r.layout.bytes_per_full_page for r in four) == one.layout.bytes_per_full_page
     assert sum(r.layout.bytes_per_swa_page for r in four) == one.layout.bytes_per_swa_page
     # a quarter of the bytes per token buys far more tokens per rank
-    assert min(r.full_tokens for r in four) > 3 * one.full_tokens
+    assert min(r.capacity.full_tokens for r in four) > 3 * one.capacity.full_tokens
 
 
 def test_context_is_bounded_by_full_pool_never_by_swa_pool() -> None:
@@ -189,8 +189,8 @@ def test_context_is_bounded_by_full_pool_never_by_swa_pool() -> None:
             )
         )
         (r,) = p.ranks
-        assert r.max_context_tokens > 10 * r.swa_tokens
-        assert r.max_context_tokens == min(1_048_576, r.full_tokens)
+        assert r.capacity.max_context_tokens > 10 * r.capacity.swa_tokens
+        assert r.capacity.max_context_tokens == min(1_048_576, r.capacity.full_tokens)
 
 
 def test_mtp_tail_entry_does_not_enlarge_the_plan() -> None:
@@ -200,7 +200,7 @@ def test_mtp_tail_entry_does_not_enlarge_the_plan() -> None:
     a = plan(PlanInputs(model=model, **kw)).ranks[0]  # type: ignore[arg-type]
     b = plan(PlanInputs(model=trimmed, **kw)).ranks[0]  # type: ignore[arg-type]
     assert a.layout.bytes_per_full_page == b.layout.bytes_per_full_page
-    assert a.capacity == b.capacity
+    assert a.pools == b.pools
 
 
 def test_speculation_enlarges_draft_layer_and_rings_and_nothing_else() -> None:
@@ -245,8 +245,8 @@ def test_auto_swa_is_sized_from_what_the_role_needs() -> None:
     )
     d = plan(PlanInputs(role="decode", **kw)).ranks[0]  # type: ignore[arg-type]
     p = plan(PlanInputs(role="prefill", **kw)).ranks[0]  # type: ignore[arg-type]
-    assert d.capacity.swa_pages == 10 * 2
-    assert p.capacity.swa_pages == 10 * 2 + (-(-(128 + 8) // 16) + 1)
+    assert d.pools.swa_pages == 10 * 2
+    assert p.pools.swa_pages == 10 * 2 + (-(-(128 + 8) // 16) + 1)
 
 
 def test_pp_ranks_share_one_request_count() -> None:
@@ -259,7 +259,7 @@ def test_pp_ranks_share_one_request_count() -> None:
             pp_size=4,
         )
     )
-    assert len({r.max_running_requests for r in p.ranks}) == 1
+    assert len({r.capacity.max_running_requests for r in p.ranks}) == 1
 
 
 # ------------------------------------------------------------------------------------------
@@ -368,15 +368,15 @@ def test_any_successful_plan_fits_memory_and_holds_one_request(
     except PlanError:
         return
     for r in p.ranks:
-        assert r.capacity.kv_bytes <= r.available_bytes
-        assert r.capacity.swa_pages >= r.swa_need.pages_per_request
-        assert r.max_context_tokens == min(r.context_len, r.full_tokens)
+        assert r.pools.kv_bytes <= r.available_bytes
+        assert r.pools.swa_pages >= r.swa_need.pages_per_request
+        assert r.capacity.max_context_tokens == min(r.context_len, r.capacity.full_tokens)
         assert (
             sum(
                 r.component_units()[c.name] * c.bytes_per_unit_all_layers
                 for c in r.layout.components
             )
-            == r.capacity.kv_bytes
+            == r.pools.kv_bytes
         )
     owned = sorted(i for r in p.ranks for i in r.layout.layer_ids)
     assert owned == list(range(6 + (1 if draft else 0)))

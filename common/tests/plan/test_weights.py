@@ -9,7 +9,7 @@ import json
 import pytest
 from repo_paths import MODEL_DATA
 
-from dsv4_common.cli import main
+from dsv4_cli.main import main
 from dsv4_common.core.model import DSV4Config
 from dsv4_common.core.presets import deepseek_v4_flash, deepseek_v4_pro, tiny
 from dsv4_common.core.tensors import (

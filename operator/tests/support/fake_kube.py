@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 from support.fake_apiserver import selector_matches
 
+from dsv4_common.api import RankCapacity
 from dsv4_common.api.rank_config import parse_rank_config
 from dsv4_common.api.worker_status import WorkerStatus, build_worker_status
 from dsv4_operator import labels as L
@@ -177,10 +178,12 @@ class FakeProbe:
                 WorkerStatus(
                     role=role,
                     pp_rank=rank,
-                    full_tokens=int(planned.full_tokens * scale),
-                    swa_tokens=int(planned.swa_tokens * scale),
-                    max_running_requests=planned.max_running_requests,
-                    max_context_tokens=int(planned.max_context_tokens * scale),
+                    capacity=RankCapacity(
+                        full_tokens=int(planned.capacity.full_tokens * scale),
+                        swa_tokens=int(planned.capacity.swa_tokens * scale),
+                        max_running_requests=planned.capacity.max_running_requests,
+                        max_context_tokens=int(planned.capacity.max_context_tokens * scale),
+                    ),
                     kv_backend=backend,
                     kv_ready=True,
                     kv_layout_hash="abc",

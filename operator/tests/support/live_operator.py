@@ -268,10 +268,7 @@ class Live:
                 WorkerStatus(
                     role=role,
                     pp_rank=rank,
-                    full_tokens=planned.full_tokens,
-                    swa_tokens=planned.swa_tokens,
-                    max_running_requests=planned.max_running_requests,
-                    max_context_tokens=planned.max_context_tokens,
+                    capacity=planned.capacity,
                     kv_backend="nixl",
                     kv_ready=True,
                     kv_layout_hash="layout-1",

@@ -5,15 +5,22 @@ runs the paged forward, samples, finishes requests and frees their pages.
              rejects / retracts (CPU offload) / resumes (reload) / admits (open a slot)
              decode and extend the page tables, run one batch, sample, finish, evict the window
 
+One engine class for every role and place (`role.EngineConfig`, fixed when it is built):
+what differs is told by its config's role, its events (`events.EngineEvents`, the PD agent)
+and its step source (`steps.StepSource`: planning alone, or leading or following a PP group).
+
 PD disaggregation uses the same loop. A prefill worker submits with `keep_pages=True`: a
 finished request keeps its pages (in `held`) until the transfer is done and `release` frees
-them. A decode worker sets `on_prealloc`: requests start in PREALLOC, the scheduler
+them. In a decode engine (role decode) requests start in PREALLOC, the scheduler
 preallocates them (full pages for the prompt, SWA for the window tail), and
-`complete_transfer` turns them into decoders with the first token. Two hooks tell the prefill
-side: `on_admit` as soon as the step's plan admits a request (prefill starts computing while
-this step allocates and runs its batch), `on_prealloc` once its pages exist on every stage
-(where to write). A request aborted while its KV may still be landing keeps its pages until
-the prefill side confirms (`on_cancel`, then `release`/`fail_transfer`).
+`complete_transfer` turns them into decoders with the first token. Two events tell the
+prefill side: `on_admit` as soon as the step's plan admits a request (prefill starts
+computing while this step allocates and runs its batch), `on_prealloc` once its pages exist
+on every stage (where to write). A request aborted while its KV may still be landing keeps
+its pages until the prefill side confirms (`on_cancel`, then `release`/`fail_transfer`).
+
+Every change made outside a step (submit, abort, release, transfers, notes) is reported to
+the step source once made (`changes`): a PP leader's followers replay them in order.
 
 NOTE: every pool is back to zero used units once every request has finished and every held
 request was released; `check_integrity` checks it once the engine has stayed idle a while
@@ -24,22 +31,33 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal, NamedTuple
 
 import torch
 
 from dsv4_common.core.index_space import pages_for_tokens
+from dsv4_worker.engine.changes import (
+    Abort,
+    CompleteTransfer,
+    FailTransfer,
+    Note,
+    Release,
+    Submit,
+)
+from dsv4_worker.engine.events import NO_EVENTS, EngineEvents
 from dsv4_worker.engine.grammar import GrammarCompiler, Matcher, allowed_tokens
 from dsv4_worker.engine.logprobs import TokenLogprob, row_layout, token_logprobs
 from dsv4_worker.engine.paged import PagedModel, Segment
 from dsv4_worker.engine.penalties import Processed, TokenCounts, apply_processors, penalized
+from dsv4_worker.engine.role import EngineConfig, Role
 from dsv4_worker.engine.sampler import SamplingParams, draw, greedy_tokens, make_generator
+from dsv4_worker.engine.steps import Planner, StepSource
 from dsv4_worker.mem.errors import KVMemoryError
 from dsv4_worker.mem.offload import OffloadedRequest, offload_request, reload_request
-from dsv4_worker.sched.budget import NOTHING, Capacity, Need
-from dsv4_worker.sched.scheduler import Phase, ReqView, SchedulerConfig, StepPlan, plan_step
+from dsv4_worker.sched.budget import NOTHING, Need, PoolRoom
+from dsv4_worker.sched.scheduler import Phase, ReqView, StepPlan, plan_step
 
 FinishReason = Literal["stop", "length", "error", "abort"]
 
@@ -76,7 +94,6 @@ class Request:
         return self.finish_reason is not None
 
 
-Hook = Callable[["Request"], None]
 SampleAt = Sequence[tuple[int, "Request"]]  # (segment index, request), in batch order
 
 
@@ -120,18 +137,23 @@ class Engine:
     def __init__(
         self,
         paged: PagedModel,
-        config: SchedulerConfig,
+        config: EngineConfig,
         *,
-        on_prealloc: Hook | None = None,
-        on_cancel: Hook | None = None,
+        events: EngineEvents = NO_EVENTS,
+        source: StepSource | None = None,
+        grammar: GrammarCompiler | None = None,
     ) -> None:
+        """`source`: where its steps come from (None: a single stage's `Planner`); its
+        place must be the config's."""
+        source = source or Planner()
+        if source.place is not config.place:
+            raise ValueError(f"a {config.place} engine given a {source.place} step source")
         self.paged = paged
         self.mem = paged.memory
         self.config = config
-        self.on_prealloc = on_prealloc  # set: a PD decode engine
-        self.on_admit: Hook | None = None  # PD decode: a preallocation was planned (optional)
-        self.on_cancel = on_cancel
-        self.grammar: GrammarCompiler | None = None  # set: requests may carry a json_schema
+        self.events = events
+        self.source = source
+        self.grammar = grammar  # set: requests may carry a json_schema
         self.requests: dict[int, Request] = {}  # unfinished, by rid
         self.held: dict[int, Request] = {}  # finished but holding pages until release()
         self._held_needs: dict[tuple[int, int], Need] = {}  # _views' shared Need per count
@@ -143,7 +165,8 @@ class Engine:
         self.waits: dict[str, int] = {}  # why the head of the queue waited -> steps
         self.failure: str | None = None  # set: the engine cannot serve (fail_all)
         totals = {u.pool: u.total for u in self.mem.usage()}
-        self.total = Capacity(totals["full"], totals["swa"], totals["req_slots"])
+        self.own_total = PoolRoom(totals["full"], totals["swa"], totals["req_slots"])
+        self.total = config.schedulable or self.own_total  # what the scheduler hands out
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -160,7 +183,7 @@ class Engine:
         if not prompt:
             raise ValueError("prompt: must hold at least one token")
         req = Request(next(self._rids), tuple(prompt), params, keep_pages=keep_pages)
-        if self.on_prealloc is not None:
+        if self.config.role is Role.DECODE:
             req.phase, req.prefill = Phase.PREALLOC, prefill
         if params.json_schema is not None:
             if self.grammar is None:
@@ -174,6 +197,7 @@ class Engine:
             and req.matcher is None
         )
         self.requests[req.rid] = req
+        self.source.record(Submit(req.rid, req.prompt, params, keep_pages, prefill))
         return req
 
     def abort(self, rid: int) -> None:
@@ -182,14 +206,14 @@ class Engine:
         req = self.requests.get(rid)
         if req is None:
             self.release(rid)  # a held request: the caller gives up waiting for its transfer
-            return
-        if req.phase is Phase.TRANSFER and self.on_cancel is not None:
+        elif self.config.role is Role.DECODE and req.phase is Phase.TRANSFER:
             req.finish_reason = "abort"
             del self.requests[rid]
             self.held[rid] = req
-            self.on_cancel(req)
-            return
-        self._finish(req, "abort")
+            self.events.on_cancel(req)
+        else:
+            self._finish(req, "abort")
+        self.source.record(Abort(rid))
 
     def release(self, rid: int) -> None:
         """Free the pages of a held request (its transfer finished, failed or was cancelled)."""
@@ -197,6 +221,7 @@ class Engine:
         if req is not None and req.slot is not None:
             self.mem.free(torch.tensor([req.slot], dtype=torch.int64, device=self.mem.device))
             req.slot = None
+        self.source.record(Release(rid))
 
     def complete_transfer(
         self,
@@ -212,22 +237,26 @@ class Engine:
         req = self.requests.get(rid)
         if req is None or req.phase is not Phase.TRANSFER:
             self.release(rid)  # cancelled while in flight: its pages are safe to free now
-            return
-        req.phase = Phase.DECODE
-        if generator_state is not None and req.generator is not None:
-            req.generator.set_state(generator_state)
-        req.prompt_logprobs = list(prompt_logprobs)
-        self._accept(req, first_token, self._finished_between, first_logprob)
+        else:
+            req.phase = Phase.DECODE
+            if generator_state is not None and req.generator is not None:
+                req.generator.set_state(generator_state)
+            req.prompt_logprobs = list(prompt_logprobs)
+            self._accept(req, first_token, self._finished_between, first_logprob)
+        self.source.record(
+            CompleteTransfer(rid, first_token, generator_state, first_logprob, prompt_logprobs)
+        )
 
     def fail_transfer(self, rid: int, why: str) -> None:
         """PD decode: the prefill side failed or timed out; the request ends with an error."""
         req = self.requests.get(rid)
         if req is None:
             self.release(rid)
-            return
-        req.error, req.retryable = why, True
-        self._finish(req, "error")
-        self._finished_between.append(req)
+        else:
+            req.error, req.retryable = why, True
+            self._finish(req, "error")
+            self._finished_between.append(req)
+        self.source.record(FailTransfer(rid, why))
 
     def take_finished(self) -> list[Request]:
         """Requests finished outside `step` (transfers completed or failed) since the last
@@ -241,14 +270,21 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        """A step would do something (requests only waiting for their KV to land do not)."""
+        """A step would do something (its step source decides: a PP leader also steps to
+        send its changes or a heartbeat, a follower until its leader stops)."""
+        return self.source.has_work(self)
+
+    @property
+    def runnable(self) -> bool:
+        """Some request moves in a step (requests only waiting for their KV to land do not)."""
         return any(r.phase is not Phase.TRANSFER for r in self.requests.values())
 
     # -- one step --------------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
-        """Plan and run one batch; returns the requests that finished in it."""
-        return self.execute(self.plan())
+        """Plan (or, as a PP follower, receive) and run one batch; returns the requests that
+        finished in it."""
+        return self.source.step(self)
 
     def plan(self) -> StepPlan:
         """This step's decisions (pure: the scheduler over the requests' views, or the
@@ -261,16 +297,16 @@ class Engine:
             self._views(),
             free,
             self.total,
-            self.config,
+            self.config.scheduler,
             self.new_token_ratio,
         )
 
-    def _steady_decode(self, free: Capacity) -> StepPlan | None:
+    def _steady_decode(self, free: PoolRoom) -> StepPlan | None:
         """The plan `plan_step` returns when every request decodes (or awaits its KV, PD) and
         the pools give each decoder its next token: all of them decode, nothing else happens.
         None in any other case, which goes to `plan_step`. Saves building a view per request
         in the common step (a test checks it against `plan_step` on random engine states)."""
-        page, decode, transfer = self.config.page_size, Phase.DECODE, Phase.TRANSFER
+        page, decode, transfer = self.config.scheduler.page_size, Phase.DECODE, Phase.TRANSFER
         rids: list[int] = []
         rollovers = 0  # decoders whose next token opens a page (and its SWA page)
         for req in self.requests.values():
@@ -288,15 +324,14 @@ class Engine:
         """Carry `plan` out: admission, page tables, one batch, sampling, finishing."""
         self.steps += 1
         finished: list[Request] = []
-        if self.on_admit is not None:
-            for rid in plan.preallocs:  # the plan is final: their allocation cannot fail
-                self.on_admit(self.requests[rid])
+        for rid in plan.preallocs:  # the plan is final: their allocation cannot fail
+            self.events.on_admit(self.requests[rid])
         self._apply_admin(plan, finished)
         if plan.waiting is not None:
             why = plan.waiting[1]
             self.waits[why] = self.waits.get(why, 0) + 1
         segments, sample_at, score_at = self._grow(plan)
-        if segments or self.always_run_batch:
+        if segments or self.source.always_run_batch:
             scored = self.run_batch(segments, sample_at, score_at)
             for rid, start, entries in scored.prompt:
                 req = self.requests[rid]
@@ -310,12 +345,8 @@ class Engine:
         # preallocated these requests before the prefill side may write into them.
         for rid in plan.preallocs:
             announced = self.requests.get(rid)
-            if (
-                self.on_prealloc is not None
-                and announced is not None
-                and announced.phase is Phase.TRANSFER
-            ):
-                self.on_prealloc(announced)
+            if announced is not None and announced.phase is Phase.TRANSFER:
+                self.events.on_prealloc(announced)
         self.mem.pages.evict_window()
         if plan.retracts:
             self.new_token_ratio = RATIO_MAX
@@ -340,8 +371,6 @@ class Engine:
             self._idle_since_s = None
             self.mem.check_integrity()
 
-    always_run_batch = False  # a PP stage takes part in every step's exchange, even empty ones
-
     def run_batch(
         self,
         segments: list[Segment],
@@ -349,7 +378,16 @@ class Engine:
         score_at: SampleAt = (),
     ) -> Scored:
         """The forward over the batch, one sampled token per `sample_at` entry, and the
-        prompt logprobs of the `score_at` chunks."""
+        prompt logprobs of the `score_at` chunks (a PP stage: its layers, over its link)."""
+        return self.source.run_batch(self, segments, sample_at, score_at)
+
+    def run_local_batch(
+        self,
+        segments: list[Segment],
+        sample_at: SampleAt,
+        score_at: SampleAt = (),
+    ) -> Scored:
+        """`run_batch` of a single stage: the whole model's forward, sampled here."""
         if score_at:
             logits = self.paged.forward(segments, scored_segments(len(segments), score_at))
         else:
@@ -450,10 +488,12 @@ class Engine:
 
     def close(self) -> None:
         """The serving loop is ending (a PP leader tells its followers)."""
+        self.source.close(self)
 
     def note(self, payload: object) -> None:
         """Tell the same component on the other stages of a PP group (in order with this
-        engine's own changes); nothing to do for a single stage."""
+        engine's own changes; `EngineEvents.on_note` there); a single stage drops it."""
+        self.source.record(Note(payload))
 
     def run_until_idle(self, max_steps: int = 100_000) -> None:
         for _ in range(max_steps):
@@ -492,8 +532,8 @@ class Engine:
 
     def _prealloc(self, req: Request) -> None:
         """Open a slot with full pages for the whole prompt and SWA pages for its window tail
-        only (`execute` then tells the prefill side where to write: the hook)."""
-        assert self.on_prealloc is not None
+        only (`execute` then tells the prefill side where to write: `on_prealloc`)."""
+        assert self.config.role is Role.DECODE, "only a decode engine preallocates"
         slots = self.mem.open(1)
         n = torch.tensor([len(req.prompt)], dtype=torch.int64, device=self.mem.device)
         try:
@@ -589,9 +629,19 @@ class Engine:
 
     # -- views for the scheduler -------------------------------------------------------------------
 
-    def _free(self) -> Capacity:
+    def _free(self) -> PoolRoom:
+        """Free units the scheduler may hand out: this engine's free units, less what the
+        smallest stage of its PP group lacks (`EngineConfig.schedulable`)."""
         free = {u.pool: u.free for u in self.mem.usage()}
-        return Capacity(free["full"], free["swa"], free["req_slots"])
+        own = PoolRoom(free["full"], free["swa"], free["req_slots"])
+        if self.total is self.own_total:
+            return own
+        t, g = self.own_total, self.total
+        return PoolRoom(
+            own.full_pages - (t.full_pages - g.full_pages),
+            own.swa_pages - (t.swa_pages - g.swa_pages),
+            own.request_slots - (t.request_slots - g.request_slots),
+        )
 
     def _views(self) -> list[ReqView]:
         """Every unfinished request as the scheduler sees it. Pages held follow from the page
@@ -601,7 +651,7 @@ class Engine:
         Runs over every request on each step the shortcut declines, hence the plain loop:
         positional tuples (ReqView's field order) and one `Need` per distinct (full, swa)
         count, shared (they are immutable)."""
-        page = self.config.page_size
+        page = self.config.scheduler.page_size
         pages = self.mem.pages
         num_tokens = pages.num_tokens.tolist()
         swa_start = pages.swa_start_tokens.tolist()

@@ -41,8 +41,10 @@ class AllocatorConfig:
     def from_rank_plan(
         cls, rank: RankPlan, max_context_tokens: int | None = None
     ) -> AllocatorConfig:
-        cap, layout = rank.capacity, rank.layout
-        context = rank.max_context_tokens if max_context_tokens is None else max_context_tokens
+        cap, layout = rank.pools, rank.layout
+        context = (
+            rank.capacity.max_context_tokens if max_context_tokens is None else max_context_tokens
+        )
         return cls(
             page_size=layout.page_size,
             num_full_pages=cap.full_pages,

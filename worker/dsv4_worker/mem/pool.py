@@ -59,7 +59,7 @@ class KVPool:
 
     @classmethod
     def from_rank_plan(cls, rank: RankPlan, device: torch.device | str = "cpu") -> KVPool:
-        return cls(rank.layout, rank.capacity.units, device)
+        return cls(rank.layout, rank.pools.units, device)
 
     @property
     def nbytes(self) -> int:

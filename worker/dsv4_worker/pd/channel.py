@@ -1,7 +1,9 @@
 """The threading rule of the PD control plane: one thread owns every zmq socket of an agent.
 
 Other threads (the engine thread) hand it outgoing messages through `Outbox.put`, an inproc
-PUSH socket guarded by a lock that wakes the owner's poller at once (no polling delay).
+PUSH socket guarded by a lock that wakes the owner's poller at once (no polling delay); a
+`Mailbox` carries typed messages (each side's small frozen dataclasses) the same way, and
+`Post` is the other direction (run a function on the engine thread).
 
 A control thread that dies does not die quietly: `guarded` records why and reports it, so the
 worker turns unready, fails what it holds and exits non-zero (a supervisor restarts it).
@@ -13,12 +15,34 @@ import contextlib
 import itertools
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
 
 import zmq
 
+M = TypeVar("M")
 _ids = itertools.count()
 log = logging.getLogger(__name__)
+
+Post = Callable[[Callable[[], None]], None]  # run a function on the engine thread
+Context = zmq.Context[zmq.Socket[bytes]]
+
+
+def socket(ctx: Context, kind: int) -> zmq.Socket[bytes]:
+    """A socket that drops what it has not sent when closed (a peer may be gone for good)."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    return sock
+
+
+def bound(ctx: Context, kind: int, bind: str) -> tuple[zmq.Socket[bytes], str]:
+    """A socket bound at `bind` (port 0: any) and the endpoint it got."""
+    sock = socket(ctx, kind)
+    sock.bind(bind)
+    last = sock.getsockopt(zmq.LAST_ENDPOINT)
+    assert isinstance(last, bytes)
+    return sock, last.decode()
 
 
 def guarded(name: str, body: Callable[[], None], on_crash: Callable[[str], None]) -> None:
@@ -57,3 +81,38 @@ class Outbox:
         with self._lock:
             self._push.close(linger=0)
         self.pull.close(linger=0)
+
+
+class Mailbox(Generic[M]):
+    """Typed messages for the owner thread, in order from any thread: each `put` queues the
+    message, then a wake-up frame that is never dropped (it waits while the owner is far
+    behind, as `Outbox.put`); the owner, woken by `pull`, `take`s everything queued."""
+
+    def __init__(self, ctx: Context, name: str) -> None:
+        self._box = Outbox(ctx, name)
+        self.pull = self._box.pull  # the owner polls it
+        self._queue: deque[M] = deque()
+        self._lock = threading.Lock()
+
+    def put(self, msg: M) -> None:
+        with self._lock:
+            self._queue.append(msg)
+        self._box.put([b"m"])  # a dropped one could strand the message: see `take`
+
+    def kick(self) -> None:
+        """Wake the owner with nothing to take (any thread; also after `close`)."""
+        self._box.kick(b"w")
+
+    def take(self) -> list[M]:
+        """Owner thread: every queued message, oldest first (the kicks are read first, so a
+        message queued meanwhile is taken now or wakes the owner again)."""
+        with contextlib.suppress(zmq.Again):
+            while True:
+                self.pull.recv(zmq.NOBLOCK)
+        with self._lock:
+            out = list(self._queue)
+            self._queue.clear()
+        return out
+
+    def close(self) -> None:
+        self._box.close()

@@ -7,9 +7,11 @@ KV, state and first token have landed.
 Threads: the control thread owns one DEALER socket per prefill instance (handshake first:
 manifest, backend and this side's transfer descriptor; a mismatch fails every request sent
 there with the prefill's message naming the field) and the transfer target's landed tags;
-the engine thread hands it messages through the outbox (`on_admit`, `on_prealloc`,
-`on_cancel`) and gets results back through `post` (`complete_transfer`, `fail_transfer`,
-`release`).
+the engine thread hands it typed messages through its mailbox (`on_admit`, `on_prealloc`,
+`on_cancel`: `_Admitted`, `_Allocated`, `_Cancelled`) and gets results back through `post`
+(`complete_transfer`, `fail_transfer`, `release`). Each request is a `flight.Flight`: the
+control thread turns messages, landed tags and the clock into its events, and does what
+`flight.decode_step` returns.
 
 A request completes when `done` arrived and every tag it lists landed. A request whose prefill
 does not answer within `transfer_timeout_s` fails (the client may retry elsewhere); a cancelled
@@ -33,16 +35,17 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import zmq
 
 from dsv4_common.api.manifest import Manifest
+from dsv4_worker.engine.events import EngineEvents
 from dsv4_worker.engine.loop import Engine, Request
 from dsv4_worker.pd import control as C
-from dsv4_worker.pd.channel import Outbox, guarded
+from dsv4_worker.pd import flight as F
+from dsv4_worker.pd.channel import Mailbox, Post, bound, guarded, socket
 from dsv4_worker.pd.columns import tail_cols
 from dsv4_worker.pd.liveness import (
     Heartbeat,
@@ -52,7 +55,6 @@ from dsv4_worker.pd.liveness import (
     rooms_of,
     silent,
 )
-from dsv4_worker.pd.prefill import Post, generator_state_tensor
 from dsv4_worker.pd.transfer import TransferTarget
 
 log = logging.getLogger(__name__)
@@ -68,7 +70,7 @@ FAULT_ENV = "DSV4_TEST_PD_FAULT"
 class _Prefill:
     address: str  # host:port of its control socket
     sock: zmq.Socket[bytes]
-    state: str = "connecting"  # connecting | ready | failed
+    state: F.Link = "connecting"
     error: str = ""
     since_s: float = field(default_factory=time.monotonic)
     queued: list[tuple[str, list[bytes]]] = field(default_factory=list)  # (room, encoded)
@@ -78,20 +80,56 @@ class _Prefill:
     retry_at_s: float | None = None  # failed: handshake again from then on (None: not by itself)
 
 
-@dataclass(slots=True)
-class _Flight:
+_Flight = F.Flight[C.Done]  # a request on its way from its prefill (`flight`)
+
+
+# Engine thread -> control thread (the outbox), in order.
+@dataclass(frozen=True, slots=True)
+class _Connect:
+    """Handshake with a prefill now (the default one, at start)."""
+
+    address: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Admitted:
+    """The engine admitted the request: send its `prefill` (`frames`, encoded)."""
+
+    address: str
     rid: int
-    prefill: str
-    deadline_s: float
-    done: C.Done | None = None
-    cancelled: bool = False
+    room: str
+    frames: list[bytes]
 
 
-class DecodeAgent:
+@dataclass(frozen=True, slots=True)
+class _Allocated:
+    """Its pages exist on every stage: send its `destination` (`frames`, encoded)."""
+
+    address: str
+    room: str
+    frames: list[bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class _Cancelled:
+    """The engine cancelled the request (client gone)."""
+
+    rid: int
+    room: str
+
+
+_Out = _Connect | _Admitted | _Allocated | _Cancelled
+
+
+class DecodeAgent(EngineEvents):
+    """The decode engine's events (`on_admit`, `on_prealloc`, `on_cancel`): built before its
+    engine, then `attach`ed to it once, before `start`."""
+
+    engine: Engine  # set by attach
+    post: Post  # runs a function on the engine thread (the runner's `call`)
+
     def __init__(
         self,
-        engine: Engine,
-        post: Post,
         target: TransferTarget,
         manifest: Manifest,
         *,
@@ -102,9 +140,7 @@ class DecodeAgent:
         landed_bind: str | None = None,
         heartbeat: Heartbeat | None = None,
     ) -> None:
-        self.engine = engine
         self.heartbeat = heartbeat or Heartbeat()
-        self.post = post
         self.target = target
         self.manifest = manifest
         self.default_prefill = default_prefill
@@ -117,18 +153,13 @@ class DecodeAgent:
         self._landed_in: zmq.Socket[bytes] | None = None
         self.landed_endpoint: str | None = None
         if landed_bind is not None:
-            self._landed_in = self._ctx.socket(zmq.PULL)
-            self._landed_in.setsockopt(zmq.LINGER, 0)
-            self._landed_in.bind(landed_bind)
-            last = self._landed_in.getsockopt(zmq.LAST_ENDPOINT)
-            assert isinstance(last, bytes)
-            self.landed_endpoint = last.decode()
-        self._outbox = Outbox(self._ctx, "decode")
+            self._landed_in, self.landed_endpoint = bound(self._ctx, zmq.PULL, landed_bind)
+        self._outbox: Mailbox[_Out] = Mailbox(self._ctx, "decode")
         self._prefills: dict[str, _Prefill] = {}
         self._flights: dict[str, _Flight] = {}  # room -> in flight
         self._expecting = False  # told the target: flights exist
         self._landed: set[str] = set()
-        target.on_landed(lambda: self._outbox.kick(b"wake"))
+        target.on_landed(self._outbox.kick)
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=guarded, args=("decode control", self._run, self._crashed), daemon=True
@@ -139,18 +170,19 @@ class DecodeAgent:
         self._status: tuple[bool, str | None] = (False, None)
         self.failure: str | None = None  # set: the control thread died
         self._crash_on_request = os.environ.get(FAULT_ENV) == "control-crash"
-        engine.on_admit = self.on_admit
-        engine.on_prealloc = self.on_prealloc
-        engine.on_cancel = self.on_cancel
+
+    def attach(self, engine: Engine, post: Post) -> None:
+        """The engine built with this agent as its events, and how to run code on its thread."""
+        self.engine, self.post = engine, post
 
     def start(self) -> None:
         self._thread.start()
         if self.default_prefill:
-            self._outbox.put([b"connect", self.default_prefill.encode()])
+            self._outbox.put(_Connect(self.default_prefill))
 
     def stop(self) -> None:
         self._stop.set()
-        self._outbox.kick(b"wake")
+        self._outbox.kick()
         self._thread.join(timeout=5)
         if self._thread.is_alive():  # its sockets are still in use: leave them to the exit
             log.error("the PD decode control thread did not stop")
@@ -193,7 +225,7 @@ class DecodeAgent:
             stop_token_ids=p.stop_token_ids,
             timeout_s=self.transfer_timeout_s,
         )
-        self._forward(b"prefill", address, req.rid, msg)
+        self._forward(address, req.rid, msg)
 
     def on_prealloc(self, req: Request) -> None:
         """The request's pages exist on every stage: tell its prefill instance where to write."""
@@ -210,7 +242,14 @@ class DecodeAgent:
             dst_swa_pages=tuple(swa[tail.start : tail.stop].tolist()),
             dst_slot=req.slot,
         )
-        self._forward(b"destination", address, req.rid, msg)
+        self._forward(address, req.rid, msg)
+
+    def _forward(self, address: str, rid: int, msg: C.PrefillRequest | C.Destination) -> None:
+        # Encoded here, once: the control thread forwards the frames as they are.
+        if isinstance(msg, C.PrefillRequest):
+            self._outbox.put(_Admitted(address, rid, msg.room, C.encode(msg)))
+        else:
+            self._outbox.put(_Allocated(address, msg.room, C.encode(msg)))
 
     def _address(self, req: Request) -> str | None:
         """The request's prefill instance (the router's pick, else this worker's default)."""
@@ -219,15 +258,8 @@ class DecodeAgent:
     def _room(self, req: Request) -> str:
         return f"{self.peer_id}:{req.rid}"
 
-    def _forward(
-        self, kind: bytes, address: str, rid: int, msg: C.PrefillRequest | C.Destination
-    ) -> None:
-        # Encoded here, once: the control thread forwards the frames as they are.
-        head = [kind, address.encode(), str(rid).encode(), msg.room.encode()]
-        self._outbox.put([*head, *C.encode(msg)])
-
     def on_cancel(self, req: Request) -> None:
-        self._outbox.put([b"abort", str(req.rid).encode(), self._room(req).encode()])
+        self._outbox.put(_Cancelled(req.rid, self._room(req)))
 
     # -- control thread --------------------------------------------------------------------------
 
@@ -239,13 +271,16 @@ class DecodeAgent:
         while not self._stop.is_set():
             for sock, _ in poller.poll(POLL_MS):  # a landed tag or stop() kicks the outbox
                 if sock is self._outbox.pull:
-                    self._outgoing(self._outbox.pull.recv_multipart(), poller)
+                    for out in self._outbox.take():
+                        self._outgoing(out, poller)
                 elif self._landed_in is not None and sock is self._landed_in:
                     self._landed.update(t.decode() for t in self._landed_in.recv_multipart())
                 else:
                     self._incoming(sock, sock.recv_multipart())
             self._landed.update(self.target.poll_landed())
-            self._complete_landed()
+            landed = F.Landed(self._landed)
+            for room in list(self._flights):
+                self._on(room, landed)
             now = time.monotonic()
             self._heartbeat(now, poller)
             self._expire(now)
@@ -259,8 +294,7 @@ class DecodeAgent:
             return peer
         if peer is not None:  # failed before: try again with a fresh socket
             self._close(peer, poller)
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = socket(self._ctx, zmq.DEALER)
         peer = _Prefill(address, sock)
         self._prefills[address] = peer
         try:
@@ -281,48 +315,83 @@ class DecodeAgent:
         sock.send_multipart(C.encode(hello))
         return peer
 
-    def _outgoing(self, frames: list[bytes], poller: zmq.Poller) -> None:
-        kind = frames[0]
-        if kind == b"wake":  # a tag landed (the loop polls the target next), or stop
-            return
-        if kind == b"connect":
-            self._peer(frames[1].decode(), poller)
-        elif kind == b"prefill":
-            address, rid, encoded = frames[1].decode(), int(frames[2]), frames[4:]
-            room = frames[3].decode()
+    def _outgoing(self, out: _Out, poller: zmq.Poller) -> None:
+        if isinstance(out, _Connect):
+            self._peer(out.address, poller)
+        elif isinstance(out, _Admitted):
             if self._crash_on_request:
                 raise RuntimeError(f"{FAULT_ENV}=control-crash")
-            peer = self._peer(address, poller)
-            self._flights[room] = _Flight(rid, address, time.monotonic() + self.transfer_timeout_s)
-            if peer.state == "ready":
-                peer.sock.send_multipart(encoded)
-            elif peer.state == "connecting":
-                peer.queued.append((room, encoded))
-            else:  # the address does not parse: nothing will answer
-                self._end(room, functools.partial(self._fail, why=peer.error))
-        elif kind == b"destination":  # always after its `prefill`: the outbox keeps order
-            room, encoded = frames[3].decode(), frames[4:]
-            flight = self._flights.get(room)
-            to = self._prefills.get(frames[1].decode())
-            if flight is None or flight.cancelled or to is None:
-                return  # ended (failed, aborted): nothing will be written
-            if to.state == "ready":
-                to.sock.send_multipart(encoded)
-            elif to.state == "connecting":
-                to.queued.append((room, encoded))
-        elif kind == b"abort":
-            room = frames[2].decode()
-            flight = self._flights.get(room)
-            if flight is None:
-                self.post(functools.partial(self.engine.release, int(frames[1])))
-                return
-            flight.cancelled = True
-            sender = self._prefills.get(flight.prefill)
-            if sender is not None and sender.state == "ready":
-                sender.sock.send_multipart(C.encode(C.Abort(room)))
-            elif sender is not None:  # never sent: nothing can land
-                sender.queued = [q for q in sender.queued if q[0] != room]
-                self._end(room, self.engine.release)
+            peer = self._peer(out.address, poller)
+            admitted: tuple[_Flight | None, list[F.DecodeAction[C.Done]]] = F.admit(
+                out.rid,
+                out.address,
+                timeout_s=self.transfer_timeout_s,
+                now_s=time.monotonic(),
+                link=peer.state,
+                link_error=peer.error,
+            )
+            self._apply(out.room, out.rid, *admitted, out.frames)
+        elif isinstance(out, _Allocated):  # always after its `_Admitted`: the outbox keeps order
+            self._on(out.room, F.DestinationReady(self._link(out.address)), out.frames)
+        else:
+            flight = self._flights.get(out.room)
+            link = self._link(flight.prefill) if flight is not None else None
+            self._on(out.room, F.Cancel(link), rid=out.rid)
+
+    def _link(self, address: str) -> F.Link | None:
+        peer = self._prefills.get(address)
+        return None if peer is None else peer.state
+
+    def _on(
+        self,
+        room: str,
+        event: F.DecodeEvent[C.Done],
+        frames: list[bytes] | None = None,
+        *,
+        rid: int = -1,
+    ) -> None:
+        """Run the request's machine (`flight.decode_step`) on `event` and do what it says.
+        `frames`: the message the event came with; `rid`: the request, when it may have no
+        flight."""
+        flight = self._flights.get(room)
+        state, actions = F.decode_step(flight, event)
+        self._apply(room, flight.rid if flight is not None else rid, state, actions, frames)
+
+    def _apply(
+        self,
+        room: str,
+        rid: int,
+        state: _Flight | None,
+        actions: list[F.DecodeAction[C.Done]],
+        frames: list[bytes] | None,
+    ) -> None:
+        flight = self._flights.get(room, state)
+        if state is None:
+            self._flights.pop(room, None)
+        else:
+            self._flights[room] = state
+        peer = self._prefills.get(flight.prefill) if flight is not None else None
+        for action in actions:
+            if isinstance(action, F.Forward):
+                assert peer is not None and frames is not None
+                if action.queue:
+                    peer.queued.append((room, frames))
+                else:
+                    peer.sock.send_multipart(frames)
+            elif isinstance(action, F.SendAbort):
+                assert peer is not None
+                peer.sock.send_multipart(C.encode(C.Abort(room)))
+            elif isinstance(action, F.Unqueue):
+                assert peer is not None
+                peer.queued = [q for q in peer.queued if q[0] != room]
+            elif isinstance(action, F.ClaimTags):
+                self._landed.difference_update(action.tags)
+            elif isinstance(action, F.Complete):
+                self.post(functools.partial(self._complete, rid, done=action.done))
+            elif isinstance(action, F.Fail):
+                self.post(functools.partial(self.engine.fail_transfer, rid, action.why))
+            else:
+                self.post(functools.partial(self.engine.release, rid))
 
     def _incoming(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
         peer = next((p for p in self._prefills.values() if p.sock is sock), None)
@@ -344,13 +413,11 @@ class DecodeAgent:
         elif isinstance(msg, C.Welcome):
             self._welcome(peer, msg)
         elif isinstance(msg, C.Done):
-            flight = self._flights.get(msg.room)
-            if flight is not None:
-                flight.done = msg
+            self._on(msg.room, F.DoneArrived(msg, msg.tags))
         elif isinstance(msg, C.Failed):
-            self._end(msg.room, functools.partial(self._fail, why=f"prefill: {msg.message}"))
+            self._on(msg.room, F.FailedArrived(msg.message))
         elif isinstance(msg, C.Aborted):
-            self._end(msg.room, self.engine.release)
+            self._on(msg.room, F.AbortedArrived())
 
     def _welcome(self, peer: _Prefill, msg: C.Welcome) -> None:
         if msg.ok:
@@ -393,11 +460,7 @@ class DecodeAgent:
         self._close(peer, self._poller)
         self._set_status(why)
         for room in rooms_of(((r, f.prefill) for r, f in self._flights.items()), peer.address):
-            cancelled = self._flights[room].cancelled
-            self._end(
-                room,
-                self.engine.release if cancelled else functools.partial(self._fail, why=why),
-            )
+            self._on(room, F.PrefillLost(why))
 
     def _set_status(self, error: str | None) -> None:
         """Ready while some prefill's handshake is in force: one lost prefill (retried every
@@ -414,21 +477,6 @@ class DecodeAgent:
             poller.unregister(peer.sock)
         peer.sock.close(linger=0)
 
-    def _complete_landed(self) -> None:
-        for room, flight in list(self._flights.items()):
-            done = flight.done
-            if done is None or not self._landed.issuperset(done.tags):
-                continue
-            self._landed.difference_update(done.tags)
-            state = generator_state_tensor(done.generator_state) if done.generator_state else None
-            if flight.cancelled:
-                self._end(room, self.engine.release)
-            else:
-                self._end(
-                    room,
-                    functools.partial(self._complete, done=done, generator_state=state),
-                )
-
     def _expire(self, now: float) -> None:
         for peer in self._prefills.values():
             if peer.state == "connecting" and now - peer.since_s > HANDSHAKE_TIMEOUT_S:
@@ -437,42 +485,38 @@ class DecodeAgent:
                     f"prefill {peer.address}: no handshake answer in {HANDSHAKE_TIMEOUT_S:g} s",
                 )
         for room, flight in list(self._flights.items()):
-            if now <= flight.deadline_s:
-                continue
-            sender = self._prefills.get(flight.prefill)
-            if sender is not None and sender.state == "ready":
-                sender.sock.send_multipart(C.encode(C.Abort(room)))
-            why = f"prefill {flight.prefill} did not deliver within {self.transfer_timeout_s:g} s"
-            self._end(room, functools.partial(self._fail, why=why))
+            if now > flight.deadline_s:
+                self._on(room, F.Tick(now, self._link(flight.prefill)))
 
-    def _fail(self, rid: int, why: str) -> None:
-        self.engine.fail_transfer(rid, why)
-
-    def _complete(self, rid: int, *, done: C.Done, generator_state: torch.Tensor | None) -> None:
+    def _complete(self, rid: int, *, done: C.Done) -> None:
         self.engine.complete_transfer(
-            rid, done.first_token, generator_state, done.first_logprob, done.prompt_logprobs
+            rid,
+            done.first_token,
+            _generator_state(done.generator_state),
+            done.first_logprob,
+            done.prompt_logprobs,
         )
-
-    def _end(self, room: str, then: Callable[[int], None]) -> None:
-        flight = self._flights.pop(room, None)
-        if flight is not None:
-            self.post(lambda: then(flight.rid))
 
 
 def new_peer_id() -> str:
     return f"decode-{uuid.uuid4().hex[:12]}"
 
 
-class DecodeFollower:
+def _generator_state(text: str | None) -> torch.Tensor | None:
+    """The sampler's generator state after the first token (`Done.generator_state`)."""
+    return torch.frombuffer(bytearray(C.unb64(text)), dtype=torch.uint8) if text else None
+
+
+class DecodeFollower(EngineEvents):
     """A later stage of a decode PP group: its target receives the prefill stages' writes of
     its layers; it reports the tags that landed to the leader, which completes a request only
-    when every stage's tags landed (the engine replica follows the leader's orders)."""
+    when every stage's tags landed (the engine replica follows the leader's orders). Its
+    engine's events: the base's no-ops (only the leader talks to prefill)."""
 
     def __init__(self, target: TransferTarget, leader_landed: str) -> None:
         self.target = target
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._push = self._ctx.socket(zmq.PUSH)
-        self._push.setsockopt(zmq.LINGER, 0)
+        self._push = socket(self._ctx, zmq.PUSH)
         self._push.connect(leader_landed)
         self._stop = threading.Event()
         self._wake = threading.Event()  # set by the target when tags land, and on stop

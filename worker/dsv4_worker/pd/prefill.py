@@ -3,17 +3,19 @@ prefill in the ordinary engine, and writes their KV and state into decode's memo
 
 Threads: the control thread owns the ROUTER socket decode workers connect to and hands every
 message to the engine thread (`post`); everything else (handshake, submit, transfers, frees)
-runs on the engine thread, between steps (`after_step`), so the pools have one writer.
+runs on the engine thread, between steps (`after_step`), so the pools have one writer;
+messages out go back to the control thread through a `channel.Mailbox`.
 
-Per request (a `_Tx`): decode sends the prompt as soon as its scheduler admits the request
-(`prefill`), and where to write once its pages exist (`destination`); the request computes
-from the first message on and nothing is written before the second, after which what was held
-back goes at once. Then, after each step, the full pages its chunks completed travel
-(`columns.send_step`); when prefill samples the first token (the engine keeps the finished
-request's pages: `keep_pages`), `done` with the first token and every write's tag goes out,
-then the last step writes the remaining pages, the window tail and the request state; only
-then are the pages freed. A transfer error, a decode `abort` or the request's own timeout
-frees everything at once.
+Per request (a `flight.Tx`; every decision is `flight.prefill_step`'s: this module turns
+messages and engine steps into its events and does what it returns): decode sends the prompt
+as soon as its scheduler admits the request (`prefill`), and where to write once its pages
+exist (`destination`); the request computes from the first message on and nothing is written
+before the second, after which what was held back goes at once. Then, after each step, the
+full pages its chunks completed travel (`columns.send_step`); when prefill samples the first
+token (the engine keeps the finished request's pages: `keep_pages`), `done` with the first
+token and every write's tag goes out, then the last step writes the remaining pages, the
+window tail and the request state; only then are the pages freed. A transfer error, a decode
+`abort` or the request's own timeout frees everything at once.
 
 Liveness (`liveness`): the control thread answers each decode's `ping` at once with a `pong`
 (this process's instance, and whether that connection's handshake is in force); after every
@@ -24,9 +26,10 @@ handshake (its pongs say so).
 PP: every stage of a prefill group writes its own layers (`transfer_blocks` filters by layer
 id). The leader (rank 0) owns the control socket, the handshake and every decision; it tells
 the followers (`PrefillFollower`) about each decode peer and each request through the engine's
-`note`, in order with the engine's own changes, and they write what their replica of the
-leader's state says: the same columns at the same steps, so each write `k` of a request has a
-tag `room:stage:k` on every stage and `done` lists all of them.
+`note`, in order with the engine's own changes, and they run the same machine
+(`leader=False`: it writes and decides nothing) on their replica of the leader's state: the
+same columns at the same steps, so each write `k` of a request has a tag
+`room:stage:decode_stage:k` on every stage and `done` lists all of them.
 
 NOTE: admission is the engine's: by the full pool, never capped by the SWA pool (a chunk
 shrinks when it cannot fit the SWA pool; ref. PR #26607, issue #31205).
@@ -39,10 +42,8 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 import zmq
 
 from dsv4_common.api.manifest import (
@@ -52,19 +53,20 @@ from dsv4_common.api.manifest import (
     manifest_mismatch,
     shared_layers,
 )
-from dsv4_common.core.index_space import pages_for_tokens
 from dsv4_common.core.layout import IndexSpace
+from dsv4_worker.engine.events import EngineEvents
 from dsv4_worker.engine.loop import Engine, EngineFailed, Request
 from dsv4_worker.pd import control as C
+from dsv4_worker.pd import flight as F
 from dsv4_worker.pd.blocks import transfer_blocks
-from dsv4_worker.pd.channel import Outbox, guarded
-from dsv4_worker.pd.columns import send_step, tail_cols
+from dsv4_worker.pd.channel import Mailbox, Post, bound, guarded
+from dsv4_worker.pd.columns import SendStep
+from dsv4_worker.pd.flight import write_tag
 from dsv4_worker.pd.liveness import Heartbeat, silent
 from dsv4_worker.pd.transfer import TransferError, TransferInitiator
 
 log = logging.getLogger(__name__)
 
-Post = Callable[[Callable[[], None]], None]  # run a function on the engine thread
 POLL_MS = 100
 WRITE_TIMEOUT_S = 30.0  # default of `write_timeout_s`
 
@@ -101,31 +103,32 @@ class DestinationNote:
     dest: C.Destination
 
 
-@dataclass(slots=True)
-class _Tx:
-    room: str
-    peer: str
-    req: Request
-    msg: C.PrefillRequest
-    deadline_s: float
-    dest: C.Destination | None = None  # nothing is written before it arrives
-    sent_cols: int = 0
-    writes: int = 0
+_Tx = F.Tx[Request, C.Destination]  # a request's transfer on this stage (`flight`)
 
 
-class _StageWriter:
-    """Writes this stage's layers of a request's finished columns into its decode peer."""
+@dataclass(frozen=True, slots=True)
+class _Send:
+    """Engine thread -> control thread: send `frames` (one encoded message) to a decode."""
+
+    identity: bytes
+    frames: list[bytes]
+
+
+class _StageWriter(EngineEvents):
+    """Writes this stage's layers of a request's finished columns into its decode peer. The
+    prefill engine's events (`after_step`; `on_note` on a follower): built before its engine,
+    then `attach`ed to it once, before `start`."""
+
+    engine: Engine  # set by attach
 
     def __init__(
         self,
-        engine: Engine,
         initiator: TransferInitiator,
         manifest: Manifest,
         *,
         rank: int,
         write_timeout_s: float,
     ) -> None:
-        self.engine = engine
         self.initiator = initiator
         self.manifest = manifest
         self.rank = rank
@@ -134,6 +137,9 @@ class _StageWriter:
         # decode worker (group) -> (decode stage, its peer) this stage writes to
         self._routes: dict[str, list[tuple[int, str]]] = {}
         self._txs: dict[str, _Tx] = {}  # room -> transfer
+        self._geometry = F.Geometry(
+            manifest.page_size, manifest.window_tokens + manifest.draft_tokens
+        )
 
     def _connect(self, peer: str, targets: tuple[C.StageTarget, ...]) -> None:
         """Connect to every decode stage that holds some of this stage's layers (once per
@@ -149,18 +155,70 @@ class _StageWriter:
             routes.append((d, t.peer))
         self._routes[peer] = routes
 
-    def _send_step(self, tx: _Tx, *, last: bool) -> None:
+    def _on(self, room: str, event: F.PrefillEvent[C.Destination], to: bytes = b"") -> None:
+        """Run the request's machine (`flight.prefill_step`) on `event` and do what it says; a
+        write (always its batch's last action) answers with `Written` or `WriteFailed`. `to`:
+        the sender of the message the event came with."""
+        answer: F.PrefillEvent[C.Destination] | None = event
+        while answer is not None:
+            tx = self._txs.get(room)
+            state, actions = F.prefill_step(tx, answer)
+            if state is None:
+                self._txs.pop(room, None)
+            else:
+                self._txs[room] = state
+            answer = None
+            for action in actions:
+                answer = self._do(room, state if state is not None else tx, action, to)
+
+    def _do(
+        self, room: str, tx: _Tx | None, action: F.PrefillAction, to: bytes
+    ) -> F.Written | F.WriteFailed | None:
+        if isinstance(action, F.Write):
+            assert tx is not None
+            try:
+                self._write(tx, action.step, action.k)
+            except (_Fail, TransferError) as exc:
+                return F.WriteFailed(str(exc))
+            return F.Written()
+        if isinstance(action, F.Warn):
+            log.warning("stage %d: request %s: %s", self.rank, room, action.why)
+        elif isinstance(action, F.AbortRequest):
+            assert tx is not None
+            self.engine.abort(tx.req.rid)  # frees it, or releases it when already finished
+        elif isinstance(action, F.ReleaseRequest):
+            assert tx is not None
+            self.engine.release(tx.req.rid)
+        else:
+            self._tell(room, tx, action, to)
+        return None
+
+    def _tell(
+        self,
+        room: str,
+        tx: _Tx | None,
+        action: F.SendDone | F.SendFailed | F.SendAborted | F.NoteDestination,
+        to: bytes,
+    ) -> None:
+        """The leader's messages (a follower's machine never asks for one)."""
+        raise AssertionError(f"stage {self.rank}: {action} for {room}")
+
+    def _view(self, req: Request) -> F.ReqView:
+        """What the machine needs to know of the engine's request now."""
+        engine = self.engine
+        return F.ReqView(
+            req.finish_reason,
+            req.error,
+            req.num_tokens,
+            admitted=req.slot is not None,
+            known=req.rid in engine.requests or req.rid in engine.held,
+        )
+
+    def _write(self, tx: _Tx, step: SendStep, k: int) -> None:
+        """Write `step`'s columns of the request (its write `k`) into every decode stage that
+        holds some of this stage's layers."""
         req, dest, m = tx.req, tx.dest, self.manifest
         assert req.slot is not None and dest is not None
-        step = send_step(
-            tx.sent_cols,
-            req.num_tokens if not last else len(req.prompt),
-            last=last,
-            page_size=m.page_size,
-            retained_tokens=m.window_tokens + m.draft_tokens,
-        )
-        if step.empty:  # no page finished since the last send
-            return
         full, swa = self.engine.mem.pages.request_pages(req.slot)
         full_l, swa_l = full.tolist(), swa.tolist()
         tail0 = step.swa_cols.start
@@ -174,25 +232,17 @@ class _StageWriter:
         for d, target in self._routes[tx.peer]:
             theirs = self._peer_manifests[target]
             blocks = transfer_blocks(m, theirs, _local_units(self.engine), theirs.units, pairs)
-            tag = write_tag(tx.room, self.rank, d, tx.writes)
+            tag = write_tag(tx.room, self.rank, d, k)
             self.initiator.write(target, blocks, tag, self.write_timeout_s)
-        tx.writes += 1
-        tx.sent_cols = step.full_cols.stop
-
-
-def write_tag(room: str, stage: int, decode_stage: int, k: int) -> str:
-    """The tag of write `k` of a request from prefill stage `stage` to decode stage
-    `decode_stage`."""
-    return f"{room}:{stage}:{decode_stage}:{k}"
 
 
 class PrefillAgent(_StageWriter):
     """The prefill side (the leader of its PP group): control socket, handshake, decisions."""
 
+    post: Post  # runs a function on the engine thread (the runner's `call`); set by attach
+
     def __init__(
         self,
-        engine: Engine,
-        post: Post,
         initiator: TransferInitiator,
         manifest: Manifest,
         bind: str,
@@ -201,8 +251,7 @@ class PrefillAgent(_StageWriter):
         stages: tuple[Manifest, ...] | None = None,
         heartbeat: Heartbeat | None = None,
     ) -> None:
-        super().__init__(engine, initiator, manifest, rank=0, write_timeout_s=write_timeout_s)
-        self.post = post
+        super().__init__(initiator, manifest, rank=0, write_timeout_s=write_timeout_s)
         self.heartbeat = heartbeat or Heartbeat()
         self.instance = uuid.uuid4().hex[:12]  # this process, as decode sees it in pongs
         self.stages = stages or (manifest,)  # every stage's manifest, in rank order
@@ -212,13 +261,8 @@ class PrefillAgent(_StageWriter):
         # (engine step when queued, decode identity, message): sent after the next step
         self._unsettled: list[tuple[int, bytes, C.Message]] = []
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._router.bind(bind)
-        last = self._router.getsockopt(zmq.LAST_ENDPOINT)
-        assert isinstance(last, bytes)
-        self.endpoint = last.decode()
-        self._outbox = Outbox(self._ctx, "prefill")
+        self._router, self.endpoint = bound(self._ctx, zmq.ROUTER, bind)
+        self._outbox: Mailbox[_Send] = Mailbox(self._ctx, "prefill")
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=guarded, args=("prefill control", self._run, self._crashed), daemon=True
@@ -234,6 +278,10 @@ class PrefillAgent(_StageWriter):
         self._caught_up_s = time.monotonic()
         self.ready = False  # a decode worker completed the handshake
         self.failure: str | None = None  # set: the control thread died
+
+    def attach(self, engine: Engine, post: Post) -> None:
+        """The engine built with this agent as its events, and how to run code on its thread."""
+        self.engine, self.post = engine, post
 
     @property
     def port(self) -> int:
@@ -269,7 +317,8 @@ class PrefillAgent(_StageWriter):
             started_s = time.monotonic()
             for sock, _ in poller.poll(POLL_MS):
                 if sock is self._outbox.pull:
-                    self._router.send_multipart(self._outbox.pull.recv_multipart())
+                    for out in self._outbox.take():
+                        self._router.send_multipart([out.identity, *out.frames])
                     continue
                 while self._router.poll(0):  # all of it: see `_caught_up_s`
                     self._receive(*self._router.recv_multipart())
@@ -290,7 +339,7 @@ class PrefillAgent(_StageWriter):
         self.post(functools.partial(self._handle, identity, msg))
 
     def _send(self, identity: bytes, msg: C.Message) -> None:
-        self._outbox.put([identity, *C.encode(msg)])
+        self._outbox.put(_Send(identity, C.encode(msg)))
 
     def _send_settled(self, identity: bytes, msg: C.Message) -> None:
         """Send once every stage has stopped writing for the request: a PP follower may still
@@ -311,8 +360,7 @@ class PrefillAgent(_StageWriter):
         elif isinstance(msg, C.Destination):
             self._destination(identity, msg)
         elif isinstance(msg, C.Abort):
-            self._abort(msg.room)
-            self._send_settled(identity, C.Aborted(msg.room))
+            self._on(msg.room, F.AbortReceived(), identity)
         else:
             log.warning("unexpected %s from a decode worker", type(msg).__name__)
 
@@ -342,8 +390,8 @@ class PrefillAgent(_StageWriter):
             # every request of the old session, so none of their transfers may go on: one
             # still waiting for its destination would hold its pages until its deadline,
             # one with a destination would write into pages decode has since given away.
-            for room, tx in [(r, t) for r, t in self._txs.items() if t.peer == msg.peer]:
-                self._fail(room, tx, f"decode {msg.peer} handshook again")
+            for room in [r for r, t in self._txs.items() if t.peer == msg.peer]:
+                self._on(room, F.PeerGone(f"decode {msg.peer} handshook again"))
             self._known = self._known - {old.identity}
         self._peers[msg.peer] = _Peer(identity, msg.manifest)
         self._known = self._known | {identity}  # before the welcome: its pongs say "known"
@@ -376,36 +424,61 @@ class PrefillAgent(_StageWriter):
         except (ValueError, EngineFailed) as exc:  # failed: its PP group lost a stage
             self._send(identity, C.Failed(msg.room, str(exc)))
             return
-        self._txs[msg.room] = _Tx(msg.room, peer, req, msg, time.monotonic() + msg.timeout_s)
+        self._txs[msg.room] = F.start_tx(
+            msg.room,
+            peer,
+            req,
+            prompt_tokens=len(req.prompt),
+            geometry=self._geometry,
+            timeout_s=msg.timeout_s,
+            now_s=time.monotonic(),
+        )
         self.engine.note(TransferNote(msg.room, peer, req.rid, msg))
 
     def _destination(self, identity: bytes, dest: C.Destination) -> None:
         tx = self._txs.get(dest.room)
-        if tx is None or tx.dest is not None or self._peers[tx.peer].identity != identity:
+        if tx is None or self._peers[tx.peer].identity != identity:
             return  # ended already (aborted, failed, timed out), or not this peer's
-        try:
-            self._check_destination(len(tx.msg.prompt), dest)
-        except ValueError as exc:
-            self._fail(dest.room, tx, str(exc))
+        event = F.DestinationArrived(
+            dest,
+            len(dest.dst_full_pages),
+            len(dest.dst_swa_pages),
+            self._view(tx.req),
+            time.monotonic(),
+        )
+        self._on(dest.room, event)
+
+    def _tell(
+        self,
+        room: str,
+        tx: _Tx | None,
+        action: F.SendDone | F.SendFailed | F.SendAborted | F.NoteDestination,
+        to: bytes,
+    ) -> None:
+        if isinstance(action, F.SendAborted):
+            self._send_settled(to, C.Aborted(room))
             return
-        tx.dest = dest
-        self.engine.note(DestinationNote(dest))
-        self._advance(dest.room, tx, time.monotonic())
-
-    def _check_destination(self, n: int, dest: C.Destination) -> None:
-        page, retained = self.manifest.page_size, self.manifest.window_tokens
-        retained += self.manifest.draft_tokens
-        cols, tail = pages_for_tokens(n, page), len(tail_cols(n, page, retained))
-        if len(dest.dst_full_pages) != cols or len(dest.dst_swa_pages) != tail:
-            raise ValueError(
-                f"destination: {len(dest.dst_full_pages)} full / {len(dest.dst_swa_pages)} SWA "
-                f"pages for a {n}-token prompt, expected {cols} / {tail}"
+        assert tx is not None
+        if isinstance(action, F.NoteDestination):
+            assert tx.dest is not None
+            self.engine.note(DestinationNote(tx.dest))
+        elif isinstance(action, F.SendFailed):
+            log.warning("request %s failed: %s", room, action.why)
+            peer = self._peers.get(tx.peer)
+            if peer is not None:
+                self._send_settled(peer.identity, C.Failed(room, action.why))
+        else:
+            req = tx.req
+            state = req.generator.get_state() if req.generator is not None else None
+            done = C.Done(
+                room,
+                req.output[0],
+                C.b64(state.numpy().tobytes()) if state is not None else None,
+                F.done_tags(room, action.writes, self._pairs[tx.peer]),
+                req.logprobs[0] if req.logprobs else None,
+                tuple(req.prompt_logprobs),
             )
-
-    def _abort(self, room: str) -> None:
-        tx = self._txs.pop(room, None)
-        if tx is not None:
-            self.engine.abort(tx.req.rid)  # frees it, or releases it when already finished
+            self._send(self._peers[tx.peer].identity, done)
 
     def after_step(self, finished: list[Request]) -> None:
         """Send what this step computed; finish transfers whose first token is out."""
@@ -423,8 +496,7 @@ class PrefillAgent(_StageWriter):
         # the pages away (this process was stopped); dropped once the control thread catches up.
         quiet = {n for n, at in heard.items() if at is None or silent(at, now, self.heartbeat)}
         for room, tx in list(self._txs.items()):
-            if tx.peer not in quiet:
-                self._advance(room, tx, now)
+            self._on(room, F.Stepped(self._view(tx.req), now, quiet=tx.peer in quiet))
 
     def _drop_silent(self, heard: dict[str, float | None]) -> None:
         """Forget every decode not heard from within the heartbeat timeout before the control
@@ -436,62 +508,12 @@ class PrefillAgent(_StageWriter):
                 continue
             why = f"decode {name}: nothing heard for {self.heartbeat.timeout_s:g} s"
             log.warning("%s: dropping it and its transfers", why)
-            for room, tx in [(r, t) for r, t in self._txs.items() if t.peer == name]:
-                self._fail(room, tx, why)
+            for room in [r for r, t in self._txs.items() if t.peer == name]:
+                self._on(room, F.PeerGone(why))
             identity = self._peers.pop(name).identity
             self._known = self._known - {identity}
             with self._heard_lock:
                 self._heard.pop(identity, None)
-
-    def _advance(self, room: str, tx: _Tx, now: float) -> None:
-        """Write what the request's steps computed, if its destination is known; end it when
-        its first token is out (or it failed, or ran out of time)."""
-        req = tx.req
-        try:
-            if req.finish_reason is not None and req.finish_reason not in ("stop", "length"):
-                raise _Fail(req.error or f"prefill ended: {req.finish_reason}")
-            if now > tx.deadline_s:
-                what = "finish" if tx.dest is not None else "get its destination from decode"
-                raise _Fail(f"prefill did not {what} within {tx.msg.timeout_s:g} s")
-            if tx.dest is None:
-                return  # computing on; the finished columns go once the destination is here
-            if req.finished:
-                # `done` goes first and travels while the last step is written: decode
-                # completes once it and every tag it lists arrived (the last step always
-                # writes, with the request state). A failed write follows it with `failed`.
-                state = req.generator.get_state() if req.generator is not None else None
-                tags = tuple(
-                    write_tag(room, stage, d, k)
-                    for k in range(tx.writes + 1)
-                    for stage, d in self._pairs[tx.peer]
-                )
-                self._send(
-                    self._peers[tx.peer].identity,
-                    C.Done(
-                        room,
-                        req.output[0],
-                        C.b64(state.numpy().tobytes()) if state is not None else None,
-                        tags,
-                        req.logprobs[0] if req.logprobs else None,
-                        tuple(req.prompt_logprobs),
-                    ),
-                )
-                self._send_step(tx, last=True)
-                del self._txs[room]
-                self.engine.release(req.rid)
-            elif req.slot is not None:  # admitted: send the pages its chunks finished
-                self._send_step(tx, last=False)
-        except (_Fail, TransferError) as exc:
-            self._fail(room, tx, str(exc))
-
-    def _fail(self, room: str, tx: _Tx, why: str) -> None:
-        """End the transfer: free the request's pages, tell decode why."""
-        log.warning("request %s failed: %s", room, why)
-        del self._txs[room]
-        self.engine.abort(tx.req.rid)
-        peer = self._peers.get(tx.peer)
-        if peer is not None:
-            self._send_settled(peer.identity, C.Failed(room, why))
 
 
 class PrefillFollower(_StageWriter):
@@ -501,17 +523,20 @@ class PrefillFollower(_StageWriter):
 
     def __init__(
         self,
-        engine: Engine,
         initiator: TransferInitiator,
         manifest: Manifest,
         *,
         rank: int,
         write_timeout_s: float = WRITE_TIMEOUT_S,
     ) -> None:
-        super().__init__(engine, initiator, manifest, rank=rank, write_timeout_s=write_timeout_s)
+        super().__init__(initiator, manifest, rank=rank, write_timeout_s=write_timeout_s)
         self.ready = False
         self.failure: str | None = None  # no thread of its own: nothing dies here
         self._failed: set[str] = set()  # peers this stage could not connect to
+
+    def attach(self, engine: Engine) -> None:
+        """The engine replica built with this follower as its events."""
+        self.engine = engine
 
     def on_note(self, note: object) -> None:
         """Engine thread, in order with the leader's engine events."""
@@ -527,38 +552,28 @@ class PrefillFollower(_StageWriter):
         elif isinstance(note, TransferNote):
             req = self.engine.requests.get(note.rid)
             if req is not None and note.peer not in self._failed:
-                self._txs[note.room] = _Tx(note.room, note.peer, req, note.msg, deadline_s=0.0)
+                self._txs[note.room] = F.start_tx(
+                    note.room,
+                    note.peer,
+                    req,
+                    prompt_tokens=len(req.prompt),
+                    geometry=self._geometry,
+                    timeout_s=note.msg.timeout_s,
+                    now_s=0.0,  # a follower has no deadline: the leader's ends the request
+                    leader=False,
+                )
         elif isinstance(note, DestinationNote):
             tx = self._txs.get(note.dest.room)
             if tx is not None:
-                tx.dest = note.dest
-                self._advance(note.dest.room, tx)
+                dest = note.dest
+                event = F.DestinationArrived(
+                    dest, len(dest.dst_full_pages), len(dest.dst_swa_pages), self._view(tx.req), 0.0
+                )
+                self._on(dest.room, event)
 
     def after_step(self, finished: list[Request]) -> None:
         for room, tx in list(self._txs.items()):
-            self._advance(room, tx)
-
-    def _advance(self, room: str, tx: _Tx) -> None:
-        """What the leader's `_advance` writes, for this stage's layers (its replica of the
-        leader's state gives the same columns at the same points)."""
-        req, engine = tx.req, self.engine
-        try:
-            if req.finish_reason is not None and req.finish_reason not in ("stop", "length"):
-                del self._txs[room]  # the leader aborted or failed it
-            elif req.rid not in engine.requests and req.rid not in engine.held:
-                del self._txs[room]  # the leader released it (failed before its destination)
-            elif tx.dest is None:
-                return
-            elif req.finished:
-                self._send_step(tx, last=True)
-                del self._txs[room]  # the leader's release frees the pages
-            elif req.slot is not None:
-                self._send_step(tx, last=False)
-        except (_Fail, TransferError) as exc:
-            # Decode never sees this stage's tags: it fails the request on its timeout,
-            # and the leader's abort or deadline frees the pages on every stage.
-            log.warning("stage %d: request %s: %s", self.rank, room, exc)
-            del self._txs[room]
+            self._on(room, F.Stepped(self._view(tx.req), 0.0))
 
     def stop(self) -> None:
         """Nothing runs on its own thread."""
@@ -575,8 +590,3 @@ def _local_units(engine: Engine) -> dict[str, int]:
     pool = engine.mem.pool
     assert pool is not None
     return {str(space): n for space, n in pool.units.items()}
-
-
-def generator_state_tensor(text: str) -> torch.Tensor:
-    """The decode side's view of a `Done.generator_state`."""
-    return torch.frombuffer(bytearray(C.unb64(text)), dtype=torch.uint8)

@@ -1,5 +1,6 @@
-"""Build one stage's engine: the planner's layer slice, that slice's weights and pools, the PP
-link, and the engine of its rank (a plain Engine when the group has one stage).
+"""Build one stage of a PP group (a single stage is a group of one): the planner's layer
+slice, that slice's weights and pools, the PP link; then its engine for a role
+(`stage_engine`: the step source of its rank, the group's capacity).
 
 The split is fixed before any weight is loaded (the rank config's, or the planner's choice
 for the quick form); every stage then measures the weights it holds, the group exchanges the
@@ -17,14 +18,18 @@ import torch
 
 from dsv4_common.plan.inputs import PlanInputs
 from dsv4_common.plan.planner import Plan, RankPlan, plan, split_layers
-from dsv4_worker.engine.loop import Engine, Hook
+from dsv4_worker.engine.events import NO_EVENTS, EngineEvents
+from dsv4_worker.engine.grammar import GrammarCompiler
+from dsv4_worker.engine.loop import Engine
 from dsv4_worker.engine.paged import PagedModel, Stage
+from dsv4_worker.engine.role import EngineConfig, Place, Role
+from dsv4_worker.engine.steps import Planner, StepSource
 from dsv4_worker.mem.alloc_config import AllocatorConfig
 from dsv4_worker.mem.memory import KVMemory
 from dsv4_worker.model.weights import stage_param_names
 from dsv4_worker.pp.link import PipeLink
-from dsv4_worker.pp.stage import FollowerEngine, LeaderEngine
-from dsv4_worker.sched.budget import Capacity
+from dsv4_worker.pp.stage import Follower, Leader
+from dsv4_worker.sched.budget import PoolRoom
 from dsv4_worker.sched.scheduler import SchedulerConfig
 
 # names -> the stage's weights (a subset of the checkpoint, or of seeded random weights)
@@ -46,11 +51,35 @@ class PPSpec:
 
 @dataclass(frozen=True, slots=True)
 class BuiltStage:
-    engine: Engine
+    paged: PagedModel  # this stage's layers over its pools
     memory: KVMemory
     group: Plan  # the realized plan every stage of the group agrees on
     rank: RankPlan
-    link: PipeLink | None
+    link: PipeLink | None  # None: a single stage
+    scheduler: SchedulerConfig  # the group's (every stage schedules alike)
+
+    @property
+    def place(self) -> Place:
+        return Place.SINGLE if self.link is None else Place.of(self.link.rank, self.link.size)
+
+
+def stage_engine(
+    stage: BuiltStage,
+    role: Role,
+    events: EngineEvents = NO_EVENTS,
+    grammar: GrammarCompiler | None = None,
+) -> Engine:
+    """The engine of `stage` for `role`: its step source by its place in the group (a PP
+    stage schedules by the group's smallest pools); `events` given once, here."""
+    source: StepSource
+    link = stage.link
+    if link is None:
+        source, schedulable = Planner(), None
+    else:
+        source = Leader(link) if link.first else Follower(link)
+        schedulable = group_capacity(stage.group)
+    config = EngineConfig(stage.scheduler, role, source.place, schedulable)
+    return Engine(stage.paged, config, events=events, source=source, grammar=grammar)
 
 
 def realized_plan(
@@ -73,12 +102,12 @@ def fixed_split(inputs: PlanInputs) -> PlanInputs:
     return dataclasses.replace(inputs, layer_split=plan(inputs).split.layers_per_rank)
 
 
-def group_capacity(group: Plan) -> Capacity:
+def group_capacity(group: Plan) -> PoolRoom:
     """What the leader may schedule: the smallest stage's pools."""
-    return Capacity(
-        min(r.capacity.full_pages for r in group.ranks),
-        min(r.capacity.swa_pages for r in group.ranks),
-        min(r.capacity.request_slots for r in group.ranks),
+    return PoolRoom(
+        min(r.pools.full_pages for r in group.ranks),
+        min(r.pools.swa_pages for r in group.ranks),
+        min(r.pools.request_slots for r in group.ranks),
     )
 
 
@@ -100,8 +129,6 @@ def build_stage(
     pp: PPSpec | None = None,
     *,
     device_memory_bytes: int | None = None,
-    on_prealloc: Hook | None = None,
-    on_cancel: Hook | None = None,
 ) -> BuiltStage:
     """Raises PlanError (bad inputs), StageLost (the group did not meet) or what
     `load_weights` raises."""
@@ -135,13 +162,4 @@ def build_stage(
     rank = group.ranks[pp.rank]
     memory = KVMemory.from_rank_plan(rank, device)
     paged = PagedModel(model, params, memory, stage)
-    config = scheduler_config(group)
-    hooks = {"on_prealloc": on_prealloc, "on_cancel": on_cancel}
-    engine: Engine
-    if link is None:
-        engine = Engine(paged, config, **hooks)
-    elif pp.rank == 0:
-        engine = LeaderEngine(paged, config, link, group_capacity(group), **hooks)
-    else:
-        engine = FollowerEngine(paged, config, link, group_capacity(group), **hooks)
-    return BuiltStage(engine, memory, group, rank, link)
+    return BuiltStage(paged, memory, group, rank, link, scheduler_config(group))

@@ -5,7 +5,7 @@ Every follower holds a replica of the leader's engine state (the same requests, 
 slots and page tables; only the KV bytes differ, each stage holding its own layers). The
 replicas stay equal because every change reaches them in the same order:
 
-    events (submit, abort, ...) the leader applied since the last order, in order
+    events (submit, abort, ...: `engine.changes`) the leader applied since the last order
     the step plan the leader's scheduler chose (followers never plan)
     the tokens the last stage sampled (broadcast at the end of every step)
 
@@ -18,54 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsv4_worker.engine.changes import Change
 from dsv4_worker.engine.logprobs import TokenLogprob
-from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.sched.scheduler import StepPlan
-
-
-@dataclass(frozen=True, slots=True)
-class Submit:
-    rid: int
-    prompt: tuple[int, ...]
-    params: SamplingParams
-    keep_pages: bool = False
-    prefill: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Abort:
-    rid: int
-
-
-@dataclass(frozen=True, slots=True)
-class Release:
-    rid: int
-
-
-@dataclass(frozen=True, slots=True)
-class CompleteTransfer:
-    rid: int
-    first_token: int
-    generator_state: Any = None  # a torch.Tensor (uint8) or None
-    first_logprob: TokenLogprob | None = None
-    prompt_logprobs: tuple[TokenLogprob, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class FailTransfer:
-    rid: int
-    why: str
-
-
-@dataclass(frozen=True, slots=True)
-class Note:
-    """Something a component of the leader (e.g. the PD prefill agent) tells its peers on the
-    followers, delivered in order with the engine's own events."""
-
-    payload: Any
-
-
-Event = Submit | Abort | Release | CompleteTransfer | FailTransfer | Note
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +33,7 @@ class Check:
 
 @dataclass(frozen=True, slots=True)
 class StepOrder:
-    events: tuple[Event, ...] = ()
+    events: tuple[Change, ...] = ()  # in the order the leader applied them
     plan: StepPlan = field(default_factory=StepPlan)
     check: Check = field(default_factory=Check)
     stop: bool = False  # the leader is shutting down: followers end their loop

@@ -34,8 +34,9 @@ NOTHING: Final = Need()
 
 
 @dataclass(frozen=True, slots=True)
-class Capacity:
-    """Free (or total) units of each pool."""
+class PoolRoom:
+    """Room in each pool, in its own units (pages, slots): the free units at one step, or
+    the pools' totals (what `admit` compares a `Need` with)."""
 
     full_pages: int
     swa_pages: int
@@ -48,8 +49,8 @@ class Capacity:
             and need.request_slots <= self.request_slots
         )
 
-    def minus(self, need: Need) -> Capacity:
-        return Capacity(
+    def minus(self, need: Need) -> PoolRoom:
+        return PoolRoom(
             self.full_pages - need.full_pages,
             self.swa_pages - need.swa_pages,
             self.request_slots - need.request_slots,
@@ -91,7 +92,7 @@ class Admission:
     reason: str = ""
 
 
-def admit(need: Need, free: Capacity, total: Capacity, reserved: Need = NOTHING) -> Admission:
+def admit(need: Need, free: PoolRoom, total: PoolRoom, reserved: Need = NOTHING) -> Admission:
     """The one admission function: does `need` fit now, later, or never, given the free units,
     the pools' totals and units `reserved` for running requests (decode headroom)?"""
     if not total.covers(need):

@@ -3,16 +3,17 @@ plan (who decodes, who is retracted, resumed, admitted, which prefill chunks run
 the engine loop carries the plan out.
 
 Order of a step:
-  0. (PD decode) preallocate arriving requests under the same admission function: full pages
-     for the whole prompt, SWA pages only for its page-floored window tail, a request slot
   1. decode every running request; when the pools cannot give each one its next token, retract
      the newest first (CPU offload) until they can
-  2. reserve decode headroom for the survivors (remaining tokens x the new-token ratio) and the
-     rest of every admitted prompt
-  3. continue chunked prefills, then resume retracted requests, then admit waiting ones, in
-     arrival order under one token budget. A request that fits later waits and blocks the ones
-     behind it (so the head of the queue never starves); a chunk that can never fit the SWA
-     pool shrinks; a request that can never fit is rejected at once.
+  2. reserve decode headroom for the survivors and the requests whose KV is arriving (remaining
+     tokens x the new-token ratio) and the rest of every admitted prompt
+  3. continue chunked prefills, then resume retracted requests, then admit waiting ones (PD
+     decode: preallocate arriving ones, outside the token budget: full pages for the whole
+     prompt, SWA pages only for its page-floored window tail, a request slot), in arrival
+     order under one token budget, each by the one admission function. A request that fits
+     later waits and blocks the ones behind it (so the head of the queue never starves); a
+     chunk that can never fit the SWA pool shrinks; a request that can never fit is rejected
+     at once.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from dsv4_common.core.index_space import pages_for_tokens, tail_pages
 from dsv4_worker.sched.budget import (
     NOTHING,
     Admission,
-    Capacity,
     Fit,
     Need,
+    PoolRoom,
     admit,
     extend_need,
 )
@@ -94,8 +95,8 @@ class StepPlan:
 class _Pass:
     """Mutable bookkeeping of one planning pass."""
 
-    free: Capacity
-    total: Capacity
+    free: PoolRoom
+    total: PoolRoom
     reserved: dict[int, Need] = field(default_factory=dict)
 
     def reserved_except(self, rid: int) -> Need:
@@ -106,7 +107,7 @@ class _Pass:
         return out
 
 
-def never_fits(view: ReqView, config: SchedulerConfig, total: Capacity) -> str | None:
+def never_fits(view: ReqView, config: SchedulerConfig, total: PoolRoom) -> str | None:
     """Why a request can never run here, or None."""
     longest = view.prompt_len + view.max_new_tokens
     if longest > config.max_tokens_per_request:
@@ -137,8 +138,8 @@ def _rid(view: ReqView) -> int:
 
 def plan_step(
     views: Sequence[ReqView],
-    free: Capacity,
-    total: Capacity,
+    free: PoolRoom,
+    total: PoolRoom,
     config: SchedulerConfig,
     new_token_ratio: float,
 ) -> StepPlan:

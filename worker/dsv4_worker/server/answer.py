@@ -22,14 +22,17 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, Final
 
+from dsv4_common.api.http_rules import error_document
 from dsv4_worker.engine.logprobs import TokenLogprob
 from dsv4_worker.server.protocol import CompletionRequest, Prompt
 from dsv4_worker.server.runner import Token
 from dsv4_worker.server.tokenizer import ByteTokenizer, StreamDecoder, Tokenizer, stop_holdback
 
 MIN_LOGPROB = -9999.0  # what -inf is sent as (JSON has no infinity)
+# `error.code` of a stream chunk that ends a failed request with no code of its own.
+STREAM_ERROR_CODE: Final = "generation_failed"
 _REPLACEMENT = "\ufffd"
 
 # A token, its logprobs (None: the first prompt token) and its text_offset.
@@ -230,9 +233,12 @@ class Answer:
             choices.append(choice)
         return {**self._envelope(stream=False), "choices": choices, "usage": self.usage()}
 
-    def chunk(self, c: Choice, piece: str, error: str | None = None) -> dict[str, Any]:
+    def chunk(
+        self, c: Choice, piece: str, error: str | None = None, code: str | None = None
+    ) -> dict[str, Any]:
         """A stream chunk for choice `c`: its new text, the logprobs of its new tokens, and
-        its finish reason once it has one."""
+        its finish reason once it has one; with `error`, OpenAI's error object (`code`, else
+        STREAM_ERROR_CODE)."""
         text = c.take_echo() + piece
         choice: dict[str, Any] = {"index": c.index}
         if self.chat:
@@ -253,7 +259,7 @@ class Answer:
         elif self.req.gen.include_usage:
             out["usage"] = None
         if error:
-            out["error"] = {"message": error, "type": "server_error"}
+            out |= error_document(error, "server_error", None, code or STREAM_ERROR_CODE)
         return out
 
     def usage_chunk(self) -> dict[str, Any]:

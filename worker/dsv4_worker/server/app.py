@@ -357,7 +357,7 @@ async def _stream(request: web.Request, call: _Call) -> web.StreamResponse:
                     call.runner.abort(h)
                 return _failure(error, done.retryable, done.code)
             await resp.prepare(request)
-        chunk = answer.chunk(c, piece, error)
+        chunk = answer.chunk(c, piece, error, None if done is None else done.code)
         await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
     if answer.req.gen.include_usage:
         await resp.write(f"data: {json.dumps(answer.usage_chunk())}\n\n".encode())

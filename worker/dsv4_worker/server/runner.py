@@ -4,7 +4,8 @@ The HTTP side never touches the engine: it submits (prompt, params) and gets a `
 asyncio queue receives `Token` and `Done` events; `abort(rid)` ends a request (its pages are
 freed at the runner's next turn). After every step the runner publishes a `Snapshot` of pool
 usage and queue lengths for `/metrics` and `/status`. Other components (the PD agents) run
-code on the engine thread with `call(fn)`, and `after_step` runs after every turn.
+code on the engine thread with `call(fn)`, and the engine's events' `after_step` runs after
+every turn.
 
 Admission (`admission`'s rules): the HTTP side asks `admission(need_tokens)` before it
 submits; the runner counts every submitted request until the engine schedules it (`_queued`,
@@ -93,11 +94,9 @@ class EngineRunner:
         self,
         engine: Engine,
         policy: AdmissionPolicy | None = None,
-        after_step: Callable[[list[Request]], None] | None = None,
     ) -> None:
         self.engine = engine
         self.policy = policy or default_policy(engine.total.request_slots)
-        self.after_step = after_step  # runs on the engine thread with the finished requests
         self._inbox: queue.SimpleQueue[_Submit | _Call | int | None] = queue.SimpleQueue()
         # engine rid -> (handle, its event loop, tokens sent); handle rid -> engine rid
         self._listeners: dict[int, tuple[Handle, asyncio.AbstractEventLoop, int]] = {}
@@ -148,7 +147,7 @@ class EngineRunner:
             waiting=max(queued, snap.waiting),
             oldest_wait_s=now - oldest_s,
             free_request_slots=free.get("req_slots", 0),
-            free_full_tokens=free.get("full", 0) * self.engine.config.page_size,
+            free_full_tokens=free.get("full", 0) * self.engine.config.scheduler.page_size,
         )
 
     def admission(self, need_tokens: int) -> Verdict:
@@ -200,8 +199,7 @@ class EngineRunner:
                 if self.engine.has_work:
                     finished += self.engine.step()
                 finished += self.engine.take_finished()
-                if self.after_step is not None:
-                    self.after_step(finished)
+                self.engine.events.after_step(finished)
                 self._publish(finished)
                 self.engine.check_if_idle(settled_s=IDLE_CHECK_S)
         except BaseException as exc:  # surface to /ready; fail every waiting client

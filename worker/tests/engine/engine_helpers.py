@@ -8,6 +8,7 @@ from mem_helpers import small_memory
 from dsv4_common.core.model import ModelConfig
 from dsv4_worker.engine.loop import Engine
 from dsv4_worker.engine.paged import PagedModel
+from dsv4_worker.engine.role import EngineConfig
 from dsv4_worker.sched.scheduler import SchedulerConfig
 
 
@@ -35,4 +36,4 @@ def engine(
         max_tokens_per_request=memory.config.max_tokens_per_request,
         retained_tokens=memory.config.retained_tokens,
     )
-    return Engine(PagedModel(model, weights, memory), sched)
+    return Engine(PagedModel(model, weights, memory), EngineConfig(sched))

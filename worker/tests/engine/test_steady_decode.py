@@ -15,6 +15,7 @@ from mem_helpers import small_memory
 
 from dsv4_worker.engine.loop import Engine
 from dsv4_worker.engine.paged import Segment
+from dsv4_worker.engine.role import EngineConfig
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.mem.memory import KVMemory
 from dsv4_worker.sched.scheduler import ReqView, SchedulerConfig, StepPlan, plan_step
@@ -45,11 +46,13 @@ def _engine(full_pages: int, swa_pages: int, slots: int) -> Engine:
         max_tokens_per_request=memory.config.max_tokens_per_request,
         retained_tokens=memory.config.retained_tokens,
     )
-    return Engine(NoOpModel(memory), config)  # type: ignore[arg-type]
+    return Engine(NoOpModel(memory), EngineConfig(config))  # type: ignore[arg-type]
 
 
 def _scheduler_plan(eng: Engine) -> StepPlan:
-    return plan_step(eng._views(), eng._free(), eng.total, eng.config, eng.new_token_ratio)
+    return plan_step(
+        eng._views(), eng._free(), eng.total, eng.config.scheduler, eng.new_token_ratio
+    )
 
 
 Arrival = tuple[int, int, int]  # (step, prompt tokens, max new tokens)
@@ -111,7 +114,7 @@ def test_views_carry_each_field_by_name() -> None:
     """Engine._views builds ReqViews positionally: each field must hold what its name says."""
     eng = _engine(full_pages=13, swa_pages=16, slots=4)
     _run(eng, [(0, 30, 40), (0, 5, 9), (3, 20, 40)], steps=6)
-    page = eng.config.page_size
+    page = eng.config.scheduler.page_size
     for view in eng._views():
         req = eng.requests[view.rid]
         assert view == ReqView(

@@ -47,8 +47,8 @@ def test_pool_bytes_equal_planned_bytes_on_every_rank(
     )
     for rank in result.ranks:
         pool = KVPool.from_rank_plan(rank)
-        assert pool.nbytes == rank.capacity.kv_bytes
-        cap = rank.capacity
+        assert pool.nbytes == rank.pools.kv_bytes
+        cap = rank.pools
         assert pool.nbytes == planned_bytes(
             rank.layout, cap.full_pages, cap.swa_pages, cap.request_slots
         )
@@ -113,13 +113,13 @@ def test_memory_from_rank_plan_matches_capacity() -> None:
     )
     rank = result.ranks[0]
     mem = KVMemory.from_rank_plan(rank)
-    assert mem.pool is not None and mem.pool.nbytes == rank.capacity.kv_bytes
+    assert mem.pool is not None and mem.pool.nbytes == rank.pools.kv_bytes
     usage = {u.pool: u for u in mem.usage()}
-    assert usage["full"].total == rank.capacity.full_pages
-    assert usage["swa"].total == rank.capacity.swa_pages
-    assert usage["req_slots"].total == rank.capacity.request_slots
+    assert usage["full"].total == rank.pools.full_pages
+    assert usage["swa"].total == rank.pools.swa_pages
+    assert usage["req_slots"].total == rank.pools.request_slots
     assert all(u.used == 0 for u in usage.values())
-    max_pages = min(rank.capacity.full_pages, -(-rank.max_context_tokens // rank.page_size))
+    max_pages = min(rank.pools.full_pages, -(-rank.capacity.max_context_tokens // rank.page_size))
     assert mem.config.max_pages_per_request == max_pages
     assert mem.config.window_tokens == 8 and mem.config.retained_tokens == 8
-    assert mem.pool.units[IndexSpace.REQ_SLOT] == rank.capacity.request_slots + 1
+    assert mem.pool.units[IndexSpace.REQ_SLOT] == rank.pools.request_slots + 1

@@ -10,10 +10,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dsv4_common.api.manifest import manifest_of
-from dsv4_worker.engine.loop import Engine
+from dsv4_worker.engine.events import EngineEvents
+from dsv4_worker.engine.loop import Engine, Request
+from dsv4_worker.engine.role import Role
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.mem.memory import KVMemory
 from dsv4_worker.pd.decode import DecodeAgent
@@ -44,6 +46,7 @@ class Pair:
     prefill_agent: PrefillAgent
     decode_agent: DecodeAgent
     address: str  # the prefill's control address
+    prefill_events: Relay  # the prefill engine's events: its agent (a test may swap it)
 
     def generate(
         self,
@@ -74,6 +77,36 @@ class Pair:
         return out
 
 
+def as_role(made: Engine, role: Role, events: EngineEvents) -> Engine:
+    """A factory's (colocated, unused) engine rebuilt for `role` with `events`: the same
+    model, pools, scheduler config and grammar."""
+    config = replace(made.config, role=role)
+    return Engine(made.paged, config, events=events, grammar=made.grammar)
+
+
+class Relay(EngineEvents):
+    """Forwards a prefill engine's events to its agent, which a test may replace (a restarted
+    prefill process at the same address, on the same engine)."""
+
+    def __init__(self, to: EngineEvents) -> None:
+        self.to = to
+
+    def on_admit(self, req: Request) -> None:
+        self.to.on_admit(req)
+
+    def on_prealloc(self, req: Request) -> None:
+        self.to.on_prealloc(req)
+
+    def on_cancel(self, req: Request) -> None:
+        self.to.on_cancel(req)
+
+    def on_note(self, payload: object) -> None:
+        self.to.on_note(payload)
+
+    def after_step(self, finished: list[Request]) -> None:
+        self.to.after_step(finished)
+
+
 @contextmanager
 def pd_pair(
     backend: str,
@@ -82,28 +115,29 @@ def pd_pair(
     *,
     transfer_timeout_s: float = 60.0,
 ) -> Iterator[Pair]:
-    pe, de = make_prefill(), make_decode()
+    made_p, made_d = make_prefill(), make_decode()
     initiator = make_initiator(backend, name=f"p-{time.monotonic_ns()}")
-    initiator.register(_regions(pe.mem))
+    initiator.register(_regions(made_p.mem))
     target = make_target(backend, host="127.0.0.1")
-    target.register(_regions(de.mem))
-    pr = EngineRunner(pe)
-    pa = PrefillAgent(pe, pr.call, initiator, _manifest(pe.mem), "tcp://127.0.0.1:0")
-    pr.after_step = pa.after_step
-    dr = EngineRunner(de)
+    target.register(_regions(made_d.mem))
+    # Agents first, then each side's engine with its agent as events (as `dsv4_worker.build`).
+    pa = PrefillAgent(initiator, _manifest(made_p.mem), "tcp://127.0.0.1:0")
     address = f"127.0.0.1:{pa.port}"
     da = DecodeAgent(
-        de,
-        dr.call,
         target,
-        _manifest(de.mem),
+        _manifest(made_d.mem),
         default_prefill=address,
         transfer_timeout_s=transfer_timeout_s,
     )
+    relay = Relay(pa)
+    pe, de = as_role(made_p, Role.PREFILL, relay), as_role(made_d, Role.DECODE, da)
+    pr, dr = EngineRunner(pe), EngineRunner(de)
+    pa.attach(pe, pr.call)
+    da.attach(de, dr.call)
     for part in (pr, pa, dr, da):
         part.start()
     try:
-        yield Pair(pe, de, pr, dr, pa, da, address)
+        yield Pair(pe, de, pr, dr, pa, da, address, relay)
     finally:
         for part in (da, dr, pa, pr):
             part.stop()

@@ -7,7 +7,7 @@ import threading
 
 import zmq
 
-from dsv4_worker.pd.channel import Outbox
+from dsv4_worker.pd.channel import Mailbox, Outbox
 
 
 def test_messages_from_many_threads_arrive_whole_and_in_each_threads_order() -> None:
@@ -46,3 +46,34 @@ def test_kick_never_blocks_when_nobody_reads_and_never_raises_after_close() -> N
     box.close()
     box.kick(b"wake")  # after close: dropped
     ctx.term()
+
+
+def test_mailbox_messages_from_many_threads_arrive_in_each_threads_order_and_wake_the_owner() -> (
+    None
+):
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    box: Mailbox[tuple[int, int]] = Mailbox(ctx, "test")
+    try:
+
+        def send(k: int) -> None:
+            for i in range(500):
+                box.put((k, i))
+
+        threads = [threading.Thread(target=send, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        got: dict[int, list[int]] = {k: [] for k in range(4)}
+        while sum(map(len, got.values())) < 2000:
+            assert box.pull.poll(30_000), "a message queued and did not wake the owner"
+            for k, i in box.take():
+                got[k].append(i)
+        for t in threads:
+            t.join()
+        assert got == {k: list(range(500)) for k in range(4)}
+        assert box.take() == []
+        box.kick()  # a wake-up with nothing to take
+        assert box.pull.poll(30_000)
+        assert box.take() == []
+    finally:
+        box.close()
+        ctx.term()

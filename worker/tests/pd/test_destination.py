@@ -13,13 +13,16 @@ from collections.abc import Sequence
 import pytest
 import zmq
 from engine_helpers import engine
-from pd_support import Pair, on_engine, pd_pair, wait_drained, wait_until
+from pd_support import Pair, as_role, on_engine, pd_pair, wait_drained, wait_until
 
 from dsv4_common.core.presets import tiny
+from dsv4_worker.engine.events import EngineEvents
 from dsv4_worker.engine.loop import Engine, Phase, Request
+from dsv4_worker.engine.role import Role
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.model.weights import init_weights
 from dsv4_worker.pd import control as C
+from dsv4_worker.pd.decode import DecodeAgent
 from dsv4_worker.pd.transfer import Block
 from dsv4_worker.server.runner import Done
 
@@ -44,7 +47,7 @@ def _colocated(prompt: Sequence[int]) -> list[int]:
 def _withhold_destinations(pair: Pair) -> list[Request]:
     """Keep every destination on the decode side; returns where the requests are kept."""
     kept: list[Request] = []
-    pair.decode.on_prealloc = kept.append
+    pair.decode_agent.on_prealloc = kept.append  # type: ignore[method-assign]
     return kept
 
 
@@ -81,7 +84,7 @@ def test_prefill_computes_before_the_destination_and_writes_only_after_it(backen
         )
         assert writes == [] and len(kept) == 1
         assert on_engine(pair.decode_runner, lambda: kept[0].phase) is Phase.TRANSFER
-        on_engine(pair.decode_runner, lambda: pair.decode_agent.on_prealloc(kept[0]))
+        on_engine(pair.decode_runner, lambda: DecodeAgent.on_prealloc(pair.decode_agent, kept[0]))
         thread.join(60)
         assert not thread.is_alive()
         [(tokens, done)] = out
@@ -113,12 +116,10 @@ def test_a_destination_of_the_wrong_size_is_refused(backend: str) -> None:
         agent = pair.decode_agent
         real = agent._forward
 
-        def short(
-            kind: bytes, address: str, rid: int, msg: C.PrefillRequest | C.Destination
-        ) -> None:
+        def short(address: str, rid: int, msg: C.PrefillRequest | C.Destination) -> None:
             if isinstance(msg, C.Destination):
                 msg = dataclasses.replace(msg, dst_full_pages=msg.dst_full_pages[:-1])
-            real(kind, address, rid, msg)
+            real(address, rid, msg)
 
         agent._forward = short  # type: ignore[method-assign]
         [(tokens, done)] = pair.generate([PROMPT], [PARAMS])
@@ -162,10 +163,16 @@ def test_the_prompt_goes_out_before_the_step_allocates_and_runs_its_batch() -> N
     """Under load a decode step runs a batch: the admitted request's prompt goes before it (and
     before its allocation), its destination after it (a PP group's stages have all allocated
     by then)."""
-    eng = _make()
     events: list[tuple[str, int | None]] = []
-    eng.on_admit = lambda r: events.append(("admit", r.slot))
-    eng.on_prealloc = lambda r: events.append(("destination", r.slot))
+
+    class Events(EngineEvents):
+        def on_admit(self, req: Request) -> None:
+            events.append(("admit", req.slot))
+
+        def on_prealloc(self, req: Request) -> None:
+            events.append(("destination", req.slot))
+
+    eng = as_role(_make(), Role.DECODE, Events())
     real_batch = eng.run_batch
 
     def run_batch(*args, **kwargs):  # type: ignore[no-untyped-def]

@@ -103,14 +103,9 @@ def test_a_restarted_prefill_is_handshaken_again(backend: str) -> None:
         # A new process at the same address: a new agent, a new transfer initiator.
         initiator = make_initiator(backend, name=f"p2-{time.monotonic_ns()}")
         initiator.register(_regions(pair.prefill.mem))
-        new = PrefillAgent(
-            pair.prefill,
-            pair.prefill_runner.call,
-            initiator,
-            _manifest(pair.prefill.mem),
-            f"tcp://{pair.address}",
-        )
-        pair.prefill_runner.after_step = new.after_step
+        new = PrefillAgent(initiator, _manifest(pair.prefill.mem), f"tcp://{pair.address}")
+        new.attach(pair.prefill, pair.prefill_runner.call)
+        pair.prefill_events.to = new
         pair.prefill_agent = new  # pd_pair stops this one
         new.start()
         assert new.instance != old.instance

@@ -38,7 +38,7 @@ def _client(url: str) -> openai.OpenAI:
 def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
     """(through the router of `dsv4 up`, a colocated worker with the same weights)."""
     workdir = tmp_path_factory.mktemp("up")
-    up_argv = [sys.executable, "-m", "dsv4_common.cli", "up", str(SAMPLE), "--port", "0"]
+    up_argv = [sys.executable, "-m", "dsv4_cli", "up", str(SAMPLE), "--port", "0"]
     up = subprocess.Popen(
         [*up_argv, "--workdir", str(workdir)],
         env=ENV,

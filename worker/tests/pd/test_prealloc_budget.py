@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4_common.core.index_space import pages_for_tokens, tail_pages
-from dsv4_worker.sched.budget import Capacity
+from dsv4_worker.sched.budget import PoolRoom
 from dsv4_worker.sched.scheduler import Phase, ReqView, SchedulerConfig, plan_step
 
 PAGE, RETAINED = 16, 64 + 0
@@ -29,7 +29,7 @@ def _views(n: int, count: int) -> list[ReqView]:
 )
 def test_preallocated_count_is_the_binding_budget(n: int, full: int, swa: int, slots: int) -> None:
     config = SchedulerConfig(PAGE, 256, 4096, retained_tokens=RETAINED)
-    total = Capacity(full, swa, slots)
+    total = PoolRoom(full, swa, slots)
     plan = plan_step(_views(n, 100), total, total, config, 1.0)
     f, t = pages_for_tokens(n, PAGE), tail_pages(n, PAGE, RETAINED)
     longest = pages_for_tokens(n + 1, PAGE)  # prompt + max_tokens must fit the full pool
@@ -46,7 +46,7 @@ def test_preallocated_count_is_the_binding_budget(n: int, full: int, swa: int, s
 def test_long_prompts_beat_whole_prompt_swa_preallocation() -> None:
     n = 2000  # 125 pages; the window tail is 4 pages
     config = SchedulerConfig(PAGE, 256, 4096, retained_tokens=RETAINED)
-    total = Capacity(full_pages=2000, swa_pages=40, request_slots=64)
+    total = PoolRoom(full_pages=2000, swa_pages=40, request_slots=64)
     plan = plan_step(_views(n, 64), total, total, config, 1.0)
     whole_prompt = min(2000 // 125, 40 // 125)  # 0: not even one prompt fits the SWA pool
     assert whole_prompt == 0

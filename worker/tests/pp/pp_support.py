@@ -15,9 +15,10 @@ from serve_support import free_port
 
 from dsv4_common.core.presets import load_model_config
 from dsv4_common.plan.inputs import PlanInputs
+from dsv4_worker.engine.role import Role
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.model.weights import init_weights, stage_weights
-from dsv4_worker.pp.group import PPSpec, build_stage
+from dsv4_worker.pp.group import PPSpec, build_stage, stage_engine
 
 HOST = "127.0.0.1"
 
@@ -61,7 +62,7 @@ def _stage_main(run: GroupRun, rank: int, port: int, out: Any) -> None:
             torch.device("cpu"),
             PPSpec(rank, run.pp_size, HOST, port, start_timeout_s=120, timeout_s=60),
         )
-        engine = built.engine
+        engine = stage_engine(built, Role.COLOCATED)
         outputs: list[list[int]] = []
         logprobs: list[Any] = []  # per request: (sampled tokens', prompt tokens') entries
         retractions = 0
@@ -86,7 +87,7 @@ def _stage_main(run: GroupRun, rank: int, port: int, out: Any) -> None:
                     "outputs": outputs,
                     "logprobs": logprobs,
                     "pool_bytes": built.memory.pool.nbytes,
-                    "planned_bytes": built.rank.capacity.kv_bytes,
+                    "planned_bytes": built.rank.pools.kv_bytes,
                     "layers": built.rank.layers,
                     "used": [(u.pool, u.used) for u in built.memory.usage()],
                     "failure": engine.failure,

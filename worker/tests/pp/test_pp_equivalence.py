@@ -57,7 +57,7 @@ def _check_stages(results: dict[int, dict[str, Any]], run: GroupRun) -> None:
         result, planned = results[rank], expected.ranks[rank]
         assert result["failure"] is None
         assert all(used == 0 for _, used in result["used"]), (rank, result["used"])
-        assert result["pool_bytes"] == planned.capacity.kv_bytes
+        assert result["pool_bytes"] == planned.pools.kv_bytes
         assert tuple(result["layers"]) == planned.layers
         assert tuple(result["layout_layers"]) == tuple(range(*planned.layers))
         covered += range(*planned.layers)
@@ -126,7 +126,7 @@ def _tight_memory(run: GroupRun, full_pages: int) -> int:
             group = _measured_plan(probe)
         except PlanError:
             continue
-        if min(r.capacity.full_pages for r in group.ranks) >= full_pages:
+        if min(r.pools.full_pages for r in group.ranks) >= full_pages:
             return memory
     raise AssertionError("no memory in [1, 8) MiB gives the wanted pool")
 

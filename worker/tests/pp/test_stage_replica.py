@@ -11,30 +11,35 @@ import pytest
 from engine_helpers import engine
 
 from dsv4_common.core.presets import tiny
+from dsv4_worker.engine.changes import Submit
+from dsv4_worker.engine.loop import Engine
+from dsv4_worker.engine.role import EngineConfig, Place
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.model.weights import init_weights
 from dsv4_worker.pp.link import StageLost
-from dsv4_worker.pp.order import Check, Submit
-from dsv4_worker.pp.stage import FollowerEngine
+from dsv4_worker.pp.order import Check
+from dsv4_worker.pp.stage import Follower, state_check
 
 
-def follower() -> FollowerEngine:
+def follower() -> tuple[Follower, Engine]:
     base = engine(tiny(), init_weights(tiny(), seed=0))
     link: Any = SimpleNamespace(rank=1, size=2)
-    return FollowerEngine(base.paged, base.config, link, base.total)
+    source = Follower(link)
+    config = EngineConfig(base.config.scheduler, place=Place.FOLLOWER, schedulable=base.total)
+    return source, Engine(base.paged, config, source=source)
 
 
 def test_an_agreeing_check_passes_and_a_diverged_one_stops_the_group() -> None:
-    f = follower()
-    f._submit(Submit(0, (1, 2, 3), SamplingParams()))
-    f._verify(f._check())  # the leader's own state, as the leader would send it
-    used = tuple((pool, n + 1 if pool == "full" else n) for pool, n in f._check().used)
+    f, eng = follower()
+    f._submit(eng, Submit(0, (1, 2, 3), SamplingParams()))
+    f._verify(eng, state_check(eng))  # the leader's own state, as the leader would send it
+    used = tuple((pool, n + 1 if pool == "full" else n) for pool, n in state_check(eng).used)
     with pytest.raises(StageLost, match="diverged from the leader"):
-        f._verify(Check(used, f._check().slots))
+        f._verify(eng, Check(used, state_check(eng).slots))
 
 
 def test_a_replayed_submit_must_get_the_leaders_request_id() -> None:
-    f = follower()
-    f._submit(Submit(0, (1, 2, 3), SamplingParams()))
+    f, eng = follower()
+    f._submit(eng, Submit(0, (1, 2, 3), SamplingParams()))
     with pytest.raises(StageLost, match="request id 1 != leader's 5"):
-        f._submit(Submit(5, (4,), SamplingParams()))
+        f._submit(eng, Submit(5, (4,), SamplingParams()))

@@ -46,7 +46,7 @@ def wait_ready(
 
 def serve_argv(*args: str) -> list[str]:
     """`dsv4 serve ARGS` as a subprocess argv."""
-    return [sys.executable, "-m", "dsv4_common.cli", "serve", *args]
+    return [sys.executable, "-m", "dsv4_cli", "serve", *args]
 
 
 @dataclass

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from dsv4_common.api import RankCapacity
 from dsv4_common.api.worker_status import WorkerStatus
 from dsv4_worker.server.admission import (
     ADMIT,
@@ -61,7 +62,7 @@ INFO = ServeInfo(
     model_name="tiny",
     vocab_size=256,
     max_context_tokens=4096,
-    status=WorkerStatus("colocated", 0, 1, 1, 1, 1),
+    status=WorkerStatus("colocated", 0, RankCapacity(1, 1, 1, 1)),
 )
 
 

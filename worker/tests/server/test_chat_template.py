@@ -30,6 +30,7 @@ from tokenizer_support import (
     write_model_dir,
 )
 
+from dsv4_common.api import RankCapacity
 from dsv4_common.api.worker_status import WorkerStatus
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.server.admission import ADMIT, Verdict
@@ -486,7 +487,7 @@ class ReplyRunner:
 async def _post_chats(
     runner: ReplyRunner, tok: HFTokenizer, bodies: list[dict[str, Any]]
 ) -> list[tuple[int, dict[str, Any]]]:
-    info = ServeInfo("ds", MODEL_VOCAB, CTX, WorkerStatus("colocated", 0, 1, 1, 1, 1))
+    info = ServeInfo("ds", MODEL_VOCAB, CTX, WorkerStatus("colocated", 0, RankCapacity(1, 1, 1, 1)))
     app = build_app(runner, tok, info)  # type: ignore[arg-type]
     out = []
     async with TestClient(TestServer(app)) as client:

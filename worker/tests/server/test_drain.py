@@ -252,6 +252,7 @@ def test_past_the_drain_a_stream_ends_with_an_error_event_and_a_call_with_503(
     assert events[-1] == "[DONE]", events[-3:]
     last = json.loads(events[-2])
     assert last["error"]["message"] and last["choices"][0]["finish_reason"] == "error", last
+    assert last["error"]["code"] == DRAIN_CODE and last["error"]["type"] == "server_error", last
     code, headers, doc = call.finish()
     assert code == 503 and headers.get("Retry-After") == "1", (code, doc)
     assert doc["error"]["code"] == DRAIN_CODE, doc

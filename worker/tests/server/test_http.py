@@ -26,7 +26,7 @@ from dsv4_worker.model.weights import init_weights
 class Server:
     def __init__(self) -> None:
         self.port = free_port()
-        cmd = [sys.executable, "-m", "dsv4_common.cli", "serve", "--model", "tiny"]
+        cmd = [sys.executable, "-m", "dsv4_cli", "serve", "--model", "tiny"]
         cmd += ["--port", str(self.port), "--gpu-memory-gib", "0.05", "--seed", "3"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         wait_ready(self.proc, self.port)
@@ -171,7 +171,7 @@ def test_a_disconnect_mid_stream_frees_the_pages(server: Server) -> None:
 def test_status_health_and_models(server: Server) -> None:
     status, body = server.get("/status")
     report = parse_worker_status(json.loads(body))
-    assert status == 200 and report.role == "colocated" and report.full_tokens > 0
+    assert status == 200 and report.role == "colocated" and report.capacity.full_tokens > 0
     assert server.get("/health") == (200, b"ok")
     status, body = server.get("/v1/models")
     assert json.loads(body)["data"][0]["id"] == "tiny"

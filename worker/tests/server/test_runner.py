@@ -11,8 +11,10 @@ import time
 from mem_helpers import small_memory
 
 from dsv4_common.core.presets import tiny
+from dsv4_worker.engine.events import EngineEvents
 from dsv4_worker.engine.loop import Engine, Request
 from dsv4_worker.engine.paged import PagedModel
+from dsv4_worker.engine.role import EngineConfig, Role
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.model.weights import init_weights
 from dsv4_worker.sched.scheduler import Phase, SchedulerConfig
@@ -23,7 +25,8 @@ def runner() -> EngineRunner:
     model = tiny()
     memory = small_memory("tiny", full_pages=64, swa_pages=32, slots=4, max_pages=64)
     sched = SchedulerConfig(page_size=16, chunk_tokens=64, max_tokens_per_request=1024)
-    return EngineRunner(Engine(PagedModel(model, init_weights(model, seed=1), memory), sched))
+    paged = PagedModel(model, init_weights(model, seed=1), memory)
+    return EngineRunner(Engine(paged, EngineConfig(sched)))
 
 
 async def _drive(r: EngineRunner) -> tuple[Done, list[int], Done]:
@@ -69,10 +72,15 @@ def test_a_pd_first_token_goes_out_before_the_next_step() -> None:
     memory = small_memory("tiny", full_pages=64, swa_pages=32, slots=4, max_pages=64)
     sched = SchedulerConfig(page_size=16, chunk_tokens=64, max_tokens_per_request=1024)
     preallocated: list[Request] = []
+
+    class Events(EngineEvents):
+        def on_prealloc(self, req: Request) -> None:
+            preallocated.append(req)
+
     eng = Engine(
         PagedModel(model, init_weights(model, seed=1), memory),
-        sched,
-        on_prealloc=preallocated.append,
+        EngineConfig(sched, Role.DECODE),
+        events=Events(),
     )
     gate, real_step = threading.Event(), eng.step
 

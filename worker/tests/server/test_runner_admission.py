@@ -13,6 +13,7 @@ from mem_helpers import small_memory
 from dsv4_common.core.presets import tiny
 from dsv4_worker.engine.loop import Engine
 from dsv4_worker.engine.paged import PagedModel
+from dsv4_worker.engine.role import EngineConfig
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.model.weights import init_weights
 from dsv4_worker.sched.scheduler import SchedulerConfig
@@ -27,7 +28,7 @@ def one_slot_runner(policy: AdmissionPolicy) -> EngineRunner:
     model = tiny()
     memory = small_memory("tiny", full_pages=64, swa_pages=32, slots=1, max_pages=64)
     sched = SchedulerConfig(page_size=16, chunk_tokens=64, max_tokens_per_request=1024)
-    engine = Engine(PagedModel(model, init_weights(model, seed=1), memory), sched)
+    engine = Engine(PagedModel(model, init_weights(model, seed=1), memory), EngineConfig(sched))
     return EngineRunner(engine, policy)
 
 

@@ -4,9 +4,11 @@ config's fields, else derived from its request slots."""
 from __future__ import annotations
 
 import argparse
-from types import SimpleNamespace
 
-from dsv4_common.cli import build_parser
+from rank_configs import rank_config
+
+from dsv4_cli.main import build_parser
+from dsv4_worker.options import ServeOptions
 from dsv4_worker.serve import _admission_policy
 from dsv4_worker.server.admission import DEFAULT_QUEUE_TIMEOUT_S, QUEUE_PER_RUNNING
 
@@ -16,15 +18,15 @@ def args(*argv: str) -> argparse.Namespace:
 
 
 def test_derived_from_the_request_slots_by_default() -> None:
-    policy = _admission_policy(args(), None, 6)
+    policy = _admission_policy(ServeOptions.from_args(args()), 6)
     assert policy.max_queue_requests == QUEUE_PER_RUNNING * 6
     assert policy.queue_timeout_s == DEFAULT_QUEUE_TIMEOUT_S
 
 
 def test_the_rank_config_then_the_flags_win() -> None:
-    config = SimpleNamespace(max_queue_requests=9, queue_timeout_s=1.5)
-    policy = _admission_policy(args(), config, 6)  # type: ignore[arg-type]
+    config = rank_config(max_queue_requests=9, queue_timeout_s=1.5)
+    policy = _admission_policy(ServeOptions.from_rank_config(config, args("--role", "decode")), 6)
     assert (policy.max_queue_requests, policy.queue_timeout_s) == (9, 1.5)
-    flags = args("--max-queue-requests", "3", "--queue-timeout-s", "0.5")
-    policy = _admission_policy(flags, config, 6)  # type: ignore[arg-type]
+    flags = args("--role", "decode", "--max-queue-requests", "3", "--queue-timeout-s", "0.5")
+    policy = _admission_policy(ServeOptions.from_rank_config(config, flags), 6)
     assert (policy.max_queue_requests, policy.queue_timeout_s) == (3, 0.5)

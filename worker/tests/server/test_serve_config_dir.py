@@ -34,7 +34,7 @@ from dsv4_common.plan.threads import INTEROP_THREADS, torch_threads
 from dsv4_worker.model.weights import init_weights
 from dsv4_worker.pp.group import realized_plan
 
-CLI = [sys.executable, "-m", "dsv4_common.cli", "serve"]
+CLI = [sys.executable, "-m", "dsv4_cli", "serve"]
 
 
 def inputs_of(settings: PlanSettings) -> PlanInputs:
@@ -90,9 +90,9 @@ def test_realized_capacity_follows_the_measured_weights() -> None:
     inputs = inputs_of(colocated_config(1, 2).plan)
     estimate = plan(inputs).ranks[0]
     same = realized_plan(inputs, (estimate.weight_bytes,)).ranks[0]
-    assert same.capacity == estimate.capacity
+    assert same.pools == estimate.pools
     heavier = realized_plan(inputs, (estimate.weight_bytes + 55 * MIB,)).ranks[0]  # KV squeezed
-    assert heavier.full_tokens < estimate.full_tokens
+    assert heavier.capacity.full_tokens < estimate.capacity.full_tokens
 
 
 def test_the_deployed_form_serves_on_the_config_ports(tmp_path: Path) -> None:
@@ -109,11 +109,11 @@ def test_the_deployed_form_serves_on_the_config_ports(tmp_path: Path) -> None:
         weights = init_weights(tiny(), seed=0)
         measured = sum(t.numel() * t.element_size() for t in weights.values())
         realized = realized_plan(inputs_of(config.plan), (measured,)).ranks[0]
-        assert (report.full_tokens, report.swa_tokens) == (
-            realized.full_tokens,
-            realized.swa_tokens,
+        assert (report.capacity.full_tokens, report.capacity.swa_tokens) == (
+            realized.capacity.full_tokens,
+            realized.capacity.swa_tokens,
         )
-        assert report.max_running_requests == realized.max_running_requests == 8
+        assert report.capacity.max_running_requests == realized.capacity.max_running_requests == 8
         threads = report.threads  # no flag, none in the rank config: from the CPUs it may use
         assert threads.source == "auto" and threads.intra_op == torch_threads(threads.cpus)
         c = http.client.HTTPConnection("127.0.0.1", http_port, timeout=60)

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from dsv4_cli.main import build_parser
+from dsv4_common.api import RankCapacity
 from dsv4_common.api.worker_status import WorkerStatus
-from dsv4_common.cli import build_parser
-from dsv4_worker.serve import ServeError, _served_names
+from dsv4_worker.options import ServeError
+from dsv4_worker.options import served_names as _served_names
 from dsv4_worker.server.app import ServeInfo, model_card
 
 
@@ -27,10 +29,9 @@ def test_models_list_the_names_with_the_context() -> None:
     status = WorkerStatus(
         role="colocated",
         pp_rank=0,
-        full_tokens=64,
-        swa_tokens=64,
-        max_running_requests=1,
-        max_context_tokens=64,
+        capacity=RankCapacity(
+            full_tokens=64, swa_tokens=64, max_running_requests=1, max_context_tokens=64
+        ),
     )
     info = ServeInfo("tiny", 256, 2048, status)
     assert info.names == ("tiny",)

@@ -86,3 +86,17 @@ def parse_server_info(doc: object) -> ServerInfo:
         max_running_requests=sum(requests) if requests and len(requests) == len(states) else None,
         version=version if isinstance(version, str) else None,
     )
+
+
+def parse_server_infos(
+    raw: Mapping[str, Mapping[str, Any]],
+) -> tuple[dict[str, ServerInfo], dict[str, str]]:
+    """(parsed documents, why the others were refused), both by pod name."""
+    parsed: dict[str, ServerInfo] = {}
+    refused: dict[str, str] = {}
+    for name, doc in raw.items():
+        try:
+            parsed[name] = parse_server_info(doc)
+        except ServerInfoError as exc:
+            refused[name] = f"/server_info: {exc}"
+    return parsed, refused

@@ -7,7 +7,7 @@ from SGLang's own parsers:
 - router: `argparse.ArgumentParser()` + `sglang_router.router_args.RouterArgs.add_cli_args(
   parser, use_router_prefix=False)`, what `python3 -m sglang_router.launch_router` parses.
 
-The rebuilt parsers reproduce argparse parsing (see `sglang_snapshot` for the exact limits).
+The rebuilt parsers reproduce argparse parsing (see `snapshot` for the exact limits).
 Of SGLang's post-processing only the router's `--prefill URL [BOOTSTRAP_PORT]` rule is
 reproduced (`router_prefill_urls`). The server's post-processing (`ServerArgs.resolve_once`,
 ~60 hooks, most reading the model's config.json and the platform) is not: the opt-in test
@@ -26,7 +26,7 @@ from functools import cache
 from importlib import resources
 from typing import Any, NamedTuple
 
-from dsv4_operator.sglang_snapshot import (
+from dsv4_operator.flavors.sglang.snapshot import (
     SglangArgsError,
     SnapshotParser,
     build_parser,
@@ -105,7 +105,7 @@ _PROGS = {SERVER_SNAPSHOT: "sglang.launch_server", ROUTER_SNAPSHOT: "sglang_rout
 
 @cache
 def load_snapshot(filename: str) -> Mapping[str, Any]:
-    """A snapshot document from the package data (see sglang_snapshot.snapshot_parser)."""
+    """A snapshot document from the package data (see snapshot.snapshot_parser)."""
     text = resources.files("dsv4_operator").joinpath("data", filename).read_text("utf-8")
     doc: dict[str, Any] = json.loads(text)
     return doc

@@ -1,5 +1,5 @@
 """The containers that differ for engine `sglang`, built purely: the `worker` container
-(SGLang's server with the command line of `sglang_command.py`) and the `router` container
+(SGLang's server with the command line of `command.py`) and the `router` container
 (sglang-router in PD mode over the groups that exist).
 
 NOTE: only PP rank 0 of an SGLang PP group serves HTTP (ranks > 0 run schedulers only), yet
@@ -16,8 +16,7 @@ from typing import Final
 from dsv4_common.api.deployment import MemoryPlan
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec
 from dsv4_operator import labels as L
-from dsv4_operator.manifests import Obj
-from dsv4_operator.sglang_command import (
+from dsv4_operator.flavors.sglang.command import (
     PP_RANK_ENV,
     ROUTER_COMMAND,
     SERVER_COMMAND,
@@ -25,7 +24,8 @@ from dsv4_operator.sglang_command import (
     server_args,
     server_env,
 )
-from dsv4_operator.sglang_flags import SGLANG_VERSION
+from dsv4_operator.flavors.sglang.flags import SGLANG_VERSION
+from dsv4_operator.manifests import Obj
 from dsv4_operator.workerconfig import HTTP_PORT, STATUS_PORT
 from dsv4_operator.workloads import (
     ROUTER_LIMITS,

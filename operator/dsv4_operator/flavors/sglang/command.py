@@ -20,7 +20,7 @@ from dsv4_common.api.deployment import MemoryPlan
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec
 from dsv4_common.plan.planner import Plan
 from dsv4_operator import labels as L
-from dsv4_operator.sglang_flags import ROUTER_ENTRY, SERVER_ENTRY
+from dsv4_operator.flavors.sglang.flags import ROUTER_ENTRY, SERVER_ENTRY
 from dsv4_operator.workerconfig import HTTP_PORT, STATUS_PORT, WORKER_PORTS
 from dsv4_operator.workloads import STARTUP_FAILURES, STARTUP_PERIOD_S
 
@@ -86,7 +86,7 @@ class GroupFigures:
 
 def group_figures(plan: Plan) -> GroupFigures:
     inputs = plan.inputs
-    full = min(r.full_tokens for r in plan.ranks)
+    full = min(r.capacity.full_tokens for r in plan.ranks)
     return GroupFigures(
         page_size=inputs.resolved_page_size,
         chunked_prefill_tokens=inputs.resolved_chunk_tokens,
@@ -94,7 +94,7 @@ def group_figures(plan: Plan) -> GroupFigures:
         context_tokens=inputs.resolved_context_len,
         full_tokens=full,
         # SGLang takes a ratio of at most 1; a context of a few pages can plan more SWA than full.
-        swa_tokens=min(min(r.swa_tokens for r in plan.ranks), full),
+        swa_tokens=min(min(r.capacity.swa_tokens for r in plan.ranks), full),
         mem_fraction=inputs.mem_fraction,
         layer_split=tuple(r.layers[1] - r.layers[0] for r in plan.ranks),
     )

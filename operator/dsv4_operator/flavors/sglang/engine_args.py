@@ -1,11 +1,11 @@
 """What engine sglang takes beyond the CRD's rules, checked when the objects are built (so the
 reconcile reports InvalidSpec and the admission webhook refuses): `spec.<role>.engineArgs`
 against SGLang's flags (the committed snapshot of the version the operator renders for,
-`sglang_flags.py`), and layer splits SGLang can move KV between. Pure; every problem is a
+`flags.py`), and layer splits SGLang can move KV between. Pure; every problem is a
 `SpecError` naming the field (`spec.<role>.engineArgs[i]` and the flag), all collected at once.
 
 Refused: a flag SGLang does not know (abbreviations included: argparse would take them, but
-they hide which flag is meant), a flag the operator computes (`sglang_command.SERVER_FLAGS`,
+they hide which flag is meant), a flag the operator computes (`command.SERVER_FLAGS`,
 under any of its aliases, and `--served-model-name` when `spec.model.servedModelNames` is set),
 the few flags that would undo the plan (REFUSED), and a command line SGLang's parser rejects
 once engineArgs are appended (a bad value, a missing one).
@@ -20,7 +20,7 @@ from dsv4_common.api.deployment import MemoryPlan
 from dsv4_common.api.errors import SpecError
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec
 from dsv4_operator import labels as L
-from dsv4_operator.sglang_command import (
+from dsv4_operator.flavors.sglang.command import (
     PP_RANK_ENV,
     SERVED_NAME_FLAG,
     SERVED_NAME_SOURCE,
@@ -28,7 +28,7 @@ from dsv4_operator.sglang_command import (
     expand,
     server_args,
 )
-from dsv4_operator.sglang_flags import (
+from dsv4_operator.flavors.sglang.flags import (
     SGLANG_VERSION,
     SglangArgsError,
     parse_server_args,

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# One short GPU check for a lent device machine (see /work/.library/device/README.md): the
+# `gpu`-marked tests and every bench that takes `--device cuda`, each under its own `timeout`
+# so that one hang cannot eat the rest. Run from the repo root with OUT set:
+#
+#   OUT=/some/dir bash scripts/gpu_check.sh
+#
+# Wheels the device image lacks (pyzmq, llguidance) travel in `.whl/` (git-ignored through
+# .git/info/exclude; the run's `carry`) and are installed into GPU_CHECK_SITE.
+# At most 8 logs come back from $OUT: env.log (wheels, versions, per-step summary),
+# gpu-tests.log and one log per bench.
+#
+# Switches (defaults are the device machine's):
+#   GPU_CHECK_PYTHON      python that runs tests and benches         (python3)
+#   GPU_CHECK_PIP_PYTHON  python whose pip installs the wheels        (GPU_CHECK_PYTHON)
+#   GPU_CHECK_SITE        where the wheels go; empty: skip them       (/tmp/site)
+#   GPU_CHECK_SITE_ON_PATH  0: install the wheels but keep them off PYTHONPATH (a local dry
+#                         run whose python is not the wheels' 3.12)   (1)
+#   GPU_CHECK_DEVICE      the benches' --device                       (cuda)
+#   GPU_CHECK_SCALE       1: the device arguments; 0: the smallest runs (a CPU dry run)
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT to the folder for the logs}"
+mkdir -p "$OUT"
+PY=${GPU_CHECK_PYTHON:-python3}
+PIP_PY=${GPU_CHECK_PIP_PYTHON:-$PY}
+SITE=${GPU_CHECK_SITE-/tmp/site}
+DEVICE=${GPU_CHECK_DEVICE:-cuda}
+SCALE=${GPU_CHECK_SCALE:-1}
+export PYTHONUNBUFFERED=1 UCX_NET_DEVICES=lo GLOO_SOCKET_IFNAME=lo
+ENV_LOG=$OUT/env.log
+SUMMARY=()
+START_S=$SECONDS
+
+# step NAME LIMIT_S LOG CMD...: run CMD under `timeout`, its output appended to LOG; records
+# the exit status (124: timed out) and seconds in the summary. Never stops the script.
+step() {
+  local name=$1 limit_s=$2 log=$3
+  shift 3
+  local t0=$SECONDS rc
+  echo "=== $name (limit ${limit_s}s): $*" | tee -a "$log"
+  timeout -k 5 "$limit_s" "$@" 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  SUMMARY+=("$(printf '%-14s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
+  echo "=== $name: rc=$rc in $((SECONDS - t0))s" | tee -a "$log"
+}
+
+# (a) Wheels, then PYTHONPATH: the wheels' site, the package roots and the pytest helper
+# folders (both read from pyproject.toml, so moved packages need no edit here).
+{
+  echo "=== start $(date -u +%FT%TZ) device=$DEVICE scale=$SCALE python=$PY"
+  if [[ -n $SITE ]] && compgen -G ".whl/*.whl" >/dev/null; then
+    "$PIP_PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$SITE" .whl/*.whl && echo "wheels: $(ls .whl | tr '\n' ' ')-> $SITE"
+  fi
+} 2>&1 | tee -a "$ENV_LOG"
+ROOTS=$("$PY" - <<'EOF'
+import os, tomllib
+with open("pyproject.toml", "rb") as f:
+    cfg = tomllib.load(f)
+roots = cfg["tool"]["setuptools"]["packages"]["find"]["where"]
+helpers = cfg["tool"]["pytest"]["ini_options"].get("pythonpath", [])
+print(os.pathsep.join(os.path.abspath(p) for p in [*roots, *helpers]))
+EOF
+)
+PYPATH=$ROOTS
+if [[ -n $SITE && ${GPU_CHECK_SITE_ON_PATH:-1} != 0 ]]; then PYPATH=$SITE:$PYPATH; fi
+export PYTHONPATH=$PYPATH${PYTHONPATH:+:$PYTHONPATH}
+
+# (b) The machine and the stack.
+{
+  nvidia-smi -L 2>&1 || echo "nvidia-smi: not here"
+  "$PY" - <<'EOF'
+import importlib, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("device", p.name, f"{p.total_memory / 2**30:.1f} GiB", "SMs", p.multi_processor_count)
+for name in ("zmq", "llguidance", "nixl_cu12", "nixl_cu13", "nixl", "aiohttp", "uvloop",
+             "dsv4_cli", "dsv4_worker", "dsv4_router"):
+    try:
+        m = importlib.import_module(name)
+        print(f"import {name}: ok {getattr(m, '__version__', '')} {getattr(m, '__file__', '')}")
+    except Exception as e:  # the report says what is missing; the steps still run
+        print(f"import {name}: FAILED {type(e).__name__}: {e}")
+EOF
+} 2>&1 | tee -a "$ENV_LOG"
+
+# (c) The gpu-marked tests: the files that carry the mark (the cluster ones need Kubernetes and
+# are left out), so no unrelated test module is imported.
+mapfile -t GPU_TESTS < <(grep -rl --include='test_*.py' 'mark\.gpu' common worker router local bench \
+  2>/dev/null | sort)
+step gpu-tests 90 "$OUT/gpu-tests.log" "$PY" -m pytest -m "gpu and not cluster" -q \
+  -p no:cacheprovider --continue-on-collection-errors -rs "${GPU_TESTS[@]}"
+
+# (d) The benches that take --device, smallest first; a few rounds each, medians printed.
+# pd and transfer use zmq: the nixl wheel (~68 MiB) is over the tree's 64 MiB limit.
+if [[ $SCALE == 1 ]]; then
+  ALLOC=(--rounds 3 --repeats 20) ENGINE=(--rounds 3 --steps 20)
+  XFER=(--total-mib 256 --repeats 5)
+  SERVE=(--rounds 3 --requests 2 --max-tokens 32 --clients 1 32)
+  PD=(--rounds 2 --requests 2 --ttft-requests 10 --max-tokens 32 --clients 1 32)
+  PP=(--rounds 2 --requests 2 --max-tokens 32 --clients 1 32)
+else
+  ALLOC=(--rounds 1 --repeats 2 --pages 16) ENGINE=(--rounds 1 --steps 2 --running 1 64)
+  XFER=(--total-mib 8 --repeats 1)
+  SERVE=(--rounds 1 --requests 1 --max-tokens 4 --clients 1 2 --no-replay)
+  PD=(--rounds 1 --requests 1 --ttft-requests 2 --max-tokens 4 --clients 1)
+  PP=(--rounds 1 --requests 1 --max-tokens 4 --clients 1)
+fi
+D=(--device "$DEVICE")
+step alloc 40 "$OUT/alloc.log" "$PY" bench/alloc.py "${D[@]}" "${ALLOC[@]}"
+step engine 25 "$OUT/engine.log" "$PY" bench/engine.py "${D[@]}" "${ENGINE[@]}"
+step transfer 35 "$OUT/transfer.log" "$PY" bench/transfer.py "${D[@]}" --backends zmq "${XFER[@]}"
+step serve 60 "$OUT/serve.log" "$PY" bench/serve.py "${D[@]}" "${SERVE[@]}"
+step pd 70 "$OUT/pd.log" "$PY" bench/pd.py "${D[@]}" --transfer zmq "${PD[@]}"
+# PP=2 puts both stages on the one GPU (NCCL may refuse that); last, so a failure costs least.
+step pp 45 "$OUT/pp.log" "$PY" bench/pp.py "${D[@]}" --pp 1 2 "${PP[@]}"
+
+{
+  echo "=== summary ($((SECONDS - START_S))s in all; rc 124: timed out)"
+  printf '%s\n' "${SUMMARY[@]}"
+} 2>&1 | tee -a "$ENV_LOG"

@@ -1,0 +1,40 @@
+"""EngineEvents: what an engine tells the component that serves its role (the PD agent), on
+the engine thread. Given once, when the engine is built; every method of this base is a
+no-op (a colocated engine's events), and a PD agent overrides those its role hears.
+
+    decode     on_admit (the step's plan preallocates a request; before its pages exist)
+               on_prealloc (its pages exist on every stage; after the step's batch)
+               on_cancel (aborted while its KV may still be landing; pages held until release)
+    follower   on_note (what the leader's component told, `Engine.note`, in order)
+    every      after_step (after each turn of the serving loop, `EngineRunner`)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    from dsv4_worker.engine.loop import Request
+
+
+class EngineEvents:
+    def on_admit(self, req: Request) -> None:
+        """PD decode: this step's plan preallocates `req` (final: its allocation cannot
+        fail); called before its slot and pages exist."""
+
+    def on_prealloc(self, req: Request) -> None:
+        """PD decode: `req`'s pages exist (in a PP group: on every stage); where to write."""
+
+    def on_cancel(self, req: Request) -> None:
+        """PD decode: `req` was aborted while its KV may still be landing; its pages stay
+        held until `Engine.release` (or `fail_transfer`)."""
+
+    def on_note(self, payload: object) -> None:
+        """A PP follower: what the leader's component told its peers (`Engine.note`), in
+        order with the leader's changes."""
+
+    def after_step(self, finished: list[Request]) -> None:
+        """After every turn of the serving loop, with the requests that finished in it."""
+
+
+NO_EVENTS: Final = EngineEvents()
