@@ -10,7 +10,9 @@ Order of a step:
   3. continue chunked prefills, then resume retracted requests, then admit waiting ones (PD
      decode: preallocate arriving ones, outside the token budget: full pages for the whole
      prompt, SWA pages only for its page-floored window tail, a request slot), in arrival
-     order under one token budget, each by the one admission function. A request that fits
+     order under one token budget, each by the one admission function. A step that
+     retracted continues prefills only: no resume, admission or preallocation takes what a
+     retracted request gave back. A request that fits
      later waits and blocks the ones behind it (so the head of the queue never starves); a
      chunk that can never fit the SWA pool shrinks; a request that can never fit is rejected
      at once.
@@ -191,6 +193,11 @@ def plan_step(
     )
     for v in queue:
         if v.phase is not Phase.PREALLOC and budget <= 0:  # preallocation runs no prefill
+            break
+        if retracts and v.phase is not Phase.PREFILL:
+            # The pools ran short this step: what the retracted gave back is theirs to resume
+            # with, not a newer request's to start with (arrival order).
+            waiting = (v.rid, f"request {retracts[0]} was retracted this step; it resumes first")
             break
         if (
             v.phase in (Phase.PREALLOC, Phase.WAITING)
