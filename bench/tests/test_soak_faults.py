@@ -148,4 +148,7 @@ def test_faults_runs_one_case(tmp_path: Path) -> None:
     figures = parse(proc.stdout)
     assert figures["decode-0-kill recovery"].value > 0
     assert figures["decode-0-kill silence"].value < 5
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # Exit 1 is the bench reporting a missed speed target (recovery 4.00 s against 3.94 s once
+    # in CI): a figure, not this test's business; anything else is a crash.
+    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
+    assert proc.returncode == 0 or "missed:" in proc.stdout, proc.stdout + proc.stderr
