@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import serve as http_bench
+import torch
 
 from dsv4_common.core.gpus import gpu_type
 from dsv4_common.core.presets import deepseek_v4_flash, deepseek_v4_pro
@@ -155,6 +156,11 @@ def _group(pp_size: int, device: str, procs: list[subprocess.Popen[bytes]]) -> i
 
 def serving_figures(args: argparse.Namespace) -> None:
     """tiny over HTTP: PP=1 vs PP=2 groups side by side (medians over --rounds)."""
+    if args.device == "cuda" and (n := torch.cuda.device_count()) < 2:
+        # Every stage of a CUDA group needs its own device (NCCL); on one GPU the PP=2 group
+        # starts, then fails every request.
+        print(f"\ntiny over HTTP, device=cuda: PP=2 needs 2 CUDA devices, this machine has {n}")
+        return
     procs: list[subprocess.Popen[bytes]] = []
     try:
         leaders = {pp: _group(pp, args.device, procs) for pp in (1, 2)}

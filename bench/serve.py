@@ -71,6 +71,8 @@ def _one(port: int, max_tokens: int) -> tuple[float, int]:
     t0 = time.perf_counter()
     c.request("POST", "/v1/completions", body=json.dumps(body).encode())
     resp = c.getresponse()
+    if resp.status != 200:  # a refused or failed request is no figure: say so, never count 0
+        raise RuntimeError(f"HTTP {resp.status} from port {port}: {resp.read()[:300]!r}")
     ttft, tokens = None, 0
     for raw in resp:
         line = raw.decode().strip()
@@ -91,12 +93,17 @@ def _round(port: int, clients: int, requests: int, max_tokens: int) -> tuple[flo
     tokens = [0]
     lock = threading.Lock()
 
+    errors: list[Exception] = []
+
     def client() -> None:
-        for _ in range(requests):
-            ttft, n = _one(port, max_tokens)
-            with lock:
-                ttfts.append(ttft)
-                tokens[0] += n
+        try:
+            for _ in range(requests):
+                ttft, n = _one(port, max_tokens)
+                with lock:
+                    ttfts.append(ttft)
+                    tokens[0] += n
+        except Exception as exc:  # re-raised below, on the caller's thread
+            errors.append(exc)
 
     threads = [threading.Thread(target=client) for _ in range(clients)]
     t0 = time.perf_counter()
@@ -105,6 +112,8 @@ def _round(port: int, clients: int, requests: int, max_tokens: int) -> tuple[flo
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
     return tokens[0] / wall, statistics.median(ttfts) * 1e3
 
 
