@@ -41,6 +41,9 @@ Routing rules:
   new completions 503 + Retry-After (code `draining`); open ones get `shutdown_timeout_s`,
   then a stream ends with an error event (code `draining`) and `[DONE]`, a request with no
   byte sent a 503.
+- Completions are mostly read and answered by `fast_path` (a plain request on a connection
+  it holds), the rest by aiohttp's routes here; both answer them alike (`fast_completion`,
+  the aiohttp route: the drain's 503, `_complete`).
 - `/ready` is 200 iff at least one prefill and one decode are eligible, and (several router
   processes, `processes`) every process saw such a pair in its last discovery round, so a
   client whose connection lands on any of them is served. `/live`, `/ready`,
@@ -59,20 +62,21 @@ from typing import Final
 
 from aiohttp import web
 
-from dsv4_common.api.http_rules import BodyError
+from dsv4_common.api.http_rules import BodyError, error_document, parse_json_body
 from dsv4_common.api.lifecycle import DRAIN_CODE
 from dsv4_router.choice import InstanceTable, choose_pair, unavailable_reason
 from dsv4_router.config import RouterSettings
 from dsv4_router.drain import CUT, REFUSED, RouterDrain
-from dsv4_router.errors import RETRY_AFTER_S
+from dsv4_router.errors import RETRY_AFTER_S, json_answer
 from dsv4_router.http_guard import (
     body_error_response,
     guarded_app,
     json_error,
-    read_checked_body,
+    read_body,
 )
 from dsv4_router.metrics import CONTENT_TYPE, RouterMetrics
 from dsv4_router.proxy import Proxy
+from dsv4_router.reply import Incoming, Reply, WebReply
 from dsv4_router.views import instance_view, router_status
 
 # Each client connection of the API may hold one upstream connection too.
@@ -94,7 +98,8 @@ class RouterState:
 
 
 def build_api_app(state: RouterState) -> web.Application:
-    """The API port: completions, models, probes, metrics and /instances."""
+    """The API port: completions, models, probes, metrics and /instances (aiohttp's routes;
+    most completions come by `fast_completion` instead: `fast_path`)."""
     app = build_probe_app(state, probes_only=False)
 
     async def completion(request: web.Request) -> web.StreamResponse:
@@ -103,22 +108,17 @@ def build_api_app(state: RouterState) -> web.Application:
             return json_error(503, REFUSED, code=DRAIN_CODE, retry_after_s=RETRY_AFTER_S)
         with state.drain.track():
             try:
-                body = await read_checked_body(request)  # the worker gets the exact bytes
+                body = await read_body(request)  # the worker gets the exact bytes
             except BodyError as exc:
                 state.metrics.count("client_error")
                 return body_error_response(exc)
-            try:
-                return await state.proxy.completion(request, body)
-            except asyncio.CancelledError:
-                # Cut by the drain before any byte was sent: say so (a stream that had
-                # started ended with an error event in `proxy`).
-                if not state.drain.was_cut() or request.writer.output_size > 0:
-                    raise
-                task = asyncio.current_task()
-                assert task is not None
-                task.uncancel()
-                state.metrics.count("unavailable")
-                return json_error(503, CUT, code=DRAIN_CODE, retry_after_s=RETRY_AFTER_S)
+            incoming = Incoming(
+                request.method, request.raw_path, request.path, request.raw_headers, body
+            )
+            reply = WebReply(request)
+            await _complete(state, incoming, reply)
+            assert reply.response is not None, "every completion is answered"
+            return reply.response
 
     async def models(request: web.Request) -> web.StreamResponse:
         return await state.proxy.models(request)
@@ -128,6 +128,41 @@ def build_api_app(state: RouterState) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model:.+}", models)  # one model: the decode answers
     return app
+
+
+async def fast_completion(state: RouterState, incoming: Incoming, reply: Reply) -> None:
+    """A completion from `fast_path` (its body in, within the size limit): as aiohttp's
+    route answers it."""
+    if state.drain.draining:
+        state.metrics.count("unavailable")
+        document = error_document(REFUSED, "server_error", code=DRAIN_CODE)
+        reply.answer(*json_answer(503, document, retry_after_s=RETRY_AFTER_S))
+        return
+    with state.drain.track():
+        await _complete(state, incoming, reply)
+
+
+async def _complete(state: RouterState, incoming: Incoming, reply: Reply) -> None:
+    """Check the body (400 naming the field), then route it (`proxy`); a request the drain
+    cut before any byte was sent gets a 503 (a stream that had started ended with an error
+    event in `proxy`)."""
+    try:
+        parse_json_body(incoming.body, max_depth=state.settings.http.max_depth)
+    except BodyError as exc:
+        state.metrics.count("client_error")
+        reply.answer(*json_answer(exc.status, exc.document()))
+        return
+    try:
+        await state.proxy.completion(incoming, reply)
+    except asyncio.CancelledError:
+        if not state.drain.was_cut() or reply.started:
+            raise
+        task = asyncio.current_task()
+        assert task is not None
+        task.uncancel()
+        state.metrics.count("unavailable")
+        document = error_document(CUT, "server_error", code=DRAIN_CODE)
+        reply.answer(*json_answer(503, document, retry_after_s=RETRY_AFTER_S))
 
 
 def build_probe_app(state: RouterState, *, probes_only: bool = True) -> web.Application:

@@ -11,10 +11,9 @@ its worker abort the request. Only then do the listeners close.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dsv4_common.api.lifecycle import Move, next_move
@@ -40,17 +39,15 @@ class RouterDrain:
     def start(self) -> None:
         self.draining = True
 
-    @contextlib.contextmanager
-    def track(self) -> Iterator[None]:
-        """The current task is an open completion while inside."""
+    def track(self) -> _Tracked:
+        """The current task is an open completion while inside (`with drain.track():`)."""
         task = asyncio.current_task()
         assert task is not None
-        self._open.add(task)
-        try:
-            yield
-        finally:
-            self._open.discard(task)
-            self._cut.discard(task)
+        return _Tracked(self, task)
+
+    def _leave(self, task: asyncio.Task[object]) -> None:
+        self._open.discard(task)
+        self._cut.discard(task)
 
     def was_cut(self) -> bool:
         """The current task was cancelled by the drain (not by its client leaving)."""
@@ -62,6 +59,22 @@ class RouterDrain:
             self._cut.add(task)
             task.cancel()
         return len(self._open)
+
+
+class _Tracked:
+    """`RouterDrain.track`'s context (a class: it runs for every completion)."""
+
+    __slots__ = ("_drain", "_task")
+
+    def __init__(self, drain: RouterDrain, task: asyncio.Task[object]) -> None:
+        self._drain = drain
+        self._task = task
+
+    def __enter__(self) -> None:
+        self._drain._open.add(self._task)
+
+    def __exit__(self, *_: object) -> None:
+        self._drain._leave(self._task)
 
 
 async def drain(

@@ -13,6 +13,7 @@ from dsv4_common.api.http_rules import error_document
 
 ErrorType = Literal["invalid_request_error", "server_error"]
 RETRY_AFTER_S: Final = 1
+JSON_CONTENT_TYPE: Final = "application/json; charset=utf-8"
 # How much of an upstream error body is kept for the router's own message.
 MAX_UPSTREAM_MESSAGE_CHARS: Final = 500
 # `error.code` of the event that ends a relayed stream: the decode's connection broke, or the
@@ -42,6 +43,16 @@ def error_response(
     """`retry`: add `Retry-After` (the client may try again shortly)."""
     headers = {"Retry-After": str(RETRY_AFTER_S)} if retry else None
     return web.json_response(error_body(message, error_type, param), status=status, headers=headers)
+
+
+def json_answer(
+    status: int, document: dict[str, Any], *, retry_after_s: int | None = None
+) -> tuple[int, list[tuple[str, str]], bytes]:
+    """A JSON answer as (status, headers, body), as `web.json_response` would make it."""
+    headers = [("Content-Type", JSON_CONTENT_TYPE)]
+    if retry_after_s is not None:
+        headers.append(("Retry-After", str(retry_after_s)))
+    return status, headers, json.dumps(document).encode()
 
 
 def upstream_message(payload: bytes) -> str:

@@ -28,7 +28,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -64,6 +64,17 @@ REPORT_EVERY_S: Final = 5.0  # refusals and evictions are summed into one line t
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+class Held(Protocol):
+    """A connection the listener's bound counts that aiohttp does not hold (`fast_path`)."""
+
+    opened_s: float
+
+    @property
+    def busy(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass(slots=True)
 class Guard:
     """One app's limits and what it knows about its open connections."""
@@ -72,10 +83,11 @@ class Guard:
     max_connections: int
     log: logging.Logger
     # Both pruned as connections go: opened_s at each new connection, handling per request.
-    opened_s: dict[RequestHandler, float] = field(default_factory=dict)
+    opened_s: dict[asyncio.BaseProtocol, float] = field(default_factory=dict)
     handling: dict[RequestHandler, web.Request] = field(default_factory=dict)
     evicted_handlers: set[RequestHandler] = field(default_factory=set)  # `note` logs them
-    fresh: list[RequestHandler] = field(default_factory=list)  # handed out, not yet connected
+    fresh: list[asyncio.BaseProtocol] = field(default_factory=list)  # handed out, not connected
+    fast: set[Held] = field(default_factory=set)  # connected, not (yet) aiohttp's
     refused: int = 0
     evicted: int = 0
     reported_s: float = float("-inf")
@@ -234,11 +246,15 @@ def _middleware(guard: Guard) -> Any:
 
 
 def _log_level(response: web.StreamResponse) -> int:
+    return log_level(response.status, "Retry-After" in response.headers)
+
+
+def log_level(status: int, retry_after: bool) -> int:
     """A shed request (503 + Retry-After) is expected under load and counted by the shed
     metrics: a line for each would flood the log exactly when the process is busiest."""
-    if response.status == 503 and "Retry-After" in response.headers:
+    if status == 503 and retry_after:
         return logging.DEBUG
-    return logging.WARNING if response.status >= 500 else logging.INFO
+    return logging.WARNING if status >= 500 else logging.INFO
 
 
 def _where(request: web.Request) -> str:

@@ -3,6 +3,8 @@ start-up (`bind`: a busy port or a bad host fails at once, naming the flag), and
 admits at most the guard's `max_connections` (`serve_on`): past it the oldest connection
 without a whole request is closed to make room (a slow or half-sent client cannot starve
 /health or a completion), and a new one gets a fast 503 only when every open one is busy.
+`serve_on(..., fast=factory)`: new connections start on the factory's protocol (the router's
+`fast_path`), counted by the bound as `Guard.fast`, and closed when the listener stops.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ import json
 import resource
 import socket
 import time
+from collections.abc import Callable
 from typing import Final, cast
 
 from aiohttp import web
 from aiohttp.web_runner import BaseRunner
 
 from dsv4_common.api.http_rules import OpenConnection, admit, error_document
-from dsv4_router.http_guard import ACCEPT_BATCH, GUARD, Guard, new_protocol
+from dsv4_router.http_guard import ACCEPT_BATCH, GUARD, Guard, Held, new_protocol
 
 LISTEN_BACKLOG: Final = 1024
 REFUSED: Final = (
@@ -91,15 +94,26 @@ class _Refused(asyncio.Protocol):
         transport.close()
 
 
+# A protocol for a new connection that is not aiohttp's own (it may hand itself over).
+FastFactory = Callable[[], asyncio.Protocol]
+
+
 class GuardedSite(web.BaseSite):
     """A pre-bound listening socket whose new connections go through `admit`."""
 
-    __slots__ = ("_guard", "_sock")
+    __slots__ = ("_fast", "_guard", "_sock")
 
-    def __init__(self, runner: BaseRunner, sock: socket.socket, guard: Guard) -> None:
+    def __init__(
+        self,
+        runner: BaseRunner,
+        sock: socket.socket,
+        guard: Guard,
+        fast: FastFactory | None = None,
+    ) -> None:
         super().__init__(runner)
         self._sock = sock
         self._guard = guard
+        self._fast = fast
 
     @property
     def name(self) -> str:
@@ -117,6 +131,11 @@ class GuardedSite(web.BaseSite):
         )
         self._sock.listen(LISTEN_BACKLOG)
 
+    async def stop(self) -> None:
+        await super().stop()
+        for conn in list(self._guard.fast):  # aiohttp's own close with the runner
+            conn.close()
+
     def _connection(self) -> asyncio.Protocol:
         server = self._runner.server
         assert server is not None
@@ -127,31 +146,40 @@ class GuardedSite(web.BaseSite):
         known, now_s = set(server.connections), time.monotonic()
         if not guard.fresh:
             asyncio.get_running_loop().call_soon(guard.fresh.clear)
-        connecting = [h for h in guard.fresh if h not in known]
+        held_now = cast("set[object]", guard.fast)  # connected: counted below
+        connecting = [h for h in guard.fresh if h not in known and h not in held_now]
         live = [h for h in known if h.transport is not None]
         guard.opened_s = {h: guard.opened_s.get(h, now_s) for h in (*live, *connecting)}
         views = [OpenConnection(guard.opened_s[h], guard.busy(h)) for h in live]
         views += [OpenConnection(guard.opened_s[h], busy=True) for h in connecting]
+        held: list[Held] = list(guard.fast)
+        views += [OpenConnection(c.opened_s, c.busy) for c in held]
         decision = admit(views, guard.max_connections)
         if not decision.accept:
             guard.note(refused=1)
             return _Refused()
         for i in decision.evict:
+            if i >= len(live):  # never one connecting: those count as busy
+                held[i - len(live) - len(connecting)].close()
+                continue
             if live[i] in guard.handling:
                 guard.evicted_handlers.add(live[i])
             live[i].force_close()
         if decision.evict:
             guard.note(evicted=len(decision.evict))
-        handler = new_protocol(server)
+        handler = self._fast() if self._fast is not None else new_protocol(server)
         guard.opened_s[handler] = now_s
         guard.fresh.append(handler)
         return handler
 
 
-async def serve_on(runner: web.AppRunner, sockets: list[socket.socket]) -> int:
-    """Serve the runner's app on pre-bound sockets (`runner.setup()` first); the bound port."""
+async def serve_on(
+    runner: web.AppRunner, sockets: list[socket.socket], fast: FastFactory | None = None
+) -> int:
+    """Serve the runner's app on pre-bound sockets (`runner.setup()` first); the bound port.
+    `fast`: new connections start on its protocols (see the module's docstring)."""
     guard = runner.app[GUARD]
     for sock in sockets:
-        await GuardedSite(runner, sock, guard).start()
+        await GuardedSite(runner, sock, guard, fast).start()
     port: int = sockets[0].getsockname()[1]
     return port

@@ -1,6 +1,7 @@
 """Forwards one client request to a (prefill, decode) pair and relays the answer, retrying on
 another pair while the client has not received a byte. The rules are in `app`'s docstring.
 
+The client's side is a `reply.Incoming` and its `reply.Reply` (aiohttp's or `fast_path`'s).
 I/O (upstream HTTP): completions go over `upstream`'s pooled keep-alive connections, the
 client's body and end-to-end headers as they came (`request_head`), the answer's body relayed
 as it came; /v1/models goes through aiohttp's client. Which pair is `choice.choose_pair`; what
@@ -13,7 +14,6 @@ a failure excludes and what the client gets when every attempt failed are the pu
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -25,6 +25,12 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from dsv4_common.api.lifecycle import DRAIN_CODE
 from dsv4_common.api.rank_config import Instance
+from dsv4_common.api.request_id import (
+    REQUEST_ID_HEADER,
+    InvalidRequestId,
+    attempt_id,
+    request_id_of,
+)
 from dsv4_router.choice import (
     InstanceRecord,
     InstanceTable,
@@ -39,9 +45,12 @@ from dsv4_router.config import RouterSettings
 from dsv4_router.drain import CUT
 from dsv4_router.errors import (
     BROKEN_CODE,
+    RETRY_AFTER_S,
     STALLED_CODE,
+    error_body,
     error_event,
     error_response,
+    json_answer,
     upstream_message,
 )
 from dsv4_router.liveness import (
@@ -52,11 +61,13 @@ from dsv4_router.liveness import (
     stale_reason,
 )
 from dsv4_router.metrics import Outcome, RouterMetrics
+from dsv4_router.reply import Incoming, Reply, end_quietly
 from dsv4_router.upstream import Answer, Upstream, UpstreamStalled
 
 log = logging.getLogger(__name__)
 
 PREFILL_HEADER: Final = "X-DSV4-Prefill"
+REQUEST_ID_RAW: Final = REQUEST_ID_HEADER.lower().encode()
 EVENT_STREAM: Final = "text/event-stream"
 # Hop-by-hop headers and those aiohttp sets itself are never copied across.
 _HOP_HEADERS: Final = frozenset(
@@ -78,6 +89,7 @@ _NOT_FORWARDED: Final = _HOP_HEADERS | {
     "accept-encoding",
     "expect",
     PREFILL_HEADER.lower(),
+    REQUEST_ID_HEADER.lower(),  # each attempt's own (`attempt_id`)
 }
 _NOT_FORWARDED_RAW: Final = frozenset(name.encode() for name in _NOT_FORWARDED)
 # The date and server are the router's own. Through aiohttp (/v1/models) the body arrives
@@ -134,10 +146,11 @@ def request_head(
     headers: Iterable[tuple[bytes, bytes]],
     prefill: Instance,
     body_bytes: int,
+    request_id: str,
 ) -> bytes:
     """The HTTP/1.1 request line and headers for the decode: the client's end-to-end headers
-    as they came (`headers`: raw pairs), its Host, the prefill's KV address, the body length.
-    The connection stays open (HTTP/1.1's default)."""
+    as they came (`headers`: raw pairs), its Host, the attempt's request id, the prefill's KV
+    address, the body length. The connection stays open (HTTP/1.1's default)."""
     lines = [f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n".encode("latin-1")]
     lines += [
         name + b": " + value + b"\r\n"
@@ -146,7 +159,8 @@ def request_head(
     ]
     prefill_at = host_port(prefill.host, prefill.kv_port)
     lines.append(
-        f"{PREFILL_HEADER}: {prefill_at}\r\nContent-Length: {body_bytes}\r\n\r\n".encode("latin-1")
+        f"{REQUEST_ID_HEADER}: {request_id}\r\n{PREFILL_HEADER}: {prefill_at}\r\n"
+        f"Content-Length: {body_bytes}\r\n\r\n".encode("latin-1")
     )
     return b"".join(lines)
 
@@ -199,54 +213,67 @@ class Proxy:
         self._clock = clock
         self._rules = (settings.liveness, settings.stall)  # the settings are frozen
 
-    async def completion(self, request: web.Request, body: bytes) -> web.StreamResponse:
-        """Route one completion; counts its outcome once (`aborted` if cancelled, which is what
-        a client disconnect does to the handler)."""
+    async def completion(self, incoming: Incoming, reply: Reply) -> None:
+        """Route one completion, answering through `reply`; counts its outcome once
+        (`aborted` if cancelled, which is what a client disconnect does to the handler)."""
         settings = self._settings
         outcome: Outcome = "aborted"
         excluded: set[Instance] = set()
         failures: list[Failure] = []
         try:
+            try:
+                rid = request_id_of(incoming.header(REQUEST_ID_RAW))
+            except InvalidRequestId as exc:
+                outcome = "client_error"
+                document = error_body(str(exc), "invalid_request_error", REQUEST_ID_HEADER)
+                reply.answer(*json_answer(400, document))
+                return
             for attempt in range(settings.max_attempts):
                 records, now_s = self._table.records(), self._clock()
-                pair = choose_pair(records, now_s, settings.liveness, frozenset(excluded))
+                pair = choose_pair(records, now_s, self._rules[0], frozenset(excluded))
                 if pair is None:
-                    shed, reason = unavailable(
-                        records, now_s, settings.liveness, frozenset(excluded)
-                    )
+                    shed, reason = unavailable(records, now_s, self._rules[0], frozenset(excluded))
                     break
                 if attempt > 0:
                     self._metrics.retries.inc()
-                result = await self._attempt(request, body, pair, frozenset(excluded))
+                result = await self._attempt(
+                    incoming, reply, pair, frozenset(excluded), attempt_id(rid, attempt)
+                )
                 if not isinstance(result, Failure):
-                    response, outcome = result
-                    return response
+                    outcome = result
+                    return
                 log.warning(
-                    "attempt %d of %s failed: %s", attempt + 1, request.path, result.message
+                    "attempt %d of %s failed: %s", attempt + 1, incoming.path, result.message
                 )
                 failures.append(result)
                 excluded.update(result.excluded)
             else:
                 shed, reason = "failed", f"{settings.max_attempts} attempts failed"
-            response, outcome = _give_up(failures, reason)
+            outcome = _give_up(failures, reason, reply)
             if outcome == "unavailable":
                 self._metrics.shed(shed_reason(failures, shed))
-            return response
         finally:
             self._metrics.count(outcome)
 
     async def _attempt(
-        self, request: web.Request, body: bytes, pair: Pair, excluded: frozenset[Instance]
-    ) -> tuple[web.StreamResponse, Outcome] | Failure:
+        self,
+        incoming: Incoming,
+        reply: Reply,
+        pair: Pair,
+        excluded: frozenset[Instance],
+        request_id: str,
+    ) -> Outcome | Failure:
         decode = pair.decode.instance
         address = host_port(decode.host, decode.http_port)
+        body = incoming.body
         head = request_head(
-            request.method,
-            request.raw_path,
+            incoming.method,
+            incoming.target,
             address,
-            request.raw_headers,
+            incoming.headers,
             pair.prefill.instance,
             len(body),
+            request_id,
         )
         timeout_s = self._settings.first_byte_timeout_s
         liveness, stall = self._rules
@@ -271,10 +298,10 @@ class Proxy:
                     payload = upstream.take_body()  # the usual small answer: already whole
                     if payload is None:
                         payload = await upstream.read()
-                    headers = relayed_headers(upstream.headers)
-                    response = web.Response(status=status, body=payload, headers=headers)
-                    return response, "ok" if status < 400 else "client_error"
-                return await self._relay(request, upstream, pair, check, f"decode {address}")
+                    reply.answer(status, relayed_headers(upstream.headers), payload)
+                    return "ok" if status < 400 else "client_error"
+                where = f"decode {address}"
+                return await self._relay(incoming, reply, upstream, pair, check, where)
             except OSError as exc:
                 return Failure(None, f"decode {address}: {exc or type(exc).__name__}", (decode,))
             finally:
@@ -289,50 +316,53 @@ class Proxy:
             pair.decode.done()
 
     async def _relay(
-        self, request: web.Request, upstream: Answer, pair: Pair, check: _StallCheck, where: str
-    ) -> tuple[web.StreamResponse, Outcome] | Failure:
+        self,
+        incoming: Incoming,
+        reply: Reply,
+        upstream: Answer,
+        pair: Pair,
+        check: _StallCheck,
+        where: str,
+    ) -> Outcome | Failure:
         """A 5xx (a failed attempt) or an event stream; OSError if the upstream breaks."""
         if upstream.status >= 500:
             message = f"{where}: {upstream.status}: {upstream_message(await upstream.read())}"
             return Failure(upstream.status, message, failure_exclusions(pair, upstream.status))
-        return await self._stream(request, upstream, check, where)
+        return await self._stream(incoming, reply, upstream, check, where)
 
     async def _stream(
-        self, request: web.Request, upstream: Answer, check: _StallCheck, where: str
-    ) -> tuple[web.StreamResponse, Outcome]:
+        self, incoming: Incoming, reply: Reply, upstream: Answer, check: _StallCheck, where: str
+    ) -> Outcome:
         """Relay each chunk as it arrives. Past this point the client has bytes: a broken
         upstream ends the stream with an error event, a stalled one with an error event and
         `[DONE]`, never a retry."""
-        response = web.StreamResponse(
-            status=upstream.status, headers=relayed_headers(upstream.headers)
-        )
-        await response.prepare(request)
+        await reply.start(upstream.status, relayed_headers(upstream.headers))
         check.answered = True
         while True:
             try:
                 chunk = await upstream.read_chunk()
             except asyncio.CancelledError:  # the drain cut it (or the client left: no one reads)
-                if await _write_quietly(response, error_event(CUT, DRAIN_CODE, done=True)):
-                    await _end_quietly(response)
+                if await reply.write(error_event(CUT, DRAIN_CODE, done=True)):
+                    await end_quietly(reply)
                 raise
             except UpstreamStalled as exc:
                 log.warning("%s: stream stalled: %s", where, exc)
                 message = f"{where} stalled: {exc}"
-                if await _write_quietly(response, error_event(message, STALLED_CODE, done=True)):
-                    await _end_quietly(response)
-                return response, "upstream_error"
+                if await reply.write(error_event(message, STALLED_CODE, done=True)):
+                    await end_quietly(reply)
+                return "upstream_error"
             except OSError as exc:
                 log.warning("%s: stream broke: %s", where, exc or type(exc).__name__)
                 message = f"{where}: the stream broke: {exc or type(exc).__name__}"
-                await _write_quietly(response, error_event(message, BROKEN_CODE, done=False))
-                return response, "upstream_error"
+                await reply.write(error_event(message, BROKEN_CODE, done=False))
+                return "upstream_error"
             if not chunk:
                 break
-            if not await _write_quietly(response, chunk):
-                log.info("%s %s: aborted (the client went away)", request.method, request.path)
-                return response, "aborted"
-        await response.write_eof()
-        return response, "ok" if upstream.status < 400 else "client_error"
+            if not await reply.write(chunk):
+                log.info("%s %s: aborted (the client went away)", incoming.method, incoming.path)
+                return "aborted"
+        await reply.end()
+        return "ok" if upstream.status < 400 else "client_error"
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         """GET /v1/models (or /v1/models/ID) from the best eligible decode (another one if it
@@ -363,24 +393,14 @@ class Proxy:
         return error_response(503, "no ready decode instance answered /v1/models", retry=True)
 
 
-def _give_up(failures: list[Failure], reason: str) -> tuple[web.Response, Outcome]:
+def _give_up(failures: list[Failure], reason: str, reply: Reply) -> Outcome:
+    """Answer that no attempt succeeded (`give_up_status`)."""
     if give_up_status(failures) == 502:
-        return error_response(502, failures[-1].message, retry=True), "upstream_error"
+        document = error_body(failures[-1].message, "server_error")
+        reply.answer(*json_answer(502, document, retry_after_s=RETRY_AFTER_S))
+        return "upstream_error"
     last = f"; last failure: {failures[-1].message}" if failures else ""
     message = f"no instance pair can take the request: {reason}{last}"
-    return error_response(503, message, retry=True), "unavailable"
-
-
-async def _end_quietly(response: web.StreamResponse) -> None:
-    """End the body (its last chunk) if the client is still there."""
-    with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
-        await response.write_eof()
-
-
-async def _write_quietly(response: web.StreamResponse, data: bytes) -> bool:
-    """Write to the client; False if it has gone away."""
-    try:
-        await response.write(data)
-    except (ConnectionError, aiohttp.ClientConnectionResetError):
-        return False
-    return True
+    document = error_body(message, "server_error")
+    reply.answer(*json_answer(503, document, retry_after_s=RETRY_AFTER_S))
+    return "unavailable"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import socket
@@ -27,12 +28,13 @@ from aiohttp import web
 
 from dsv4_common.api.http_rules import HttpLimits
 from dsv4_common.core.cpus import available_cpus
-from dsv4_router.app import RouterState, build_api_app, build_probe_app
+from dsv4_router.app import RouterState, build_api_app, build_probe_app, fast_completion
 from dsv4_router.choice import InstanceTable, choose_pair, host_port
 from dsv4_router.config import ConfigError, RouterSettings, default_processes, settings_from_args
 from dsv4_router.discovery import Discovery, Resolver, resolve_host
 from dsv4_router.drain import drain
-from dsv4_router.http_guard import make_runner
+from dsv4_router.fast_path import FastFront
+from dsv4_router.http_guard import GUARD, make_runner, new_protocol
 from dsv4_router.http_listen import ListenError, bind, raise_fd_limit, serve_on
 from dsv4_router.metrics import RouterMetrics, SharedCounts
 from dsv4_router.processes import STOP_SIGNAL, Prebound, run_processes
@@ -101,7 +103,7 @@ async def start_router(
     try:
         if prebound is None:
             prebound = bind_router(settings)
-        api_port = await _listen(build_api_app(state), settings, prebound.api, runners)
+        api_port = await _listen(build_api_app(state), settings, prebound.api, runners, fast=state)
         status_port = None
         if prebound.status is not None:
             status_port = await _listen(build_probe_app(state), settings, prebound.status, runners)
@@ -166,14 +168,23 @@ async def _listen(
     settings: RouterSettings,
     sockets: list[socket.socket],
     runners: list[web.AppRunner],
+    *,
+    fast: RouterState | None = None,
 ) -> int:
     """Serve `app` on the bound `sockets` under the HTTP rules (`http_guard`); returns the
     bound port. Handlers are cancelled when their client disconnects (that is what closes
-    the upstream request, streaming or not)."""
+    the upstream request, streaming or not). `fast`: completions take `fast_path`."""
     runner = make_runner(app, shutdown_timeout_s=settings.shutdown_timeout_s)
     await runner.setup()
     runners.append(runner)
-    return await serve_on(runner, sockets)
+    if fast is None:
+        return await serve_on(runner, sockets)
+    server = runner.server
+    assert server is not None
+    front = FastFront(
+        functools.partial(fast_completion, fast), app[GUARD], lambda: new_protocol(server)
+    )
+    return await serve_on(runner, sockets, fast=front)
 
 
 async def _serve(settings: RouterSettings, *, child: _Child | None = None) -> None:

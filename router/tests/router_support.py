@@ -86,6 +86,7 @@ class Seen:
     path: str
     body: bytes
     prefill: str | None  # the X-DSV4-Prefill header
+    request_id: str | None = None  # the X-Request-Id header
 
 
 @dataclass
@@ -172,8 +173,14 @@ class StubWorker:
         return web.json_response(MODELS)
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
+        headers = request.headers
         self.seen.append(
-            Seen(request.path, await request.read(), request.headers.get("X-DSV4-Prefill"))
+            Seen(
+                request.path,
+                await request.read(),
+                headers.get("X-DSV4-Prefill"),
+                headers.get("X-Request-Id"),
+            )
         )
         try:
             return await self._answer(request)
