@@ -1,13 +1,17 @@
 """PD disaggregation figures (prints tables; not a test).
 
-    .venv/bin/python bench/pd.py [--device cpu|cuda] [--rounds R] [--transfer nixl|zmq]
+    .venv/bin/python bench/pd.py [--device cpu|cuda] [--rounds R] [--transfer nixl|zmq] [--json]
 
 1. Serving `tiny` over HTTP on loopback, colocated (one `dsv4 serve`) vs disaggregated
    (router + prefill + decode processes), side by side in one run:
    - TTFT at low load (the PD target): `--ttft-requests` single requests per server, one at a
      time, the servers visited request by request in a shuffled order (median, p90, ratio);
    - TTFT and generated tokens/s at 1 and 32 concurrent streaming clients, each server in turn
-     per round (medians over `--rounds`).
+     per round (medians over `--rounds`; `--clients` with no value skips them).
+   With `--json`, a `@bench-json` line (bench/benchjson.py, for bench/compare.py) holds the
+   low-load TTFT medians and each PD stack's ratio to colocated:
+
+       .venv/bin/python bench/compare.py BASE --bench pd -- --clients --ttft-requests 40
 2. Decode admission capacity for a DSV4-Pro decode plan (TP=8 on an H200, SWA ratio 0.1):
    how many 32K-token prompts one decode rank preallocates at once when it reserves SWA for the
    page-floored window tail only (this project; ref. #24036/#24857) vs for the whole prompt
@@ -26,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import serve as http_bench
+from benchjson import Figure, emit
 
 from dsv4_common.core.gpus import gpu_type
 from dsv4_common.core.presets import load_model_config
@@ -77,7 +82,8 @@ def _pd(device: str, transfer: str, threads: int, procs: list[subprocess.Popen[b
     return rp
 
 
-def serving(args: argparse.Namespace) -> None:
+def serving(args: argparse.Namespace) -> list[Figure]:
+    """Print the tables; the low-load TTFT figures (none when skipped)."""
     procs: list[subprocess.Popen[bytes]] = []
     try:
         colo = http_bench._free_port()
@@ -94,7 +100,7 @@ def serving(args: argparse.Namespace) -> None:
             ports[name] = _pd(args.device, args.transfer, threads, procs)
         for port in ports.values():
             http_bench._round(port, 1, 2, 4)  # warm-up
-        low_load_ttft(ports, args)
+        figures = low_load_ttft(ports, args)
         print(
             f"tiny over HTTP, device={args.device}, transfer={args.transfer}, "
             f"{args.max_tokens} tokens/request, {os.cpu_count()} CPUs; medians of {args.rounds}"
@@ -105,13 +111,14 @@ def serving(args: argparse.Namespace) -> None:
             f"{'TTFT ratio':>10}"
         )
         for clients in args.clients:
-            figures = http_bench.interleaved(
+            rows = http_bench.interleaved(
                 ports, clients, args.requests, args.max_tokens, args.rounds
             )
-            base = figures["colocated"][1]
-            for name, (tps, ttft) in figures.items():
+            base = rows["colocated"][1]
+            for name, (tps, ttft) in rows.items():
                 ratio = ttft / base
                 print(f"{clients:>8}  {name:>{width}}  {tps:>9.1f}  {ttft:>8.1f}  {ratio:>10.2f}")
+        return figures
     finally:
         for proc in procs:
             proc.terminate()
@@ -119,10 +126,12 @@ def serving(args: argparse.Namespace) -> None:
             proc.wait(timeout=30)
 
 
-def low_load_ttft(ports: dict[str, int], args: argparse.Namespace) -> None:
-    """The TTFT target's figure: one request at a time, servers visited request by request."""
+def low_load_ttft(ports: dict[str, int], args: argparse.Namespace) -> list[Figure]:
+    """The TTFT target's figure: one request at a time, servers visited request by request;
+    returned as figures (`ttft_figures`)."""
     if args.ttft_requests <= 0:
-        return
+        return []
+    load_start = os.getloadavg()[0]
     ttfts = http_bench.ttft_side_by_side(ports, args.ttft_requests, args.max_tokens)
     base = statistics.median(ttfts["colocated"])
     print(
@@ -135,7 +144,22 @@ def low_load_ttft(ports: dict[str, int], args: argparse.Namespace) -> None:
         median = statistics.median(values)
         p90 = http_bench.percentile(values, 0.9)
         print(f"  {name:>{width}}  {median:>9.1f}  {p90:>7.1f}  {median / base:>5.2f}")
+    print(f"  load average (1 min): {load_start:.2f} at start, {os.getloadavg()[0]:.2f} at end")
     print()
+    return ttft_figures({name: statistics.median(values) for name, values in ttfts.items()})
+
+
+def ttft_figures(medians: dict[str, float]) -> list[Figure]:
+    """Each server's median low-load TTFT, and each PD stack's ratio to colocated (the
+    target: <= 1.15)."""
+    base = medians["colocated"]
+    out = [Figure(f"ttft_ms.{name}", ms, "ms", "lower") for name, ms in medians.items()]
+    out += [
+        Figure(f"ttft_ratio.{name}", ms / base, "x", "lower")
+        for name, ms in medians.items()
+        if name != "colocated"
+    ]
+    return out
 
 
 def admission(prompt_tokens: int, max_new_tokens: int) -> None:
@@ -200,10 +224,14 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="*", default=[1, 32])
     parser.add_argument("--prompt-tokens", type=int, default=32768)
     parser.add_argument("--skip-serving", action="store_true", help="only the admission figures")
+    parser.add_argument(
+        "--json", action="store_true", help="also print a @bench-json line (low-load TTFT)"
+    )
     args = parser.parse_args()
-    if not args.skip_serving:
-        serving(args)
+    figures = [] if args.skip_serving else serving(args)
     admission(args.prompt_tokens, args.max_tokens)
+    if args.json:
+        emit("pd", figures)
 
 
 if __name__ == "__main__":

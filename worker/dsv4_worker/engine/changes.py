@@ -11,11 +11,12 @@ from typing import Any
 
 from dsv4_worker.engine.logprobs import TokenLogprob
 from dsv4_worker.engine.sampler import SamplingParams
+from dsv4_worker.sched.scheduler import RequestId
 
 
 @dataclass(frozen=True, slots=True)
 class Submit:
-    rid: int
+    rid: RequestId
     prompt: tuple[int, ...]
     params: SamplingParams
     keep_pages: bool = False
@@ -24,17 +25,17 @@ class Submit:
 
 @dataclass(frozen=True, slots=True)
 class Abort:
-    rid: int
+    rid: RequestId
 
 
 @dataclass(frozen=True, slots=True)
 class Release:
-    rid: int
+    rid: RequestId
 
 
 @dataclass(frozen=True, slots=True)
 class CompleteTransfer:
-    rid: int
+    rid: RequestId
     first_token: int
     generator_state: Any = None  # a torch.Tensor (uint8) or None
     first_logprob: TokenLogprob | None = None
@@ -43,7 +44,7 @@ class CompleteTransfer:
 
 @dataclass(frozen=True, slots=True)
 class FailTransfer:
-    rid: int
+    rid: RequestId
     why: str
 
 

@@ -57,7 +57,7 @@ from dsv4_worker.engine.steps import Planner, StepSource
 from dsv4_worker.mem.errors import KVMemoryError
 from dsv4_worker.mem.offload import OffloadedRequest, offload_request, reload_request
 from dsv4_worker.sched.budget import NOTHING, Need, PoolRoom
-from dsv4_worker.sched.scheduler import Phase, ReqView, StepPlan, plan_step
+from dsv4_worker.sched.scheduler import Phase, RequestId, ReqView, StepPlan, plan_step
 
 FinishReason = Literal["stop", "length", "error", "abort"]
 
@@ -68,9 +68,10 @@ RATIO_MAX, RATIO_MIN, RATIO_DECAY = 1.0, 0.1, 0.002
 
 @dataclass(slots=True)
 class Request:
-    rid: int
+    rid: RequestId  # its one id, from the caller (unique among the engine's requests)
     prompt: tuple[int, ...]
     params: SamplingParams
+    seq: int = 0  # arrival number in this engine (the scheduler's order: smaller = older)
     output: list[int] = field(default_factory=list)
     phase: Phase = Phase.WAITING
     slot: int | None = None
@@ -104,7 +105,7 @@ class Scored(NamedTuple):
 
     tokens: list[int]
     logprobs: list[TokenLogprob | None]
-    prompt: list[tuple[int, int, tuple[TokenLogprob, ...]]]
+    prompt: list[tuple[RequestId, int, tuple[TokenLogprob, ...]]]
 
 
 def ends_with(req: Request, token: int) -> FinishReason | None:
@@ -127,6 +128,10 @@ class Adjusted(NamedTuple):
 
 
 NOTHING_ADJUSTED: Final = Adjusted(torch.empty(0), {}, {})
+
+
+class DuplicateRequest(ValueError):
+    """A request id already in flight here (unfinished, or holding pages until released)."""
 
 
 class EngineFailed(RuntimeError):
@@ -154,15 +159,18 @@ class Engine:
         self.events = events
         self.source = source
         self.grammar = grammar  # set: requests may carry a json_schema
-        self.requests: dict[int, Request] = {}  # unfinished, by rid
-        self.held: dict[int, Request] = {}  # finished but holding pages until release()
+        # unfinished, by rid; insertion order is arrival order (seq)
+        self.requests: dict[RequestId, Request] = {}
+        self.held: dict[RequestId, Request] = {}  # finished but holding pages until release()
         self._held_needs: dict[tuple[int, int], Need] = {}  # _views' shared Need per count
         self._finished_between: list[Request] = []  # finished outside step()
-        self._rids = itertools.count()
+        self._seqs = itertools.count()
         self.new_token_ratio = RATIO_MAX
         self.steps = 0
         self._idle_since_s: float | None = None  # a step left the engine idle, unchecked since
-        self.waits: dict[str, int] = {}  # why the head of the queue waited -> steps
+        # why the head of the queue waited -> steps (reasons name units, never a request id:
+        # the keys stay few however many requests pass)
+        self.waits: dict[str, int] = {}
         self.failure: str | None = None  # set: the engine cannot serve (fail_all)
         totals = {u.pool: u.total for u in self.mem.usage()}
         self.own_total = PoolRoom(totals["full"], totals["swa"], totals["req_slots"])
@@ -175,14 +183,24 @@ class Engine:
         prompt: tuple[int, ...] | list[int],
         params: SamplingParams,
         *,
+        rid: RequestId | None = None,
         keep_pages: bool = False,
         prefill: str | None = None,
     ) -> Request:
+        """Queue a request under `rid`, the caller's id for it (None: the engine names it
+        `req-<arrival number>`). A rid still in flight here raises DuplicateRequest."""
         if self.failure is not None:
             raise EngineFailed(self.failure)
         if not prompt:
             raise ValueError("prompt: must hold at least one token")
-        req = Request(next(self._rids), tuple(prompt), params, keep_pages=keep_pages)
+        if rid is not None and (rid in self.requests or rid in self.held):
+            raise DuplicateRequest(f"request id {rid!r} is already in flight")
+        seq = next(self._seqs)
+        if rid is None:
+            rid = f"req-{seq}"
+            if rid in self.requests or rid in self.held:  # a caller chose this name
+                raise DuplicateRequest(f"request id {rid!r} is already in flight")
+        req = Request(rid, tuple(prompt), params, seq, keep_pages=keep_pages)
         if self.config.role is Role.DECODE:
             req.phase, req.prefill = Phase.PREALLOC, prefill
         if params.json_schema is not None:
@@ -200,7 +218,7 @@ class Engine:
         self.source.record(Submit(req.rid, req.prompt, params, keep_pages, prefill))
         return req
 
-    def abort(self, rid: int) -> None:
+    def abort(self, rid: RequestId) -> None:
         """End a request at once (a client went away): its pages are freed now, except while
         its KV may still be landing (PD decode): then they are held until `release`."""
         req = self.requests.get(rid)
@@ -215,7 +233,7 @@ class Engine:
             self._finish(req, "abort")
         self.source.record(Abort(rid))
 
-    def release(self, rid: int) -> None:
+    def release(self, rid: RequestId) -> None:
         """Free the pages of a held request (its transfer finished, failed or was cancelled)."""
         req = self.held.pop(rid, None)
         if req is not None and req.slot is not None:
@@ -225,7 +243,7 @@ class Engine:
 
     def complete_transfer(
         self,
-        rid: int,
+        rid: RequestId,
         first_token: int,
         generator_state: torch.Tensor | None = None,
         first_logprob: TokenLogprob | None = None,
@@ -247,7 +265,7 @@ class Engine:
             CompleteTransfer(rid, first_token, generator_state, first_logprob, prompt_logprobs)
         )
 
-    def fail_transfer(self, rid: int, why: str) -> None:
+    def fail_transfer(self, rid: RequestId, why: str) -> None:
         """PD decode: the prefill side failed or timed out; the request ends with an error."""
         req = self.requests.get(rid)
         if req is None:
@@ -307,7 +325,7 @@ class Engine:
         None in any other case, which goes to `plan_step`. Saves building a view per request
         in the common step (a test checks it against `plan_step` on random engine states)."""
         page, decode, transfer = self.config.scheduler.page_size, Phase.DECODE, Phase.TRANSFER
-        rids: list[int] = []
+        rids: list[RequestId] = []  # in arrival order (the dict's), as plan_step orders them
         rollovers = 0  # decoders whose next token opens a page (and its SWA page)
         for req in self.requests.values():
             phase = req.phase
@@ -318,7 +336,7 @@ class Engine:
                 return None
         if not rids or rollovers > free.full_pages or rollovers > free.swa_pages:
             return None
-        return StepPlan(decodes=tuple(sorted(rids)))
+        return StepPlan(decodes=tuple(rids))
 
     def execute(self, plan: StepPlan) -> list[Request]:
         """Carry `plan` out: admission, page tables, one batch, sampling, finishing."""
@@ -403,7 +421,7 @@ class Engine:
     ) -> Scored:
         """Tokens (and logprobs) from a forward's logits: one row per segment, or one per
         token of the `score_at` segments (`logprobs.row_layout`)."""
-        prompt: list[tuple[int, int, tuple[TokenLogprob, ...]]] = []
+        prompt: list[tuple[RequestId, int, tuple[TokenLogprob, ...]]] = []
         if score_at:
             every = scored_segments(len(segments), score_at)
             rows = row_layout([len(s.token_ids) for s in segments], every)
@@ -678,6 +696,7 @@ class Engine:
                 len(req.output),
                 held,
                 resume,
+                req.seq,
             )
             views.append(make(ReqView, fields))
         return views
@@ -693,7 +712,7 @@ def scored_segments(count: int, score_at: SampleAt) -> list[bool]:
 
 def _prompt_logprobs(
     logits: torch.Tensor, rows: tuple[int, int], seg: Segment, req: Request
-) -> tuple[int, int, tuple[TokenLogprob, ...]]:
+) -> tuple[RequestId, int, tuple[TokenLogprob, ...]]:
     """The prompt logprobs one chunk gives: position t's logits score prompt token t + 1 (the
     last prompt position's score the first sampled token instead). Entry j of
     `prompt_logprobs` is prompt token j + 1's."""

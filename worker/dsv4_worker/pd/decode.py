@@ -35,6 +35,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +57,7 @@ from dsv4_worker.pd.liveness import (
     silent,
 )
 from dsv4_worker.pd.transfer import TransferTarget
+from dsv4_worker.sched.scheduler import RequestId
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +98,6 @@ class _Admitted:
     """The engine admitted the request: send its `prefill` (`frames`, encoded)."""
 
     address: str
-    rid: int
     room: str
     frames: list[bytes]
 
@@ -114,7 +115,6 @@ class _Allocated:
 class _Cancelled:
     """The engine cancelled the request (client gone)."""
 
-    rid: int
     room: str
 
 
@@ -157,7 +157,7 @@ class DecodeAgent(EngineEvents):
         self._outbox: Mailbox[_Out] = Mailbox(self._ctx, "decode")
         self._prefills: dict[str, _Prefill] = {}
         self._flights: dict[str, _Flight] = {}  # room -> in flight
-        self._expecting = False  # told the target: flights exist
+        self._expecting = False  # told the target: tags are due (`tags_due`)
         self._landed: set[str] = set()
         target.on_landed(self._outbox.kick)
         self._stop = threading.Event()
@@ -225,7 +225,7 @@ class DecodeAgent(EngineEvents):
             stop_token_ids=p.stop_token_ids,
             timeout_s=self.transfer_timeout_s,
         )
-        self._forward(address, req.rid, msg)
+        self._forward(address, msg)
 
     def on_prealloc(self, req: Request) -> None:
         """The request's pages exist on every stage: tell its prefill instance where to write."""
@@ -242,12 +242,12 @@ class DecodeAgent(EngineEvents):
             dst_swa_pages=tuple(swa[tail.start : tail.stop].tolist()),
             dst_slot=req.slot,
         )
-        self._forward(address, req.rid, msg)
+        self._forward(address, msg)
 
-    def _forward(self, address: str, rid: int, msg: C.PrefillRequest | C.Destination) -> None:
+    def _forward(self, address: str, msg: C.PrefillRequest | C.Destination) -> None:
         # Encoded here, once: the control thread forwards the frames as they are.
         if isinstance(msg, C.PrefillRequest):
-            self._outbox.put(_Admitted(address, rid, msg.room, C.encode(msg)))
+            self._outbox.put(_Admitted(address, msg.room, C.encode(msg)))
         else:
             self._outbox.put(_Allocated(address, msg.room, C.encode(msg)))
 
@@ -256,10 +256,11 @@ class DecodeAgent(EngineEvents):
         return req.prefill or self.default_prefill
 
     def _room(self, req: Request) -> str:
-        return f"{self.peer_id}:{req.rid}"
+        """The transfer's room: the request's id (unique here: the engine refuses a second)."""
+        return req.rid
 
     def on_cancel(self, req: Request) -> None:
-        self._outbox.put(_Cancelled(req.rid, self._room(req)))
+        self._outbox.put(_Cancelled(self._room(req)))
 
     # -- control thread --------------------------------------------------------------------------
 
@@ -284,9 +285,10 @@ class DecodeAgent(EngineEvents):
             now = time.monotonic()
             self._heartbeat(now, poller)
             self._expire(now)
-            if bool(self._flights) != self._expecting:
-                self._expecting = not self._expecting
-                self.target.expect(self._expecting)
+            due = tags_due(self._flights.values())
+            if due != self._expecting:
+                self._expecting = due
+                self.target.expect(due)
 
     def _peer(self, address: str, poller: zmq.Poller) -> _Prefill:
         peer = self._prefills.get(address)
@@ -323,20 +325,19 @@ class DecodeAgent(EngineEvents):
                 raise RuntimeError(f"{FAULT_ENV}=control-crash")
             peer = self._peer(out.address, poller)
             admitted: tuple[_Flight | None, list[F.DecodeAction[C.Done]]] = F.admit(
-                out.rid,
                 out.address,
                 timeout_s=self.transfer_timeout_s,
                 now_s=time.monotonic(),
                 link=peer.state,
                 link_error=peer.error,
             )
-            self._apply(out.room, out.rid, *admitted, out.frames)
+            self._apply(out.room, *admitted, out.frames)
         elif isinstance(out, _Allocated):  # always after its `_Admitted`: the outbox keeps order
             self._on(out.room, F.DestinationReady(self._link(out.address)), out.frames)
         else:
             flight = self._flights.get(out.room)
             link = self._link(flight.prefill) if flight is not None else None
-            self._on(out.room, F.Cancel(link), rid=out.rid)
+            self._on(out.room, F.Cancel(link))
 
     def _link(self, address: str) -> F.Link | None:
         peer = self._prefills.get(address)
@@ -347,24 +348,21 @@ class DecodeAgent(EngineEvents):
         room: str,
         event: F.DecodeEvent[C.Done],
         frames: list[bytes] | None = None,
-        *,
-        rid: int = -1,
     ) -> None:
         """Run the request's machine (`flight.decode_step`) on `event` and do what it says.
-        `frames`: the message the event came with; `rid`: the request, when it may have no
-        flight."""
-        flight = self._flights.get(room)
-        state, actions = F.decode_step(flight, event)
-        self._apply(room, flight.rid if flight is not None else rid, state, actions, frames)
+        `frames`: the message the event came with."""
+        state, actions = F.decode_step(self._flights.get(room), event)
+        self._apply(room, state, actions, frames)
 
     def _apply(
         self,
         room: str,
-        rid: int,
         state: _Flight | None,
         actions: list[F.DecodeAction[C.Done]],
         frames: list[bytes] | None,
     ) -> None:
+        """`room` is the engine request's id too."""
+        rid = room
         flight = self._flights.get(room, state)
         if state is None:
             self._flights.pop(room, None)
@@ -488,7 +486,7 @@ class DecodeAgent(EngineEvents):
             if now > flight.deadline_s:
                 self._on(room, F.Tick(now, self._link(flight.prefill)))
 
-    def _complete(self, rid: int, *, done: C.Done) -> None:
+    def _complete(self, rid: RequestId, *, done: C.Done) -> None:
         self.engine.complete_transfer(
             rid,
             done.first_token,
@@ -496,6 +494,14 @@ class DecodeAgent(EngineEvents):
             done.first_logprob,
             done.prompt_logprobs,
         )
+
+
+def tags_due(flights: Iterable[_Flight]) -> bool:
+    """Whether some request's `done` arrived and it waits for its tags: prefill sends `done`
+    just before its last write, so that write is landing now (the target's busy rate). Before
+    `done` the prefill computes: a target polling at its busy rate then would take the CPU the
+    prefill's forward needs, on a host they share."""
+    return any(f.done is not None for f in flights)
 
 
 def new_peer_id() -> str:

@@ -325,9 +325,9 @@ Link = Literal["ready", "connecting", "failed"]  # the prefill connection's stat
 
 @dataclass(frozen=True, slots=True)
 class Flight(Generic[P]):
-    """One request on the decode side, from its admission to its first token's landing."""
+    """One request on the decode side, from its admission to its first token's landing (kept
+    under its room: the request's id, its engine request's too)."""
 
-    rid: int  # the decode engine's request
     prefill: str  # the prefill instance's control address
     timeout_s: float
     deadline_s: float
@@ -446,7 +446,6 @@ DecodeResult = tuple["Flight[P] | None", list[DecodeAction[P]]]
 
 
 def admit(
-    rid: int,
     prefill: str,
     *,
     timeout_s: float,
@@ -455,7 +454,7 @@ def admit(
     link_error: str = "",
 ) -> DecodeResult[P]:
     """The engine admitted the request (its `prefill` message is at hand): send it."""
-    flight: Flight[P] = Flight(rid, prefill, timeout_s, now_s + timeout_s)
+    flight: Flight[P] = Flight(prefill, timeout_s, now_s + timeout_s)
     if link == "failed":  # the address does not parse: nothing will answer
         return None, [Fail(link_error)]
     return flight, [Forward(queue=link == "connecting")]

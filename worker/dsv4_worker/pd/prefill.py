@@ -88,11 +88,10 @@ class ConnectNote:
 
 @dataclass(frozen=True, slots=True)
 class TransferNote:
-    """Leader -> followers: request `rid` is a transfer to `peer`."""
+    """Leader -> followers: request `room` (its engine request's id) is a transfer to `peer`."""
 
     room: str
     peer: str
-    rid: int
     msg: C.PrefillRequest
 
 
@@ -360,6 +359,12 @@ class PrefillAgent(_StageWriter):
         elif isinstance(msg, C.Destination):
             self._destination(identity, msg)
         elif isinstance(msg, C.Abort):
+            tx = self._txs.get(msg.room)
+            if tx is not None and self._peers[tx.peer].identity != identity:
+                # Another decode's request of the same id: not the sender's to abort; the
+                # sender's own request of that room ended (or never began) here.
+                self._send(identity, C.Aborted(msg.room))
+                return
             self._on(msg.room, F.AbortReceived(), identity)
         else:
             log.warning("unexpected %s from a decode worker", type(msg).__name__)
@@ -420,7 +425,9 @@ class PrefillAgent(_StageWriter):
             return
         try:
             params = C.first_token_params(msg.sampling, msg.stop_token_ids)
-            req = self.engine.submit(msg.prompt, params, keep_pages=True)
+            # The room is the request's id: its engine request's too. A second request of a
+            # room in flight (another decode's client chose the same X-Request-Id) is refused.
+            req = self.engine.submit(msg.prompt, params, rid=msg.room, keep_pages=True)
         except (ValueError, EngineFailed) as exc:  # failed: its PP group lost a stage
             self._send(identity, C.Failed(msg.room, str(exc)))
             return
@@ -433,7 +440,7 @@ class PrefillAgent(_StageWriter):
             timeout_s=msg.timeout_s,
             now_s=time.monotonic(),
         )
-        self.engine.note(TransferNote(msg.room, peer, req.rid, msg))
+        self.engine.note(TransferNote(msg.room, peer, msg))
 
     def _destination(self, identity: bytes, dest: C.Destination) -> None:
         tx = self._txs.get(dest.room)
@@ -550,7 +557,7 @@ class PrefillFollower(_StageWriter):
             self._failed.discard(note.peer)
             self.ready = True
         elif isinstance(note, TransferNote):
-            req = self.engine.requests.get(note.rid)
+            req = self.engine.requests.get(note.room)
             if req is not None and note.peer not in self._failed:
                 self._txs[note.room] = F.start_tx(
                     note.room,

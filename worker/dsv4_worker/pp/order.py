@@ -20,7 +20,7 @@ from typing import Any
 
 from dsv4_worker.engine.changes import Change
 from dsv4_worker.engine.logprobs import TokenLogprob
-from dsv4_worker.sched.scheduler import StepPlan
+from dsv4_worker.sched.scheduler import RequestId, StepPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +28,7 @@ class Check:
     """The leader's state after the previous step: (pool, used units) and rid -> slot."""
 
     used: tuple[tuple[str, int], ...] = ()
-    slots: tuple[tuple[int, int], ...] = ()
+    slots: tuple[tuple[RequestId, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +47,6 @@ class Sampled:
     sampler's state to decode)."""
 
     tokens: tuple[int, ...] = ()
-    generator_states: tuple[tuple[int, Any], ...] = ()
+    generator_states: tuple[tuple[RequestId, Any], ...] = ()
     logprobs: tuple[TokenLogprob | None, ...] = ()
-    prompt_logprobs: tuple[tuple[int, int, tuple[TokenLogprob, ...]], ...] = ()
+    prompt_logprobs: tuple[tuple[RequestId, int, tuple[TokenLogprob, ...]], ...] = ()

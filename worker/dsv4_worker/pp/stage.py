@@ -30,11 +30,20 @@ from dsv4_worker.engine.changes import (
     Release,
     Submit,
 )
-from dsv4_worker.engine.loop import Engine, Request, SampleAt, Scored, ends_with, scored_segments
+from dsv4_worker.engine.loop import (
+    DuplicateRequest,
+    Engine,
+    Request,
+    SampleAt,
+    Scored,
+    ends_with,
+    scored_segments,
+)
 from dsv4_worker.engine.paged import Segment
 from dsv4_worker.engine.role import Place
 from dsv4_worker.pp.link import PipeLink, StageLost
 from dsv4_worker.pp.order import Check, Sampled, StepOrder
+from dsv4_worker.sched.scheduler import RequestId
 
 HEARTBEAT_S = 1.0  # an idle leader runs an empty step this often: a dead stage shows at once
 
@@ -85,7 +94,7 @@ def stage_batch(
     return Scored(list(sampled.tokens), list(sampled.logprobs), list(sampled.prompt_logprobs))
 
 
-def _handoff_states(sample_at: SampleAt, tokens: list[int]) -> tuple[tuple[int, Any], ...]:
+def _handoff_states(sample_at: SampleAt, tokens: list[int]) -> tuple[tuple[RequestId, Any], ...]:
     """Generator states of seeded requests this token finishes while they keep their
     pages (the PD prefill sends the state to decode from the leader)."""
     out = []
@@ -212,9 +221,11 @@ class Follower:
                 engine.events.on_note(change.payload)
 
     def _submit(self, engine: Engine, e: Submit) -> None:
-        req = engine.submit(e.prompt, e.params, keep_pages=e.keep_pages, prefill=e.prefill)
-        if req.rid != e.rid:
-            raise StageLost(f"PP stage replica diverged: request id {req.rid} != leader's {e.rid}")
+        # The leader's id: a replica never names a request itself.
+        try:
+            engine.submit(e.prompt, e.params, rid=e.rid, keep_pages=e.keep_pages, prefill=e.prefill)
+        except DuplicateRequest as exc:  # the leader ended it and this replica did not
+            raise StageLost(f"PP stage replica diverged from the leader: {exc}") from exc
 
     def _verify(self, engine: Engine, leader: Check) -> None:
         own = state_check(engine)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import NamedTuple
+from typing import NamedTuple, TypeAlias
 
 from dsv4_common.core.index_space import pages_for_tokens, tail_pages
 from dsv4_worker.sched.budget import (
@@ -35,6 +35,8 @@ from dsv4_worker.sched.budget import (
     admit,
     extend_need,
 )
+
+RequestId: TypeAlias = str  # a request's one id, from its caller (HTTP entry, PD room, PP leader)
 
 
 class Phase(StrEnum):
@@ -51,7 +53,7 @@ class ReqView(NamedTuple):
     so its construction cost is part of the engine's per-step overhead). NOTE: Engine._views
     builds it positionally; test_steady_decode checks its views field by field."""
 
-    rid: int  # arrival order: smaller = older
+    rid: RequestId  # the request's key in the plan
     phase: Phase
     prompt_len: int
     max_new_tokens: int
@@ -59,6 +61,7 @@ class ReqView(NamedTuple):
     generated: int = 0
     held: Need = NOTHING  # units it holds now (none when waiting or retracted)
     resume: Need = NOTHING  # units a resume allocates (retracted only)
+    seq: int = 0  # arrival number: smaller = older (ties, in views built by hand: by rid)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,14 +75,14 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
-    decodes: tuple[int, ...] = ()
-    retracts: tuple[int, ...] = ()
-    resumes: tuple[int, ...] = ()
-    admits: tuple[int, ...] = ()  # waiting requests that get a slot (their first chunk below)
-    preallocs: tuple[int, ...] = ()  # PD decode: requests whose pages are preallocated now
-    chunks: tuple[tuple[int, int], ...] = ()  # (rid, tokens) of prefill this step
-    rejects: tuple[tuple[int, str], ...] = ()
-    waiting: tuple[int, str] | None = None  # the head of the queue that must wait, and why
+    decodes: tuple[RequestId, ...] = ()
+    retracts: tuple[RequestId, ...] = ()
+    resumes: tuple[RequestId, ...] = ()
+    admits: tuple[RequestId, ...] = ()  # waiting requests that get a slot (first chunk below)
+    preallocs: tuple[RequestId, ...] = ()  # PD decode: requests whose pages are preallocated now
+    chunks: tuple[tuple[RequestId, int], ...] = ()  # (rid, tokens) of prefill this step
+    rejects: tuple[tuple[RequestId, str], ...] = ()
+    waiting: tuple[RequestId, str] | None = None  # the head of the queue that waits, and why
 
     @property
     def idle(self) -> bool:
@@ -99,9 +102,9 @@ class _Pass:
 
     free: PoolRoom
     total: PoolRoom
-    reserved: dict[int, Need] = field(default_factory=dict)
+    reserved: dict[RequestId, Need] = field(default_factory=dict)
 
-    def reserved_except(self, rid: int) -> Need:
+    def reserved_except(self, rid: RequestId) -> Need:
         out = Need()
         for other, need in self.reserved.items():
             if other != rid:
@@ -134,8 +137,8 @@ def prealloc_need(view: ReqView, config: SchedulerConfig) -> Need:
     )
 
 
-def _rid(view: ReqView) -> int:
-    return view.rid
+def _arrival(view: ReqView) -> tuple[int, RequestId]:
+    return view.seq, view.rid
 
 
 def plan_step(
@@ -146,13 +149,13 @@ def plan_step(
     new_token_ratio: float,
 ) -> StepPlan:
     p = _Pass(free=free, total=total)
-    rejects: list[tuple[int, str]] = []
+    rejects: list[tuple[RequestId, str]] = []
 
     # 1. Decode; retract the newest until every survivor gets its next token. (One pass over
     # every view per step: comprehensions, not generators, for the 1024-running case.)
     decode, page = Phase.DECODE, config.page_size
-    running = sorted([v for v in views if v.phase is decode], key=_rid)
-    retracts: list[int] = []
+    running = sorted([v for v in views if v.phase is decode], key=_arrival)
+    retracts: list[RequestId] = []
     rollovers = len([v for v in running if v.num_tokens % page == 0])
     while running:
         need = Need(rollovers, rollovers)  # == the sum of decode_need over `running`
@@ -181,15 +184,15 @@ def plan_step(
 
     # 3. Prefill in arrival order under one token budget.
     budget = config.chunk_tokens
-    chunks: list[tuple[int, int]] = []
-    resumes: list[int] = []
-    admits: list[int] = []
-    preallocs: list[int] = []
-    waiting: tuple[int, str] | None = None
+    chunks: list[tuple[RequestId, int]] = []
+    resumes: list[RequestId] = []
+    admits: list[RequestId] = []
+    preallocs: list[RequestId] = []
+    waiting: tuple[RequestId, str] | None = None
     retracted = set(retracts)
     queue = sorted(
         (v for v in queue if v.rid not in retracted),
-        key=lambda v: (_queue_rank(v.phase), v.rid),
+        key=lambda v: (_queue_rank(v.phase), v.seq, v.rid),
     )
     for v in queue:
         if v.phase is not Phase.PREALLOC and budget <= 0:  # preallocation runs no prefill
@@ -197,7 +200,7 @@ def plan_step(
         if retracts and v.phase is not Phase.PREFILL:
             # The pools ran short this step: what the retracted gave back is theirs to resume
             # with, not a newer request's to start with (arrival order).
-            waiting = (v.rid, f"request {retracts[0]} was retracted this step; it resumes first")
+            waiting = (v.rid, "a request was retracted this step; it resumes first")
             break
         if (
             v.phase in (Phase.PREALLOC, Phase.WAITING)

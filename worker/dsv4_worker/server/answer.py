@@ -4,7 +4,8 @@ stream chunks built from them. Pure (no I/O): the HTTP side feeds events in and 
 what comes back.
 
     choice index        prompt index x n + sample index (completions may batch prompts)
-    id                  cmpl-<uuid4 hex> / chatcmpl-<uuid4 hex>: unique across processes
+    id                  cmpl-<request id> / chatcmpl-<request id>: the client's X-Request-Id
+                        (through the router: its attempt's), else a new random id
     text                stop strings cut it (at the match, or after it with
                         include_stop_str_in_output); a match must end after the text of the
                         first `min_tokens` tokens; echo puts the prompt first
@@ -21,10 +22,10 @@ A token whose text is not whole UTF-8 on its own (a byte of a character) shows a
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any, Final
 
 from dsv4_common.api.http_rules import error_document
+from dsv4_common.api.request_id import new_request_id
 from dsv4_worker.engine.logprobs import TokenLogprob
 from dsv4_worker.server.protocol import CompletionRequest, Prompt
 from dsv4_worker.server.runner import Token
@@ -194,11 +195,20 @@ class Choice:
 class Answer:
     """Every choice of one request, and the response bodies built from them."""
 
-    def __init__(self, tok: Tokenizer, req: CompletionRequest, model: str, chat: bool) -> None:
+    def __init__(
+        self,
+        tok: Tokenizer,
+        req: CompletionRequest,
+        model: str,
+        chat: bool,
+        request_id: str | None = None,
+    ) -> None:
+        """`request_id`: the request's one id (`dsv4_common.api.request_id`; None: a new one)."""
         self.req = req
         self.chat = chat
         self.model = req.model or model
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.request_id = request_id or new_request_id()
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{self.request_id}"
         self.created = int(time.time())
         n = req.gen.n
         self.choices = [

@@ -27,6 +27,13 @@ from aiohttp import web
 
 from dsv4_common.api.http_rules import HttpLimits, error_document
 from dsv4_common.api.lifecycle import DRAIN_CODE
+from dsv4_common.api.request_id import (
+    MAX_FORWARDED_ID_CHARS,
+    REQUEST_ID_HEADER,
+    InvalidRequestId,
+    choice_id,
+    request_id_of,
+)
 from dsv4_common.api.worker_status import Load, WorkerStatus, build_worker_status
 from dsv4_router.http_guard import guarded_app, json_error, read_json
 from dsv4_worker.server.admission import RETRY_AFTER_S, SHED_REASONS
@@ -40,7 +47,15 @@ from dsv4_worker.server.protocol import (
     parse_chat,
     parse_completion,
 )
-from dsv4_worker.server.runner import Done, EngineRunner, Handle, Snapshot, Token
+from dsv4_worker.server.runner import (
+    DUPLICATE_CODE,
+    Done,
+    DuplicateRequest,
+    EngineRunner,
+    Handle,
+    Snapshot,
+    Token,
+)
 from dsv4_worker.server.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -140,15 +155,12 @@ def build_app(
     ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def handle(request: web.Request) -> web.StreamResponse:
             try:
-                req = parse(
-                    await read_json(request),
-                    tok,
-                    vocab_size=info.vocab_size,
-                    max_context_tokens=info.max_context_tokens,
-                    models=info.names,
-                )
-            except RequestError as exc:
-                return json_error(exc.status, str(exc), param=exc.field or None, code=exc.code)
+                rid = request_id_of(request.headers.get(REQUEST_ID_HEADER), MAX_FORWARDED_ID_CHARS)
+            except InvalidRequestId as exc:
+                return json_error(400, str(exc), param=REQUEST_ID_HEADER, code="invalid_request_id")
+            # Refusals that need no body first: a shed costs no JSON parse and no tokenizing
+            # (under a 503 storm those compete with the engine thread). A 1-token request is
+            # the easiest to admit, so when even it is shed, every request is.
             if info.drain.draining:
                 return json_error(503, REFUSED, code=DRAIN_CODE, retry_after_s=RETRY_AFTER_S)
             if not runner.alive:
@@ -157,27 +169,52 @@ def build_app(
                 return error(
                     503, "the engine is not running" + (f": {why}" if why else ""), retry=True
                 )
-            need_tokens = max(len(p.ids) for p in req.prompts) + req.params.max_new_tokens
-            verdict = runner.admission(need_tokens)
+            verdict = runner.admission(1)
+            if verdict.admitted:
+                try:
+                    req = parse(
+                        await read_json(request),
+                        tok,
+                        vocab_size=info.vocab_size,
+                        max_context_tokens=info.max_context_tokens,
+                        models=info.names,
+                    )
+                except RequestError as exc:
+                    return json_error(exc.status, str(exc), param=exc.field or None, code=exc.code)
+                need_tokens = max(len(p.ids) for p in req.prompts) + req.params.max_new_tokens
+                verdict = runner.admission(need_tokens)
             if not verdict.admitted:  # shed at once: 503 + Retry-After, never a queue past bound
                 assert verdict.reason is not None
                 metrics.shed.labels(verdict.reason).inc()
                 return json_error(
                     503, verdict.message, code=verdict.reason, retry_after_s=RETRY_AFTER_S
                 )
-            answer = Answer(tok, req, info.names[0], chat)
+            answer = Answer(tok, req, info.names[0], chat, rid)
             loop, prefill = asyncio.get_running_loop(), request.headers.get(PREFILL_HEADER)
-            handles = []
-            for c in answer.choices:  # one engine request per choice
+            handles: list[Handle] = []
+            try:
+                for c in answer.choices:  # one engine request per choice
+                    params = choice_params(req.params, c.index % req.gen.n)
+                    engine_rid = choice_id(rid, c.index, len(answer.choices))
+                    handles.append(
+                        runner.submit(c.prompt.ids, params, loop, prefill=prefill, rid=engine_rid)
+                    )
+            except DuplicateRequest as exc:
+                for h in handles:
+                    runner.abort(h)
+                return json_error(409, str(exc), param=REQUEST_ID_HEADER, code=DUPLICATE_CODE)
+            for c in answer.choices:
                 metrics.prompt_tokens.inc(len(c.prompt.ids))
-                params = choice_params(req.params, c.index % req.gen.n)
-                handles.append(runner.submit(c.prompt.ids, params, loop, prefill=prefill))
             call = _Call(runner, tuple(handles), answer, metrics)
             try:
                 with info.drain.track(call.handles):
                     if req.stream:
-                        return await _stream(request, call)
-                    return await _complete(call)
+                        response = await _stream(request, call)
+                    else:
+                        response = await _complete(call)
+                if not response.prepared:  # a stream's head already carries it
+                    response.headers[REQUEST_ID_HEADER] = rid
+                return response
             except (asyncio.CancelledError, ConnectionResetError):
                 for h in handles:
                     runner.abort(h)  # the client went away: free its pages now
@@ -338,6 +375,8 @@ def _failure(message: str | None, retryable: bool, code: str | None = None) -> w
         return json_error(503, message or REFUSED, code=code, retry_after_s=RETRY_AFTER_S)
     if code in SHED_REASONS:  # removed from the queue unscheduled: nothing was computed
         return json_error(503, message or "shed", code=code, retry_after_s=RETRY_AFTER_S)
+    if code == DUPLICATE_CODE:  # its namesake still held pages here: nothing was computed
+        return json_error(409, message or "duplicate", param=REQUEST_ID_HEADER, code=code)
     body = error_document(message or "failed", "server_error")
     if retryable:
         return web.json_response(body, status=502, headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -347,7 +386,11 @@ def _failure(message: str | None, retryable: bool, code: str | None = None) -> w
 async def _stream(request: web.Request, call: _Call) -> web.StreamResponse:
     answer = call.answer
     resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            REQUEST_ID_HEADER: answer.request_id,
+        }
     )
     async for c, piece, done in _events(call):
         error = done.error if done is not None and done.reason == "error" else None

@@ -2,7 +2,9 @@
 
 The HTTP side never touches the engine: it submits (prompt, params) and gets a `Handle` whose
 asyncio queue receives `Token` and `Done` events; `abort(rid)` ends a request (its pages are
-freed at the runner's next turn). After every step the runner publishes a `Snapshot` of pool
+freed at the runner's next turn). A request keeps one id from its submitter to the engine
+(`Handle.rid` is the engine's `Request.rid`); an id still in flight is refused
+(`DuplicateRequest`). After every step the runner publishes a `Snapshot` of pool
 usage and queue lengths for `/metrics` and `/status`. Other components (the PD agents) run
 code on the engine thread with `call(fn)`, and the engine's events' `after_step` runs after
 every turn.
@@ -23,11 +25,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dsv4_common.api.request_id import new_request_id
 from dsv4_worker.engine.logprobs import TokenLogprob
+from dsv4_worker.engine.loop import DuplicateRequest as DuplicateRequest
 from dsv4_worker.engine.loop import Engine, EngineFailed, Request
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.mem.usage import PoolUsage
-from dsv4_worker.sched.scheduler import Phase
+from dsv4_worker.sched.scheduler import Phase, RequestId
 from dsv4_worker.server.admission import (
     AdmissionPolicy,
     QueueView,
@@ -41,6 +45,7 @@ from dsv4_worker.server.admission import (
 IDLE_WAIT_S = 0.05  # how long the idle runner blocks waiting for work
 IDLE_CHECK_S = 0.05  # the engine's integrity check waits for this much quiet (it is slow)
 QUEUED_PHASES = (Phase.WAITING, Phase.PREALLOC)  # accepted, not scheduled: no slot, no pages
+DUPLICATE_CODE = "duplicate_request_id"  # Done.code of a request whose id is in flight here
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +66,7 @@ class Done:
 
 @dataclass(slots=True)
 class Handle:
-    rid: int  # the runner's id (the engine's own id is internal)
+    rid: RequestId  # the request's id, the engine's too
     events: asyncio.Queue[Token | Done]
     submitted_s: float
 
@@ -85,6 +90,11 @@ class _Submit:
 
 
 @dataclass(frozen=True, slots=True)
+class _Abort:
+    rid: RequestId
+
+
+@dataclass(frozen=True, slots=True)
 class _Call:
     fn: Callable[[], None]
 
@@ -97,17 +107,17 @@ class EngineRunner:
     ) -> None:
         self.engine = engine
         self.policy = policy or default_policy(engine.total.request_slots)
-        self._inbox: queue.SimpleQueue[_Submit | _Call | int | None] = queue.SimpleQueue()
-        # engine rid -> (handle, its event loop, tokens sent); handle rid -> engine rid
-        self._listeners: dict[int, tuple[Handle, asyncio.AbstractEventLoop, int]] = {}
-        self._engine_rids: dict[int, int] = {}
+        self._inbox: queue.SimpleQueue[_Submit | _Call | _Abort | None] = queue.SimpleQueue()
+        # rid -> (handle, its event loop, tokens sent), for requests the engine took
+        self._listeners: dict[RequestId, tuple[Handle, asyncio.AbstractEventLoop, int]] = {}
         self._lock = threading.Lock()
-        # handle rid -> time.monotonic() at submit, for requests not yet scheduled (under
-        # _lock; insertion order is arrival order, so the first entry is the oldest)
-        self._queued: dict[int, float] = {}
+        # Under _lock: every rid submitted and not yet answered with its Done (what `submit`
+        # refuses to take again), and rid -> time.monotonic() at submit for those not yet
+        # scheduled (insertion order is arrival order, so the first entry is the oldest).
+        self._live: set[RequestId] = set()
+        self._queued: dict[RequestId, float] = {}
         self._snapshot = Snapshot(usage=engine.mem.usage())
         self._thread = threading.Thread(target=self._run, name="dsv4-engine", daemon=True)
-        self._next_rid = 0
         self.error: BaseException | None = None
 
     # -- any thread ------------------------------------------------------------------------------
@@ -164,11 +174,16 @@ class EngineRunner:
         params: SamplingParams,
         loop: asyncio.AbstractEventLoop,
         prefill: str | None = None,
+        rid: RequestId | None = None,
     ) -> Handle:
+        """Queue a request under `rid` (None: a new one). Raises DuplicateRequest while
+        a request of that id has not ended here."""
+        rid = rid if rid is not None else new_request_id()
         with self._lock:
-            rid = self._next_rid
-            self._next_rid += 1
+            if rid in self._live:
+                raise DuplicateRequest(f"request id {rid!r} is already in flight")
             handle = Handle(rid, asyncio.Queue(), time.monotonic())
+            self._live.add(rid)
             self._queued[rid] = handle.submitted_s
         self._inbox.put(_Submit(prompt, params, handle, loop, prefill))
         return handle
@@ -179,7 +194,7 @@ class EngineRunner:
 
     def abort(self, handle: Handle) -> None:
         """End the request at the runner's next turn (after its submission, FIFO)."""
-        self._inbox.put(handle.rid)
+        self._inbox.put(_Abort(handle.rid))
 
     # -- the engine thread -----------------------------------------------------------------------
 
@@ -219,60 +234,64 @@ class EngineRunner:
             block = False
             if item is None:
                 return None
-            if isinstance(item, int):
-                self._abort(item)
+            if isinstance(item, _Abort):
+                self._abort(item.rid)
                 continue
             if isinstance(item, _Call):
                 item.fn()
                 calls += 1
                 continue
+            rid = item.handle.rid
             try:
-                req = self.engine.submit(item.prompt, item.params, prefill=item.prefill)
+                self.engine.submit(item.prompt, item.params, rid=rid, prefill=item.prefill)
             except EngineFailed as exc:  # another instance may serve it
-                self._unqueue(item.handle.rid)
+                self._end(rid)
                 _emit(item.loop, item.handle, Done("error", str(exc), retryable=True))
                 continue
+            except DuplicateRequest as exc:  # its namesake still holds pages here
+                self._end(rid)
+                _emit(item.loop, item.handle, Done("error", str(exc), code=DUPLICATE_CODE))
+                continue
             except ValueError as exc:  # refused before it ran: tell the client, keep serving
-                self._unqueue(item.handle.rid)
+                self._end(rid)
                 _emit(item.loop, item.handle, Done("error", str(exc)))
                 continue
-            self._listeners[req.rid] = (item.handle, item.loop, 0)
-            self._engine_rids[item.handle.rid] = req.rid
+            self._listeners[rid] = (item.handle, item.loop, 0)
 
-    def _unqueue(self, handle_rid: int) -> None:
+    def _end(self, rid: RequestId) -> None:
+        """The request got (or gets now) its Done: not queued, and its id free again."""
         with self._lock:
-            self._queued.pop(handle_rid, None)
+            self._queued.pop(rid, None)
+            self._live.discard(rid)
 
     def _expire(self, now: float) -> None:
         """Remove the requests that waited past the queue deadline without being scheduled;
         each gets Done("error", code="queue_timeout"), which the app answers with 503."""
         with self._lock:
             due = []
-            for handle_rid, at_s in self._queued.items():
+            for rid, at_s in self._queued.items():
                 if not expired(now - at_s, self.policy):
                     break  # arrival order: the rest waited less
-                due.append(handle_rid)
-        for handle_rid in due:
-            rid = self._engine_rids.get(handle_rid)
-            if rid is None:
+                due.append(rid)
+        for rid in due:
+            if rid not in self._listeners:
                 continue  # still in the inbox (taken at the next turn)
             req = self.engine.requests.get(rid)
             if req is None or req.phase not in QUEUED_PHASES:
                 continue  # scheduled or finished since (the next publish unqueues it)
             assert req.slot is None, "a queued request holds no slot and no pages"
             self.engine.abort(rid)
-            del self._engine_rids[handle_rid]
             handle, loop, _ = self._listeners.pop(rid)
-            self._unqueue(handle_rid)
+            self._end(rid)
             message = timeout_message(self.policy)
             _emit(loop, handle, Done("error", message, code="queue_timeout"))
 
-    def _abort(self, handle_rid: int) -> None:
-        self._unqueue(handle_rid)
-        rid = self._engine_rids.pop(handle_rid, None)
-        if rid is None or rid not in self._listeners:
-            return  # already finished
-        handle, loop, _ = self._listeners.pop(rid)
+    def _abort(self, rid: RequestId) -> None:
+        listener = self._listeners.pop(rid, None)
+        if listener is None:
+            return  # already finished (and ended), or refused at submission
+        self._end(rid)
+        handle, loop, _ = listener
         self.engine.abort(rid)
         _emit(loop, handle, Done("abort"))
 
@@ -282,12 +301,13 @@ class EngineRunner:
         reqs = {**self.engine.requests, **done}
         with self._lock:  # bounded by the queue's bound, unlike the listeners
             queued = set(self._queued)
-        scheduled: list[int] = []  # handle rids that left the queue
+        scheduled: list[RequestId] = []  # rids that left the queue
+        ended: list[RequestId] = []  # rids answered with their Done
         for rid, (handle, loop, sent) in list(self._listeners.items()):
             req = reqs.get(rid)
             if req is None:
-                if handle.rid in queued:
-                    scheduled.append(handle.rid)  # gone from the engine: not queued any more
+                if rid in queued:
+                    scheduled.append(rid)  # gone from the engine: not queued any more
                 continue
             events: list[Token | Done] = [_token(req, i, now) for i in range(sent, len(req.output))]
             if req.finished:
@@ -298,15 +318,16 @@ class EngineRunner:
             self._listeners[rid] = (handle, loop, len(req.output))
             if req.finished or rid not in self.engine.requests:
                 del self._listeners[rid]
-                self._engine_rids.pop(handle.rid, None)
-                if handle.rid in queued:
-                    scheduled.append(handle.rid)
-            elif handle.rid in queued and req.phase not in QUEUED_PHASES:
-                scheduled.append(handle.rid)
-        if scheduled:
+                ended.append(rid)
+            elif rid in queued and req.phase not in QUEUED_PHASES:
+                scheduled.append(rid)
+        if scheduled or ended:
             with self._lock:
-                for handle_rid in scheduled:
-                    self._queued.pop(handle_rid, None)
+                for rid in scheduled:
+                    self._queued.pop(rid, None)
+                for rid in ended:
+                    self._queued.pop(rid, None)
+                    self._live.discard(rid)
         phases = [r.phase for r in self.engine.requests.values()]
         snap = Snapshot(
             usage=self.engine.mem.usage(),

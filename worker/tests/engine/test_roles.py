@@ -154,7 +154,7 @@ def test_a_follower_replays_the_recorded_changes_to_the_same_state(ops: list[Op]
         if kind == "submit":
             leader.submit(list(range(1, arg + 1)), PARAMS)
         elif kind == "abort":
-            leader.abort(arg)
+            leader.abort(f"req-{arg}")  # the engine's name of its arg-th request
         else:
             leader.note(arg)
     notes: list[object] = []
@@ -180,6 +180,6 @@ def test_a_follower_replays_the_recorded_changes_to_the_same_state(ops: list[Op]
     for i, change in enumerate(log.changes):
         if isinstance(change, Release):
             assert isinstance(log.changes[i + 1], Abort)
-    assert [c.rid for c in log.changes if isinstance(c, Submit)] == list(
-        range(sum(kind == "submit" for kind, _ in ops))
-    )
+    assert [c.rid for c in log.changes if isinstance(c, Submit)] == [
+        f"req-{i}" for i in range(sum(kind == "submit" for kind, _ in ops))
+    ]

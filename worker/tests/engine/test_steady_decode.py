@@ -126,6 +126,7 @@ def test_views_carry_each_field_by_name() -> None:
             generated=len(req.output),
             held=view.held,
             resume=view.resume,
+            seq=req.seq,
         )
         if req.slot is not None:
             assert view.held.full_pages == -(-req.num_tokens // page)

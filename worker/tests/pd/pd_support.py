@@ -53,16 +53,23 @@ class Pair:
         prompts: Sequence[Sequence[int]],
         params: Sequence[SamplingParams],
         prefill: str | None = None,
+        rids: Sequence[str] | None = None,
     ) -> list[tuple[list[int], Done]]:
-        return asyncio.run(self._generate(prompts, params, prefill or self.address))
+        """`rids`: the requests' ids (None: the runner names them)."""
+        names = rids if rids is not None else [None] * len(prompts)
+        return asyncio.run(self._generate(prompts, params, prefill or self.address, names))
 
     async def _generate(
-        self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], prefill: str
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+        prefill: str,
+        rids: Sequence[str | None],
     ) -> list[tuple[list[int], Done]]:
         loop = asyncio.get_running_loop()
         handles = [
-            self.decode_runner.submit(tuple(p), sp, loop, prefill=prefill)
-            for p, sp in zip(prompts, params, strict=True)
+            self.decode_runner.submit(tuple(p), sp, loop, prefill=prefill, rid=rid)
+            for p, sp, rid in zip(prompts, params, rids, strict=True)
         ]
         out = []
         for h in handles:

@@ -1,8 +1,9 @@
-"""The decode agent drives its transfer target's hints: `expect(True)` when a request starts
-waiting for its KV, `expect(False)` once none waits. Its control loop needs no timer: with the
-poll timeout patched to ten minutes, requests complete (messages and the target's `on_landed`
-kicks wake it) and the agent stops cleanly (`stop()` kicks it; without the kick the thread
-would outlive `stop` and fail on its closed sockets)."""
+"""The decode agent drives its transfer target's hints: `expect(True)` when a request's `done`
+arrived and it waits for its tags (never before: the prefill is still computing), `expect(False)`
+once none waits. Its control loop needs no timer: with the poll timeout patched to ten minutes,
+requests complete (messages and the target's `on_landed` kicks wake it) and the agent stops
+cleanly (`stop()` kicks it; without the kick the thread would outlive `stop` and fail on its
+closed sockets)."""
 
 from __future__ import annotations
 
@@ -119,3 +120,30 @@ def test_a_done_that_arrives_before_its_tags_waits_for_them(
         assert withheld == [] and silent, "decode completed before the tags landed"
         assert tokens == expected
         wait_until(lambda: drained(pair.decode_runner), "the decode pools to drain")
+
+
+def test_decode_expects_writes_only_once_done_arrived(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before `done` the prefill computes: a nixl target told to expect writes then polls every
+    0.2 ms, taking the CPU the prefill's forward needs on a shared host. Every `expect(True)`
+    comes while some request's `done` is in."""
+    seen: list[tuple[bool, bool]] = []  # (expecting, some flight's done arrived)
+    agents: list[decode.DecodeAgent] = []
+    real = NixlTarget.expect
+
+    def record(self: NixlTarget, expecting: bool) -> None:  # on the control thread
+        flights = agents[0]._flights.values()
+        seen.append((expecting, any(f.done is not None for f in flights)))
+        real(self, expecting)
+
+    monkeypatch.setattr(NixlTarget, "expect", record)
+    prompts = [[(5 * i + j) % 200 + 3 for j in range(30 + 40 * i)] for i in range(2)]
+    params = [SamplingParams(max_new_tokens=2) for _ in prompts]
+    with pd_pair("nixl", _make, _make) as pair:
+        agents.append(pair.decode_agent)
+        for prompt, p in zip(prompts, params, strict=True):  # one at a time, as at low load
+            [(tokens, _)] = pair.generate([prompt], [p])
+            assert len(tokens) == 2
+            wait_until(lambda: drained(pair.decode_runner), "the decode pools to drain")
+        wait_until(lambda: bool(seen) and not seen[-1][0], "expect(False) after the requests")
+    assert any(expecting for expecting, _ in seen), seen
+    assert all(done for expecting, done in seen if expecting), seen

@@ -116,10 +116,10 @@ def test_a_destination_of_the_wrong_size_is_refused(backend: str) -> None:
         agent = pair.decode_agent
         real = agent._forward
 
-        def short(address: str, rid: int, msg: C.PrefillRequest | C.Destination) -> None:
+        def short(address: str, msg: C.PrefillRequest | C.Destination) -> None:
             if isinstance(msg, C.Destination):
                 msg = dataclasses.replace(msg, dst_full_pages=msg.dst_full_pages[:-1])
-            real(address, rid, msg)
+            real(address, msg)
 
         agent._forward = short  # type: ignore[method-assign]
         [(tokens, done)] = pair.generate([PROMPT], [PARAMS])

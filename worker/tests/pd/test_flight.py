@@ -208,7 +208,7 @@ def test_done_lists_every_write_of_every_stage_pair() -> None:
 
 DONE = "done"
 TAGS = ("room:0:0:0", "room:0:0:1")
-FL: F.Flight[str] = F.Flight(7, "prefill-a:1", timeout_s=5.0, deadline_s=T0 + 5)
+FL: F.Flight[str] = F.Flight("prefill-a:1", timeout_s=5.0, deadline_s=T0 + 5)
 LANDING = replace(FL, done=DONE, tags=TAGS)
 GONE = replace(FL, cancelled=True)
 LATE = "prefill prefill-a:1 did not deliver within 5 s"
@@ -279,7 +279,7 @@ def test_decode_transition(
 )
 def test_admit(link: F.Link, want: object) -> None:
     got: object = F.admit(
-        7, "prefill-a:1", timeout_s=5.0, now_s=T0, link=link, link_error="bad address"
+        "prefill-a:1", timeout_s=5.0, now_s=T0, link=link, link_error="bad address"
     )
     assert got == want
 

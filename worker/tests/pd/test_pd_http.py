@@ -92,6 +92,40 @@ def test_router_output_equals_colocated(deployment: Deployment) -> None:
     assert json.loads(status)["kv_transfer"]["ready"] is True
 
 
+def _post_with_id(port: int, request_id: str | None, stream: bool) -> tuple[str, str]:
+    """(the X-Request-Id header, the completion's id) of one answer."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+    body = {"prompt": prompt(20, 3), "max_tokens": 3, "stream": stream}
+    headers = {"X-Request-Id": request_id} if request_id is not None else {}
+    try:
+        c.request("POST", "/v1/completions", body=json.dumps(body).encode(), headers=headers)
+        r = c.getresponse()
+        raw = r.read().decode()
+        assert r.status == 200, raw
+        first = raw.removeprefix("data: ").split("\n", 1)[0] if stream else raw
+        return r.getheader("X-Request-Id") or "", json.loads(first)["id"]
+    finally:
+        c.close()
+
+
+def test_one_request_id_from_the_client_through_the_router_and_both_workers(
+    deployment: Deployment,
+) -> None:
+    """The client's X-Request-Id names the answer through the router (the decode answered it
+    under the router's first attempt, which is the id itself); without one the router names
+    the request. (In-process tests show the decode and prefill engines and every transfer tag
+    use it: worker/tests/pd/test_pd_request_id.py.)"""
+    router = deployment.procs["router"].port
+    for stream in (False, True):
+        header, completion_id = _post_with_id(router, f"client-7.{stream}", stream)
+        assert (header, completion_id) == (f"client-7.{stream}", f"cmpl-client-7.{stream}")
+        header, completion_id = _post_with_id(router, None, stream)
+        assert len(header) == 32 and completion_id == f"cmpl-{header}"
+    for name in ("prefill", "decode"):
+        p = deployment.procs[name]
+        wait_until(lambda p=p: p.used_pages() == 0, f"{name} to free every page")
+
+
 def test_disconnect_mid_stream_frees_both_sides(deployment: Deployment) -> None:
     router = deployment.procs["router"]
     c = http.client.HTTPConnection("127.0.0.1", router.port, timeout=WAIT_S)

@@ -1,6 +1,6 @@
 """The follower's replica checks, without processes: a leader check that disagrees with the
 replica stops the group (rather than corrupt KV), an agreeing one passes, and a replayed
-submit must get the leader's request id."""
+submit takes the leader's request id (one it already holds means it diverged)."""
 
 from __future__ import annotations
 
@@ -31,15 +31,16 @@ def follower() -> tuple[Follower, Engine]:
 
 def test_an_agreeing_check_passes_and_a_diverged_one_stops_the_group() -> None:
     f, eng = follower()
-    f._submit(eng, Submit(0, (1, 2, 3), SamplingParams()))
+    f._submit(eng, Submit("req-0", (1, 2, 3), SamplingParams()))
     f._verify(eng, state_check(eng))  # the leader's own state, as the leader would send it
     used = tuple((pool, n + 1 if pool == "full" else n) for pool, n in state_check(eng).used)
     with pytest.raises(StageLost, match="diverged from the leader"):
         f._verify(eng, Check(used, state_check(eng).slots))
 
 
-def test_a_replayed_submit_must_get_the_leaders_request_id() -> None:
+def test_a_replayed_submit_takes_the_leaders_request_id_and_a_clash_is_divergence() -> None:
     f, eng = follower()
-    f._submit(eng, Submit(0, (1, 2, 3), SamplingParams()))
-    with pytest.raises(StageLost, match="request id 1 != leader's 5"):
-        f._submit(eng, Submit(5, (4,), SamplingParams()))
+    f._submit(eng, Submit("lead-7", (1, 2, 3), SamplingParams()))
+    assert list(eng.requests) == ["lead-7"]
+    with pytest.raises(StageLost, match="diverged from the leader: request id 'lead-7'"):
+        f._submit(eng, Submit("lead-7", (4,), SamplingParams()))

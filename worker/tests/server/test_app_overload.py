@@ -142,3 +142,33 @@ def test_a_request_removed_at_its_queue_deadline_is_503(
     assert body["error"]["code"] == "queue_timeout" and runner.submitted == 1
     assert 'dsv4_requests_shed_total{reason="queue_timeout"} 1.0' in metrics
     assert not [r for r in caplog.records if "-> 503" in r.getMessage()], caplog.text
+
+
+class CountingTokenizer(ByteTokenizer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoded = 0
+
+    def encode(self, text: str) -> list[int]:
+        self.encoded += 1
+        return super().encode(text)
+
+
+@pytest.mark.parametrize("alive", [True, False])
+def test_a_shed_reads_no_body_and_tokenizes_nothing(alive: bool) -> None:
+    """Overload (or a dead engine) is refused before the body is parsed: a body that is not
+    even JSON gets the 503, and the tokenizer never runs (sheds stay cheap in a 503 storm)."""
+    runner = StubRunner(alive=alive, overloaded=alive)
+    tok = CountingTokenizer()
+
+    async def post() -> tuple[int, dict[str, Any]]:
+        app = build_app(runner, tok, INFO)  # type: ignore[arg-type]
+        async with TestClient(TestServer(app)) as client:
+            bad = await client.post("/v1/completions", data=b"{not json")
+            good = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert good.status == 503
+            return bad.status, await bad.json()
+
+    status, body = asyncio.run(post())
+    assert status == 503 and body["error"]["code"] == ("queue_full" if alive else None)
+    assert tok.encoded == 0 and runner.submitted == 0

@@ -65,8 +65,10 @@ class TransferTarget(Protocol):
         has landed, so the owner need not poll `poll_landed` on a timer."""
 
     def expect(self, expecting: bool) -> None:
-        """A hint: writes are due (a request awaits its KV). A target that polls its transport
-        polls at its busy rate while expecting; one woken by its transport ignores it."""
+        """A hint: writes are landing now (decode: a request's `done` arrived and it waits for
+        its tags). A target that polls its transport polls at its busy rate while expecting
+        (else it backs off: a fast poll takes CPU from a prefill on the same host); one woken
+        by its transport ignores it."""
 
     def close(self) -> None:
         """Idempotent."""

@@ -1,0 +1,141 @@
+"""One request id end to end in PD: the id a decode worker's caller gives is its engine
+request's, the transfer's room, the prefill engine request's and the prefix of every write tag;
+two decodes whose clients chose the same id at once get the second refused at the prefill with
+a clear error, and neither disturbs the other."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from engine_helpers import engine
+from pd_support import Pair, on_engine, pd_pair, wait_drained, wait_until
+
+from dsv4_common.core.presets import tiny
+from dsv4_worker.engine.loop import Engine, Request
+from dsv4_worker.engine.sampler import SamplingParams
+from dsv4_worker.model.weights import init_weights
+from dsv4_worker.pd import control as C
+from dsv4_worker.pd.prefill import _Peer
+from dsv4_worker.pd.transfer import Block
+from dsv4_worker.server.runner import Done
+
+BACKENDS = ["zmq", "nixl"]
+MODEL = tiny()
+WEIGHTS = init_weights(MODEL, seed=23)
+PROMPT = [(11 * i % 240) + 5 for i in range(40)]
+PARAMS = SamplingParams(max_new_tokens=3)
+
+
+def _make() -> Engine:
+    return engine(MODEL, WEIGHTS)
+
+
+def _record_submits(eng: Engine) -> list[str]:
+    rids: list[str] = []
+    real = eng.submit
+
+    def submit(*args: Any, **kw: Any) -> Any:
+        req = real(*args, **kw)
+        rids.append(req.rid)
+        return req
+
+    eng.submit = submit  # type: ignore[method-assign]
+    return rids
+
+
+def _record_tags(pair: Pair) -> list[str]:
+    tags: list[str] = []
+    initiator = pair.prefill_agent.initiator
+    real = initiator.write
+
+    def write(peer: str, blocks: Sequence[Block], tag: str, timeout_s: float) -> None:
+        tags.append(tag)
+        real(peer, blocks, tag, timeout_s)
+
+    initiator.write = write  # type: ignore[method-assign]
+    return tags
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_callers_id_is_the_room_and_both_engines_request_id(backend: str) -> None:
+    with pd_pair(backend, _make, _make) as pair:
+        decode_rids, prefill_rids = _record_submits(pair.decode), _record_submits(pair.prefill)
+        rooms: list[str] = []
+        forward = pair.decode_agent._forward
+
+        def recording(address: str, msg: C.PrefillRequest | C.Destination) -> None:
+            rooms.append(msg.room)
+            forward(address, msg)
+
+        pair.decode_agent._forward = recording  # type: ignore[method-assign]
+        tags = _record_tags(pair)
+        [(tokens, done)] = pair.generate([PROMPT], [PARAMS], rids=["trace-7"])
+        assert done.reason == "length" and len(tokens) == 3
+        assert decode_rids == ["trace-7"] and prefill_rids == ["trace-7"]
+        assert rooms == ["trace-7", "trace-7"]  # its prefill request, then its destination
+        assert tags and all(tag.startswith("trace-7:") for tag in tags)
+        wait_drained(pair)
+
+
+def test_the_same_id_from_another_decode_is_refused_and_cannot_abort_the_first() -> None:
+    """While decode A's request "trace-8" is in flight at the prefill, decode B (a second
+    handshaken peer) sends a request of the same room: the prefill answers B `Failed` naming
+    the id, and B's Abort of that room is answered `Aborted` without touching A's request,
+    which then completes."""
+    with pd_pair("zmq", _make, _make) as pair:
+        agent = pair.prefill_agent
+        kept: list[Request] = []
+        release = pair.decode_agent.on_prealloc
+        pair.decode_agent.on_prealloc = kept.append  # type: ignore[method-assign]
+        other, sent_to_other = b"decode-b", []
+        send = agent._send
+
+        def recording(identity: bytes, msg: C.Message) -> None:
+            if identity == other:
+                sent_to_other.append(msg)
+            else:
+                send(identity, msg)
+
+        agent._send = recording  # type: ignore[method-assign]
+        out: list[tuple[list[int], Done]] = []
+        worker = threading.Thread(
+            target=lambda: out.extend(pair.generate([PROMPT], [PARAMS], rids=["trace-8"]))
+        )
+        worker.start()
+        wait_until(lambda: len(kept) == 1, "decode A's preallocation (its destination kept)")
+        wait_until(lambda: "trace-8" in agent._txs, "the prefill's transfer of trace-8")
+        msg = C.PrefillRequest(
+            room="trace-8",
+            prompt=tuple(PROMPT),
+            sampling=C.sampling_of(PARAMS),
+            stop_token_ids=(),
+            timeout_s=30.0,
+        )
+
+        def as_decode_b() -> str:
+            # On the engine thread, at once: B handshook and was just heard from (else the
+            # prefill's liveness rule drops it before its messages count).
+            agent._peers["B"] = _Peer(other, agent.manifest)
+            with agent._heard_lock:
+                agent._heard[other] = time.monotonic()
+            agent._handle(other, msg)
+            agent._handle(other, C.Abort("trace-8"))
+            return agent._txs["trace-8"].peer
+
+        owner = on_engine(pair.prefill_runner, as_decode_b)
+        assert owner != "B"  # the transfer of trace-8 is still decode A's
+        assert len(sent_to_other) == 2
+        failed, aborted = sent_to_other
+        assert isinstance(failed, C.Failed) and failed.room == "trace-8"
+        assert "'trace-8' is already in flight" in failed.message
+        assert aborted == C.Aborted("trace-8")
+        pair.decode_agent.on_prealloc = release  # type: ignore[method-assign]
+        on_engine(pair.decode_runner, lambda: release(kept[0]))
+        worker.join(60)
+        [(tokens, done)] = out
+        assert done.reason == "length" and len(tokens) == 3
+        wait_drained(pair)
