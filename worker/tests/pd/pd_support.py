@@ -20,7 +20,7 @@ from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.mem.memory import KVMemory
 from dsv4_worker.pd.decode import DecodeAgent
 from dsv4_worker.pd.prefill import PrefillAgent
-from dsv4_worker.pd.transfer import Region, make_initiator, make_target
+from dsv4_worker.pd.transfer import Block, Region, make_initiator, make_target
 from dsv4_worker.server.runner import Done, EngineRunner, Token
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -191,3 +191,17 @@ def wait_drained(pair: Pair) -> None:
     """Wait until both sides hold no request and every pool is back to zero (`drained`)."""
     wait_until(lambda: drained(pair.prefill_runner), "the prefill side to drain")
     wait_until(lambda: drained(pair.decode_runner), "the decode side to drain")
+
+
+def record_writes(pair: Pair) -> list[str]:
+    """The tag of every write the prefill side makes from now on, in order (the writes go on)."""
+    tags: list[str] = []
+    initiator = pair.prefill_agent.initiator
+    real = initiator.write
+
+    def write(peer: str, blocks: Sequence[Block], tag: str, timeout_s: float) -> None:
+        tags.append(tag)
+        real(peer, blocks, tag, timeout_s)
+
+    initiator.write = write  # type: ignore[method-assign]
+    return tags

@@ -13,7 +13,15 @@ from collections.abc import Sequence
 import pytest
 import zmq
 from engine_helpers import engine
-from pd_support import Pair, as_role, on_engine, pd_pair, wait_drained, wait_until
+from pd_support import (
+    Pair,
+    as_role,
+    on_engine,
+    pd_pair,
+    record_writes,
+    wait_drained,
+    wait_until,
+)
 
 from dsv4_common.core.presets import tiny
 from dsv4_worker.engine.events import EngineEvents
@@ -23,7 +31,6 @@ from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.model.weights import init_weights
 from dsv4_worker.pd import control as C
 from dsv4_worker.pd.decode import DecodeAgent
-from dsv4_worker.pd.transfer import Block
 from dsv4_worker.server.runner import Done
 
 BACKENDS = ["zmq", "nixl"]
@@ -51,19 +58,6 @@ def _withhold_destinations(pair: Pair) -> list[Request]:
     return kept
 
 
-def _count_writes(pair: Pair) -> list[str]:
-    tags: list[str] = []
-    initiator = pair.prefill_agent.initiator
-    real = initiator.write
-
-    def write(peer: str, blocks: Sequence[Block], tag: str, timeout_s: float) -> None:
-        tags.append(tag)
-        real(peer, blocks, tag, timeout_s)
-
-    initiator.write = write  # type: ignore[method-assign]
-    return tags
-
-
 def _generate_in_background(pair: Pair) -> tuple[threading.Thread, list[tuple[list[int], Done]]]:
     out: list[tuple[list[int], Done]] = []
     thread = threading.Thread(target=lambda: out.extend(pair.generate([PROMPT], [PARAMS])))
@@ -75,7 +69,7 @@ def _generate_in_background(pair: Pair) -> tuple[threading.Thread, list[tuple[li
 def test_prefill_computes_before_the_destination_and_writes_only_after_it(backend: str) -> None:
     with pd_pair(backend, _make, _make) as pair:
         wait_until(lambda: pair.decode_agent.kv_status()[0], "the handshake")
-        kept, writes = _withhold_destinations(pair), _count_writes(pair)
+        kept, writes = _withhold_destinations(pair), record_writes(pair)
         thread, out = _generate_in_background(pair)
         # Every chunk ran and the first token was sampled: the request holds its pages.
         wait_until(
@@ -98,7 +92,7 @@ def test_prefill_computes_before_the_destination_and_writes_only_after_it(backen
 def test_a_destination_that_never_comes_frees_the_prefill_side(backend: str) -> None:
     with pd_pair(backend, _make, _make, transfer_timeout_s=1.0) as pair:
         wait_until(lambda: pair.decode_agent.kv_status()[0], "the handshake")
-        kept, writes = _withhold_destinations(pair), _count_writes(pair)
+        kept, writes = _withhold_destinations(pair), record_writes(pair)
         pair.decode_agent._expire = lambda now: None  # type: ignore[method-assign]
         [(tokens, done)] = pair.generate([PROMPT], [PARAMS])  # prefill's own timeout ends it
         assert tokens == [] and done.reason == "error" and done.retryable
@@ -112,7 +106,7 @@ def test_a_destination_that_never_comes_frees_the_prefill_side(backend: str) -> 
 def test_a_destination_of_the_wrong_size_is_refused(backend: str) -> None:
     with pd_pair(backend, _make, _make) as pair:
         wait_until(lambda: pair.decode_agent.kv_status()[0], "the handshake")
-        writes = _count_writes(pair)
+        writes = record_writes(pair)
         agent = pair.decode_agent
         real = agent._forward
 

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
 from engine_helpers import engine
-from pd_support import Pair, on_engine, pd_pair, wait_drained, wait_until
+from pd_support import on_engine, pd_pair, record_writes, wait_drained, wait_until
 
 from dsv4_common.core.presets import tiny
 from dsv4_worker.engine.loop import Engine, Request
@@ -20,7 +19,6 @@ from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.model.weights import init_weights
 from dsv4_worker.pd import control as C
 from dsv4_worker.pd.prefill import _Peer
-from dsv4_worker.pd.transfer import Block
 from dsv4_worker.server.runner import Done
 
 BACKENDS = ["zmq", "nixl"]
@@ -47,19 +45,6 @@ def _record_submits(eng: Engine) -> list[str]:
     return rids
 
 
-def _record_tags(pair: Pair) -> list[str]:
-    tags: list[str] = []
-    initiator = pair.prefill_agent.initiator
-    real = initiator.write
-
-    def write(peer: str, blocks: Sequence[Block], tag: str, timeout_s: float) -> None:
-        tags.append(tag)
-        real(peer, blocks, tag, timeout_s)
-
-    initiator.write = write  # type: ignore[method-assign]
-    return tags
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_callers_id_is_the_room_and_both_engines_request_id(backend: str) -> None:
     with pd_pair(backend, _make, _make) as pair:
@@ -72,7 +57,7 @@ def test_the_callers_id_is_the_room_and_both_engines_request_id(backend: str) ->
             forward(address, msg)
 
         pair.decode_agent._forward = recording  # type: ignore[method-assign]
-        tags = _record_tags(pair)
+        tags = record_writes(pair)
         [(tokens, done)] = pair.generate([PROMPT], [PARAMS], rids=["trace-7"])
         assert done.reason == "length" and len(tokens) == 3
         assert decode_rids == ["trace-7"] and prefill_rids == ["trace-7"]
