@@ -67,6 +67,7 @@ class RouterSettings:
     status_timeout_s: float = 1.0  # per /status or /ready probe
     connect_timeout_s: float = 3.0  # to a decode's API
     # Decode sends its headers with the first token, so this covers the whole prefill.
+    # Checked at the stall watch's looks (every stall_after_s / 5): up to one look late.
     first_byte_timeout_s: float = 600.0
     # An open request's decode silent this long with its latest probe missed: frozen
     # (`liveness.frozen_reason`); the relay ends the request or retries it elsewhere.

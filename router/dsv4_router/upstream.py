@@ -7,7 +7,9 @@ comes with `read()` (all of it) or `read_chunk()` (what has arrived, as it arriv
 transfer coding removed, any content coding kept). The caller ends every answer with
 `release()`, which pools the connection only if the body was read to its end and both sides
 keep it alive, or `close()`, which closes it at once (a worker takes that as an abort).
-Cancelling `send`, or its timing out, closes the connection too.
+Cancelling `send`, or its timing out, closes the connection too. NOTE: the answer's head is
+awaited without a timer of its own: the pool's ticker (below) looks at every connection
+awaiting one, so `timeout_s` may be overrun by up to one `look_every_s`.
 
 A connection taken from the pool may have been closed by the worker while idle: if it ends
 before any byte of the answer, the request is sent once more on a new connection (the worker
@@ -15,7 +17,7 @@ never saw it). Every other failure is `UpstreamError` (a ConnectionError), a con
 included.
 
 `send(..., watch=verdict)` watches the worker's silence from the request on until the answer
-is released or closed: every `look_every_s` (one ticker for all the watched connections) it
+is released or closed: every `look_every_s` (one ticker for all the looked-at connections) it
 asks `verdict` about the seconds without a byte, and when that names a reason the connection
 closes and the waiting `send` or read raises `UpstreamStalled`. NOTE: silence is counted up
 to the previous look, by which time the event loop had read everything that had arrived
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import time
 from collections.abc import Callable
 from typing import Final, cast
@@ -118,6 +121,7 @@ class _Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._loop = asyncio.get_running_loop()
         self.idle_since_s = 0.0
+        self._head_by_s = 0.0  # (time.monotonic) the awaited head's deadline
         self._watch: Watch | None = None
         self._silence = Silence(0.0, 0.0)
         self._reset()
@@ -145,13 +149,23 @@ class _Connection(asyncio.Protocol):
 
     # -- the caller's side
 
-    def send(self, head: bytes, body: bytes, watch: Watch | None = None) -> asyncio.Future[Answer]:
+    def send(
+        self,
+        head: bytes,
+        body: bytes,
+        watch: Watch | None = None,
+        *,
+        head_by_s: float = math.inf,
+    ) -> asyncio.Future[Answer]:
+        """`head_by_s`: the head's deadline (time.monotonic), past which it fails with
+        TimeoutError (seen by the pool's ticker)."""
         assert self._transport is not None and self._head is None, "one request at a time"
         self._head = self._loop.create_future()
+        self._head_by_s = head_by_s
+        self._watch = watch
         if watch is not None:
-            self._watch = watch
             self._silence.heard_s = self._silence.looked_s = time.monotonic()
-            self._pool.watch(self)
+        self._pool.look_at(self)
         self._transport.write(head + body if len(body) < 16384 else head)
         if len(body) >= 16384:
             self._transport.write(body)
@@ -357,10 +371,18 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def look(self, now_s: float) -> None:
-        """The pool's ticker: give up on the worker if the watch says so."""
+        """The pool's ticker: time out a head past its deadline; give up on the worker if the
+        watch says so."""
+        head = self._head
+        awaited = head is not None and not head.done()
+        if awaited and now_s >= self._head_by_s:
+            assert head is not None
+            head.set_exception(TimeoutError())  # `send` closes the connection
+            return
         watch = self._watch
         if watch is None or self.body_done or self._transport is None:
-            self._unwatch()
+            if not awaited:
+                self._unwatch()
             return
         if self.pieces or self._paused:  # held up here, not by the worker
             self._silence.heard_s = now_s
@@ -375,9 +397,8 @@ class _Connection(asyncio.Protocol):
         self.abort()
 
     def _unwatch(self) -> None:
-        if self._watch is not None:
-            self._watch = None
-            self._pool.unwatch(self)
+        self._watch = None
+        self._pool.unwatch(self)
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
@@ -418,16 +439,15 @@ class Upstream:
         on a silent worker (`UpstreamStalled`), from the request on to the answer's end."""
         loop = asyncio.get_running_loop()
         deadline_s = loop.time() + timeout_s
+        head_by_s = time.monotonic() + timeout_s
         address = (host, port)
         conn = self._take_idle(address)
         reused = conn is not None
         if conn is None:
             conn = await self._connect(address, deadline_s)
         while True:
-            head_future = conn.send(head, body, watch)
-            late = loop.call_at(deadline_s, _time_out, head_future)
             try:
-                return await head_future
+                return await conn.send(head, body, watch, head_by_s=head_by_s)
             except _Stale:
                 conn.abort()
                 if not reused:
@@ -435,8 +455,6 @@ class Upstream:
             except BaseException:
                 conn.abort()
                 raise
-            finally:
-                late.cancel()
             # Closed by the worker while idle (it never saw the request): once more, afresh.
             reused = False
             conn = await self._connect(address, deadline_s)
@@ -476,7 +494,8 @@ class Upstream:
         if idle is not None and conn in idle:
             idle.remove(conn)
 
-    def watch(self, conn: _Connection) -> None:
+    def look_at(self, conn: _Connection) -> None:
+        """`conn.look` on every tick until `unwatch`."""
         self._watched.add(conn)
         if self._ticker is None:
             loop = asyncio.get_running_loop()
@@ -504,8 +523,3 @@ class Upstream:
             for conn in idle:
                 conn.abort()
         self._idle.clear()
-
-
-def _time_out(head: asyncio.Future[Answer]) -> None:
-    if not head.done():
-        head.set_exception(TimeoutError())

@@ -187,6 +187,39 @@ async def test_no_head_in_time_is_a_timeout_and_closes_the_connection() -> None:
 
 
 @run_async
+async def test_a_send_arms_no_timer_of_its_own() -> None:
+    """The head's deadline is the pool's ticker's to watch: a request on a kept-alive
+    connection schedules no event-loop timer of its own (one per request cost the hot path)."""
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        while await read_request(reader) is not None:
+            writer.write(answer(b"ok"))
+
+    async with serving(script) as (worker, upstream):
+        first = await send(upstream, worker)  # connects (asyncio's connect timeout arms one)
+        assert await first.read() == b"ok"
+        first.release()
+        loop = asyncio.get_running_loop()
+        real_call_at = loop.call_at
+        armed: list[object] = []
+
+        def call_at(when: float, callback: Callable[..., object], *args: Any) -> Any:
+            armed.append(callback)
+            return real_call_at(when, callback, *args)
+
+        setattr(loop, "call_at", call_at)  # call_later goes through it too  # noqa: B010
+        try:
+            for _ in range(5):
+                got = await send(upstream, worker)
+                assert await got.read() == b"ok"
+                got.release()
+        finally:
+            delattr(loop, "call_at")
+        assert worker.connections == 1
+        assert all(callback == upstream._tick for callback in armed), armed
+
+
+@run_async
 async def test_cancelling_a_send_closes_the_connection() -> None:
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         await read_request(reader)
