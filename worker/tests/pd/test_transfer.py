@@ -25,6 +25,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pd_support import wait_until
 
 from dsv4_worker.pd.transfer import (
     Block,
@@ -292,6 +293,62 @@ def test_nixl_pump_polls_fast_while_busy_and_backs_off_while_idle() -> None:
         periods.append(nixl_backend.pump_interval_s(periods[-1], busy=False))
     assert periods[1] == 2 * busy and periods[-1] == idle
     assert all(b == min(2 * a, idle) for a, b in itertools.pairwise(periods))
+
+
+@given(
+    previous_s=st.floats(nixl_backend.PUMP_INTERVAL_S, nixl_backend.PUMP_IDLE_INTERVAL_S),
+    busy=st.booleans(),
+    told_idle=st.booleans(),
+)
+def test_nixl_pump_goes_idle_at_once_when_told_and_fast_while_expecting(
+    previous_s: float, busy: bool, told_idle: bool
+) -> None:
+    """Expecting writes: the busy rate, whatever else. Told to stop expecting: the idle rate at
+    once, even right after a tag (that tag was what the owner waited for), never a back-off
+    through faster polls that would take the CPU the owner needs to answer."""
+    interval = nixl_backend.pump_interval_s
+    assert (
+        interval(previous_s, busy=busy, expecting=True, told_idle=told_idle)
+        == nixl_backend.PUMP_INTERVAL_S
+    )
+    if told_idle:
+        assert interval(previous_s, busy=busy, told_idle=True) == nixl_backend.PUMP_IDLE_INTERVAL_S
+    else:
+        assert interval(previous_s, busy=busy) == nixl_backend.pump_interval_s(
+            previous_s, busy=busy
+        )
+
+
+def test_nixl_target_drops_to_its_idle_poll_once_told_to_stop_expecting(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pump sees `expect(False)` at its next poll (only a True -> False change counts)
+    and waits its idle period from then on, without a back-off in between."""
+    if backend != "nixl":
+        pytest.skip("only the nixl target polls")
+    calls: list[tuple[bool, bool]] = []  # (expecting, told_idle) per poll
+    real = nixl_backend.pump_interval_s
+
+    def spy(
+        previous_s: float, *, busy: bool, expecting: bool = False, told_idle: bool = False
+    ) -> float:
+        calls.append((expecting, told_idle))
+        return real(previous_s, busy=busy, expecting=expecting, told_idle=told_idle)
+
+    monkeypatch.setattr(nixl_backend, "pump_interval_s", spy)
+    target = make_target("nixl")
+    try:
+        target.register(make_regions(REGIONS, seed=100))
+        target.expect(False)  # never expected: not a change
+        target.expect(True)
+        wait_until(lambda: (True, False) in calls, "a poll while expecting")
+        target.expect(False)
+        wait_until(lambda: calls[-1][0] is False and any(t for _, t in calls), "told idle")
+        told = [i for i, (_, t) in enumerate(calls) if t]
+        assert len(told) == 1, f"told idle once per True -> False change: {calls}"
+        assert calls[told[0]] == (False, True)
+    finally:
+        target.close()
 
 
 def test_empty_write_delivers_its_tag_and_moves_nothing(pair: Pair) -> None:

@@ -131,6 +131,7 @@ class NixlTarget:
         self._landed: deque[str] = deque()
         self._on_landed: Callable[[], None] = nothing
         self._expecting = False
+        self._quiets = 0  # times the owner stopped expecting (`expect`); the pump drops to idle
         self._stop = threading.Event()
         self._wake = threading.Event()  # set: poll now (expecting began, or closing)
         self._thread: threading.Thread | None = None
@@ -162,6 +163,8 @@ class NixlTarget:
     def expect(self, expecting: bool) -> None:
         if expecting and not self._expecting:
             self._wake.set()  # leave the idle interval at once
+        elif self._expecting and not expecting:
+            self._quiets += 1  # NOTE: only the owner's thread writes it; the pump reads it
         self._expecting = expecting
 
     def close(self) -> None:
@@ -177,7 +180,7 @@ class NixlTarget:
     def _pump(self) -> None:
         """Poll notifications (and so progress UCX, which the initiator's writes also wait
         for) every `pump_interval_s`; call `on_landed` after tags arrive."""
-        interval_s = PUMP_INTERVAL_S
+        interval_s, quiets = PUMP_INTERVAL_S, 0
         while not self._stop.is_set():
             self._wake.wait(interval_s)
             self._wake.clear()
@@ -196,12 +199,25 @@ class NixlTarget:
                     self._on_landed()
                 except Exception:  # the owner's bug: keep receiving
                     log.exception("kv transfer nixl: target %s: on_landed", self.name)
-            interval_s = pump_interval_s(interval_s, busy=bool(notifs) or self._expecting)
+            seen, quiets = quiets, self._quiets  # read once, before `_expecting`
+            told_idle = quiets != seen
+            interval_s = pump_interval_s(
+                interval_s, busy=bool(notifs), expecting=self._expecting, told_idle=told_idle
+            )
 
 
-def pump_interval_s(previous_s: float, *, busy: bool) -> float:
-    """A target's next poll period: PUMP_INTERVAL_S while busy (expecting writes, or a tag
-    just arrived), else twice the last, up to PUMP_IDLE_INTERVAL_S."""
+def pump_interval_s(
+    previous_s: float, *, busy: bool, expecting: bool = False, told_idle: bool = False
+) -> float:
+    """A target's next poll period: PUMP_INTERVAL_S while the owner expects writes; else
+    PUMP_IDLE_INTERVAL_S at once when the owner stopped expecting since the last poll (what it
+    waited for landed; faster polls would take the CPU its engine and HTTP threads need to
+    answer); else PUMP_INTERVAL_S while busy (a tag just arrived: an owner that never calls
+    `expect` may get more), else twice the last, up to PUMP_IDLE_INTERVAL_S."""
+    if expecting:
+        return PUMP_INTERVAL_S
+    if told_idle:
+        return PUMP_IDLE_INTERVAL_S
     return PUMP_INTERVAL_S if busy else min(2 * previous_s, PUMP_IDLE_INTERVAL_S)
 
 
