@@ -191,6 +191,8 @@ class FastConnection(asyncio.Protocol):
         front = self._front
         try:
             await front.complete(incoming, reply)
+            if reply.started and not reply.ended:  # as aiohttp ends a handler's stream
+                await reply.end()
         except asyncio.CancelledError:  # as aiohttp: the connection ends with the handler
             if not self.evicted:
                 front.guard.log.info("%s: cancelled (the client disconnected)", _where(head))
@@ -310,7 +312,16 @@ class FastConnection(asyncio.Protocol):
 class FastReply:
     """A Reply (`reply`) written straight to a fast connection."""
 
-    __slots__ = ("_chunked", "_conn", "_minor", "body", "keep_alive", "retry_after", "status")
+    __slots__ = (
+        "_chunked",
+        "_conn",
+        "_minor",
+        "body",
+        "ended",
+        "keep_alive",
+        "retry_after",
+        "status",
+    )
 
     def __init__(self, conn: FastConnection, head: ClientHead) -> None:
         self._conn = conn
@@ -320,6 +331,7 @@ class FastReply:
         self.status = 0  # 0: nothing sent yet
         self.body = b""  # an error answer's, for the log line
         self.retry_after = False
+        self.ended = False  # the whole answer is out (`answer`, or `end` after `start`)
 
     @property
     def started(self) -> bool:
@@ -345,6 +357,7 @@ class FastReply:
         if status >= 400:
             self.body = body
         head = self._head(status, headers, b"Content-Length: %d\r\n" % len(body))
+        self.ended = True
         self._conn.write(head + body)
 
     async def start(self, status: int, headers: Headers) -> None:
@@ -363,6 +376,7 @@ class FastReply:
         return self._conn.write(framed) and await self._conn.drained()
 
     async def end(self) -> None:
+        self.ended = True
         if not self._conn.write(b"0\r\n\r\n" if self._chunked else b""):
             raise ConnectionResetError("the client has gone")
         if not self._chunked:

@@ -16,7 +16,14 @@ from typing import Any, cast
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from router_support import JSON_ANSWER, StubWorker, routed, run_async, wait_until
+from router_support import (
+    JSON_ANSWER,
+    STREAM_EVENTS,
+    StubWorker,
+    routed,
+    run_async,
+    wait_until,
+)
 
 from dsv4_common.api.http_rules import HttpLimits
 from dsv4_router.errors import json_answer
@@ -386,3 +393,25 @@ async def test_the_router_answers_http_1_0_and_a_bad_body_through_the_fast_path(
         assert json.loads(b2)["error"]["type"] == "invalid_request_error"
         assert len(decode.seen) == 1
         assert await router.metric("dsv4_router_requests_total", outcome="client_error") == 1
+
+
+@run_async
+async def test_a_stream_that_breaks_ends_its_chunked_body_after_the_error_event() -> None:
+    """As aiohttp ends a handler's stream: the client gets the error event and the body's end
+    (its connection kept), never a body left open (a client waiting for the rest hung)."""
+    prefill, decode = StubWorker("prefill"), StubWorker("decode", mode="break_mid")
+    async with routed([prefill], [decode]) as router:
+        reader, writer = await connect(router.listening.api_port)
+        stream = json.dumps({**json.loads(BODY), "stream": True}).encode()
+        writer.write(request(stream) + request(stream))
+        async with asyncio.timeout(10):
+            for _ in range(2):  # the connection serves the next one, framed right
+                status, headers, body = await read_answer(reader)
+                assert status == b"HTTP/1.1 200 OK"
+                assert headers["transfer-encoding"] == "chunked"
+                first, error, rest = body.split(b"\n\n", 2)
+                assert first + b"\n\n" == STREAM_EVENTS[0]
+                event = json.loads(error.removeprefix(b"data: "))
+                assert event["error"]["code"] == "upstream_broken"
+                assert rest == b""  # no [DONE]: the stream broke
+        writer.close()
