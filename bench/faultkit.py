@@ -595,78 +595,92 @@ class CaseResult:
 
 
 def run_case(fault: Fault, workdir: Path, settings: CaseSettings | None = None) -> CaseResult:
-    """Start a deployment of the fault's sample, load it, inject the fault, wait for the
-    recovery (or, when `dsv4 up` itself is killed, for every process to be gone), let the
-    clients finish and read the KV pages once idle."""
-    cfg = settings or CaseSettings()
+    """Start a deployment of the fault's sample and run the fault on it (`run_fault`)."""
     started_s = time.monotonic()
     with Deployment.start(fault.sample, workdir) as dep:
-        startup_s = time.monotonic() - started_s
-        wait_until(lambda: short_request_ok(dep.api_url), "a first request to succeed", 60.0)
-        unit = None if fault.target == PARENT else dep.unit_of(fault.target)
-        restarts_before = 0 if unit is None else dep.restarts(fault.target)
-        match = re.search(r"restarts with its PP group after ([\d.]+) s", dep.err())
-        backoff_s = float(match.group(1)) if match else 0.0
-        ready_again_s = gone_s = None
-        orphans: tuple[int, ...] = ()
-        timeout_s = cfg.client_timeout_s
-        load = Load(dep.api_url, cfg.clients, max_tokens=cfg.max_tokens, timeout_s=timeout_s)
-        probe = Load(dep.api_url, 1, plain=True, timeout_s=timeout_s)
-        with load, probe:
-            load.wait_in_flight(60.0)
-            every_pid = set(dep.pids().values())
-            window = inject(dep, fault, cfg.stop_s)
-            if fault.target == PARENT and fault.action == "kill":
-                dep.popen.wait()
+        return run_fault(dep, fault, settings, startup_s=time.monotonic() - started_s)
+
+
+def run_fault(
+    dep: Deployment, fault: Fault, settings: CaseSettings | None = None, *, startup_s: float
+) -> CaseResult:
+    """On a deployment of the fault's sample that serves (fresh, or one an earlier case left
+    recovered): load it, inject the fault, wait for the recovery (or, when `dsv4 up` itself is
+    killed, for every process to be gone), let the clients finish and read the KV pages once
+    idle. Restarts are counted from this call's start. `startup_s`: how long the deployment
+    took to start (the recovery target of a restart)."""
+    cfg = settings or CaseSettings()
+    workdir = dep.workdir
+    wait_until(lambda: short_request_ok(dep.api_url), "a first request to succeed", 60.0)
+    unit = None if fault.target == PARENT else dep.unit_of(fault.target)
+    restarts_before = 0 if unit is None else dep.restarts(fault.target)
+    every_restart_before = _all_restarts(dep)
+    match = re.search(r"restarts with its PP group after ([\d.]+) s", dep.err())
+    backoff_s = float(match.group(1)) if match else 0.0
+    ready_again_s = gone_s = None
+    orphans: tuple[int, ...] = ()
+    timeout_s = cfg.client_timeout_s
+    load = Load(dep.api_url, cfg.clients, max_tokens=cfg.max_tokens, timeout_s=timeout_s)
+    probe = Load(dep.api_url, 1, plain=True, timeout_s=timeout_s)
+    with load, probe:
+        load.wait_in_flight(60.0)
+        every_pid = set(dep.pids().values())
+        window = inject(dep, fault, cfg.stop_s)
+        if fault.target == PARENT and fault.action == "kill":
+            dep.popen.wait()
+            with contextlib.suppress(AssertionError):
+                gone_s = wait_until(
+                    lambda: not _leftovers(every_pid, workdir),
+                    "every process to be gone",
+                    cfg.gone_timeout_s,
+                )
+            orphans = tuple(sorted(_leftovers(every_pid, workdir)))
+        else:
+            if fault.restarts:
                 with contextlib.suppress(AssertionError):
-                    gone_s = wait_until(
-                        lambda: not _leftovers(every_pid, workdir),
-                        "every process to be gone",
-                        cfg.gone_timeout_s,
-                    )
-                orphans = tuple(sorted(_leftovers(every_pid, workdir)))
-            else:
-                if fault.restarts:
-                    with contextlib.suppress(AssertionError):
-                        ready_again_s = wait_until(
-                            lambda: dep.ready_again(fault.target, restarts_before + 1),
-                            f"{unit} ready again",
-                            cfg.recover_timeout_s,
-                        )
-                with contextlib.suppress(AssertionError):
-                    wait_until(
-                        lambda: probe.first_ok_after(window.end_s) is not None,
-                        "a new request to succeed",
+                    ready_again_s = wait_until(
+                        lambda: dep.ready_again(fault.target, restarts_before + 1),
+                        f"{unit} ready again",
                         cfg.recover_timeout_s,
                     )
-        now_s = time.monotonic()
-        records = [*load.snapshot(), *probe.snapshot()]
-        verdict = judge(
-            records,
-            window,
-            allowed=allowed_kinds(fault),
-            silence_limit_s=cfg.silence_limit_s,
-            now_s=now_s,
-        )
-        first_ok_s = probe.first_ok_after(window.end_s)
-        alive = fault.target != PARENT or fault.action == "stop"
-        idle = wait_idle_pages(dep, cfg.idle_timeout_s) if alive else {}
-        restarts = 0 if unit is None else dep.restarts(fault.target) - restarts_before
-        if fault.target == PARENT and fault.action == "stop":
-            restarts = sum(int(u["restarts"]) for u in dep.units().values())
-        return CaseResult(
-            fault=fault,
-            startup_s=startup_s,
-            backoff_s=backoff_s,
-            verdict=verdict,
-            ready_again_after_s=None if ready_again_s is None else ready_again_s - window.fault_s,
-            recovery_after_s=None if first_ok_s is None else first_ok_s - window.fault_s,
-            restarts=restarts,
-            idle_pages=idle,
-            gone_after_s=None if gone_s is None else gone_s - window.fault_s,
-            orphans=orphans,
-            log=dep.err(),
-        )
+            with contextlib.suppress(AssertionError):
+                wait_until(
+                    lambda: probe.first_ok_after(window.end_s) is not None,
+                    "a new request to succeed",
+                    cfg.recover_timeout_s,
+                )
+    now_s = time.monotonic()
+    records = [*load.snapshot(), *probe.snapshot()]
+    verdict = judge(
+        records,
+        window,
+        allowed=allowed_kinds(fault),
+        silence_limit_s=cfg.silence_limit_s,
+        now_s=now_s,
+    )
+    first_ok_s = probe.first_ok_after(window.end_s)
+    alive = fault.target != PARENT or fault.action == "stop"
+    idle = wait_idle_pages(dep, cfg.idle_timeout_s) if alive else {}
+    restarts = 0 if unit is None else dep.restarts(fault.target) - restarts_before
+    if fault.target == PARENT and fault.action == "stop":
+        restarts = _all_restarts(dep) - every_restart_before
+    return CaseResult(
+        fault=fault,
+        startup_s=startup_s,
+        backoff_s=backoff_s,
+        verdict=verdict,
+        ready_again_after_s=None if ready_again_s is None else ready_again_s - window.fault_s,
+        recovery_after_s=None if first_ok_s is None else first_ok_s - window.fault_s,
+        restarts=restarts,
+        idle_pages=idle,
+        gone_after_s=None if gone_s is None else gone_s - window.fault_s,
+        orphans=orphans,
+        log=dep.err(),
+    )
+
+
+def _all_restarts(dep: Deployment) -> int:
+    return sum(int(u["restarts"]) for u in dep.units().values())
 
 
 def _leftovers(pids: set[int], workdir: Path) -> set[int]:

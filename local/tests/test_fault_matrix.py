@@ -7,10 +7,15 @@ router is down, broken only when it is killed), new requests succeed again once 
 restarted the process (a stopped one: once it continues), and every worker holds 0 KV pages
 once idle. Killing `dsv4 up` leaves no process behind (its children get SIGTERM through
 PR_SET_PDEATHSIG and drain). The faults and the judging are bench/faultkit.py's, shared with
-bench/faults.py; test_up_restart.py checks the supervisor's own lines and PIDs."""
+bench/faults.py; test_up_restart.py checks the supervisor's own lines and PIDs. The cases of
+one sample run one after another on one deployment (`Deployments`), as faults one after
+another hit a real one; a fresh deployment per case (bench/faults.py) is slower by a start-up."""
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import faultkit
@@ -38,12 +43,73 @@ SETTINGS = faultkit.CaseSettings(
 KNOWN: dict[str, pytest.MarkDecorator] = {}
 
 
+class Deployments:
+    """One live deployment per sample, shared by the cases of this module: a case leaves its
+    deployment recovered (its rules include a new request answered and 0 KV pages in use), so
+    the next case starts where a fresh deployment would, without a start-up. A case that broke
+    a rule retires its deployment: the next case of that sample gets a fresh one. Killing
+    `dsv4 up` ends its deployment, so that case always gets its own."""
+
+    def __init__(self, root: Path) -> None:
+        self._root = root
+        self._live: dict[str, tuple[faultkit.Deployment, float, contextlib.ExitStack]] = {}
+        self._started = 0
+
+    def close(self) -> None:
+        for _, _, stack in self._live.values():
+            stack.close()
+        self._live.clear()
+
+    def get(self, sample: str) -> tuple[faultkit.Deployment, float]:
+        """A serving deployment of `sample`, and how long it took to start."""
+        if sample in self._live:
+            dep, startup_s, _ = self._live[sample]
+            if dep.popen.poll() is None:
+                return dep, startup_s
+            self.retire(sample)
+        self._started += 1
+        stack = contextlib.ExitStack()
+        started_s = time.monotonic()
+        workdir = self._root / f"{sample.removesuffix('.yaml')}-{self._started}"
+        dep = stack.enter_context(faultkit.Deployment.start(sample, workdir))
+        self._live[sample] = (dep, time.monotonic() - started_s, stack)
+        return dep, self._live[sample][1]
+
+    def retire(self, sample: str) -> None:
+        if sample in self._live:
+            self._live.pop(sample)[2].close()
+
+
+@pytest.fixture(scope="module")
+def deployments(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployments]:
+    shared = Deployments(tmp_path_factory.mktemp("shared"))
+    try:
+        yield shared
+    finally:
+        shared.close()
+
+
+def _run(name: str, tmp_path: Path, deployments: Deployments) -> faultkit.CaseResult:
+    fault = faultkit.FAULTS[name]
+    if fault.target == faultkit.PARENT and fault.action == "kill":
+        return faultkit.run_case(fault, tmp_path / "up", SETTINGS)
+    dep, startup_s = deployments.get(fault.sample)
+    try:
+        result = faultkit.run_fault(dep, fault, SETTINGS, startup_s=startup_s)
+    except BaseException:
+        deployments.retire(fault.sample)
+        raise
+    if result.problems() or (fault.restarts and result.restarts != 1):
+        deployments.retire(fault.sample)
+    return result
+
+
 @pytest.mark.parametrize(
     "name", [pytest.param(n, marks=KNOWN.get(n, ()), id=n) for n in faultkit.FAULTS]
 )
-def test_fault(name: str, tmp_path: Path) -> None:
+def test_fault(name: str, tmp_path: Path, deployments: Deployments) -> None:
     fault = faultkit.FAULTS[name]
-    result = faultkit.run_case(fault, tmp_path / "up", SETTINGS)
+    result = _run(name, tmp_path, deployments)
 
     problems = result.problems()
     tail = "\n".join(result.log.splitlines()[-15:])

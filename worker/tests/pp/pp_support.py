@@ -53,6 +53,11 @@ class GroupRun:
 
 
 def _stage_main(run: GroupRun, rank: int, port: int, out: Any) -> None:
+    # One intra-op thread per stage: stages with torch's default (every CPU each) oversubscribe
+    # a 2-core machine, and OpenMP workers spinning for a core made a step 10-20x slower (the
+    # memory-pressure test: 72 s instead of 12 s). Every group run here, PP=1 included, does
+    # the same, so the token comparisons stay like for like.
+    torch.set_num_threads(1)
     try:
         inputs = run.inputs()
         full = init_weights(inputs.model, seed=run.seed)
