@@ -71,7 +71,6 @@ from dsv4_router.errors import RETRY_AFTER_S, json_answer
 from dsv4_router.http_guard import (
     body_error_response,
     guarded_app,
-    json_error,
     read_body,
 )
 from dsv4_router.metrics import CONTENT_TYPE, RouterMetrics
@@ -103,22 +102,20 @@ def build_api_app(state: RouterState) -> web.Application:
     app = build_probe_app(state, probes_only=False)
 
     async def completion(request: web.Request) -> web.StreamResponse:
-        if state.drain.draining:
-            state.metrics.count("unavailable")
-            return json_error(503, REFUSED, code=DRAIN_CODE, retry_after_s=RETRY_AFTER_S)
-        with state.drain.track():
-            try:
-                body = await read_body(request)  # the worker gets the exact bytes
-            except BodyError as exc:
-                state.metrics.count("client_error")
-                return body_error_response(exc)
-            incoming = Incoming(
-                request.method, request.raw_path, request.path, request.raw_headers, body
-            )
-            reply = WebReply(request)
-            await _complete(state, incoming, reply)
-            assert reply.response is not None, "every completion is answered"
-            return reply.response
+        reply = WebReply(request)
+        if not _refused_while_draining(state, reply):
+            with state.drain.track():
+                try:
+                    body = await read_body(request)  # the worker gets the exact bytes
+                except BodyError as exc:
+                    state.metrics.count("client_error")
+                    return body_error_response(exc)
+                incoming = Incoming(
+                    request.method, request.raw_path, request.path, request.raw_headers, body
+                )
+                await _complete(state, incoming, reply)
+        assert reply.response is not None, "every completion is answered"
+        return reply.response
 
     async def models(request: web.Request) -> web.StreamResponse:
         return await state.proxy.models(request)
@@ -133,13 +130,19 @@ def build_api_app(state: RouterState) -> web.Application:
 async def fast_completion(state: RouterState, incoming: Incoming, reply: Reply) -> None:
     """A completion from `fast_path` (its body in, within the size limit): as aiohttp's
     route answers it."""
-    if state.drain.draining:
-        state.metrics.count("unavailable")
-        document = error_document(REFUSED, "server_error", code=DRAIN_CODE)
-        reply.answer(*json_answer(503, document, retry_after_s=RETRY_AFTER_S))
-        return
-    with state.drain.track():
-        await _complete(state, incoming, reply)
+    if not _refused_while_draining(state, reply):
+        with state.drain.track():
+            await _complete(state, incoming, reply)
+
+
+def _refused_while_draining(state: RouterState, reply: Reply) -> bool:
+    """A draining router refuses new completions: 503 + Retry-After, counted."""
+    if not state.drain.draining:
+        return False
+    state.metrics.count("unavailable")
+    document = error_document(REFUSED, "server_error", code=DRAIN_CODE)
+    reply.answer(*json_answer(503, document, retry_after_s=RETRY_AFTER_S))
+    return True
 
 
 async def _complete(state: RouterState, incoming: Incoming, reply: Reply) -> None:

@@ -193,13 +193,10 @@ class Engine:
             raise EngineFailed(self.failure)
         if not prompt:
             raise ValueError("prompt: must hold at least one token")
-        if rid is not None and (rid in self.requests or rid in self.held):
+        seq = next(self._seqs)  # a refused request leaves a gap: only the order matters
+        rid = rid if rid is not None else f"req-{seq}"
+        if rid in self.requests or rid in self.held:  # (a caller may have chosen that name)
             raise DuplicateRequest(f"request id {rid!r} is already in flight")
-        seq = next(self._seqs)
-        if rid is None:
-            rid = f"req-{seq}"
-            if rid in self.requests or rid in self.held:  # a caller chose this name
-                raise DuplicateRequest(f"request id {rid!r} is already in flight")
         req = Request(rid, tuple(prompt), params, seq, keep_pages=keep_pages)
         if self.config.role is Role.DECODE:
             req.phase, req.prefill = Phase.PREALLOC, prefill

@@ -302,7 +302,6 @@ class EngineRunner:
         with self._lock:  # bounded by the queue's bound, unlike the listeners
             queued = set(self._queued)
         scheduled: list[RequestId] = []  # rids that left the queue
-        ended: list[RequestId] = []  # rids answered with their Done
         for rid, (handle, loop, sent) in list(self._listeners.items()):
             req = reqs.get(rid)
             if req is None:
@@ -311,6 +310,8 @@ class EngineRunner:
                 continue
             events: list[Token | Done] = [_token(req, i, now) for i in range(sent, len(req.output))]
             if req.finished:
+                # Its id is free before its Done goes out: the client may reuse it at once.
+                self._end(rid)
                 events.append(Done(str(req.finish_reason), req.error, req.retryable))
             if not all(_emit(loop, handle, e) for e in events):
                 # The listener's event loop is gone: nobody will read this request again.
@@ -318,16 +319,14 @@ class EngineRunner:
             self._listeners[rid] = (handle, loop, len(req.output))
             if req.finished or rid not in self.engine.requests:
                 del self._listeners[rid]
-                ended.append(rid)
+                if not req.finished:  # aborted just above
+                    self._end(rid)
             elif rid in queued and req.phase not in QUEUED_PHASES:
                 scheduled.append(rid)
-        if scheduled or ended:
+        if scheduled:
             with self._lock:
                 for rid in scheduled:
                     self._queued.pop(rid, None)
-                for rid in ended:
-                    self._queued.pop(rid, None)
-                    self._live.discard(rid)
         phases = [r.phase for r in self.engine.requests.values()]
         snap = Snapshot(
             usage=self.engine.mem.usage(),

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 from mem_helpers import small_memory
 
@@ -152,3 +154,40 @@ def test_the_idle_check_runs_after_the_last_event_went_out() -> None:
         r.stop()
     assert [type(e) for e in events] == [Token, Token, Done]
     assert before_the_check, "the last event waited for the idle check"
+
+
+class _AtOnce:
+    """An event loop stand-in that runs each handed-over callback at once, on the runner's
+    thread: what a listener does the moment its Done arrives happens before the runner's
+    next line."""
+
+    def __init__(self, on_done: Callable[[Done], None]) -> None:
+        self.on_done = on_done
+
+    def call_soon_threadsafe(self, fn: Callable[..., object], *args: object) -> None:
+        fn(*args)
+        if args and isinstance(args[0], Done):
+            self.on_done(args[0])
+
+
+def test_an_id_is_free_by_the_time_its_done_arrives() -> None:
+    """A client that reuses its request id as soon as it has the answer is never refused."""
+    r = runner()
+    reused: list[str] = []
+    ended = threading.Event()
+
+    def again(done: Done) -> None:
+        if not reused:  # the first request's Done: submit the same id again right away
+            handle = r.submit((1, 2), SamplingParams(max_new_tokens=1), loop, rid="same")
+            reused.append(handle.rid)
+        else:
+            ended.set()
+
+    loop: Any = _AtOnce(again)
+    r.start()
+    try:
+        r.submit((1, 2, 3), SamplingParams(max_new_tokens=2), loop, rid="same")
+        assert ended.wait(30), "the reused id's request did not end"
+        assert reused == ["same"]
+    finally:
+        r.stop()
