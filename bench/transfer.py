@@ -27,6 +27,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 
@@ -116,17 +117,26 @@ def bench_backend(
     proc.start()
     initiators: list[TransferInitiator] = []
 
+    def answer(waiting_for: str) -> Any:
+        """The target's next message; a target that died or went silent is an error at once,
+        not a wait of WAIT_S."""
+        deadline = time.monotonic() + WAIT_S
+        while not here.poll(0.1):
+            if not proc.is_alive():
+                raise TransferError(
+                    f"{backend}: the target process exited ({proc.exitcode}) before {waiting_for}"
+                )
+            if time.monotonic() > deadline:
+                raise TransferError(f"{backend}: no {waiting_for} from the target in {WAIT_S}s")
+        return here.recv()
+
     def ask(command: str) -> str:
         here.send(command)
-        if not here.poll(WAIT_S):
-            raise TransferError(f"{backend}: the target did not answer {command!r}")
-        answer: str = here.recv()
-        return answer
+        reply: str = answer(f"its answer to {command!r}")
+        return reply
 
     try:
-        if not here.poll(WAIT_S):
-            raise TransferError(f"{backend}: the target process did not start")
-        descriptor = here.recv()
+        descriptor = answer("its descriptor")
         blocks = page_blocks(perm, src.shape[1])
         count = iter(range(1 << 30))
         writes, checks = [], []
@@ -197,6 +207,8 @@ def main() -> None:
     device = torch.device(args.device)
     page_bytes = args.page_kib << 10
     num_pages = (args.total_mib << 20) // page_bytes
+    if args.page_kib < 1 or num_pages < 1:
+        parser.error(f"--total-mib {args.total_mib} holds no page of --page-kib {args.page_kib}")
     nbytes = num_pages * page_bytes
     gen = torch.Generator().manual_seed(0)
     src = torch.randint(0, 256, (num_pages, page_bytes), dtype=torch.uint8, generator=gen)

@@ -5,8 +5,10 @@
 #
 #   OUT=/some/dir bash scripts/gpu_check.sh
 #
-# Wheels the device image lacks (pyzmq, llguidance) travel in `.whl/` (git-ignored through
-# .git/info/exclude; the run's `carry`) and are installed into GPU_CHECK_SITE.
+# Wheels the device image lacks (pyzmq, llguidance, nixl_cu13) travel in `.whl/` (git-ignored
+# through .git/info/exclude; the run's `carry`) and are installed into GPU_CHECK_SITE. The nixl
+# wheel is too big to travel whole (59 MB of 64): scripts/slim_nixl_wheel.sh keeps its UCX
+# plugin and the libraries that plugin loads (12 MB).
 # At most 8 logs come back from $OUT: env.log (wheels, versions, per-step summary),
 # gpu-tests.log and one log per bench.
 #
@@ -66,6 +68,18 @@ EOF
 PYPATH=$ROOTS
 if [[ -n $SITE && ${GPU_CHECK_SITE_ON_PATH:-1} != 0 ]]; then PYPATH=$SITE:$PYPATH; fi
 export PYTHONPATH=$PYPATH${PYTHONPATH:+:$PYTHONPATH}
+# UCX's CUDA memory hooks (nixl's libucm_cuda) load libcudart by soname: torch's wheels keep it
+# in their site-packages, off the loader's path.
+CUDART_DIR=$("$PY" - <<'EOF'
+import glob, os, site
+for root in site.getsitepackages():
+    for path in sorted(glob.glob(os.path.join(root, "nvidia", "**", "libcudart.so.*"), recursive=True)):
+        print(os.path.dirname(path))
+        raise SystemExit
+EOF
+)
+if [[ -n $CUDART_DIR ]]; then export LD_LIBRARY_PATH=$CUDART_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}; fi
+echo "libcudart from: ${CUDART_DIR:-(none found)}" | tee -a "$ENV_LOG"
 
 # (b) The machine and the stack.
 {
@@ -90,14 +104,13 @@ EOF
 # are left out), so no unrelated test module is imported.
 mapfile -t GPU_TESTS < <(grep -rl --include='test_*.py' 'mark\.gpu' common worker router local bench \
   2>/dev/null | sort)
-step gpu-tests 90 "$OUT/gpu-tests.log" "$PY" -m pytest -m "gpu and not cluster" -q \
+step gpu-tests 120 "$OUT/gpu-tests.log" "$PY" -m pytest -m "gpu and not cluster" -q \
   -p no:cacheprovider --continue-on-collection-errors -rs "${GPU_TESTS[@]}"
 
 # (d) The benches that take --device, smallest first; a few rounds each, medians printed.
-# pd and transfer use zmq: the nixl wheel (~68 MiB) is over the tree's 64 MiB limit.
 if [[ $SCALE == 1 ]]; then
   ALLOC=(--rounds 3 --repeats 20) ENGINE=(--rounds 3 --steps 20)
-  XFER=(--total-mib 256 --repeats 5)
+  XFER=(--total-mib 1024 --repeats 5)
   SERVE=(--rounds 3 --requests 2 --max-tokens 32 --clients 1 32)
   PD=(--rounds 2 --requests 2 --ttft-requests 10 --max-tokens 32 --clients 1 32)
   PP=(--rounds 2 --requests 2 --max-tokens 32 --clients 1 32)
@@ -111,11 +124,15 @@ fi
 D=(--device "$DEVICE")
 step alloc 40 "$OUT/alloc.log" "$PY" bench/alloc.py "${D[@]}" "${ALLOC[@]}"
 step engine 25 "$OUT/engine.log" "$PY" bench/engine.py "${D[@]}" "${ENGINE[@]}"
-step transfer 35 "$OUT/transfer.log" "$PY" bench/transfer.py "${D[@]}" --backends zmq "${XFER[@]}"
-step serve 60 "$OUT/serve.log" "$PY" bench/serve.py "${D[@]}" "${SERVE[@]}"
-step pd 70 "$OUT/pd.log" "$PY" bench/pd.py "${D[@]}" --transfer zmq "${PD[@]}"
+# NIXL between two processes' GPU memory (VRAM_SEG) at two page sizes; zmq through host frames.
+step transfer 60 "$OUT/transfer.log" "$PY" bench/transfer.py "${D[@]}" --backends nixl,zmq \
+  "${XFER[@]}"
+step transfer-16m 40 "$OUT/transfer.log" "$PY" bench/transfer.py "${D[@]}" --backends nixl \
+  --page-kib 16384 "${XFER[@]}"
+step serve 50 "$OUT/serve.log" "$PY" bench/serve.py "${D[@]}" "${SERVE[@]}"
+step pd 60 "$OUT/pd.log" "$PY" bench/pd.py "${D[@]}" --transfer nixl "${PD[@]}"
 # PP=2 puts both stages on the one GPU (NCCL may refuse that); last, so a failure costs least.
-step pp 45 "$OUT/pp.log" "$PY" bench/pp.py "${D[@]}" --pp 1 2 "${PP[@]}"
+step pp 40 "$OUT/pp.log" "$PY" bench/pp.py "${D[@]}" --pp 1 2 "${PP[@]}"
 
 {
   echo "=== summary ($((SECONDS - START_S))s in all; rc 124: timed out)"
