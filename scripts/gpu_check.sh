@@ -110,16 +110,18 @@ step gpu-tests 120 "$OUT/gpu-tests.log" "$PY" -m pytest -m "gpu and not cluster"
 # (d) The benches that take --device, smallest first; a few rounds each, medians printed.
 if [[ $SCALE == 1 ]]; then
   ALLOC=(--rounds 3 --repeats 20) ENGINE=(--rounds 3 --steps 20)
-  XFER=(--total-mib 1024 --repeats 5)
+  XFER=(--total-mib 1024 --repeats 5) BIG_PAGE=(--page-kib 16384)
   SERVE=(--rounds 3 --requests 2 --max-tokens 32 --clients 1 32)
-  PD=(--rounds 2 --requests 2 --ttft-requests 10 --max-tokens 32 --clients 1 32)
+  PD=(--rounds 2 --requests 2 --ttft-requests 10 --max-tokens 32 --clients 1)
   PP=(--rounds 2 --requests 2 --max-tokens 32 --clients 1 32)
+  PROFILE=(--steps 16)
 else
   ALLOC=(--rounds 1 --repeats 2 --pages 16) ENGINE=(--rounds 1 --steps 2 --running 1 64)
-  XFER=(--total-mib 8 --repeats 1)
+  XFER=(--total-mib 8 --repeats 1) BIG_PAGE=(--page-kib 4096)
   SERVE=(--rounds 1 --requests 1 --max-tokens 4 --clients 1 2 --no-replay)
   PD=(--rounds 1 --requests 1 --ttft-requests 2 --max-tokens 4 --clients 1)
   PP=(--rounds 1 --requests 1 --max-tokens 4 --clients 1)
+  PROFILE=(--steps 2)
 fi
 D=(--device "$DEVICE")
 step alloc 40 "$OUT/alloc.log" "$PY" bench/alloc.py "${D[@]}" "${ALLOC[@]}"
@@ -127,10 +129,11 @@ step engine 25 "$OUT/engine.log" "$PY" bench/engine.py "${D[@]}" "${ENGINE[@]}"
 # NIXL between two processes' GPU memory (VRAM_SEG) at two page sizes; zmq through host frames.
 step transfer 60 "$OUT/transfer.log" "$PY" bench/transfer.py "${D[@]}" --backends nixl,zmq \
   "${XFER[@]}"
-step transfer-16m 40 "$OUT/transfer.log" "$PY" bench/transfer.py "${D[@]}" --backends nixl \
-  --page-kib 16384 "${XFER[@]}"
+step transfer-big 40 "$OUT/transfer.log" "$PY" bench/transfer.py "${D[@]}" --backends nixl \
+  "${BIG_PAGE[@]}" "${XFER[@]}"
+step profile 40 "$OUT/serve.log" "$PY" bench/profile_step.py "${D[@]}" "${PROFILE[@]}"
 step serve 50 "$OUT/serve.log" "$PY" bench/serve.py "${D[@]}" "${SERVE[@]}"
-step pd 60 "$OUT/pd.log" "$PY" bench/pd.py "${D[@]}" --transfer nixl "${PD[@]}"
+step pd 80 "$OUT/pd.log" "$PY" bench/pd.py "${D[@]}" --transfer nixl "${PD[@]}"
 # PP=2 puts both stages on the one GPU (NCCL may refuse that); last, so a failure costs least.
 step pp 40 "$OUT/pp.log" "$PY" bench/pp.py "${D[@]}" --pp 1 2 "${PP[@]}"
 
