@@ -411,7 +411,7 @@ class KVAllocator:
         batch, within = self.scratch.runs(counts, total)
         rows = per_item(slots, batch)
         cols = within if first_cols is None else per_item(first_cols, batch) + within
-        pages = self.full.pop(rows.expand(total)).clone()  # clone: frees reuse the stack
+        pages = self.full.pop(rows.expand(total)).clone()  # clone: frees reuse the free list
         flat = torch.add(cols, rows, alpha=self.config.max_pages_per_request)
         self.table_flat.index_copy_(0, flat, pages)
         if swa_from is None:

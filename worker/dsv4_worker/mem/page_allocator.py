@@ -1,7 +1,13 @@
-"""PageAllocator: a free stack of units 1..num_pages with one owner per unit. Indices only.
+"""PageAllocator: a free list of units 1..num_pages with one owner per unit. Indices only.
 
-    stack[0:top]  free units (popped from the top)      owner[u] == 0  <=> u is free
+    free[head:]   free units, handed out from the front  owner[u] == 0  <=> u is free
     owner[0]      always 0: unit 0 is the reserved "none" unit, never handed out
+
+NOTE (runs): an allocation takes `free[head:head + n]` in order and a free puts its units back
+in front of `head`, in the order given. A fresh allocator so hands out 1, 2, 3, ...; a
+request's pages freed together come back as the same ascending run for the next one. PD
+transfers merge pages that are consecutive on both sides into one block (one descriptor per
+run and layer instead of per page and layer; see docs/pd.md "On a GPU").
 
 NOTE: `alloc` and `free` are all-or-nothing: every check runs before the first write.
 Owners are opaque positive ints (a request slot for full pages, a full page for SWA pages).
@@ -39,49 +45,54 @@ class PageAllocator:
         self.name = name
         self.num_pages = num_pages
         self.device = resolve_device(device)
-        # Free units, popped from the end: a fresh allocator hands out low numbers first.
-        self._stack = torch.arange(num_pages, 0, -1, dtype=torch.int64, device=self.device)
-        self._top = num_pages
+        # Free units from `_head` on, handed out from the front: 1, 2, 3, ... when fresh.
+        self._free = torch.arange(1, num_pages + 1, dtype=torch.int64, device=self.device)
+        self._head = 0
         self.owner = torch.zeros(num_pages + 1, dtype=torch.int64, device=self.device)
         self._bias = torch.full((1,), CLAIM_BIAS, dtype=torch.int64, device=self.device)
         self._claimed = torch.neg(self._bias)
         # On the CPU: numpy views of the same memory for `*_host` (never replaced: every write
-        # to `owner` and the stack is in place).
+        # to `owner` and the free list is in place).
         self._host: tuple[np.ndarray, np.ndarray] | None = None
         self._host_tags = np.zeros(0, dtype=np.int64)
         if self.device.type == "cpu":
-            self._host = (self.owner.numpy(), self._stack.numpy())
+            self._host = (self.owner.numpy(), self._free.numpy())
             self._host_tags = -1 - np.arange(num_pages, dtype=np.int64)  # one per position
 
     @property
     def num_free(self) -> int:
-        return self._top
+        return self.num_pages - self._head
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - self._top
+        return self._head
 
     def usage(self) -> PoolUsage:
         return PoolUsage(pool=self.name, used=self.num_used, total=self.num_pages)
 
     def can_alloc(self, num_pages: int) -> bool:
-        return num_pages <= self._top
+        return num_pages <= self.num_pages - self._head
+
+    def free_units(self) -> Tensor:
+        """The free units in the order they will be handed out (a view: valid until the next
+        allocation or free)."""
+        return self._free[self._head :]
 
     def alloc(self, owners: Tensor) -> Tensor:
         """One unit per entry of `owners` (in 1..CLAIM_BIAS - 1, unchecked); returns the units,
         same order."""
         owners = int64_vector(owners, f"{self.name}: alloc owners", self.device)
-        # clone: later frees overwrite this region of the stack.
+        # clone: later frees overwrite this region of the free list.
         return self.pop(owners).clone()
 
     def pop(self, owners: Tensor) -> Tensor:
-        """`alloc` returning a view of the stack: valid only until the next free (hot paths)."""
-        n = owners.numel()
-        if n > self._top:
-            raise OutOfPages(self.name, n, self._top)
-        pages = self._stack[self._top - n : self._top]
+        """`alloc` returning a view of the free list: valid only until the next free (hot paths)."""
+        n, head = owners.numel(), self._head
+        if n > self.num_pages - head:
+            raise OutOfPages(self.name, n, self.num_pages - head)
+        pages = self._free[head : head + n]
         self.owner.index_add_(0, pages, owners)  # NOTE: a free unit's owner is 0: adding writes
-        self._top -= n
+        self._head = head + n
         return pages
 
     def free(self, pages: Tensor, owners: Tensor) -> None:
@@ -170,13 +181,14 @@ class PageAllocator:
             self._raise_not_owned(pages, owners)
 
     def release_owned(self, pages: Tensor) -> None:
-        """Second half of a free after `check_owners`: the pages become free, back on the stack."""
+        """Second half of a free after `check_owners`: the pages become free, back in front of
+        the free list in their order."""
         n = pages.numel()
         if n == 0:
             return
         self.owner.index_fill_(0, pages, 0)
-        self._stack[self._top : self._top + n] = pages
-        self._top += n
+        self._free[self._head - n : self._head] = pages
+        self._head -= n
 
     def unclaim(self, pages: Tensor, claimed: Tensor) -> None:
         """Undo `claim` (another pool of the same free failed its checks); `claimed` is what
@@ -185,13 +197,14 @@ class PageAllocator:
             self.owner.index_add_(0, pages, claimed)
 
     def release_claimed(self, pages: Tensor) -> None:
-        """Second half of a free: the claimed pages become free (owner 0), back on the stack."""
+        """Second half of a free: the claimed pages become free (owner 0), back in front of the
+        free list in their order."""
         n = pages.numel()
         if n == 0:
             return
         self.owner.index_add_(0, pages, self._bias.expand(n))
-        self._stack[self._top : self._top + n] = pages
-        self._top += n
+        self._free[self._head - n : self._head] = pages
+        self._head -= n
 
     # -- the same on the CPU, in numpy (`host_free`: one numpy call costs a fraction of a torch
     # call); only for an allocator on the CPU.
@@ -220,12 +233,13 @@ class PageAllocator:
             self._raise_not_owned(torch.from_numpy(pages), torch.from_numpy(owners))
 
     def release_host(self, pages: np.ndarray) -> None:
-        """`release_claimed` / `release_owned` of int64 pages: free, back on the stack."""
-        owners, stack = self._host_views()
+        """`release_claimed` / `release_owned` of int64 pages: free, back in front of the free
+        list in their order."""
+        owners, free = self._host_views()
         n = len(pages)
         owners[pages] = 0
-        stack[self._top : self._top + n] = pages
-        self._top += n
+        free[self._head - n : self._head] = pages
+        self._head -= n
 
     def _host_views(self) -> tuple[np.ndarray, np.ndarray]:
         if self._host is None:
@@ -233,19 +247,19 @@ class PageAllocator:
         return self._host
 
     def check_integrity(self) -> None:
-        """free + used == total; the free stack is exactly the set of unowned units."""
-        n, top = self.num_pages, self._top
-        if not 0 <= top <= n:
-            raise IntegrityError(f"{self.name}: stack top {top} outside 0..{n}")
+        """free + used == total; the free list is exactly the set of unowned units."""
+        n, head = self.num_pages, self._head
+        if not 0 <= head <= n:
+            raise IntegrityError(f"{self.name}: free list head {head} outside 0..{n}")
         if int(self.owner[0]) != 0:
             raise IntegrityError(f"{self.name}: reserved unit 0 has owner {int(self.owner[0])}")
-        free = self._stack[:top]
-        if top and bool(((free < 1) | (free > n)).any()):
-            raise IntegrityError(f"{self.name}: free stack holds units outside 1..{n}")
-        if int(torch.unique(free).numel()) != top:
-            raise IntegrityError(f"{self.name}: a unit is on the free stack twice")
-        if top and bool((self.owner[free] != 0).any()):
-            raise IntegrityError(f"{self.name}: a unit on the free stack has an owner")
+        free, num_free = self._free[head:], n - head
+        if num_free and bool(((free < 1) | (free > n)).any()):
+            raise IntegrityError(f"{self.name}: free list holds units outside 1..{n}")
+        if int(torch.unique(free).numel()) != num_free:
+            raise IntegrityError(f"{self.name}: a unit is on the free list twice")
+        if num_free and bool((self.owner[free] != 0).any()):
+            raise IntegrityError(f"{self.name}: a unit on the free list has an owner")
         used = int((self.owner[1:] != 0).sum())
-        if used + top != n:
-            raise IntegrityError(f"{self.name}: used {used} + free {top} != total {n}")
+        if used + num_free != n:
+            raise IntegrityError(f"{self.name}: used {used} + free {num_free} != total {n}")

@@ -51,7 +51,7 @@ def allocator_state(alloc: KVAllocator) -> list[Tensor]:
         alloc.next_slot.clone(),
     ]
     for pages in (alloc.full, alloc.swa):
-        out += [pages.owner.clone(), pages._stack[: pages.num_free].clone(), t(pages.num_free)]
+        out += [pages.owner.clone(), pages.free_units().clone(), t(pages.num_free)]
     return out
 
 

@@ -26,7 +26,7 @@ def _pool(owners: list[int]) -> PageAllocator:
 
 
 def _state(pool: PageAllocator) -> tuple[list[int], list[int]]:
-    return pool.owner.tolist(), pool._stack[: pool.num_free].tolist()
+    return pool.owner.tolist(), pool.free_units().tolist()
 
 
 def _valid(pool: PageAllocator, pages: list[int], owners: list[int]) -> bool:
@@ -145,8 +145,8 @@ def test_one_request_frees_leave_what_one_batch_free_leaves(tokens: list[int], e
         assert torch.equal(x, y)
     for pool_one, pool_batch in ((one.full, batch.full), (one.swa, batch.swa)):
         assert torch.equal(pool_one.owner, pool_batch.owner)
-        free_one = pool_one._stack[: pool_one.num_free].tolist()
-        assert sorted(free_one) == sorted(pool_batch._stack[: pool_batch.num_free].tolist())
+        free_one = pool_one.free_units().tolist()
+        assert sorted(free_one) == sorted(pool_batch.free_units().tolist())
 
 
 @pytest.mark.parametrize("corrupt", ["repeated page", "no swa page in the window"])

@@ -105,8 +105,7 @@ def test_tail_preallocation_clears_stale_mappings_of_recycled_pages() -> None:
     a.extend(victim, t(10))
     victim_swa = int(a.full_to_swa[a.page_table[1, 0]])
     # The pages the next 4-page allocation will take; pretend an earlier owner left mappings.
-    top = a.full.num_free
-    recycled = a.full._stack[top - 4 : top].clone()
+    recycled = a.full.free_units()[:4].clone()
     a.full_to_swa[recycled[:2]] = victim_swa  # columns 0 and 1 will be outside the tail
     s = _opened(a, 2)
     a.alloc_tail(s, t(50))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mem_helpers import small_memory, t
 
 from dsv4_worker.mem.errors import IntegrityError, OutOfPages, OwnershipError
@@ -11,7 +13,7 @@ from dsv4_worker.mem.page_allocator import PageAllocator
 
 
 def _state(a: PageAllocator) -> tuple[list[int], list[int]]:
-    return a.owner.tolist(), a._stack[: a.num_free].tolist()
+    return a.owner.tolist(), a.free_units().tolist()
 
 
 def test_alloc_hands_out_distinct_nonzero_pages_and_records_owners() -> None:
@@ -65,12 +67,44 @@ def test_free_then_double_free() -> None:
     a.check_integrity()
 
 
-def test_integrity_detects_a_corrupted_stack() -> None:
+def test_integrity_detects_a_corrupted_free_list() -> None:
     a = PageAllocator("full", 4)
     a.alloc(t(1))
-    a._stack[0] = a._stack[1]  # a page on the free stack twice
-    with pytest.raises(IntegrityError):
+    free = a.free_units()
+    free[0] = free[1]  # a page on the free list twice
+    with pytest.raises(IntegrityError, match="twice"):
         a.check_integrity()
+
+
+def test_a_fresh_allocator_hands_out_ascending_runs() -> None:
+    a = PageAllocator("full", 10)
+    assert a.alloc(t(7, 7, 7)).tolist() == [1, 2, 3]
+    assert a.alloc(t(8, 8)).tolist() == [4, 5]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_pages_freed_together_come_back_as_the_same_run(data: st.DataObject) -> None:
+    """Whatever came before, the pages of a free are the next allocation's pages, in the
+    order they were freed: a request's ascending run stays one run for the next request (PD
+    transfers merge such runs into one block per layer)."""
+    num_pages = data.draw(st.integers(1, 40), label="num_pages")
+    a = PageAllocator("full", num_pages)
+    held: list[list[int]] = []
+    for _ in range(data.draw(st.integers(0, 12), label="ops")):
+        if held and data.draw(st.booleans(), label="free"):
+            run = held.pop(data.draw(st.integers(0, len(held) - 1), label="which"))
+            a.free(torch.tensor(run), torch.full((len(run),), 3))
+        elif a.num_free:
+            n = data.draw(st.integers(1, a.num_free), label="n")
+            held.append(a.alloc(torch.full((n,), 3)).tolist())
+    a.check_integrity()
+    if not held:
+        return
+    run = held[data.draw(st.integers(0, len(held) - 1), label="freed")]
+    a.free(torch.tensor(run), torch.full((len(run),), 3))
+    assert a.alloc(torch.full((len(run),), 5)).tolist() == run
+    a.check_integrity()
 
 
 def test_request_slot_reuse_clears_request_scoped_state() -> None:

@@ -7,12 +7,14 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from dsv4_common.api.manifest import manifest_of
 from dsv4_common.core.layout import build_layout
 from dsv4_common.core.presets import load_model_config
+from dsv4_worker.mem.page_allocator import PageAllocator
 from dsv4_worker.pd.blocks import transfer_blocks
 
 LAYOUT = build_layout(load_model_config("tiny"), 16)
@@ -73,3 +75,29 @@ def test_a_stage_writes_its_layers_at_the_destinations_layer_index(start: int) -
             ), (c.name, layer_id)
     regions = {b.region for b in blocks}
     assert regions == {c.name for c in stage.components if c.index_space == "full_page"}
+
+
+@given(st.integers(1, 8), st.integers(0, 6), st.integers(0, 6), st.booleans())
+def test_runs_from_the_page_allocator_write_one_block_per_layer(
+    num_pages: int, src_held: int, dst_held: int, recycled: bool
+) -> None:
+    """A request's full pages on each side come from a PageAllocator where earlier requests
+    hold pages (and, if `recycled`, one that ended left its pages to this one): the write is
+    one block per component and layer, not one per page (GPU writes cost ~8-10 us per block;
+    docs/pd.md "On a GPU")."""
+
+    def request_pages(held: int) -> list[int]:
+        pool = PageAllocator("full", 32)
+        pool.alloc(torch.full((held,), 1))
+        if recycled:
+            ended = pool.alloc(torch.full((num_pages,), 2))
+            pool.free(ended, torch.full((num_pages,), 2))
+        return pool.alloc(torch.full((num_pages,), 3)).tolist()
+
+    src, dst = request_pages(src_held), request_pages(dst_held)
+    units = {"full_page": 33, "swa_page": 1, "req_slot": 1}
+    pairs = {"full_page": list(zip(src, dst, strict=True))}
+    blocks = transfer_blocks(WHOLE, WHOLE, units, units, pairs)
+    full = [c for c in WHOLE.components if c.index_space == "full_page"]
+    assert len(blocks) == sum(len(c.layer_ids) for c in full)
+    assert {b.nbytes for b in blocks} == {num_pages * c.unit_bytes for c in full}
