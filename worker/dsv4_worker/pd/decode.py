@@ -8,8 +8,9 @@ Threads: the control thread owns one DEALER socket per prefill instance (handsha
 manifest, backend and this side's transfer descriptor; a mismatch fails every request sent
 there with the prefill's message naming the field) and the transfer target's landed tags;
 the engine thread hands it typed messages through its mailbox (`on_admit`, `on_prealloc`,
-`on_cancel`: `_Admitted`, `_Allocated`, `_Cancelled`) and gets results back through `post`
-(`complete_transfer`, `fail_transfer`, `release`). Each request is a `flight.Flight`: the
+`on_cancel`: `_Admitted`, `_Allocated`, `_Cancelled`; at a step's first admission it waits,
+at most `ADMIT_HANDOFF_S`, until the control thread has sent it) and gets results back through
+`post` (`complete_transfer`, `fail_transfer`, `release`). Each request is a `flight.Flight`: the
 control thread turns messages, landed tags and the clock into its events, and does what
 `flight.decode_step` returns.
 
@@ -62,6 +63,9 @@ from dsv4_worker.sched.scheduler import RequestId
 log = logging.getLogger(__name__)
 
 POLL_MS = 50
+# The most the engine thread waits, at a step's first admission, for the control thread to
+# send the request to prefill: the rest of the step holds the GIL and a core meanwhile.
+ADMIT_HANDOFF_S = 0.002
 LANDED_POLL_S = 0.05  # a decode follower's wait for its target's wake-up (a safety net)
 HANDSHAKE_TIMEOUT_S = 10.0  # a prefill that answers pings but not the handshake
 # Test hook: "control-crash" makes the control thread raise at its first request.
@@ -155,6 +159,11 @@ class DecodeAgent(EngineEvents):
         if landed_bind is not None:
             self._landed_in, self.landed_endpoint = bound(self._ctx, zmq.PULL, landed_bind)
         self._outbox: Mailbox[_Out] = Mailbox(self._ctx, "decode")
+        # Admissions queued by the engine thread / forwarded by the control thread (`on_admit`).
+        self._admits = threading.Condition()
+        self._admits_put = 0
+        self._admits_sent = 0
+        self._handoff_step = -1  # the engine step whose first admission waited
         self._prefills: dict[str, _Prefill] = {}
         self._flights: dict[str, _Flight] = {}  # room -> in flight
         self._expecting = False  # told the target: tags are due (`tags_due`)
@@ -246,10 +255,20 @@ class DecodeAgent(EngineEvents):
 
     def _forward(self, address: str, msg: C.PrefillRequest | C.Destination) -> None:
         # Encoded here, once: the control thread forwards the frames as they are.
-        if isinstance(msg, C.PrefillRequest):
-            self._outbox.put(_Admitted(address, msg.room, C.encode(msg)))
-        else:
+        if isinstance(msg, C.Destination):
             self._outbox.put(_Allocated(address, msg.room, C.encode(msg)))
+            return
+        with self._admits:
+            self._admits_put += 1
+            queued = self._admits_put
+        self._outbox.put(_Admitted(address, msg.room, C.encode(msg)))
+        if self._handoff_step != self.engine.steps:
+            # The prefill computes from this message on: let the control thread send it now
+            # rather than when the rest of this step lets it have the GIL (bounded; once a
+            # step, so many admissions do not wait one by one).
+            self._handoff_step = self.engine.steps
+            with self._admits:
+                self._admits.wait_for(lambda: self._admits_sent >= queued, ADMIT_HANDOFF_S)
 
     def _address(self, req: Request) -> str | None:
         """The request's prefill instance (the router's pick, else this worker's default)."""
@@ -332,6 +351,9 @@ class DecodeAgent(EngineEvents):
                 link_error=peer.error,
             )
             self._apply(out.room, *admitted, out.frames)
+            with self._admits:  # forwarded, queued for the handshake, or failed: handled
+                self._admits_sent += 1
+                self._admits.notify_all()
         elif isinstance(out, _Allocated):  # always after its `_Admitted`: the outbox keeps order
             self._on(out.room, F.DestinationReady(self._link(out.address)), out.frames)
         else:

@@ -7,7 +7,8 @@ freed at the runner's next turn). A request keeps one id from its submitter to t
 (`DuplicateRequest`). After every step the runner publishes a `Snapshot` of pool
 usage and queue lengths for `/metrics` and `/status`. Other components (the PD agents) run
 code on the engine thread with `call(fn)`, and the engine's events' `after_step` runs after
-every turn.
+every turn. What a call publishes (a PD decode's first token) goes out before the next step,
+and the listeners' loops take it before that step starts (bounded: `HANDOFF_WAIT_S`).
 
 Admission (`admission`'s rules): the HTTP side asks `admission(need_tokens)` before it
 submits; the runner counts every submitted request until the engine schedules it (`_queued`,
@@ -44,6 +45,9 @@ from dsv4_worker.server.admission import (
 
 IDLE_WAIT_S = 0.05  # how long the idle runner blocks waiting for work
 IDLE_CHECK_S = 0.05  # the engine's integrity check waits for this much quiet (it is slow)
+# The most the engine thread waits, before its next step, for an event loop to take what was
+# published between steps (a PD decode's first token): the step would hold the GIL meanwhile.
+HANDOFF_WAIT_S = 0.002
 QUEUED_PHASES = (Phase.WAITING, Phase.PREALLOC)  # accepted, not scheduled: no slot, no pages
 DUPLICATE_CODE = "duplicate_request_id"  # Done.code of a request whose id is in flight here
 
@@ -104,9 +108,11 @@ class EngineRunner:
         self,
         engine: Engine,
         policy: AdmissionPolicy | None = None,
+        handoff_wait_s: float = HANDOFF_WAIT_S,
     ) -> None:
         self.engine = engine
         self.policy = policy or default_policy(engine.total.request_slots)
+        self.handoff_wait_s = handoff_wait_s
         self._inbox: queue.SimpleQueue[_Submit | _Call | _Abort | None] = queue.SimpleQueue()
         # rid -> (handle, its event loop, tokens sent), for requests the engine took
         self._listeners: dict[RequestId, tuple[Handle, asyncio.AbstractEventLoop, int]] = {}
@@ -209,8 +215,12 @@ class EngineRunner:
                 finished = self.engine.take_finished()
                 if calls or finished:
                     # What changed outside a step (a PD decode's first token, which a call
-                    # delivers; a failed transfer) goes out now, not after the next forward.
-                    self._publish(finished)
+                    # delivers; a failed transfer) goes out now, not after the next forward:
+                    # a forward holds the GIL for most of its length, so the listeners' loops
+                    # run their turn first (bounded).
+                    loops = self._publish(finished)
+                    if loops and self.engine.has_work:
+                        _turned(loops, self.handoff_wait_s)
                 if self.engine.has_work:
                     finished += self.engine.step()
                 finished += self.engine.take_finished()
@@ -295,8 +305,10 @@ class EngineRunner:
         self.engine.abort(rid)
         _emit(loop, handle, Done("abort"))
 
-    def _publish(self, finished: list[Request]) -> None:
+    def _publish(self, finished: list[Request]) -> set[asyncio.AbstractEventLoop]:
+        """Hand every listener its new events; the event loops that got some."""
         now = time.monotonic()
+        loops: set[asyncio.AbstractEventLoop] = set()
         done = {r.rid: r for r in finished}
         reqs = {**self.engine.requests, **done}
         with self._lock:  # bounded by the queue's bound, unlike the listeners
@@ -313,6 +325,8 @@ class EngineRunner:
                 # Its id is free before its Done goes out: the client may reuse it at once.
                 self._end(rid)
                 events.append(Done(str(req.finish_reason), req.error, req.retryable))
+            if events:
+                loops.add(loop)
             if not all(_emit(loop, handle, e) for e in events):
                 # The listener's event loop is gone: nobody will read this request again.
                 self.engine.abort(rid)
@@ -337,6 +351,25 @@ class EngineRunner:
         )
         with self._lock:
             self._snapshot = snap
+        return loops
+
+
+def _turned(loops: set[asyncio.AbstractEventLoop], timeout_s: float) -> None:
+    """Wait until every loop in `loops` ran the turn after taking what was queued to it so
+    far (the tasks those events woke have run), or `timeout_s` passed. Waiting releases the
+    GIL, which a loop needs to run at all."""
+    turned: list[threading.Event] = []
+    for loop in loops:
+        done = threading.Event()
+        try:  # FIFO: runs after the queued events; `call_soon` puts `set` after the tasks they woke
+            loop.call_soon_threadsafe(loop.call_soon, done.set)
+        except RuntimeError:  # closed: nothing to wait for
+            continue
+        turned.append(done)
+    deadline_s = time.monotonic() + timeout_s
+    for done in turned:
+        if not done.wait(max(0.0, deadline_s - time.monotonic())):
+            return
 
 
 def _token(req: Request, i: int, now: float) -> Token:

@@ -10,13 +10,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import time
 
 import pytest
+import zmq
 from engine_helpers import engine
 from pd_support import drained, on_engine, pd_pair, wait_until
 
 from dsv4_common.core.presets import tiny
-from dsv4_worker.engine.loop import Engine
+from dsv4_worker.engine.loop import Engine, Request
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.model.weights import init_weights
 from dsv4_worker.pd import decode
@@ -147,3 +149,66 @@ def test_decode_expects_writes_only_once_done_arrived(monkeypatch: pytest.Monkey
         wait_until(lambda: bool(seen) and not seen[-1][0], "expect(False) after the requests")
     assert any(expecting for expecting, _ in seen), seen
     assert all(done for expecting, done in seen if expecting), seen
+
+
+def test_a_steps_first_admission_is_sent_before_its_step_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The prefill computes from the `prefill` message on: at a step's first admission the
+    engine thread waits (bounded) until the control thread has handled it, instead of running
+    the rest of its step while the control thread waits for the GIL. With the bound far above a
+    loaded machine's hand-off, the request's flight exists (and its message is out) by the time
+    `on_admit` returns; without the hand-over the control thread makes it later."""
+    monkeypatch.setattr(decode, "ADMIT_HANDOFF_S", 30.0)
+    handled: list[bool] = []
+    real = decode.DecodeAgent.on_admit
+
+    def on_admit(self: decode.DecodeAgent, req: Request) -> None:
+        real(self, req)
+        handled.append(req.rid in self._flights)
+
+    monkeypatch.setattr(decode.DecodeAgent, "on_admit", on_admit)
+    real_outgoing = decode.DecodeAgent._outgoing
+
+    def slow_outgoing(self: decode.DecodeAgent, out: object, poller: zmq.Poller) -> None:
+        if isinstance(out, decode._Admitted):
+            time.sleep(0.2)  # a control thread that gets to it late (the GIL, a busy core)
+        real_outgoing(self, out, poller)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(decode.DecodeAgent, "_outgoing", slow_outgoing)
+    prompt = [(5 * j) % 200 + 3 for j in range(24)]
+    with pd_pair("zmq", _make, _make) as pair:
+        for _ in range(2):  # one request at a time: each is its step's first admission
+            [(tokens, done)] = pair.generate([prompt], [SamplingParams(max_new_tokens=2)])
+            assert len(tokens) == 2 and done.reason == "length"
+    assert handled == [True, True]
+
+
+def test_the_admission_hand_over_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A control thread that does not get to the admission costs the engine at most
+    `ADMIT_HANDOFF_S`: here it is held until `on_admit` has returned, which must happen
+    before the control thread handled the request (which then completes normally)."""
+    monkeypatch.setattr(decode, "ADMIT_HANDOFF_S", 0.05)
+    gate = threading.Event()
+    handled: list[bool] = []
+    real = decode.DecodeAgent.on_admit
+
+    def on_admit(self: decode.DecodeAgent, req: Request) -> None:
+        real(self, req)
+        handled.append(req.rid in self._flights)
+        gate.set()
+
+    real_outgoing = decode.DecodeAgent._outgoing
+
+    def held_outgoing(self: decode.DecodeAgent, out: object, poller: zmq.Poller) -> None:
+        if isinstance(out, decode._Admitted):
+            gate.wait(30)  # until the engine thread went on without it
+        real_outgoing(self, out, poller)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(decode.DecodeAgent, "on_admit", on_admit)
+    monkeypatch.setattr(decode.DecodeAgent, "_outgoing", held_outgoing)
+    prompt = [(3 * j) % 200 + 3 for j in range(24)]
+    with pd_pair("zmq", _make, _make) as pair:
+        [(tokens, done)] = pair.generate([prompt], [SamplingParams(max_new_tokens=2)])
+    assert len(tokens) == 2 and done.reason == "length"
+    assert handled == [False], "the engine thread waited for the control thread past the bound"

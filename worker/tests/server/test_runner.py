@@ -1,6 +1,7 @@
 """The engine runner thread: a request the engine refuses is answered with an error event and
 the runner keeps serving; an abort frees the request's pages at the runner's next turn; a PD
-decode's first token (delivered by a call when its KV lands) goes out before the next step."""
+decode's first token (delivered by a call when its KV lands) goes out before the next step,
+and its listener's loop takes it before that step begins (bounded)."""
 
 from __future__ import annotations
 
@@ -117,6 +118,118 @@ def test_a_pd_first_token_goes_out_before_the_next_step() -> None:
         r.stop()
     assert isinstance(first, Token) and first.token_id == 7
     assert before_the_step, "the first token waited for the next forward"
+    assert [type(e) for e in events] == [Token, Token, Token, Done]
+
+
+def test_the_loop_takes_a_pd_first_token_before_the_next_step_starts() -> None:
+    """A forward holds the GIL for most of its length: the listener's loop must have taken the
+    first token (its task woke with it) before the step after the KV landed begins, not only
+    have it queued. Without the hand-over the step starts a few lines after the token is
+    queued."""
+    model = tiny()
+    memory = small_memory("tiny", full_pages=64, swa_pages=32, slots=4, max_pages=64)
+    sched = SchedulerConfig(page_size=16, chunk_tokens=64, max_tokens_per_request=1024)
+    preallocated: list[Request] = []
+
+    class Events(EngineEvents):
+        def on_prealloc(self, req: Request) -> None:
+            preallocated.append(req)
+
+    eng = Engine(
+        PagedModel(model, init_weights(model, seed=1), memory),
+        EngineConfig(sched, Role.DECODE),
+        events=Events(),
+    )
+    got_first = threading.Event()  # set by the listener's task when the first token arrived
+    taken_at_step: list[bool] = []
+    real_step = eng.step
+
+    def watched_step() -> list[Request]:
+        if not taken_at_step and any(q.phase is Phase.DECODE for q in eng.requests.values()):
+            taken_at_step.append(got_first.is_set())  # the forward after the KV landed
+        return real_step()
+
+    eng.step = watched_step  # type: ignore[method-assign]
+    r = EngineRunner(eng, handoff_wait_s=30.0)  # bounded far above a loaded machine's turn
+
+    async def drive() -> list[Token | Done]:
+        loop = asyncio.get_running_loop()
+        handle = r.submit((1, 2, 3), SamplingParams(max_new_tokens=3), loop, prefill="p")
+        while not preallocated:  # the engine thread preallocates it and calls the hook
+            await asyncio.sleep(0.01)
+        rid = preallocated[0].rid
+        r.call(lambda: eng.complete_transfer(rid, 7))
+        async with asyncio.timeout(10):  # in this task, as the app reads one choice's queue
+            events: list[Token | Done] = [await handle.events.get()]
+        got_first.set()
+        while not isinstance(events[-1], Done):
+            events.append(await asyncio.wait_for(handle.events.get(), 30))
+        return events
+
+    r.start()
+    try:
+        events = asyncio.run(drive())
+    finally:
+        r.stop()
+    assert [type(e) for e in events] == [Token, Token, Token, Done]
+    assert taken_at_step == [True], "the next forward started before the loop took the token"
+
+
+def test_a_loop_that_does_not_turn_holds_the_next_step_only_briefly() -> None:
+    """The hand-over is bounded: a listener's loop that is busy elsewhere costs the engine at
+    most `handoff_wait_s` before its next step."""
+    model = tiny()
+    memory = small_memory("tiny", full_pages=64, swa_pages=32, slots=4, max_pages=64)
+    sched = SchedulerConfig(page_size=16, chunk_tokens=64, max_tokens_per_request=1024)
+    preallocated: list[Request] = []
+
+    class Events(EngineEvents):
+        def on_prealloc(self, req: Request) -> None:
+            preallocated.append(req)
+
+    eng = Engine(
+        PagedModel(model, init_weights(model, seed=1), memory),
+        EngineConfig(sched, Role.DECODE),
+        events=Events(),
+    )
+    stepped = threading.Event()
+    real_step = eng.step
+
+    def watched_step() -> list[Request]:
+        if any(q.phase is Phase.DECODE for q in eng.requests.values()):
+            stepped.set()  # the forward after the KV landed
+        return real_step()
+
+    eng.step = watched_step  # type: ignore[method-assign]
+    r = EngineRunner(eng, handoff_wait_s=0.05)
+    busy = threading.Event()  # the loop is stuck in a callback until this is set
+
+    async def drive() -> list[Token | Done]:
+        loop = asyncio.get_running_loop()
+        handle = r.submit((1, 2, 3), SamplingParams(max_new_tokens=3), loop, prefill="p")
+        while not preallocated:
+            await asyncio.sleep(0.01)
+        rid = preallocated[0].rid
+        r.call(lambda: eng.complete_transfer(rid, 7))
+        busy.wait(30)  # blocks this loop: it cannot take the token until the step ran
+        events = [await asyncio.wait_for(handle.events.get(), 10)]
+        while not isinstance(events[-1], Done):
+            events.append(await asyncio.wait_for(handle.events.get(), 30))
+        return events
+
+    def release_when_stepped() -> None:
+        stepped.wait(30)
+        busy.set()
+
+    releaser = threading.Thread(target=release_when_stepped, daemon=True)
+    r.start()
+    releaser.start()
+    try:
+        events = asyncio.run(drive())
+    finally:
+        busy.set()
+        r.stop()
+    assert stepped.is_set(), "the engine never stepped while the loop was busy"
     assert [type(e) for e in events] == [Token, Token, Token, Done]
 
 
