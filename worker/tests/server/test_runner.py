@@ -68,9 +68,8 @@ def test_refused_requests_and_aborts_keep_the_runner_serving() -> None:
         r.stop()
 
 
-def test_a_pd_first_token_goes_out_before_the_next_step() -> None:
-    """The step after the KV lands is a forward (the second token): the first token, which the
-    prefill side sampled, must not wait for it. The step is held until the token arrived."""
+def _pd_decode_engine() -> tuple[Engine, list[Request]]:
+    """A PD decode engine on tiny, and the requests it preallocated (its `on_prealloc`)."""
     model = tiny()
     memory = small_memory("tiny", full_pages=64, swa_pages=32, slots=4, max_pages=64)
     sched = SchedulerConfig(page_size=16, chunk_tokens=64, max_tokens_per_request=1024)
@@ -85,6 +84,13 @@ def test_a_pd_first_token_goes_out_before_the_next_step() -> None:
         EngineConfig(sched, Role.DECODE),
         events=Events(),
     )
+    return eng, preallocated
+
+
+def test_a_pd_first_token_goes_out_before_the_next_step() -> None:
+    """The step after the KV lands is a forward (the second token): the first token, which the
+    prefill side sampled, must not wait for it. The step is held until the token arrived."""
+    eng, preallocated = _pd_decode_engine()
     gate, real_step = threading.Event(), eng.step
 
     def gated_step() -> list[Request]:
@@ -126,20 +132,7 @@ def test_the_loop_takes_a_pd_first_token_before_the_next_step_starts() -> None:
     first token (its task woke with it) before the step after the KV landed begins, not only
     have it queued. Without the hand-over the step starts a few lines after the token is
     queued."""
-    model = tiny()
-    memory = small_memory("tiny", full_pages=64, swa_pages=32, slots=4, max_pages=64)
-    sched = SchedulerConfig(page_size=16, chunk_tokens=64, max_tokens_per_request=1024)
-    preallocated: list[Request] = []
-
-    class Events(EngineEvents):
-        def on_prealloc(self, req: Request) -> None:
-            preallocated.append(req)
-
-    eng = Engine(
-        PagedModel(model, init_weights(model, seed=1), memory),
-        EngineConfig(sched, Role.DECODE),
-        events=Events(),
-    )
+    eng, preallocated = _pd_decode_engine()
     got_first = threading.Event()  # set by the listener's task when the first token arrived
     taken_at_step: list[bool] = []
     real_step = eng.step
@@ -178,20 +171,7 @@ def test_the_loop_takes_a_pd_first_token_before_the_next_step_starts() -> None:
 def test_a_loop_that_does_not_turn_holds_the_next_step_only_briefly() -> None:
     """The hand-over is bounded: a listener's loop that is busy elsewhere costs the engine at
     most `handoff_wait_s` before its next step."""
-    model = tiny()
-    memory = small_memory("tiny", full_pages=64, swa_pages=32, slots=4, max_pages=64)
-    sched = SchedulerConfig(page_size=16, chunk_tokens=64, max_tokens_per_request=1024)
-    preallocated: list[Request] = []
-
-    class Events(EngineEvents):
-        def on_prealloc(self, req: Request) -> None:
-            preallocated.append(req)
-
-    eng = Engine(
-        PagedModel(model, init_weights(model, seed=1), memory),
-        EngineConfig(sched, Role.DECODE),
-        events=Events(),
-    )
+    eng, preallocated = _pd_decode_engine()
     stepped = threading.Event()
     real_step = eng.step
 
