@@ -249,7 +249,7 @@ class Proxy:
                 excluded.update(result.excluded)
             else:
                 shed, reason = "failed", f"{settings.max_attempts} attempts failed"
-            outcome = _give_up(failures, reason, reply)
+            outcome = _give_up(failures, reason, reply, rid)
             if outcome == "unavailable":
                 self._metrics.shed(shed_reason(failures, shed))
         finally:
@@ -393,14 +393,18 @@ class Proxy:
         return error_response(503, "no ready decode instance answered /v1/models", retry=True)
 
 
-def _give_up(failures: list[Failure], reason: str, reply: Reply) -> Outcome:
-    """Answer that no attempt succeeded (`give_up_status`)."""
+def _give_up(failures: list[Failure], reason: str, reply: Reply, rid: str) -> Outcome:
+    """Answer that no attempt succeeded (`give_up_status`), naming the request as the workers'
+    answers do (`X-Request-Id`: the client's id, or the one the router made)."""
+    outcome: Outcome
     if give_up_status(failures) == 502:
-        document = error_body(failures[-1].message, "server_error")
-        reply.answer(*json_answer(502, document, retry_after_s=RETRY_AFTER_S))
-        return "upstream_error"
-    last = f"; last failure: {failures[-1].message}" if failures else ""
-    message = f"no instance pair can take the request: {reason}{last}"
-    document = error_body(message, "server_error")
-    reply.answer(*json_answer(503, document, retry_after_s=RETRY_AFTER_S))
-    return "unavailable"
+        status, message, outcome = 502, failures[-1].message, "upstream_error"
+    else:
+        last = f"; last failure: {failures[-1].message}" if failures else ""
+        message = f"no instance pair can take the request: {reason}{last}"
+        status, outcome = 503, "unavailable"
+    _, headers, body = json_answer(
+        status, error_body(message, "server_error"), retry_after_s=RETRY_AFTER_S
+    )
+    reply.answer(status, [*headers, (REQUEST_ID_HEADER, rid)], body)
+    return outcome

@@ -415,3 +415,31 @@ async def test_a_stream_that_breaks_ends_its_chunked_body_after_the_error_event(
                 assert event["error"]["code"] == "upstream_broken"
                 assert rest == b""  # no [DONE]: the stream broke
         writer.close()
+
+
+@run_async
+async def test_the_routers_own_refusals_name_the_request() -> None:
+    """A 502 or 503 the router answers itself carries X-Request-Id as the workers' answers
+    do: the client's id, or the one the router made (and sent upstream)."""
+    prefill, decode = StubWorker("prefill"), StubWorker("decode", mode="fail502")
+    async with routed([prefill], [decode]) as router:
+        port = router.listening.api_port
+
+        async def ask(extra: bytes = b"") -> tuple[bytes, dict[str, str], bytes]:
+            reader, writer = await connect(port)
+            writer.write(request(extra=extra))
+            try:
+                return await read_answer(reader)
+            finally:
+                writer.close()
+
+        named, unnamed = await ask(b"X-Request-Id: client-9\r\n"), await ask()
+        assert named[0] == unnamed[0] == b"HTTP/1.1 502 Bad Gateway"
+        assert named[1]["x-request-id"] == "client-9"
+        made = unnamed[1]["x-request-id"]
+        assert made and made != "client-9"
+        assert [s.request_id for s in decode.seen] == ["client-9", made]  # never retried
+        decode.mode = "fail503"
+        status, headers, _ = await ask(b"X-Request-Id: c-10\r\n")
+        assert status == b"HTTP/1.1 503 Service Unavailable"
+        assert headers["x-request-id"] == "c-10"
