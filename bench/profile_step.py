@@ -11,38 +11,21 @@ ms/step comes from the same steps timed without the profiler (median).
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
+from serve import tiny_engine
 from torch.profiler import ProfilerActivity, profile
 
-from dsv4_worker.engine.loop import Engine, Phase
 from dsv4_worker.engine.sampler import SamplingParams
+from dsv4_worker.sched.scheduler import Phase
 
 # What a GPU step's eager cost is made of (names as the profiler reports them).
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 COPY_EVENTS = ("cudaMemcpyAsync", "cudaMemcpy")
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def build_engine(device: str) -> Engine:
-    from dsv4_cli.main import build_parser
-    from dsv4_worker.options import ServeOptions
-    from dsv4_worker.serve import build
-
-    argv = ["serve", "--model", "tiny", "--device", device, "--gpu-memory-gib", "0.25"]
-    flags = build_parser().parse_args([*argv, "--port", str(_free_port())])
-    return build(ServeOptions.from_args(flags)).runner.engine
 
 
 def main() -> None:
@@ -55,7 +38,7 @@ def main() -> None:
     if args.steps < 1 or args.running < 1:
         parser.error("--steps and --running must be >= 1")
 
-    engine = build_engine(args.device)
+    engine = tiny_engine(args.device)
     sync: Callable[[], None] = torch.cuda.synchronize if args.device == "cuda" else lambda: None
     prompt = list(range(1, 33))
     long_enough = SamplingParams(max_new_tokens=3 * args.steps + 8)

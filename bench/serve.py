@@ -26,9 +26,13 @@ import subprocess
 import sys
 import threading
 import time
-from typing import TypeVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 from benchjson import Figure, emit
+
+if TYPE_CHECKING:
+    from dsv4_worker.engine.loop import Engine
 
 K = TypeVar("K")
 PROMPT = "The quick brown fox jumps over the lazy dog; DSV4 serves it. " * 1
@@ -153,6 +157,18 @@ def percentile(values: list[float], q: float) -> float:
     return ranked[max(0, min(len(ranked) - 1, round(q * len(ranked)) - 1))]
 
 
+def tiny_engine(device: str, serve_args: Sequence[str] = ()) -> Engine:
+    """The engine `dsv4 serve --model tiny --device DEVICE SERVE_ARGS` builds, in this process
+    (its runner thread not started)."""
+    from dsv4_cli.main import build_parser
+    from dsv4_worker.options import ServeOptions
+    from dsv4_worker.serve import build
+
+    argv = ["serve", "--model", "tiny", "--device", device, "--gpu-memory-gib", "0.25"]
+    flags = build_parser().parse_args([*argv, "--port", str(_free_port()), *serve_args])
+    return build(ServeOptions.from_args(flags)).runner.engine
+
+
 def replay_tps(
     device: str,
     rounds: int,
@@ -163,17 +179,11 @@ def replay_tps(
 ) -> dict[int, float]:
     """Median tokens/s of the same workload run through the engine directly (no HTTP), per
     number of clients."""
-    from dsv4_cli.main import build_parser
     from dsv4_common.core.presets import tiny
     from dsv4_worker.engine.sampler import SamplingParams
-    from dsv4_worker.options import ServeOptions
-    from dsv4_worker.serve import build
     from dsv4_worker.server.tokenizer import load_tokenizer
 
-    argv = ["serve", "--model", "tiny", "--device", device, "--gpu-memory-gib", "0.25"]
-    flags = build_parser().parse_args([*argv, "--port", str(_free_port()), *serve_args])
-    built = build(ServeOptions.from_args(flags))
-    engine = built.runner.engine
+    engine = tiny_engine(device, serve_args)
     prompt = load_tokenizer(None, tiny().weights.vocab_size).encode(PROMPT)
     params = SamplingParams(max_new_tokens=max_tokens)
     engine.submit(prompt, SamplingParams(max_new_tokens=4))  # warm-up

@@ -10,16 +10,11 @@ import json
 from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
-from mem_helpers import small_memory
+from runner_support import tiny_runner
 
 from dsv4_common.api import RankCapacity
 from dsv4_common.api.worker_status import WorkerStatus
 from dsv4_common.core.presets import tiny
-from dsv4_worker.engine.loop import Engine
-from dsv4_worker.engine.paged import PagedModel
-from dsv4_worker.engine.role import EngineConfig
-from dsv4_worker.model.weights import init_weights
-from dsv4_worker.sched.scheduler import SchedulerConfig
 from dsv4_worker.server.app import ServeInfo, build_app
 from dsv4_worker.server.runner import EngineRunner
 from dsv4_worker.server.tokenizer import ByteTokenizer
@@ -33,16 +28,8 @@ INFO = ServeInfo(
 WAIT_S = 60
 
 
-def _runner() -> EngineRunner:
-    model = tiny()
-    memory = small_memory("tiny", full_pages=64, swa_pages=32, slots=4, max_pages=64)
-    sched = SchedulerConfig(page_size=16, chunk_tokens=64, max_tokens_per_request=1024)
-    paged = PagedModel(model, init_weights(model, seed=1), memory)
-    return EngineRunner(Engine(paged, EngineConfig(sched)))
-
-
 async def _with_app(check: Any) -> None:
-    runner = _runner()
+    runner = tiny_runner()
     runner.start()
     try:
         app = build_app(runner, ByteTokenizer(), INFO)

@@ -11,25 +11,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mem_helpers import small_memory
+from runner_support import tiny_engine, tiny_runner
 
-from dsv4_common.core.presets import tiny
 from dsv4_worker.engine.events import EngineEvents
 from dsv4_worker.engine.loop import Engine, Request
-from dsv4_worker.engine.paged import PagedModel
-from dsv4_worker.engine.role import EngineConfig, Role
+from dsv4_worker.engine.role import Role
 from dsv4_worker.engine.sampler import SamplingParams
-from dsv4_worker.model.weights import init_weights
-from dsv4_worker.sched.scheduler import Phase, SchedulerConfig
-from dsv4_worker.server.runner import Done, EngineRunner, Token
-
-
-def runner() -> EngineRunner:
-    model = tiny()
-    memory = small_memory("tiny", full_pages=64, swa_pages=32, slots=4, max_pages=64)
-    sched = SchedulerConfig(page_size=16, chunk_tokens=64, max_tokens_per_request=1024)
-    paged = PagedModel(model, init_weights(model, seed=1), memory)
-    return EngineRunner(Engine(paged, EngineConfig(sched)))
+from dsv4_worker.sched.scheduler import Phase
+from dsv4_worker.server.runner import Done, EngineRunner, Handle, Token
 
 
 async def _drive(r: EngineRunner) -> tuple[Done, list[int], Done]:
@@ -54,7 +43,7 @@ async def _drive(r: EngineRunner) -> tuple[Done, list[int], Done]:
 
 
 def test_refused_requests_and_aborts_keep_the_runner_serving() -> None:
-    r = runner()
+    r = tiny_runner()
     r.start()
     try:
         refused, tokens, aborted = asyncio.run(_drive(r))
@@ -70,21 +59,25 @@ def test_refused_requests_and_aborts_keep_the_runner_serving() -> None:
 
 def _pd_decode_engine() -> tuple[Engine, list[Request]]:
     """A PD decode engine on tiny, and the requests it preallocated (its `on_prealloc`)."""
-    model = tiny()
-    memory = small_memory("tiny", full_pages=64, swa_pages=32, slots=4, max_pages=64)
-    sched = SchedulerConfig(page_size=16, chunk_tokens=64, max_tokens_per_request=1024)
     preallocated: list[Request] = []
 
     class Events(EngineEvents):
         def on_prealloc(self, req: Request) -> None:
             preallocated.append(req)
 
-    eng = Engine(
-        PagedModel(model, init_weights(model, seed=1), memory),
-        EngineConfig(sched, Role.DECODE),
-        events=Events(),
-    )
-    return eng, preallocated
+    return tiny_engine(Role.DECODE, Events()), preallocated
+
+
+async def _landed(r: EngineRunner, eng: Engine, preallocated: list[Request]) -> Handle:
+    """Submit a 3-token PD request and, once the engine preallocated it, land its KV with a
+    first token of 7 (as the decode agent's call does); its handle."""
+    loop = asyncio.get_running_loop()
+    handle = r.submit((1, 2, 3), SamplingParams(max_new_tokens=3), loop, prefill="p")
+    while not preallocated:  # the engine thread preallocates it and calls the hook
+        await asyncio.sleep(0.01)
+    rid = preallocated[0].rid
+    r.call(lambda: eng.complete_transfer(rid, 7))
+    return handle
 
 
 def test_a_pd_first_token_goes_out_before_the_next_step() -> None:
@@ -102,12 +95,7 @@ def test_a_pd_first_token_goes_out_before_the_next_step() -> None:
     r = EngineRunner(eng)
 
     async def drive() -> tuple[Token | Done, bool, list[Token | Done]]:
-        loop = asyncio.get_running_loop()
-        handle = r.submit((1, 2, 3), SamplingParams(max_new_tokens=3), loop, prefill="p")
-        while not preallocated:  # the engine thread preallocates it and calls the hook
-            await asyncio.sleep(0.01)
-        rid = preallocated[0].rid
-        r.call(lambda: eng.complete_transfer(rid, 7))
+        handle = await _landed(r, eng, preallocated)
         first = await asyncio.wait_for(handle.events.get(), 10)
         before_the_step = not gate.is_set()
         gate.set()
@@ -146,12 +134,7 @@ def test_the_loop_takes_a_pd_first_token_before_the_next_step_starts() -> None:
     r = EngineRunner(eng, handoff_wait_s=30.0)  # bounded far above a loaded machine's turn
 
     async def drive() -> list[Token | Done]:
-        loop = asyncio.get_running_loop()
-        handle = r.submit((1, 2, 3), SamplingParams(max_new_tokens=3), loop, prefill="p")
-        while not preallocated:  # the engine thread preallocates it and calls the hook
-            await asyncio.sleep(0.01)
-        rid = preallocated[0].rid
-        r.call(lambda: eng.complete_transfer(rid, 7))
+        handle = await _landed(r, eng, preallocated)
         async with asyncio.timeout(10):  # in this task, as the app reads one choice's queue
             events: list[Token | Done] = [await handle.events.get()]
         got_first.set()
@@ -185,12 +168,7 @@ def test_a_loop_that_does_not_turn_holds_the_next_step_only_briefly() -> None:
     busy = threading.Event()  # the loop is stuck in a callback until this is set
 
     async def drive() -> list[Token | Done]:
-        loop = asyncio.get_running_loop()
-        handle = r.submit((1, 2, 3), SamplingParams(max_new_tokens=3), loop, prefill="p")
-        while not preallocated:
-            await asyncio.sleep(0.01)
-        rid = preallocated[0].rid
-        r.call(lambda: eng.complete_transfer(rid, 7))
+        handle = await _landed(r, eng, preallocated)
         busy.wait(30)  # blocks this loop: it cannot take the token until the step ran
         events = [await asyncio.wait_for(handle.events.get(), 10)]
         while not isinstance(events[-1], Done):
@@ -217,7 +195,7 @@ def test_the_idle_check_runs_after_the_last_event_went_out() -> None:
     """`check_integrity` takes milliseconds: a request's last event (a PD prefill's `done`
     goes out the same way, in `after_step`) must not wait for it. The check is held until the
     client has its Done; it must still run once the engine is idle."""
-    r = runner()
+    r = tiny_runner()
     mem = r.engine.mem
     gate, checked, real_check = threading.Event(), threading.Event(), mem.check_integrity
 
@@ -265,7 +243,7 @@ class _AtOnce:
 
 def test_an_id_is_free_by_the_time_its_done_arrives() -> None:
     """A client that reuses its request id as soon as it has the answer is never refused."""
-    r = runner()
+    r = tiny_runner()
     reused: list[str] = []
     ended = threading.Event()
 
