@@ -22,7 +22,9 @@ rotates every round so they share the machine's noise; figures are medians over 
   (/proc/PID/stat of the process and its child processes; sglang-router's threads included):
   what a request costs, less sensitive to a shared machine than requests/s. Ours runs
   `--router-processes` processes (default: one per CPU, at most 4; `--processes N` adds a
-  target with N); sglang-router's runtime has several threads.
+  target with N); sglang-router's runtime has several threads. Ours busy-polls 50 us after
+  its I/O by default (`--router-busy-poll-us`); `--busy-poll-us US` adds a target with US
+  (`--busy-poll-us 0`: ours without it, in the same rounds).
 
 Then ours / each other router, per round and medians. `--variant NAME=PYTHONPATH` adds our
 router run from another tree's package directories (e.g. the last commit's, extracted with
@@ -160,6 +162,7 @@ def start_ours(
     name: str = "ours",
     pythonpath: str | None = None,
     processes: int | None = None,
+    busy_poll_us: int | None = None,
 ) -> Target:
     """`dsv4 serve --role router` in front of the stub; `pythonpath` first on its path (a
     variant: another tree's package directories); `processes`: its --router-processes (None:
@@ -170,6 +173,8 @@ def start_ours(
     argv += ["--host", HOST, "--port", str(port)]
     if processes is not None:
         argv += ["--router-processes", str(processes)]
+    if busy_poll_us is not None:
+        argv += ["--router-busy-poll-us", str(busy_poll_us)]
     argv += ["--instance", f"prefill={HOST}:{api}:{ports['prefill_status']}:1"]
     argv += ["--instance", f"decode={HOST}:{api}:{ports['decode_status']}:1"]
     env = dict(os.environ)
@@ -435,6 +440,15 @@ def main() -> int:
         metavar="N",
         help="also our router with --router-processes N, as target ours_pN (repeatable)",
     )
+    parser.add_argument(
+        "--busy-poll-us",
+        type=int,
+        action="append",
+        default=[],
+        metavar="US",
+        help="also our router with --router-busy-poll-us US, as target ours_bpUS (repeatable; "
+        "0: without busy polling)",
+    )
     parser.add_argument("--json", action="store_true", help="also print a @bench-json line")
     args = parser.parse_args()
     cells = _cells([int(c) for c in args.connections.split(",")], args.modes.split(","))
@@ -445,6 +459,9 @@ def main() -> int:
         targets = [Target(DIRECT, ports["api"], None), start_ours(procs, ports)]
         targets += [start_ours(procs, ports, name, paths) for name, paths in args.variant]
         targets += [start_ours(procs, ports, f"ours_p{n}", processes=n) for n in args.processes]
+        targets += [
+            start_ours(procs, ports, f"ours_bp{us}", busy_poll_us=us) for us in args.busy_poll_us
+        ]
         if missing is None:
             targets.append(start_sglang(procs, args.sglang_python, ports))
         load = Load(procs)

@@ -64,6 +64,7 @@ from aiohttp import web
 
 from dsv4_common.api.http_rules import BodyError, error_document, parse_json_body
 from dsv4_common.api.lifecycle import DRAIN_CODE
+from dsv4_router.busy_poll import BusyPoll
 from dsv4_router.choice import InstanceTable, choose_pair, unavailable_reason
 from dsv4_router.config import RouterSettings
 from dsv4_router.drain import CUT, REFUSED, RouterDrain
@@ -94,6 +95,7 @@ class RouterState:
     clock: Callable[[], float]
     process: int = 0  # which of the router's processes this is (`processes`)
     drain: RouterDrain = field(default_factory=RouterDrain)  # set at SIGTERM (`serve`)
+    busy_poll: BusyPoll = field(default_factory=lambda: BusyPoll(0.0))  # the process's (`serve`)
 
 
 def build_api_app(state: RouterState) -> web.Application:

@@ -31,6 +31,11 @@ DEPLOYED_HOST: Final = "0.0.0.0"
 INSTANCE_FORM: Final = "ROLE=HOST:HTTP:STATUS:KV"
 MAX_PORT: Final = 65535
 MAX_DEFAULT_PROCESSES: Final = 4
+# `busy_poll`'s window after I/O: it covers a loopback exchange's round trip (25 us did
+# not, 100 us gained nothing more: bench/README.md) and costs nothing worth a line at one
+# request a second.
+DEFAULT_BUSY_POLL_S: Final = 50e-6
+MAX_BUSY_POLL_US: Final = 10_000  # past this, polling is spinning
 _ROLE_NAMES: Final[dict[str, WorkerRole]] = {role: role for role in WORKER_ROLES}
 
 
@@ -76,6 +81,7 @@ class RouterSettings:
     shutdown_timeout_s: float = ROUTER_DRAIN_S  # open streams get this long after SIGTERM
     http: HttpLimits = field(default_factory=HttpLimits)  # timeouts, body size, connections
     processes: int | None = None  # router processes on the port (None: `default_processes`)
+    busy_poll_s: float = DEFAULT_BUSY_POLL_S  # polling after I/O before sleeping (`busy_poll`)
     # What set the ports, for errors ("--port", "<dir>/router.json: router_config.port").
     port_name: str = "--port"
     status_port_name: str = "router_config.status_port"
@@ -109,11 +115,17 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
     processes: int | None = getattr(args, "router_processes", None)
     if processes is not None and processes < 1:
         raise ConfigError(f"--router-processes: must be >= 1, got {processes}")
+    busy_poll_us = getattr(args, "router_busy_poll_us", None)
+    if busy_poll_us is not None and not 0 <= busy_poll_us <= MAX_BUSY_POLL_US:
+        raise ConfigError(
+            f"--router-busy-poll-us: must be in 0..{MAX_BUSY_POLL_US}, got {busy_poll_us}"
+        )
+    busy_poll_s = DEFAULT_BUSY_POLL_S if busy_poll_us is None else busy_poll_us / 1e6
     if config_dir is not None:
         if flags:
             raise ConfigError("--instance: not with --config-dir (router.json lists the roles)")
         deployed = _deployed(Path(config_dir), host or DEPLOYED_HOST)
-        return replace(deployed, http=http, processes=processes)
+        return replace(deployed, http=http, processes=processes, busy_poll_s=busy_poll_s)
     port = getattr(args, "port", 8000)
     if not isinstance(port, int) or not 0 <= port <= MAX_PORT:
         raise ConfigError(f"--port: must be in 0..{MAX_PORT}, got {port!r}")
@@ -124,6 +136,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         roles=_quick_roles(flags),
         http=http,
         processes=processes,
+        busy_poll_s=busy_poll_s,
     )
 
 

@@ -33,6 +33,7 @@ from dsv4_common.api.http_rules import (
     error_document,
     one_line,
 )
+from dsv4_router.busy_poll import BusyPoll
 from dsv4_router.client_head import ClientHead, parse_head
 from dsv4_router.errors import json_answer, upstream_message
 from dsv4_router.http_guard import Guard, log_level
@@ -52,11 +53,17 @@ class FastFront:
     """What the fast connections of one listener share."""
 
     def __init__(
-        self, complete: Complete, guard: Guard, hand_off: Callable[[], RequestHandler]
+        self,
+        complete: Complete,
+        guard: Guard,
+        hand_off: Callable[[], RequestHandler],
+        busy_poll: BusyPoll | None = None,
     ) -> None:
         """`complete`: answers one completion (its body in, within the size limit);
-        `hand_off`: a new aiohttp protocol for a connection this path does not serve."""
+        `hand_off`: a new aiohttp protocol for a connection this path does not serve;
+        `busy_poll`: kicked at each read and write (None: never spins)."""
         self.complete = complete
+        self.busy_poll = busy_poll if busy_poll is not None else BusyPoll(0.0)
         self.guard = guard
         self.limits = guard.limits
         self.hand_off = hand_off
@@ -142,6 +149,7 @@ class FastConnection(asyncio.Protocol):
         elif len(self._buf) > MAX_BUFFERED_BYTES and self._transport is not None:
             self._reading_paused = True
             self._transport.pause_reading()
+        self._front.busy_poll.kick()
 
     def pause_writing(self) -> None:
         if self._drained is None:
@@ -295,6 +303,7 @@ class FastConnection(asyncio.Protocol):
         if self._transport is None:
             return False
         self._transport.write(data)
+        self._front.busy_poll.kick()  # the client's next request may follow at once
         return True
 
     async def drained(self) -> bool:

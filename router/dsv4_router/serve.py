@@ -29,6 +29,7 @@ from aiohttp import web
 from dsv4_common.api.http_rules import HttpLimits
 from dsv4_common.core.cpus import available_cpus
 from dsv4_router.app import RouterState, build_api_app, build_probe_app, fast_completion
+from dsv4_router.busy_poll import BusyPoll
 from dsv4_router.choice import InstanceTable, choose_pair, host_port
 from dsv4_router.config import ConfigError, RouterSettings, default_processes, settings_from_args
 from dsv4_router.discovery import Discovery, Resolver, resolve_host
@@ -80,11 +81,14 @@ async def start_router(
         connector=aiohttp.TCPConnector(limit=0),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s),
     )
+    busy_poll = BusyPoll(settings.busy_poll_s)
     upstream = Upstream(
-        connect_timeout_s=settings.connect_timeout_s, look_every_s=settings.stall.look_every_s
+        connect_timeout_s=settings.connect_timeout_s,
+        look_every_s=settings.stall.look_every_s,
+        busy_poll=busy_poll,
     )
     proxy = Proxy(table, settings, metrics, api_session, upstream, clock)
-    state = RouterState(settings, table, metrics, proxy, clock, process)
+    state = RouterState(settings, table, metrics, proxy, clock, process, busy_poll=busy_poll)
     discovery = Discovery(
         table,
         settings.roles,
@@ -182,7 +186,10 @@ async def _listen(
     server = runner.server
     assert server is not None
     front = FastFront(
-        functools.partial(fast_completion, fast), app[GUARD], lambda: new_protocol(server)
+        functools.partial(fast_completion, fast),
+        app[GUARD],
+        lambda: new_protocol(server),
+        fast.busy_poll,
     )
     return await serve_on(runner, sockets, fast=front)
 

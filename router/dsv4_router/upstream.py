@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Final, cast
 
+from dsv4_router.busy_poll import BusyPoll
 from dsv4_router.liveness import Silence
 
 MAX_HEAD_BYTES: Final = 65536
@@ -169,6 +170,7 @@ class _Connection(asyncio.Protocol):
         self._transport.write(head + body if len(body) < 16384 else head)
         if len(body) >= 16384:
             self._transport.write(body)
+        self._pool.busy_poll.kick()  # the answer may be back soon: stay awake for it
         return self._head
 
     async def next_piece(self) -> bytes:
@@ -246,6 +248,7 @@ class _Connection(asyncio.Protocol):
             else:
                 self._fail(exc)
             self.abort()
+        self._pool.busy_poll.kick()
 
     def _parse_head(self) -> None:
         while not self._in_body:
@@ -414,7 +417,11 @@ class Upstream:
         connect_timeout_s: float,
         idle_reuse_s: float = IDLE_REUSE_S,
         look_every_s: float = LOOK_EVERY_S,
+        busy_poll: BusyPoll | None = None,
     ) -> None:
+        """`busy_poll`: kicked at each request sent and each answer's bytes (None: never
+        spins)."""
+        self.busy_poll = busy_poll if busy_poll is not None else BusyPoll(0.0)
         self._connect_timeout_s = connect_timeout_s
         self._idle_reuse_s = idle_reuse_s
         self._look_every_s = look_every_s

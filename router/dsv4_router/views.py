@@ -88,5 +88,6 @@ def settings_view(settings: RouterSettings) -> dict[str, Any]:
         "max_attempts": settings.max_attempts,
         "shutdown_timeout_s": settings.shutdown_timeout_s,
         "processes": settings.processes,
+        "busy_poll_us": round(settings.busy_poll_s * 1e6),
         "http": to_document(settings.http),
     }

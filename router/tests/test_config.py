@@ -11,7 +11,12 @@ from typing import Any
 import pytest
 
 from dsv4_common.api.rank_config import ROUTER_CONFIG_KEY, Instance
-from dsv4_router.config import RoleTargets, settings_from_args
+from dsv4_router.config import (
+    DEFAULT_BUSY_POLL_S,
+    MAX_BUSY_POLL_US,
+    RoleTargets,
+    settings_from_args,
+)
 from dsv4_router.serve import run
 
 
@@ -196,3 +201,24 @@ def test_a_port_in_use_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
         port = taken.getsockname()[1]
         err = exit_message(args("prefill=h:1:2:3", "decode=h:4:5:6", port=port), capsys)
     assert f"--port: cannot listen on 127.0.0.1:{port}" in err
+
+
+def test_busy_poll_window_from_its_flag(tmp_path: Path) -> None:
+    flags = ("prefill=127.0.0.1:9001:9002:9003", "decode=127.0.0.1:9011:9012:9013")
+    assert settings_from_args(args(*flags)).busy_poll_s == DEFAULT_BUSY_POLL_S
+    for given, window_s in ((0, 0.0), (120, 120e-6)):
+        quick = args(*flags)
+        quick.router_busy_poll_us = given
+        assert settings_from_args(quick).busy_poll_s == window_s
+        deployed = args(config_dir=write_config(tmp_path, router_doc()))
+        deployed.router_busy_poll_us = given
+        assert settings_from_args(deployed).busy_poll_s == window_s
+
+
+def test_a_busy_poll_window_out_of_range_names_the_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    namespace = args("prefill=h:1:2:3", "decode=h:4:5:6")
+    namespace.router_busy_poll_us = MAX_BUSY_POLL_US + 1
+    err = exit_message(namespace, capsys)
+    assert f"--router-busy-poll-us: must be in 0..{MAX_BUSY_POLL_US}" in err

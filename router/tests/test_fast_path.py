@@ -9,7 +9,7 @@ import asyncio
 import itertools
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -26,6 +26,7 @@ from router_support import (
 )
 
 from dsv4_common.api.http_rules import HttpLimits
+from dsv4_router.busy_poll import BusyPoll
 from dsv4_router.errors import json_answer
 from dsv4_router.fast_path import FastFront, FastReply
 from dsv4_router.http_guard import Guard
@@ -71,11 +72,17 @@ class Front:
 
 
 @asynccontextmanager
-async def serving(**limits: Any) -> AsyncIterator[Front]:
+async def serving(
+    busy_poll: BusyPoll | None = None,
+    on_complete: Callable[[], None] = lambda: None,
+    **limits: Any,
+) -> AsyncIterator[Front]:
+    """A fast front answering the test requests; `on_complete` is called as each starts."""
     guard = Guard(HttpLimits(**limits), 64, logging.getLogger("test_fast_path"))
     front_box: list[Front] = []
 
     async def complete(incoming: Incoming, reply: FastReply) -> None:
+        on_complete()
         front = front_box[0]
         front.seen.append(incoming)
         if incoming.body == HANG:
@@ -93,7 +100,7 @@ async def serving(**limits: Any) -> AsyncIterator[Front]:
         reply.answer(*json_answer(200, document))
 
     handed: list[bytes] = []
-    fast = FastFront(complete, guard, lambda: cast(Any, Taker(handed)))
+    fast = FastFront(complete, guard, lambda: cast(Any, Taker(handed)), busy_poll)
     loop = asyncio.get_running_loop()
     server = await loop.create_server(fast, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]

@@ -1,0 +1,65 @@
+"""Busy polling: after any I/O on the completion path the event loop keeps polling, without
+sleeping, for `window_s` before it may block again.
+
+Why: at low load most of the router's added latency is waking up, not working. The answer of
+an upstream arrives while the router's thread sleeps in epoll; the kernel then wakes an idle
+CPU (on a virtual machine, an inter-processor interrupt and a halted vCPU's exit), which on
+the 2-core benchmark VM cost more than everything the router does for a request (bench/
+README.md, "The router hop"). A loop that polls for a few tens of microseconds after its last
+I/O is awake when the next event of the same exchange comes. HAProxy's `busy-polling` and the
+kernel's `net.core.busy_poll` make the same trade, without a bound; here it is bounded by the
+window after the last I/O, so an idle router sleeps as before and a saturated one is not
+affected (its loop never sleeps anyway).
+
+Cost: at most `window_s` of CPU after each burst of I/O (bench/router.py's `cpu us/req`).
+`window_s` 0 turns it off (`--router-busy-poll-us 0`).
+
+How: `kick()` (cheap: one clock read) moves the window's end; while the window is open, a
+callback re-schedules itself with `call_soon`, and a loop with a ready callback polls its
+sockets with a zero timeout instead of blocking. Event loop thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+
+class BusyPoll:
+    """Keeps the running loop polling for `window_s` after each `kick()`."""
+
+    __slots__ = ("_clock", "_loop", "_spinning", "_until_s", "window_s")
+
+    def __init__(self, window_s: float, clock: Callable[[], float] = time.perf_counter) -> None:
+        """`clock`: a fine clock (uvloop's `loop.time()` moves in milliseconds)."""
+        if not window_s >= 0:
+            raise ValueError(f"window_s must be >= 0, got {window_s}")
+        self.window_s = window_s
+        self._clock = clock
+        self._loop: asyncio.AbstractEventLoop | None = None  # the first kick's
+        self._until_s = 0.0
+        self._spinning = False
+
+    @property
+    def spinning(self) -> bool:
+        """The loop is being kept awake now."""
+        return self._spinning
+
+    def kick(self) -> None:
+        """I/O happened (on the loop's thread): keep polling until `window_s` from now."""
+        if not self.window_s:
+            return
+        self._until_s = self._clock() + self.window_s
+        if not self._spinning:
+            if self._loop is None:
+                self._loop = asyncio.get_running_loop()
+            self._spinning = True
+            self._loop.call_soon(self._spin)
+
+    def _spin(self) -> None:
+        assert self._loop is not None
+        if self._clock() < self._until_s:
+            self._loop.call_soon(self._spin)
+        else:
+            self._spinning = False
