@@ -4,14 +4,16 @@ sleeping, for `window_s` before it may block again.
 Why: at low load most of the router's added latency is waking up, not working. The answer of
 an upstream arrives while the router's thread sleeps in epoll; the kernel then wakes an idle
 CPU (on a virtual machine, an inter-processor interrupt and a halted vCPU's exit), which on
-the 2-core benchmark VM cost more than everything the router does for a request (bench/
-README.md, "The router hop"). A loop that polls for a few tens of microseconds after its last
-I/O is awake when the next event of the same exchange comes. HAProxy's `busy-polling` and the
-kernel's `net.core.busy_poll` make the same trade, without a bound; here it is bounded by the
-window after the last I/O, so an idle router sleeps as before and a saturated one is not
-affected (its loop never sleeps anyway).
+the 2-core benchmark VM cost more than everything the router does for a request
+(bench/README.md, "The router hop"). A loop that polls for a few tens of microseconds after
+its last I/O is awake when the next event of the same exchange comes. HAProxy's
+`busy-polling` and the kernel's `net.core.busy_poll` make the same trade, without a bound;
+here it is bounded by the window after the last I/O, so an idle router sleeps as before.
 
-Cost: at most `window_s` of CPU after each burst of I/O (bench/router.py's `cpu us/req`).
+Cost: up to `window_s` of CPU after each burst of I/O (bench/router.py's `cpu us/req`: ~6 us
+per request at one connection). Under heavy load the windows overlap and the loop rarely
+sleeps, taking CPU that processes sharing the router's CPUs would use (7% of the peak at 64
+connections on the 2-core VM, where the stub and load generator share them).
 `window_s` 0 turns it off (`--router-busy-poll-us 0`).
 
 How: `kick()` (cheap: one clock read) moves the window's end; while the window is open, a
