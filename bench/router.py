@@ -24,7 +24,8 @@ rotates every round so they share the machine's noise; figures are medians over 
   `--router-processes` processes (default: one per CPU, at most 4; `--processes N` adds a
   target with N); sglang-router's runtime has several threads. Ours busy-polls 50 us after
   its I/O by default (`--router-busy-poll-us`); `--busy-poll-us US` adds a target with US
-  (`--busy-poll-us 0`: ours without it, in the same rounds).
+  (`--busy-poll-us 0`: ours without it, in the same rounds). `--relay` adds a bare relay
+  (`router_relay.py`: bytes both ways, nothing else), with and without busy polling.
 
 Then ours / each other router, per round and medians. `--variant NAME=PYTHONPATH` adds our
 router run from another tree's package directories (e.g. the last commit's, extracted with
@@ -205,6 +206,21 @@ def sglang_missing(python: str | None) -> str | None:
     if probe.returncode != 0:
         return f"{python} cannot import sglang_router: {probe.stderr.decode()[-300:].strip()}"
     return None
+
+
+def start_relay(procs: Procs, ports: dict[str, int], busy_poll_us: int) -> Target:
+    """The bare relay (`router_relay.py`) in front of the stub: what any relay costs here."""
+    name = "relay" if not busy_poll_us else f"relay_bp{busy_poll_us}"
+    argv = [sys.executable, str(BENCH_DIR / "router_relay.py"), str(ports["api"])]
+    argv += ["--busy-poll-us", str(busy_poll_us)]
+    proc, log = procs.start(name, argv, stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"the relay did not start: {log.read_text()[-2000:]}")
+    port: int = json.loads(line)["port"]
+    _wait_serving(port, proc, log, name)
+    return Target(name, port, proc.pid)
 
 
 def start_sglang(procs: Procs, python: str, ports: dict[str, int]) -> Target:
@@ -449,6 +465,12 @@ def main() -> int:
         help="also our router with --router-busy-poll-us US, as target ours_bpUS (repeatable; "
         "0: without busy polling)",
     )
+    parser.add_argument(
+        "--relay",
+        action="store_true",
+        help="also a bare relay (router_relay.py), as targets relay and relay_bp50 (busy "
+        "polling 50 us): what any asyncio relay costs here",
+    )
     parser.add_argument("--json", action="store_true", help="also print a @bench-json line")
     args = parser.parse_args()
     cells = _cells([int(c) for c in args.connections.split(",")], args.modes.split(","))
@@ -462,6 +484,8 @@ def main() -> int:
         targets += [
             start_ours(procs, ports, f"ours_bp{us}", busy_poll_us=us) for us in args.busy_poll_us
         ]
+        if args.relay:
+            targets += [start_relay(procs, ports, us) for us in (0, 50)]
         if missing is None:
             targets.append(start_sglang(procs, args.sglang_python, ports))
         load = Load(procs)

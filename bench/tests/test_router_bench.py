@@ -77,6 +77,33 @@ def test_the_load_generator_reads_json_and_streams_whole(stub: dict[str, int]) -
     assert streamed["first_event_p50_ms"] < 10 <= streamed["p50_ms"]
 
 
+@pytest.mark.parametrize("busy_poll_us", [0, 50])
+def test_the_bare_relay_passes_answers_through_as_they_came(
+    stub: dict[str, int], busy_poll_us: int
+) -> None:
+    argv = [sys.executable, str(BENCH / "router_relay.py"), str(stub["api"])]
+    argv.append(f"--busy-poll-us={busy_poll_us}")
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        port = json.loads(proc.stdout.readline())["port"]
+        answers = {}
+        for name, at in (("direct", stub["api"]), ("relayed", port)):
+            conn = http.client.HTTPConnection("127.0.0.1", at, timeout=10)
+            for stream in (False, True, False):  # one kept-alive connection
+                body = json.dumps({"model": "stub", "prompt": "x", "stream": stream})
+                conn.request("POST", "/v1/completions", body=body)
+                resp = conn.getresponse()
+                answers[name, stream] = (resp.status, resp.getheader("Content-Type"), resp.read())
+            conn.close()
+        for stream in (False, True):
+            assert answers["relayed", stream] == answers["direct", stream]
+            assert answers["relayed", stream][0] == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 @pytest.mark.slow
 def test_the_bench_runs_end_to_end_and_prints_its_figures() -> None:
     argv = [sys.executable, str(BENCH / "router.py"), "--no-sglang", "--json", "--rounds", "1"]
