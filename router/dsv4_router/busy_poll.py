@@ -16,9 +16,10 @@ sleeps, taking CPU that processes sharing the router's CPUs would use (7% of the
 connections on the 2-core VM, where the stub and load generator share them).
 `window_s` 0 turns it off (`--router-busy-poll-us 0`).
 
-How: `kick()` (cheap: one clock read) moves the window's end; while the window is open, a
-callback re-schedules itself with `call_soon`, and a loop with a ready callback polls its
-sockets with a zero timeout instead of blocking. Event loop thread only.
+How: the router kicks after each write on the completion path (a read is always followed by
+one); a kick opens the window, or while it is open marks it to be moved on; a callback
+re-schedules itself with `call_soon` until the window ends, and a loop with a ready callback
+polls its sockets with a zero timeout instead of blocking. Event loop thread only.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from collections.abc import Callable
 class BusyPoll:
     """Keeps the running loop polling for `window_s` after each `kick()`."""
 
-    __slots__ = ("_clock", "_loop", "_spinning", "_until_s", "window_s")
+    __slots__ = ("_clock", "_kicked", "_loop", "_spinning", "_until_s", "window_s")
 
     def __init__(self, window_s: float, clock: Callable[[], float] = time.perf_counter) -> None:
         """`clock`: a fine clock (uvloop's `loop.time()` moves in milliseconds)."""
@@ -42,6 +43,7 @@ class BusyPoll:
         self._loop: asyncio.AbstractEventLoop | None = None  # the first kick's
         self._until_s = 0.0
         self._spinning = False
+        self._kicked = False  # a kick since the last poll (it moves the window's end there)
 
     @property
     def spinning(self) -> bool:
@@ -49,19 +51,25 @@ class BusyPoll:
         return self._spinning
 
     def kick(self) -> None:
-        """I/O happened (on the loop's thread): keep polling until `window_s` from now."""
-        if not self.window_s:
-            return
-        self._until_s = self._clock() + self.window_s
-        if not self._spinning:
+        """I/O happened (on the loop's thread): keep polling until `window_s` from now (from
+        the next poll, for a kick while polling: two attribute reads and a write, as it
+        runs several times a request)."""
+        if self._spinning:
+            self._kicked = True
+        elif self.window_s:
             if self._loop is None:
                 self._loop = asyncio.get_running_loop()
+            self._until_s = self._clock() + self.window_s
             self._spinning = True
             self._loop.call_soon(self._spin)
 
     def _spin(self) -> None:
         assert self._loop is not None
-        if self._clock() < self._until_s:
+        now_s = self._clock()
+        if self._kicked:
+            self._kicked = False
+            self._until_s = now_s + self.window_s
+        if now_s < self._until_s:
             self._loop.call_soon(self._spin)
         else:
             self._spinning = False

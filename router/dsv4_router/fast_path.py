@@ -61,7 +61,7 @@ class FastFront:
     ) -> None:
         """`complete`: answers one completion (its body in, within the size limit);
         `hand_off`: a new aiohttp protocol for a connection this path does not serve;
-        `busy_poll`: kicked at each read and write (None: never spins)."""
+        `busy_poll`: kicked at each write (None: never spins)."""
         self.complete = complete
         self.busy_poll = busy_poll if busy_poll is not None else BusyPoll(0.0)
         self.guard = guard
@@ -149,7 +149,6 @@ class FastConnection(asyncio.Protocol):
         elif len(self._buf) > MAX_BUFFERED_BYTES and self._transport is not None:
             self._reading_paused = True
             self._transport.pause_reading()
-        self._front.busy_poll.kick()
 
     def pause_writing(self) -> None:
         if self._drained is None:

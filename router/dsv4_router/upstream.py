@@ -248,7 +248,6 @@ class _Connection(asyncio.Protocol):
             else:
                 self._fail(exc)
             self.abort()
-        self._pool.busy_poll.kick()
 
     def _parse_head(self) -> None:
         while not self._in_body:
@@ -419,8 +418,7 @@ class Upstream:
         look_every_s: float = LOOK_EVERY_S,
         busy_poll: BusyPoll | None = None,
     ) -> None:
-        """`busy_poll`: kicked at each request sent and each answer's bytes (None: never
-        spins)."""
+        """`busy_poll`: kicked at each request sent (None: never spins)."""
         self.busy_poll = busy_poll if busy_poll is not None else BusyPoll(0.0)
         self._connect_timeout_s = connect_timeout_s
         self._idle_reuse_s = idle_reuse_s
