@@ -1,4 +1,4 @@
-"""Busy polling: after any I/O on the completion path the event loop keeps polling, without
+"""Busy polling: after a write on the completion path the event loop keeps polling, without
 sleeping, for `window_s` before it may block again.
 
 Why: at low load most of the router's added latency is waking up, not working. The answer of
@@ -10,10 +10,10 @@ its last I/O is awake when the next event of the same exchange comes. HAProxy's
 `busy-polling` and the kernel's `net.core.busy_poll` make the same trade, without a bound;
 here it is bounded by the window after the last I/O, so an idle router sleeps as before.
 
-Cost: up to `window_s` of CPU after each burst of I/O (bench/router.py's `cpu us/req`: ~6 us
-per request at one connection). Under heavy load the windows overlap and the loop rarely
-sleeps, taking CPU that processes sharing the router's CPUs would use (7% of the peak at 64
-connections on the 2-core VM, where the stub and load generator share them).
+Cost: up to `window_s` of CPU after each burst of I/O (bench/router.py's `cpu us/req`: ~5 us
+per request at one connection). Between idle and saturated, the polling takes CPU that
+processes sharing the router's CPUs would use: on the 2-core VM, where the stub and the load
+generator share them, 8-10% of the requests/s at 8 connections and 1-5% at 64.
 `window_s` 0 turns it off (`--router-busy-poll-us 0`).
 
 How: the router kicks after each write on the completion path (a read is always followed by

@@ -31,7 +31,7 @@ DEPLOYED_HOST: Final = "0.0.0.0"
 INSTANCE_FORM: Final = "ROLE=HOST:HTTP:STATUS:KV"
 MAX_PORT: Final = 65535
 MAX_DEFAULT_PROCESSES: Final = 4
-# `busy_poll`'s window after I/O: it covers a loopback exchange's round trip (25 us did
+# `busy_poll`'s window after a write: it covers a loopback exchange's round trip (25 us did
 # not, 100 us gained nothing more: bench/README.md) and costs nothing worth a line at one
 # request a second.
 DEFAULT_BUSY_POLL_S: Final = 50e-6

@@ -309,7 +309,7 @@ SERVE_FLAGS: Final = (
     ),
     Flag(
         "--router-busy-poll-us",
-        "router: after any I/O on a completion, poll this long before the event loop may "
+        "router: after each write on a completion, poll this long before the event loop may "
         "sleep, so the next event of the exchange does not wait for an idle CPU to wake up "
         "(costs up to this much CPU per burst of I/O; 0: off; default 50)",
         bounds=Bounds("int", 0, True, 10_000),
