@@ -23,7 +23,7 @@ rotates every round so they share the machine's noise; figures are medians over 
   what a request costs, less sensitive to a shared machine than requests/s. Ours runs
   `--router-processes` processes (default: one per CPU, at most 4; `--processes N` adds a
   target with N); sglang-router's runtime has several threads. Ours busy-polls 50 us after
-  its I/O by default (`--router-busy-poll-us`); `--busy-poll-us US` adds a target with US
+  its writes by default (`--router-busy-poll-us`); `--busy-poll-us US` adds a target with US
   (`--busy-poll-us 0`: ours without it, in the same rounds). `--relay` adds a bare relay
   (`router_relay.py`: bytes both ways, nothing else), with and without busy polling.
 

@@ -51,7 +51,7 @@ class BusyPoll:
         return self._spinning
 
     def kick(self) -> None:
-        """I/O happened (on the loop's thread): keep polling until `window_s` from now (from
+        """A write went out (on the loop's thread): keep polling until `window_s` from now (from
         the next poll, for a kick while polling: two attribute reads and a write, as it
         runs several times a request)."""
         if self._spinning:

@@ -81,7 +81,7 @@ class RouterSettings:
     shutdown_timeout_s: float = ROUTER_DRAIN_S  # open streams get this long after SIGTERM
     http: HttpLimits = field(default_factory=HttpLimits)  # timeouts, body size, connections
     processes: int | None = None  # router processes on the port (None: `default_processes`)
-    busy_poll_s: float = DEFAULT_BUSY_POLL_S  # polling after I/O before sleeping (`busy_poll`)
+    busy_poll_s: float = DEFAULT_BUSY_POLL_S  # polling after a write before sleeping (`busy_poll`)
     # What set the ports, for errors ("--port", "<dir>/router.json: router_config.port").
     port_name: str = "--port"
     status_port_name: str = "router_config.status_port"
