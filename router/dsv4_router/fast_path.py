@@ -323,6 +323,7 @@ class FastReply:
     __slots__ = (
         "_chunked",
         "_conn",
+        "_held",
         "_minor",
         "body",
         "ended",
@@ -335,6 +336,7 @@ class FastReply:
         self._conn = conn
         self._minor = head.minor
         self._chunked = False
+        self._held = b""  # a streamed answer's head, until its first bytes of body
         self.keep_alive = head.keep_alive
         self.status = 0  # 0: nothing sent yet
         self.body = b""  # an error answer's, for the log line
@@ -375,17 +377,24 @@ class FastReply:
         else:
             self.keep_alive = False  # HTTP/1.0: the body runs to the close
             framing = b""
-        self._conn.write(self._head(status, headers, framing))
+        # Held until the first write (or the end), as aiohttp holds a stream's head: the head
+        # and the first event leave in one write, and the client wakes once for both.
+        self._held = self._head(status, headers, framing)
 
     async def write(self, data: bytes) -> bool:
         if not data:
             return True
         framed = b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data
+        if self._held:
+            framed, self._held = self._held + framed, b""
         return self._conn.write(framed) and await self._conn.drained()
 
     async def end(self) -> None:
         self.ended = True
-        if not self._conn.write(b"0\r\n\r\n" if self._chunked else b""):
+        last = b"0\r\n\r\n" if self._chunked else b""
+        if self._held:
+            last, self._held = self._held + last, b""
+        if not self._conn.write(last):
             raise ConnectionResetError("the client has gone")
         if not self._chunked:
             self._conn.end()

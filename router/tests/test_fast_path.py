@@ -28,7 +28,7 @@ from router_support import (
 from dsv4_common.api.http_rules import HttpLimits
 from dsv4_router.busy_poll import BusyPoll
 from dsv4_router.errors import json_answer
-from dsv4_router.fast_path import FastFront, FastReply
+from dsv4_router.fast_path import FastConnection, FastFront, FastReply
 from dsv4_router.http_guard import Guard
 from dsv4_router.reply import Incoming
 
@@ -244,6 +244,32 @@ async def test_a_stream_is_chunked_on_1_1_and_runs_to_the_close_on_1_0() -> None
         assert status == b"HTTP/1.0 200 OK" and "transfer-encoding" not in headers
         assert body == b"".join(EVENTS)  # read to the close
         writer.close()
+
+
+@run_async
+async def test_a_streams_head_leaves_with_its_first_event_in_one_write() -> None:
+    """As aiohttp does: the head waits for the first bytes of body, so the client wakes once
+    for the head and the first event (the PD first token); the answer is the same."""
+    writes: list[bytes] = []
+    real = FastConnection.write
+
+    def write(self: FastConnection, data: bytes) -> bool:
+        writes.append(data)
+        return real(self, data)
+
+    FastConnection.write = write  # type: ignore[method-assign]
+    try:
+        async with serving() as front:
+            reader, writer = await connect(front.port)
+            writer.write(request(STREAM))
+            _, headers, body = await read_answer(reader)
+            assert headers["transfer-encoding"] == "chunked" and body == b"".join(EVENTS)
+            writer.close()
+    finally:
+        FastConnection.write = real  # type: ignore[method-assign]
+    assert writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
+    assert writes[0].endswith(b"\r\n\r\n%x\r\n%s\r\n" % (len(EVENTS[0]), EVENTS[0]))
+    assert len(writes) == len(EVENTS) + 1  # the head rode on the first event; then the end
 
 
 @run_async
