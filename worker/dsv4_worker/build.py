@@ -199,7 +199,7 @@ def _decode_leader(x: RoleInputs) -> Wired:
     )
     engine = stage_engine(x.stage, Role.DECODE, agent, x.grammar)
     runner = EngineRunner(engine, x.policy)
-    agent.attach(engine, runner.call)
+    agent.attach(engine, runner.call, runner.show_first_token)
     if link is not None:  # every stage's target, so each prefill stage writes its layers
         port = (agent.landed_endpoint or "").rsplit(":", 1)[-1]
         gathered = link.all_gather((me, f"tcp://{advertise}:{port}"))

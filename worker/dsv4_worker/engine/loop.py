@@ -268,7 +268,7 @@ class Engine:
         if req is None:
             self.release(rid)
         else:
-            req.error, req.retryable = why, True
+            req.error, req.retryable = why, not req.output  # (before its first token: always)
             self._finish(req, "error")
             self._finished_between.append(req)
         self.source.record(FailTransfer(rid, why))

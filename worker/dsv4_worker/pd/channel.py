@@ -21,11 +21,16 @@ from typing import Generic, TypeVar
 
 import zmq
 
+from dsv4_worker.engine.logprobs import TokenLogprob
+
 M = TypeVar("M")
 _ids = itertools.count()
 log = logging.getLogger(__name__)
 
 Post = Callable[[Callable[[], None]], None]  # run a function on the engine thread
+# (rid, token id, its logprob, the prompt's logprobs): show a PD request's first token to its
+# client now (any thread: `EngineRunner.show_first_token`)
+ShowFirst = Callable[[str, int, TokenLogprob | None, tuple[TokenLogprob, ...]], None]
 Context = zmq.Context[zmq.Socket[bytes]]
 
 
@@ -86,18 +91,42 @@ class Outbox:
 class Mailbox(Generic[M]):
     """Typed messages for the owner thread, in order from any thread: each `put` queues the
     message, then a wake-up frame that is never dropped (it waits while the owner is far
-    behind, as `Outbox.put`); the owner, woken by `pull`, `take`s everything queued."""
+    behind, as `Outbox.put`); the owner, woken by `pull`, `take`s everything queued and says
+    when it has `handled` it, so a sender may wait for that (`wait_handled`) rather than for
+    the GIL to come the owner's way.
+
+    Invariant: handled <= taken <= put (counts of messages, in order)."""
 
     def __init__(self, ctx: Context, name: str) -> None:
         self._box = Outbox(ctx, name)
         self.pull = self._box.pull  # the owner polls it
         self._queue: deque[M] = deque()
         self._lock = threading.Lock()
+        self._progress = threading.Condition(self._lock)
+        self._put = self._taken = self._handled = 0
 
-    def put(self, msg: M) -> None:
+    def put(self, msg: M) -> int:
+        """Queue `msg` (any thread); its number, for `wait_handled`."""
         with self._lock:
             self._queue.append(msg)
+            self._put += 1
+            ticket = self._put
         self._box.put([b"m"])  # a dropped one could strand the message: see `take`
+        return ticket
+
+    def handled(self) -> None:
+        """Owner thread: everything it took so far is handled (sent on, acted on)."""
+        with self._progress:
+            if self._handled != self._taken:
+                self._handled = self._taken
+                self._progress.notify_all()
+
+    def wait_handled(self, ticket: int, timeout_s: float) -> bool:
+        """Wait until the owner handled message `ticket` (and so every one before it), at
+        most `timeout_s`; whether it did. The wait releases the GIL: for a message that
+        must leave now while the caller still has work that would hold it."""
+        with self._progress:
+            return self._progress.wait_for(lambda: self._handled >= ticket, timeout_s)
 
     def kick(self) -> None:
         """Wake the owner with nothing to take (any thread; also after `close`)."""
@@ -112,6 +141,7 @@ class Mailbox(Generic[M]):
         with self._lock:
             out = list(self._queue)
             self._queue.clear()
+            self._taken += len(out)
         return out
 
     def close(self) -> None:

@@ -9,10 +9,12 @@ manifest, backend and this side's transfer descriptor; a mismatch fails every re
 there with the prefill's message naming the field) and the transfer target's landed tags;
 the engine thread hands it typed messages through its mailbox (`on_admit`, `on_prealloc`,
 `on_cancel`: `_Admitted`, `_Allocated`, `_Cancelled`; at a step's first admission it waits,
-at most `ADMIT_HANDOFF_S`, until the control thread has sent it) and gets results back through
-`post` (`complete_transfer`, `fail_transfer`, `release`). Each request is a `flight.Flight`: the
-control thread turns messages, landed tags and the clock into its events, and does what
-`flight.decode_step` returns.
+at most `ADMIT_HANDOFF_S`, until the control thread has handled it: `Mailbox.wait_handled`)
+and gets results back through `post` (`complete_transfer`, `fail_transfer`, `release`); the
+first token of a request goes to its client from the control thread as `done` arrives
+(`show`, the runner's `show_first_token`: the stream has it while the last write lands).
+Each request is a `flight.Flight`: the control thread turns messages, landed tags and the
+clock into its events, and does what `flight.decode_step` returns.
 
 A request completes when `done` arrived and every tag it lists landed. A request whose prefill
 does not answer within `transfer_timeout_s` fails (the client may retry elsewhere); a cancelled
@@ -47,7 +49,7 @@ from dsv4_worker.engine.events import EngineEvents
 from dsv4_worker.engine.loop import Engine, Request
 from dsv4_worker.pd import control as C
 from dsv4_worker.pd import flight as F
-from dsv4_worker.pd.channel import Mailbox, Post, bound, guarded, socket
+from dsv4_worker.pd.channel import Mailbox, Post, ShowFirst, bound, guarded, socket
 from dsv4_worker.pd.columns import tail_cols
 from dsv4_worker.pd.liveness import (
     Heartbeat,
@@ -131,6 +133,7 @@ class DecodeAgent(EngineEvents):
 
     engine: Engine  # set by attach
     post: Post  # runs a function on the engine thread (the runner's `call`)
+    show: ShowFirst  # hands a first token to its client now (any thread; the runner's)
 
     def __init__(
         self,
@@ -159,10 +162,6 @@ class DecodeAgent(EngineEvents):
         if landed_bind is not None:
             self._landed_in, self.landed_endpoint = bound(self._ctx, zmq.PULL, landed_bind)
         self._outbox: Mailbox[_Out] = Mailbox(self._ctx, "decode")
-        # Admissions queued by the engine thread / forwarded by the control thread (`on_admit`).
-        self._admits = threading.Condition()
-        self._admits_put = 0
-        self._admits_sent = 0
         self._handoff_step = -1  # the engine step whose first admission waited
         self._prefills: dict[str, _Prefill] = {}
         self._flights: dict[str, _Flight] = {}  # room -> in flight
@@ -180,9 +179,10 @@ class DecodeAgent(EngineEvents):
         self.failure: str | None = None  # set: the control thread died
         self._crash_on_request = os.environ.get(FAULT_ENV) == "control-crash"
 
-    def attach(self, engine: Engine, post: Post) -> None:
-        """The engine built with this agent as its events, and how to run code on its thread."""
-        self.engine, self.post = engine, post
+    def attach(self, engine: Engine, post: Post, show: ShowFirst) -> None:
+        """The engine built with this agent as its events, how to run code on its thread, and
+        how to show a request's first token before its KV lands (`show_first_token`)."""
+        self.engine, self.post, self.show = engine, post, show
 
     def start(self) -> None:
         self._thread.start()
@@ -258,17 +258,13 @@ class DecodeAgent(EngineEvents):
         if isinstance(msg, C.Destination):
             self._outbox.put(_Allocated(address, msg.room, C.encode(msg)))
             return
-        with self._admits:
-            self._admits_put += 1
-            queued = self._admits_put
-        self._outbox.put(_Admitted(address, msg.room, C.encode(msg)))
+        ticket = self._outbox.put(_Admitted(address, msg.room, C.encode(msg)))
         if self._handoff_step != self.engine.steps:
             # The prefill computes from this message on: let the control thread send it now
             # rather than when the rest of this step lets it have the GIL (bounded; once a
             # step, so many admissions do not wait one by one).
             self._handoff_step = self.engine.steps
-            with self._admits:
-                self._admits.wait_for(lambda: self._admits_sent >= queued, ADMIT_HANDOFF_S)
+            self._outbox.wait_handled(ticket, ADMIT_HANDOFF_S)
 
     def _address(self, req: Request) -> str | None:
         """The request's prefill instance (the router's pick, else this worker's default)."""
@@ -293,6 +289,7 @@ class DecodeAgent(EngineEvents):
                 if sock is self._outbox.pull:
                     for out in self._outbox.take():
                         self._outgoing(out, poller)
+                    self._outbox.handled()  # sent, queued for the handshake, or failed
                 elif self._landed_in is not None and sock is self._landed_in:
                     self._landed.update(t.decode() for t in self._landed_in.recv_multipart())
                 else:
@@ -351,9 +348,6 @@ class DecodeAgent(EngineEvents):
                 link_error=peer.error,
             )
             self._apply(out.room, *admitted, out.frames)
-            with self._admits:  # forwarded, queued for the handshake, or failed: handled
-                self._admits_sent += 1
-                self._admits.notify_all()
         elif isinstance(out, _Allocated):  # always after its `_Admitted`: the outbox keeps order
             self._on(out.room, F.DestinationReady(self._link(out.address)), out.frames)
         else:
@@ -406,6 +400,9 @@ class DecodeAgent(EngineEvents):
                 peer.queued = [q for q in peer.queued if q[0] != room]
             elif isinstance(action, F.ClaimTags):
                 self._landed.difference_update(action.tags)
+            elif isinstance(action, F.ShowFirstToken):  # from here: one thread hop less
+                done = action.done
+                self.show(rid, done.first_token, done.first_logprob, done.prompt_logprobs)
             elif isinstance(action, F.Complete):
                 self.post(functools.partial(self._complete, rid, done=action.done))
             elif isinstance(action, F.Fail):

@@ -14,7 +14,8 @@ Prefill (`Tx`, one per request per stage; a PP follower runs the same machine wi
 
 Decode (`Flight`, one per request; the leader of a decode PP group):
 
-    admit ──DoneArrived──> done ──Landed(all tags)──> ended (Complete, or Release if cancelled)
+    admit ──DoneArrived──> done (ShowFirstToken) ──Landed(all tags)──> ended (Complete, or
+    Release if cancelled)
     any ──FailedArrived | Tick(past deadline)──> ended (Fail); PrefillLost ──> ended (Fail, or
     Release if cancelled)
     any ──Cancel──> cancelled: its pages stay until AbortedArrived, its tags land, or it expires
@@ -27,7 +28,8 @@ action that ends the request (prefill leader: AbortRequest or ReleaseRequest, a 
 none: the leader's engine ends it on every stage; decode: Complete, Fail or Release); an
 ended request only answers a late `abort` (SendAborted) or cancel (Release: the engine's
 release is idempotent); nothing is written before the destination or after the end, each
-column once; and a cancelled flight never completes.
+column once; a cancelled flight never completes; and a flight shows its first token at most
+once, never after a cancel, and only before it ends.
 """
 
 from __future__ import annotations
@@ -423,6 +425,14 @@ class ClaimTags:
 
 
 @dataclass(frozen=True, slots=True)
+class ShowFirstToken(Generic[P]):
+    """The runner's `show_first_token`: `done`'s first token may go to the client before the
+    KV lands (the request still completes or fails by what lands)."""
+
+    done: P
+
+
+@dataclass(frozen=True, slots=True)
 class Complete(Generic[P]):
     """engine.complete_transfer: the request decodes from its first token."""
 
@@ -441,7 +451,9 @@ class Release:
     """engine.release: a cancelled request's pages go (nothing more will land)."""
 
 
-DecodeAction = Forward | SendAbort | Unqueue | ClaimTags | Complete[P] | Fail | Release
+DecodeAction = (
+    Forward | SendAbort | Unqueue | ClaimTags | ShowFirstToken[P] | Complete[P] | Fail | Release
+)
 DecodeResult = tuple["Flight[P] | None", list[DecodeAction[P]]]
 
 
@@ -477,7 +489,11 @@ def decode_step(flight: Flight[P] | None, event: DecodeEvent[P]) -> DecodeResult
             return None, [Unqueue(), Release()]
         return cancelled, []
     if isinstance(event, DoneArrived):
-        return replace(flight, done=event.done, tags=event.tags), []
+        # Its first token is final: a stream may show it while the last write lands (once;
+        # never to a client that left).
+        first = flight.done is None and not flight.cancelled
+        show: list[DecodeAction[P]] = [ShowFirstToken(event.done)] if first else []
+        return replace(flight, done=event.done, tags=event.tags), show
     if isinstance(event, FailedArrived):
         return None, [Fail(f"prefill: {event.message}")]  # (cancelled: the engine releases)
     if isinstance(event, AbortedArrived):

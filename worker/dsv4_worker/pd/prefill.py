@@ -68,6 +68,9 @@ from dsv4_worker.pd.transfer import TransferError, TransferInitiator
 log = logging.getLogger(__name__)
 
 POLL_MS = 100
+# The most the engine thread waits, after queuing a request's `done`, for the control thread
+# to send it: the first token then reaches decode while the last write is prepared and lands.
+DONE_HANDOFF_S = 0.002
 WRITE_TIMEOUT_S = 30.0  # default of `write_timeout_s`
 
 
@@ -259,6 +262,7 @@ class PrefillAgent(_StageWriter):
         self._pairs: dict[str, list[tuple[int, int]]] = {}  # decode peer -> (stage, its stage)
         # (engine step when queued, decode identity, message): sent after the next step
         self._unsettled: list[tuple[int, bytes, C.Message]] = []
+        self._done_handoff_step = -1  # the engine step whose first `done` waited to be sent
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._router, self.endpoint = bound(self._ctx, zmq.ROUTER, bind)
         self._outbox: Mailbox[_Send] = Mailbox(self._ctx, "prefill")
@@ -318,6 +322,7 @@ class PrefillAgent(_StageWriter):
                 if sock is self._outbox.pull:
                     for out in self._outbox.take():
                         self._router.send_multipart([out.identity, *out.frames])
+                    self._outbox.handled()
                     continue
                 while self._router.poll(0):  # all of it: see `_caught_up_s`
                     self._receive(*self._router.recv_multipart())
@@ -337,8 +342,9 @@ class PrefillAgent(_StageWriter):
             return
         self.post(functools.partial(self._handle, identity, msg))
 
-    def _send(self, identity: bytes, msg: C.Message) -> None:
-        self._outbox.put(_Send(identity, C.encode(msg)))
+    def _send(self, identity: bytes, msg: C.Message) -> int:
+        """Queue `msg` for the control thread; its mailbox ticket."""
+        return self._outbox.put(_Send(identity, C.encode(msg)))
 
     def _send_settled(self, identity: bytes, msg: C.Message) -> None:
         """Send once every stage has stopped writing for the request: a PP follower may still
@@ -485,7 +491,14 @@ class PrefillAgent(_StageWriter):
                 req.logprobs[0] if req.logprobs else None,
                 tuple(req.prompt_logprobs),
             )
-            self._send(self._peers[tx.peer].identity, done)
+            ticket = self._send(self._peers[tx.peer].identity, done)
+            if self._done_handoff_step != self.engine.steps:
+                # The last write comes next and holds the GIL for most of its preparation: let
+                # the control thread send `done` first, so the first token travels meanwhile
+                # (bounded; once a step, so many requests finishing together do not wait one by
+                # one: the writes' polls sleep, which lets the control thread send the rest).
+                self._done_handoff_step = self.engine.steps
+                self._outbox.wait_handled(ticket, DONE_HANDOFF_S)
 
     def after_step(self, finished: list[Request]) -> None:
         """Send what this step computed; finish transfers whose first token is out."""

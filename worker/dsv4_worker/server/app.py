@@ -196,9 +196,15 @@ def build_app(
                 for c in answer.choices:  # one engine request per choice
                     params = choice_params(req.params, c.index % req.gen.n)
                     engine_rid = choice_id(rid, c.index, len(answer.choices))
-                    handles.append(
-                        runner.submit(c.prompt.ids, params, loop, prefill=prefill, rid=engine_rid)
+                    handle = runner.submit(
+                        c.prompt.ids,
+                        params,
+                        loop,
+                        prefill=prefill,
+                        rid=engine_rid,
+                        first_token_ahead=req.stream,  # a stream shows it at once (PD decode)
                     )
+                    handles.append(handle)
             except DuplicateRequest as exc:
                 for h in handles:
                     runner.abort(h)

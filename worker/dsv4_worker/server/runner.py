@@ -7,8 +7,10 @@ freed at the runner's next turn). A request keeps one id from its submitter to t
 (`DuplicateRequest`). After every step the runner publishes a `Snapshot` of pool
 usage and queue lengths for `/metrics` and `/status`. Other components (the PD agents) run
 code on the engine thread with `call(fn)`, and the engine's events' `after_step` runs after
-every turn. What a call publishes (a PD decode's first token) goes out before the next step,
-and the listeners' loops take it before that step starts (bounded: `HANDOFF_WAIT_S`).
+every turn. What a call publishes (a PD decode's landed first token) goes out before the next
+step, and the listeners' loops take it before that step starts (bounded: `HANDOFF_WAIT_S`). A
+PD decode's agent hands a stream its first token sooner, from its own thread, before the KV
+has landed (`show_first_token`: under the lock, exactly once, always before its Done).
 
 Admission (`admission`'s rules): the HTTP side asks `admission(need_tokens)` before it
 submits; the runner counts every submitted request until the engine schedules it (`_queued`,
@@ -73,6 +75,17 @@ class Handle:
     rid: RequestId  # the request's id, the engine's too
     events: asyncio.Queue[Token | Done]
     submitted_s: float
+    first_token_ahead: bool = False  # it may be shown its first token early (`submit`)
+    first_shown: bool = False  # that happened (`show_first_token`)
+
+
+@dataclass(frozen=True, slots=True)
+class _Ahead:
+    """A request whose first token may go out before its KV lands (a PD decode stream)."""
+
+    handle: Handle
+    loop: asyncio.AbstractEventLoop
+    with_prompt_logprobs: bool  # it asked for them: they come with the first token
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +135,7 @@ class EngineRunner:
         # scheduled (insertion order is arrival order, so the first entry is the oldest).
         self._live: set[RequestId] = set()
         self._queued: dict[RequestId, float] = {}
+        self._ahead: dict[RequestId, _Ahead] = {}  # under _lock: may still show a first token
         self._snapshot = Snapshot(usage=engine.mem.usage())
         self._thread = threading.Thread(target=self._run, name="dsv4-engine", daemon=True)
         self.error: BaseException | None = None
@@ -181,18 +195,45 @@ class EngineRunner:
         loop: asyncio.AbstractEventLoop,
         prefill: str | None = None,
         rid: RequestId | None = None,
+        first_token_ahead: bool = False,
     ) -> Handle:
         """Queue a request under `rid` (None: a new one). Raises DuplicateRequest while
-        a request of that id has not ended here."""
+        a request of that id has not ended here. `first_token_ahead`: a PD decode may show its
+        first token as soon as the prefill side sampled it (`show_first_token`); a failure
+        after that is an error after a token, no longer one another instance may retry. A
+        stream asks for it; an answer sent whole gains nothing from it."""
         rid = rid if rid is not None else new_request_id()
         with self._lock:
             if rid in self._live:
                 raise DuplicateRequest(f"request id {rid!r} is already in flight")
-            handle = Handle(rid, asyncio.Queue(), time.monotonic())
+            handle = Handle(rid, asyncio.Queue(), time.monotonic(), first_token_ahead)
             self._live.add(rid)
             self._queued[rid] = handle.submitted_s
+            if first_token_ahead:
+                self._ahead[rid] = _Ahead(handle, loop, params.prompt_logprobs is not None)
         self._inbox.put(_Submit(prompt, params, handle, loop, prefill))
         return handle
+
+    def show_first_token(
+        self,
+        rid: RequestId,
+        token_id: int,
+        logprob: TokenLogprob | None = None,
+        prompt_logprobs: tuple[TokenLogprob, ...] = (),
+    ) -> None:
+        """PD decode, any thread (the agent's control thread, as `done` arrives): the prefill
+        side sampled the request's first token and its KV is landing. A request that asked
+        (`submit(first_token_ahead=True)`) and has not ended gets it now, once; the engine
+        still decodes it only from `complete_transfer` (whose first token then is not sent
+        again), and `fail_transfer` still fails it. Emitted under the lock `_end` takes, so
+        it always comes before the request's Done."""
+        with self._lock:
+            ahead = self._ahead.pop(rid, None)
+            if ahead is None:
+                return
+            prompt = prompt_logprobs if ahead.with_prompt_logprobs else None
+            ahead.handle.first_shown = True  # before the engine thread can publish it
+            _emit(ahead.loop, ahead.handle, Token(token_id, time.monotonic(), logprob, prompt))
 
     def call(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the engine thread at its next turn (FIFO with submissions)."""
@@ -273,6 +314,7 @@ class EngineRunner:
         with self._lock:
             self._queued.pop(rid, None)
             self._live.discard(rid)
+            self._ahead.pop(rid, None)
 
     def _expire(self, now: float) -> None:
         """Remove the requests that waited past the queue deadline without being scheduled;
@@ -305,6 +347,14 @@ class EngineRunner:
         self.engine.abort(rid)
         _emit(loop, handle, Done("abort"))
 
+    def _close_ahead(self, rid: RequestId, handle: Handle) -> int:
+        """The request's output is out from here on (or it ended): no first token may be shown
+        ahead any more. How many of its tokens went out already: the first, if it was shown
+        (`show_first_token` decides under the same lock, so exactly one of them sends it)."""
+        with self._lock:
+            self._ahead.pop(rid, None)
+            return int(handle.first_shown)
+
     def _publish(self, finished: list[Request]) -> set[asyncio.AbstractEventLoop]:
         """Hand every listener its new events; the event loops that got some."""
         now = time.monotonic()
@@ -320,17 +370,20 @@ class EngineRunner:
                 if rid in queued:
                     scheduled.append(rid)  # gone from the engine: not queued any more
                 continue
+            if not sent and handle.first_token_ahead and (req.output or req.finished):
+                sent = self._close_ahead(rid, handle)
             events: list[Token | Done] = [_token(req, i, now) for i in range(sent, len(req.output))]
             if req.finished:
                 # Its id is free before its Done goes out: the client may reuse it at once.
                 self._end(rid)
-                events.append(Done(str(req.finish_reason), req.error, req.retryable))
+                retryable = req.retryable and not handle.first_shown  # a token went out
+                events.append(Done(str(req.finish_reason), req.error, retryable))
             if events:
                 loops.add(loop)
             if not all(_emit(loop, handle, e) for e in events):
                 # The listener's event loop is gone: nobody will read this request again.
                 self.engine.abort(rid)
-            self._listeners[rid] = (handle, loop, len(req.output))
+            self._listeners[rid] = (handle, loop, max(sent, len(req.output)))
             if req.finished or rid not in self.engine.requests:
                 del self._listeners[rid]
                 if not req.finished:  # aborted just above

@@ -140,7 +140,7 @@ def pd_pair(
     pe, de = as_role(made_p, Role.PREFILL, relay), as_role(made_d, Role.DECODE, da)
     pr, dr = EngineRunner(pe), EngineRunner(de)
     pa.attach(pe, pr.call)
-    da.attach(de, dr.call)
+    da.attach(de, dr.call, dr.show_first_token)
     for part in (pr, pa, dr, da):
         part.start()
     try:

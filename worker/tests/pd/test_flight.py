@@ -224,7 +224,21 @@ DECODE_ROWS: list[tuple[str, F.Flight[str] | None, object, object, list[object]]
     ("cancel after the prefill failed", FL, F.Cancel("failed"), None, [F.Unqueue(), F.Release()]),
     ("cancel, prefill forgotten: wait", FL, F.Cancel(None), GONE, []),
     ("cancel of no flight: free now", None, F.Cancel("ready"), None, [F.Release()]),
-    ("done", FL, F.DoneArrived(DONE, TAGS), LANDING, []),
+    (
+        "done: show its first token",
+        FL,
+        F.DoneArrived(DONE, TAGS),
+        LANDING,
+        [F.ShowFirstToken(DONE)],
+    ),
+    ("a second done", LANDING, F.DoneArrived(DONE, TAGS), LANDING, []),
+    (
+        "done after the cancel",
+        GONE,
+        F.DoneArrived(DONE, TAGS),
+        replace(LANDING, cancelled=True),
+        [],
+    ),
     ("some tags landed", LANDING, F.Landed({TAGS[0]}), LANDING, []),
     ("tags before done", FL, F.Landed(set(TAGS)), FL, []),
     (
@@ -362,9 +376,11 @@ def test_decode_any_interleaving_of_abort_and_landed_ends_once(
     """Any interleaving of the client's cancel, prefill's answers, landed tags, the deadline
     and a lost prefill: the flight ends at most once with one engine action (complete, fail or
     release), never completes after a cancel, and always ends by its deadline (no page is
-    held for ever)."""
+    held for ever); it shows its first token at most once, before it ends and never after a
+    cancel."""
     flight: F.Flight[str] | None = FL
     ends: list[object] = []
+    shown = 0
     cancelled = False
     for op, link in [*ops, ("late", "ready")]:
         if op == "cancel" and cancelled:
@@ -387,8 +403,12 @@ def test_decode_any_interleaving_of_abort_and_landed_ends_once(
         if before is None:
             continue  # a cancel of an ended flight releases (idempotent in the engine)
         ends += [a for a in actions if isinstance(a, F.Complete | F.Fail | F.Release)]
+        shows = [a for a in actions if isinstance(a, F.ShowFirstToken)]
+        shown += len(shows)
+        assert not shows or (flight is not None and not cancelled)
         if flight is None:
             assert len(ends) == 1
         if cancelled:
             assert not any(isinstance(a, F.Complete) for a in actions)
     assert flight is None and len(ends) == 1
+    assert shown <= 1

@@ -79,11 +79,11 @@ def test_the_same_id_from_another_decode_is_refused_and_cannot_abort_the_first()
         other, sent_to_other = b"decode-b", []
         send = agent._send
 
-        def recording(identity: bytes, msg: C.Message) -> None:
+        def recording(identity: bytes, msg: C.Message) -> int:
             if identity == other:
                 sent_to_other.append(msg)
-            else:
-                send(identity, msg)
+                return 0  # (a mailbox ticket that is always handled)
+            return send(identity, msg)
 
         agent._send = recording  # type: ignore[method-assign]
         out: list[tuple[list[int], Done]] = []

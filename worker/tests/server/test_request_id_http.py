@@ -127,3 +127,26 @@ def test_each_choice_gets_an_engine_request_named_after_the_request() -> None:
         assert seen == ["many/0", "many/1", "many/2", "one"]
 
     asyncio.run(_with_app(check))
+
+
+def test_a_stream_asks_for_its_first_token_ahead_and_a_whole_answer_does_not() -> None:
+    """PD decode shows a stream's first token as soon as prefill sampled it
+    (`EngineRunner.show_first_token`); an answer sent whole gains nothing from that and keeps
+    its failures retryable, so the app asks for it on streams only (every choice)."""
+
+    async def check(client: TestClient[Any, Any], runner: EngineRunner) -> None:
+        asked: list[bool] = []
+        real = runner.submit
+
+        def submit(*args: Any, first_token_ahead: bool = False, **kw: Any) -> Any:
+            asked.append(first_token_ahead)
+            return real(*args, first_token_ahead=first_token_ahead, **kw)
+
+        runner.submit = submit  # type: ignore[method-assign]
+        for stream in (True, False):
+            resp = await client.post("/v1/completions", json=_body(n=2, stream=stream))
+            assert resp.status == 200, await resp.text()
+            await resp.read()
+        assert asked == [True, True, False, False]
+
+    asyncio.run(_with_app(check))

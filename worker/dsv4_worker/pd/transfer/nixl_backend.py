@@ -67,7 +67,9 @@ NIXL_MODULES: Final = ("nixl_cu12", "nixl_cu13", "nixl")
 MEM_TYPES: Final = ("DRAM", "VRAM")
 PUMP_INTERVAL_S: Final = 0.0002  # the target's notification poll period while busy/expecting
 PUMP_IDLE_INTERVAL_S: Final = 0.002  # ... and at most, while idle
-SPIN_POLLS: Final = 1000  # initiator: polls with sleep(0) before backing off to POLL_SLEEP_S
+# The initiator's poll period while a write is in flight. It sleeps rather than spins: the last
+# write is off a stream's first token's path (decode shows it from `done`, sent before that
+# write), and on a shared host a spinning prefill takes the core decode needs to send it on.
 POLL_SLEEP_S: Final = 0.0001
 PROGRESS_CALLS: Final = 4  # after a failed write and before close; see `_progress`
 SCRATCH_NBYTES: Final = 64  # each side's scratch, for tags that travel without data
@@ -388,7 +390,7 @@ class NixlInitiator:
                 _release(self._agent, h)
 
     def _wait(self, handles: Sequence[Any], deadline: float, what: str, timeout_s: float) -> None:
-        pending, polls = list(handles), 0
+        pending = list(handles)
         while pending:
             states = [self._agent.check_xfer_state(h) for h in pending]
             if "ERR" in states:
@@ -396,8 +398,8 @@ class NixlInitiator:
             pending = [h for h, s in zip(pending, states, strict=True) if s != "DONE"]
             if pending and time.monotonic() > deadline:
                 raise TransferError(f"kv transfer nixl: {what} timed out after {timeout_s:g} s")
-            polls += 1
-            time.sleep(0 if polls < SPIN_POLLS else POLL_SLEEP_S)
+            if pending:
+                time.sleep(POLL_SLEEP_S)
 
     def _remove(self, agent: str) -> None:
         try:
