@@ -10,7 +10,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+
+import pytest
 
 from dsv4_common.api.manifest import manifest_of
 from dsv4_worker.engine.events import EngineEvents
@@ -21,6 +23,8 @@ from dsv4_worker.mem.memory import KVMemory
 from dsv4_worker.pd.decode import DecodeAgent
 from dsv4_worker.pd.prefill import PrefillAgent
 from dsv4_worker.pd.transfer import Block, Region, make_initiator, make_target
+from dsv4_worker.pd.transfer.nixl_backend import NixlTarget
+from dsv4_worker.pd.transfer.zmq_backend import ZmqTarget
 from dsv4_worker.server.runner import Done, EngineRunner, Token
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -205,3 +209,31 @@ def record_writes(pair: Pair) -> list[str]:
 
     initiator.write = write  # type: ignore[method-assign]
     return tags
+
+
+@dataclass
+class Gate:
+    """Landed tags kept from decode (`held`) until `open` is set (`withheld_landings`)."""
+
+    open: threading.Event = field(default_factory=threading.Event)
+    held: list[str] = field(default_factory=list)
+
+
+@contextmanager
+def withheld_landings(backend: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
+    """Decode's target reports no landed tag until the gate opens; then every one held back."""
+    cls = NixlTarget if backend == "nixl" else ZmqTarget
+    real_poll = cls.poll_landed
+    gate = Gate()
+
+    def poll(self: ZmqTarget | NixlTarget) -> list[str]:
+        landed = real_poll(self)  # type: ignore[arg-type]
+        if not gate.open.is_set():
+            gate.held.extend(landed)
+            return []
+        out = [*gate.held, *landed]
+        gate.held.clear()
+        return out
+
+    monkeypatch.setattr(cls, "poll_landed", poll)
+    yield gate

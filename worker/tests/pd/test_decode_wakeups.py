@@ -8,6 +8,7 @@ closed sockets)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 import time
@@ -15,7 +16,7 @@ import time
 import pytest
 import zmq
 from engine_helpers import engine
-from pd_support import drained, on_engine, pd_pair, wait_until
+from pd_support import drained, on_engine, pd_pair, wait_until, withheld_landings
 
 from dsv4_common.core.presets import tiny
 from dsv4_worker.engine.loop import Engine, Request
@@ -75,25 +76,11 @@ def test_a_done_that_arrives_before_its_tags_waits_for_them(
     once every tag `done` lists has landed. Here every tag is withheld until the test opens a
     gate; the request must stay silent after its `done` arrived, then finish with the same
     tokens as an ungated run."""
-    cls = NixlTarget if backend == "nixl" else ZmqTarget
-    real_poll = cls.poll_landed
-    gate = threading.Event()
-    withheld: list[str] = []
-
-    def poll(self: ZmqTarget | NixlTarget) -> list[str]:
-        landed = real_poll(self)  # type: ignore[arg-type]
-        if not gate.is_set():
-            withheld.extend(landed)
-            return []
-        out = [*withheld, *landed]
-        withheld.clear()
-        return out
-
     prompt = tuple((5 * j) % 200 + 3 for j in range(70))
     params = SamplingParams(max_new_tokens=4)
-    with pd_pair(backend, _make, _make) as pair:
+    with contextlib.ExitStack() as stack, pd_pair(backend, _make, _make) as pair:
         [(expected, _)] = pair.generate([prompt], [params])
-        monkeypatch.setattr(cls, "poll_landed", poll)
+        gate = stack.enter_context(withheld_landings(backend, monkeypatch))
         agent = pair.decode_agent
 
         async def gated() -> tuple[bool, list[int]]:
@@ -111,7 +98,7 @@ def test_a_done_that_arrives_before_its_tags_waits_for_them(
                 await asyncio.to_thread(on_engine, pair.decode_runner, lambda: None)
             await asyncio.sleep(0)
             silent = handle.events.empty()
-            gate.set()
+            gate.open.set()
             tokens = []
             while isinstance(event := await asyncio.wait_for(handle.events.get(), 60), Token):
                 tokens.append(event.token_id)
@@ -119,7 +106,7 @@ def test_a_done_that_arrives_before_its_tags_waits_for_them(
             return silent, tokens
 
         silent, tokens = asyncio.run(gated())
-        assert withheld == [] and silent, "decode completed before the tags landed"
+        assert gate.held == [] and silent, "decode completed before the tags landed"
         assert tokens == expected
         wait_until(lambda: drained(pair.decode_runner), "the decode pools to drain")
 

@@ -8,16 +8,21 @@ is a state the test holds, not a race it hopes to win."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 from engine_helpers import engine
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pd_support import Pair, drained, on_engine, pd_pair, wait_drained, wait_until
+from pd_support import (
+    Pair,
+    drained,
+    on_engine,
+    pd_pair,
+    wait_drained,
+    wait_until,
+    withheld_landings,
+)
 from runner_support import tiny_engine
 
 from dsv4_common.core.presets import tiny
@@ -27,8 +32,6 @@ from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.model.weights import init_weights
 from dsv4_worker.pd import prefill
 from dsv4_worker.pd.channel import Mailbox
-from dsv4_worker.pd.transfer.nixl_backend import NixlTarget
-from dsv4_worker.pd.transfer.zmq_backend import ZmqTarget
 from dsv4_worker.sched.scheduler import Phase
 from dsv4_worker.server.runner import Done, EngineRunner, Handle, Token
 
@@ -40,27 +43,6 @@ FIRST = 11  # the first token the tests' prefill "sampled"
 
 def _make() -> Engine:
     return engine(tiny(), WEIGHTS)
-
-
-@contextmanager
-def withheld_landings(backend: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
-    """Decode sees no landed tag until the returned gate is set."""
-    cls = NixlTarget if backend == "nixl" else ZmqTarget
-    real_poll = cls.poll_landed
-    gate = threading.Event()
-    held: list[str] = []
-
-    def poll(self: ZmqTarget | NixlTarget) -> list[str]:
-        landed = real_poll(self)  # type: ignore[arg-type]
-        if not gate.is_set():
-            held.extend(landed)
-            return []
-        out = [*held, *landed]
-        held.clear()
-        return out
-
-    monkeypatch.setattr(cls, "poll_landed", poll)
-    yield gate
 
 
 async def _until_done_arrived(pair: Pair, count: int) -> None:
@@ -112,7 +94,7 @@ def test_a_stream_gets_its_first_token_before_the_kv_lands_and_the_rest_after(
                 assert [type(e) for e in shown] == [Token], shown
                 assert isinstance(shown[0], Token) and shown[0].token_id == expected[0]
                 assert _queued(plain) == [], "a request that did not ask got a token early"
-                gate.set()
+                gate.open.set()
                 tokens, done = await _rest(ahead)
                 assert [expected[0], *tokens] == expected and done.reason == "length"
                 tokens, done = await _rest(plain)

@@ -170,7 +170,7 @@ def test_leaving_a_request_frees_its_pages_within_a_second_and_logs_one_line(
     holders = (surfaces.serve,) if surface == "serve" else (surfaces.prefill, surfaces.decode)
     engine = holders[-1]  # the one that generates
     log = surfaces.logs[engine.name]
-    cancelled = log.read_text().count("cancelled (the client disconnected)")
+    before = departures(log.read_text())
     body = {"prompt": "a long story " * 20, "max_tokens": 2000, "stream": stream}
     client = socket.create_connection(("127.0.0.1", front.port))
     client.sendall(request_bytes("/v1/completions", json.dumps(body).encode()))
@@ -184,10 +184,18 @@ def test_leaving_a_request_frees_its_pages_within_a_second_and_logs_one_line(
     freed_s = time.monotonic() - left_s
     assert freed_s < FREED_S, f"pages freed {freed_s:.2f} s after the client left"
     wait_until(
-        lambda: log.read_text().count("cancelled (the client disconnected)") == cancelled + 1,
-        f"one line in the {engine.name} log",
+        lambda: departures(log.read_text()) == before + 1, f"one line in the {engine.name} log"
     )
     surfaces.assert_clean()
+
+
+def departures(log_text: str) -> int:
+    """Lines saying a client left: its handler was cancelled while it waited for the next
+    event, or (a stream, tokens flowing) its write found the connection gone first: a race
+    either way settles with one line and the pages freed."""
+    return log_text.count("cancelled (the client disconnected)") + log_text.count(
+        "aborted (the client went away)"
+    )
 
 
 @pytest.mark.parametrize("surface", ["serve", "router"])
