@@ -6,7 +6,7 @@ nothing of a router in it (no parsing, no choice, no checks).
 Listens on a free port of 127.0.0.1 and prints it (one JSON line `{"port": P}`); each client
 connection gets its own connection to UPSTREAM_PORT and the bytes go both ways as they come
 (uvloop protocols when uvloop is installed). `--busy-poll-us US` keeps the loop polling US
-after each read and write, with the router's own `dsv4_router.busy_poll.BusyPoll`: the same
+after each write, with the router's own `dsv4_router.busy_poll.BusyPoll`: the same
 lever in front of nothing else (bench/README.md, "The router hop").
 """
 

@@ -104,6 +104,7 @@ class Mailbox(Generic[M]):
         self._lock = threading.Lock()
         self._progress = threading.Condition(self._lock)
         self._put = self._taken = self._handled = 0
+        self._handed_turn: int | None = None  # `hand_over`'s (its one sender thread's)
 
     def put(self, msg: M) -> int:
         """Queue `msg` (any thread); its number, for `wait_handled`."""
@@ -127,6 +128,14 @@ class Mailbox(Generic[M]):
         must leave now while the caller still has work that would hold it."""
         with self._progress:
             return self._progress.wait_for(lambda: self._handled >= ticket, timeout_s)
+
+    def hand_over(self, ticket: int, timeout_s: float, turn: int) -> None:
+        """`wait_handled` for the first message handed over in each `turn` (an engine step)
+        only: later ones in that turn go on at once, so many of them do not wait one by one.
+        Called from one thread (the engine's)."""
+        if turn != self._handed_turn:
+            self._handed_turn = turn
+            self.wait_handled(ticket, timeout_s)
 
     def kick(self) -> None:
         """Wake the owner with nothing to take (any thread; also after `close`)."""

@@ -9,7 +9,7 @@ manifest, backend and this side's transfer descriptor; a mismatch fails every re
 there with the prefill's message naming the field) and the transfer target's landed tags;
 the engine thread hands it typed messages through its mailbox (`on_admit`, `on_prealloc`,
 `on_cancel`: `_Admitted`, `_Allocated`, `_Cancelled`; at a step's first admission it waits,
-at most `ADMIT_HANDOFF_S`, until the control thread has handled it: `Mailbox.wait_handled`)
+at most `ADMIT_HANDOFF_S`, until the control thread has handled it: `Mailbox.hand_over`)
 and gets results back through `post` (`complete_transfer`, `fail_transfer`, `release`); the
 first token of a request goes to its client from the control thread as `done` arrives
 (`show`, the runner's `show_first_token`: the stream has it while the last write lands).
@@ -162,7 +162,6 @@ class DecodeAgent(EngineEvents):
         if landed_bind is not None:
             self._landed_in, self.landed_endpoint = bound(self._ctx, zmq.PULL, landed_bind)
         self._outbox: Mailbox[_Out] = Mailbox(self._ctx, "decode")
-        self._handoff_step = -1  # the engine step whose first admission waited
         self._prefills: dict[str, _Prefill] = {}
         self._flights: dict[str, _Flight] = {}  # room -> in flight
         self._expecting = False  # told the target: tags are due (`tags_due`)
@@ -259,12 +258,9 @@ class DecodeAgent(EngineEvents):
             self._outbox.put(_Allocated(address, msg.room, C.encode(msg)))
             return
         ticket = self._outbox.put(_Admitted(address, msg.room, C.encode(msg)))
-        if self._handoff_step != self.engine.steps:
-            # The prefill computes from this message on: let the control thread send it now
-            # rather than when the rest of this step lets it have the GIL (bounded; once a
-            # step, so many admissions do not wait one by one).
-            self._handoff_step = self.engine.steps
-            self._outbox.wait_handled(ticket, ADMIT_HANDOFF_S)
+        # The prefill computes from this message on: let the control thread send it now rather
+        # than when the rest of this step lets it have the GIL (bounded; once a step).
+        self._outbox.hand_over(ticket, ADMIT_HANDOFF_S, self.engine.steps)
 
     def _address(self, req: Request) -> str | None:
         """The request's prefill instance (the router's pick, else this worker's default)."""

@@ -262,7 +262,6 @@ class PrefillAgent(_StageWriter):
         self._pairs: dict[str, list[tuple[int, int]]] = {}  # decode peer -> (stage, its stage)
         # (engine step when queued, decode identity, message): sent after the next step
         self._unsettled: list[tuple[int, bytes, C.Message]] = []
-        self._done_handoff_step = -1  # the engine step whose first `done` waited to be sent
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._router, self.endpoint = bound(self._ctx, zmq.ROUTER, bind)
         self._outbox: Mailbox[_Send] = Mailbox(self._ctx, "prefill")
@@ -492,13 +491,10 @@ class PrefillAgent(_StageWriter):
                 tuple(req.prompt_logprobs),
             )
             ticket = self._send(self._peers[tx.peer].identity, done)
-            if self._done_handoff_step != self.engine.steps:
-                # The last write comes next and holds the GIL for most of its preparation: let
-                # the control thread send `done` first, so the first token travels meanwhile
-                # (bounded; once a step, so many requests finishing together do not wait one by
-                # one: the writes' polls sleep, which lets the control thread send the rest).
-                self._done_handoff_step = self.engine.steps
-                self._outbox.wait_handled(ticket, DONE_HANDOFF_S)
+            # The last write comes next and holds the GIL for most of its preparation: let the
+            # control thread send `done` first, so the first token travels meanwhile (bounded;
+            # once a step: the writes' polls sleep, which lets the control thread send the rest).
+            self._outbox.hand_over(ticket, DONE_HANDOFF_S, self.engine.steps)
 
     def after_step(self, finished: list[Request]) -> None:
         """Send what this step computed; finish transfers whose first token is out."""

@@ -77,3 +77,32 @@ def test_mailbox_messages_from_many_threads_arrive_in_each_threads_order_and_wak
     finally:
         box.close()
         ctx.term()
+
+
+def test_hand_over_waits_for_the_first_message_of_each_turn_only() -> None:
+    """The first message handed over in a turn returns once the owner handled it; a later one
+    in the same turn returns at once, unhandled (a new turn waits again)."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    box: Mailbox[int] = Mailbox(ctx, "test")
+    try:
+
+        def owner() -> None:
+            assert box.pull.poll(30_000), "no wake-up"
+            assert box.take() == [1]
+            box.handled()
+
+        thread = threading.Thread(target=owner)
+        thread.start()
+        first = box.put(1)
+        box.hand_over(first, 30.0, turn=7)
+        assert box.wait_handled(first, 0.0)  # it returned because the owner handled it
+        thread.join()
+        second = box.put(2)  # nobody takes it
+        box.hand_over(second, 30.0, turn=7)  # the same turn: no wait (else 30 s, then fail)
+        assert not box.wait_handled(second, 0.0)
+        third = box.put(3)
+        box.hand_over(third, 0.01, turn=8)  # a new turn waits (here: its bound)
+        assert box.take() == [2, 3]
+    finally:
+        box.close()
+        ctx.term()
