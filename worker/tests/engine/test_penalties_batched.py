@@ -88,6 +88,8 @@ def test_batched_processors_equal_the_per_request_reference(
             p, prompt = requests[r]
             want = adjust(logits[slot], p, prompt, outputs[r])
             assert got.dtype == want.dtype == torch.float64
+            # Bit equality is right: every processor is elementwise on a row (no reduction, no
+            # matmul), so a value's operations do not depend on the batch it sits in.
             assert torch.equal(got[k], want), (k, p, outputs[r], got[k], want)
         for r in active:  # each sampled one more token
             outputs[r].append(data.draw(TOKEN))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_helpers import tiny_moe
+from model_helpers import tiny_moe, ulp_tolerance
 
 from dsv4_common.core.model import ModelConfig
 from dsv4_common.core.presets import hybrid_tiny, tiny
@@ -45,17 +45,47 @@ def test_changing_an_early_token_changes_later_logits(model: ModelConfig) -> Non
     assert not torch.allclose(base[far:], other[far:], atol=1e-4)
 
 
-def test_dsv4_window_only_model_forgets_what_left_the_window() -> None:
-    """With every compress ratio 0, a token outside every layer's window cannot matter."""
+def _window_only_logits(widen_window_by: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """tiny with every compress ratio 0: the logits of IDS and of IDS with token 0 changed,
+    and the stack's receptive field. `widen_window_by` breaks the oracle's window mask on
+    purpose (each layer sees that many tokens more), for the check's negative control."""
     import dataclasses
+
+    from dsv4_worker.model import oracle
 
     model = dataclasses.replace(tiny(), compress_ratios=(0,) * 7)
     p = init_weights(model, seed=2)
     changed = [IDS[0] + 1, *IDS[1:]]
     reach = model.num_hidden_layers * (model.window_tokens - 1)  # receptive field of the stack
-    base, other = oracle_logits(model, p, IDS), oracle_logits(model, p, changed)
-    assert torch.equal(base[reach + 1 :], other[reach + 1 :])
+    mask = oracle._window_mask
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(oracle, "_window_mask", lambda t, w, dev: mask(t, w + widen_window_by, dev))
+        return oracle_logits(model, p, IDS), oracle_logits(model, p, changed), reach
+
+
+def _past_reach_differs(base: torch.Tensor, other: torch.Tensor, reach: int) -> torch.Tensor:
+    """Per row past the receptive field: whether the two runs differ beyond float noise.
+
+    Not bit equality: changing token 0 changes which tokens each expert's matmul sees (hash
+    routing), and a BLAS kernel's result for a row may depend on how many rows it is computed
+    with (seen on an AVX-512 EPYC: 8 of 27 rows off by up to 2.1e-14, ~6 ulps of the logits'
+    scale). A token that leaks through the window moves these rows by >= 1e-5 (the control)."""
+    tol = ulp_tolerance(base, ulps=64)  # ~2.4e-13 at tiny's logit scale (~17)
+    return ((base[reach + 1 :] - other[reach + 1 :]).abs() > tol).any(dim=-1)
+
+
+def test_dsv4_window_only_model_forgets_what_left_the_window() -> None:
+    """With every compress ratio 0, a token outside every layer's window cannot matter."""
+    base, other, reach = _window_only_logits()
+    assert not _past_reach_differs(base, other, reach).any()
     assert not torch.allclose(base[:reach], other[:reach])
+
+
+def test_the_window_check_sees_a_one_token_leak() -> None:
+    """The negative control: with the window mask one token wider, token 0 reaches the rows
+    just past the (true) receptive field, and the check above says so."""
+    base, other, reach = _window_only_logits(widen_window_by=1)
+    assert _past_reach_differs(base, other, reach)[:6].all()  # 6 layers: 6 rows more reach
 
 
 @pytest.mark.parametrize("length", [16, 47, 64, 70])  # on a c16 block boundary and mid-block
@@ -95,11 +125,14 @@ def test_the_overlapped_compressor_mixes_the_previous_block() -> None:
     prev2 = prev.clone()
     prev2[:, 8:16] += 5
     prev2[:, 24:32] += 5
+    # Bit equality is right: both calls run the same ops on the same shapes, and the values
+    # they read (prev's `_prev` halves, curr) are the same bits.
     assert torch.equal(C.pool_block(prev2, curr, True), with_prev)
 
 
 def test_seeded_weights_are_reproducible_and_seed_dependent() -> None:
     a, b, c = init_weights(tiny(), 7), init_weights(tiny(), 7), init_weights(tiny(), 8)
+    # Bit equality is right: one seeded generator draws the same values; no arithmetic.
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["head.weight"], c["head.weight"])
     assert {k: tuple(v.shape) for k, v in a.items()} == param_shapes(tiny())
