@@ -45,6 +45,8 @@ def add_flag(parser: argparse._ActionsContainer, flag: Flag) -> None:
         kwargs["choices"] = flag.choices
     if flag.metavar is not None:
         kwargs["metavar"] = flag.metavar
+    if flag.switch:
+        kwargs["action"] = "store_true"
     if flag.many == "one_or_more":
         kwargs["nargs"] = "+"
     elif flag.many == "repeat":  # each use appends to a fresh copy of the (tuple) default

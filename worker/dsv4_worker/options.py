@@ -26,6 +26,7 @@ from dsv4_common.core.model import ModelConfig
 from dsv4_common.core.units import GIB
 from dsv4_common.plan.inputs import PlanInputs, Role
 from dsv4_worker.pp.group import PPSpec
+from dsv4_worker.server.api_options import ApiOptions
 
 CPU_MEMORY_GIB = 1.0  # what a CPU worker plans with when no device size is given
 QUICK_HOST = "127.0.0.1"
@@ -108,6 +109,7 @@ class ServeOptions:
     transfer_timeout_s: float
     transfer_threads: int | None
     drain_timeout_s: float
+    api: ApiOptions  # the OpenAI API's defaults (flags in both forms)
 
     @property
     def deployed(self) -> bool:
@@ -148,6 +150,7 @@ class ServeOptions:
             transfer_timeout_s=args.transfer_timeout_s,
             transfer_threads=args.transfer_threads,
             drain_timeout_s=args.drain_timeout_s or DRAIN_S,
+            api=api_options(args),
         )
 
     @classmethod
@@ -200,6 +203,7 @@ class ServeOptions:
             transfer_timeout_s=args.transfer_timeout_s,
             transfer_threads=args.transfer_threads,
             drain_timeout_s=args.drain_timeout_s or DRAIN_S,
+            api=api_options(args),
         )
 
 
@@ -227,6 +231,15 @@ def read_rank_config(config_dir: Path, role: str, pp_rank: int) -> RankConfig:
             f"PP rank {pp_rank}"
         )
     return config
+
+
+def api_options(args: argparse.Namespace) -> ApiOptions:
+    """--max-tokens-default, --strict-fields, --thinking."""
+    return ApiOptions(
+        max_tokens_default=args.max_tokens_default,
+        strict_fields=bool(args.strict_fields),
+        thinking_default=args.thinking == "on",
+    )
 
 
 def served_names(names: list[str] | None) -> tuple[str, ...]:

@@ -211,6 +211,7 @@ def build(opts: ServeOptions) -> Built:
         kv_state=wired.kv_state,
         served_model_names=opts.served_model_names,
         drain=Drain(),
+        api=opts.api,
     )
     metrics = Metrics(runner.snapshot, runner.queue_view, runner.policy.max_queue_requests)
     limits = opts.http

@@ -50,6 +50,7 @@ class Flag:
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
     many: Literal["one", "one_or_more", "repeat"] = "one"  # nargs="+" / action="append"
+    switch: bool = False  # a flag without a value (action="store_true")
     group: str | None = None  # the `--help` section; None: the command's options
     reader: Reader = "worker"
     # What the operator computes the flag from (a pod's `args` may not set it); None: a user
@@ -67,6 +68,7 @@ ADMISSION: Final = "admission (worker)"
 HTTP: Final = "HTTP clients (worker and router)"
 PD: Final = "PD disaggregation (quick form)"
 PP: Final = "pipeline parallelism (quick form)"
+API: Final = "OpenAI API defaults (worker)"
 
 # The planner inputs `dsv4 plan` and `dsv4 serve` both take.
 SIZING_FLAGS: Final = (
@@ -192,6 +194,29 @@ SERVE_FLAGS: Final = (
         "Retry-After (default: the rank config's, else 5)",
         bounds=POSITIVE_FLOAT,
         group=ADMISSION,
+    ),
+    Flag(
+        "--max-tokens-default",
+        "a chat request without max_tokens generates at most this many tokens (default: what "
+        "the context leaves, vLLM's rule; completions keep OpenAI's 16)",
+        bounds=POSITIVE_INT,
+        group=API,
+    ),
+    Flag(
+        "--strict-fields",
+        "refuse (400) a request with an unknown top-level field (default: ignore it, log it and "
+        "name it in the X-DSV4-Ignored-Fields answer header)",
+        switch=True,
+        default=False,
+        group=API,
+    ),
+    Flag(
+        "--thinking",
+        "DeepSeek-V4's thinking mode for chat requests that do not choose one (thinking, "
+        "chat_template_kwargs.thinking or reasoning_effort)",
+        choices=("off", "on"),
+        default="off",
+        group=API,
     ),
     Flag(
         "--http-idle-timeout-s",

@@ -5,8 +5,9 @@ says when the JSON is complete (the request then ends with finish_reason "stop")
 
 The library is llguidance (MIT; docs/engine.md has the measurements that chose it), behind
 `Matcher` and `GrammarCompiler`: nothing else imports it, and only once a request asks for a
-grammar. A request carries its schema as JSON text (`SamplingParams.json_schema`; json_object
-is `JSON_OBJECT`), so it travels as it is to a PD prefill and to every PP stage.
+grammar. A request carries its grammar as text (`SamplingParams.json_schema`: a JSON schema,
+json_object is `JSON_OBJECT`; or Lark text opening with `LARK_HEADER`, for tool calls and
+thinking mode), so it travels as it is to a PD prefill and to every PP stage.
 
 NOTE: the mask covers the model's vocabulary (logits' width). Ids past the tokenizer's have no
 bytes and are never allowed. A tokenizer without EOS (the byte tokenizer) gets a virtual EOS
@@ -27,6 +28,9 @@ import numpy as np
 import torch
 
 JSON_OBJECT = '{"type": "object"}'  # response_format json_object: any JSON object
+# A grammar given as Lark text (llguidance's dialect) starts with this; any other grammar
+# text is a JSON schema (server/tool_grammar.py writes the Lark ones).
+LARK_HEADER: Final = "%llguidance {}"
 # The JSON the output may be: json.dumps's separators and no other whitespace (free whitespace
 # lets a model pad forever; the schema's own "x-guidance" cannot turn it back on).
 JSON_FORM: Final = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -66,10 +70,11 @@ class TokenSource(Protocol):
 
 
 def schema_error(schema: str) -> str | None:
-    """Why the library refuses a JSON schema (text), or None when it compiles."""
+    """Why the library refuses a grammar (a JSON schema or Lark text), or None when it
+    compiles."""
     lib = _library()
     try:
-        grammar = lib.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_FORM)
+        grammar = _grammar(lib, schema)
     except ValueError as exc:
         return str(exc)
     is_error, messages = lib.LLMatcher.validate_grammar_with_warnings(grammar)
@@ -109,7 +114,7 @@ class GrammarCompiler:
 
     def matcher(self, schema: str) -> Matcher:
         lib = _library()
-        grammar = lib.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_FORM)
+        grammar = _grammar(lib, schema)
         tokenizer = self._tokenizer()
         inner = lib.LLMatcher(tokenizer, grammar, log_level=0)
         if inner.is_error():
@@ -171,6 +176,12 @@ class _ByteTokens:
 def canonical_schema(schema: object) -> str:
     """A JSON schema (a parsed object) as the text a request carries."""
     return json.dumps(schema, separators=(",", ":"), sort_keys=True)
+
+
+def _grammar(lib: Any, spec: str) -> Any:
+    if spec.startswith(LARK_HEADER):
+        return lib.LLMatcher.grammar_from_lark(spec)
+    return lib.LLMatcher.grammar_from_json_schema(spec, overrides=JSON_FORM)
 
 
 def _library() -> Any:

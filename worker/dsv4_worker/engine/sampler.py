@@ -46,7 +46,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     logprobs: int | None = None  # None: none; k: each sampled token's and the k most likely
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
-    json_schema: str | None = None  # the output is JSON this schema (text) allows: grammar.py
+    json_schema: str | None = None  # the grammar of the output (JSON schema or Lark): grammar.py
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

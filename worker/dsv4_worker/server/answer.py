@@ -14,6 +14,10 @@ what comes back.
                         chat: {content: [{token, logprob, bytes, top_logprobs}]}
     usage               every body; streaming: with stream_options.include_usage a last
                         chunk with no choices (and continuous_usage_stats: on every chunk)
+    chat message        content, reasoning_content and tool_calls, split by the reply parser
+                        (`chat_reply.py`) after stop strings cut the text; streamed as deltas
+                        of each (a tool call whole, once its invoke closes); content is null
+                        when the reply is only calls; finish_reason "tool_calls" when it has any
 
 A token whose text is not whole UTF-8 on its own (a byte of a character) shows as
 "bytes:\\xe2" with the byte tokenizer, as OpenAI shows such tokens; its `bytes` are exact.
@@ -27,6 +31,7 @@ from typing import Any, Final
 from dsv4_common.api.http_rules import error_document
 from dsv4_common.api.request_id import new_request_id
 from dsv4_worker.engine.logprobs import TokenLogprob
+from dsv4_worker.server.chat_reply import ChatReply
 from dsv4_worker.server.protocol import CompletionRequest, Prompt
 from dsv4_worker.server.runner import Token
 from dsv4_worker.server.tokenizer import ByteTokenizer, StreamDecoder, Tokenizer, stop_holdback
@@ -90,6 +95,14 @@ class Choice:
         self.echo_pending = req.gen.echo  # the prompt's text still leads the next piece
         self.role_sent = False  # chat streaming: the first delta carries the role
         self._min_end = 0  # stop strings must end past this (the first min_tokens' text)
+        self.reply = ChatReply(req.reply) if req.reply is not None else None  # chat
+
+    @property
+    def shown_finish_reason(self) -> str | None:
+        """The finish reason the answer shows ("tool_calls" for a chat reply with calls)."""
+        if self.reply is None:
+            return self.finish_reason
+        return self.reply.finish_reason(self.finish_reason)
 
     @property
     def done(self) -> bool:
@@ -114,12 +127,22 @@ class Choice:
         self.full += self.decoder.push(event.token_id)
         if len(self.token_ids) <= gen.params.min_tokens:
             self._min_end = len(self.full)
-        return self._release(final=False)
+        piece = self._release(final=False)
+        if self.reply is not None:
+            self.reply.push(piece)
+            if self.stopped:  # a stop string ended the text: nothing more comes
+                self.reply.finish()
+        return piece
 
     def finish(self) -> str:
         """The rest of the text at the end of the request."""
         self.full += self.decoder.flush()
-        return self._release(final=True)
+        stopped = self.stopped
+        piece = self._release(final=True)
+        if self.reply is not None and not stopped:
+            self.reply.push(piece)
+            self.reply.finish()
+        return piece
 
     def _release(self, *, final: bool) -> str:
         if self.stopped:
@@ -232,12 +255,14 @@ class Answer:
         for c in self.choices:
             text = c.take_echo() + c.text
             choice: dict[str, Any] = {"index": c.index}
-            if self.chat:
+            if c.reply is not None:
+                choice["message"] = _message(c.reply)
+            elif self.chat:
                 choice["message"] = {"role": "assistant", "content": text, "refusal": None}
             else:
                 choice["text"] = text
             choice["logprobs"] = c.take_logprobs(self.chat)
-            choice["finish_reason"] = c.finish_reason
+            choice["finish_reason"] = c.shown_finish_reason
             if self.req.gen.return_token_ids:
                 choice["token_ids"] = c.token_ids
             choices.append(choice)
@@ -252,7 +277,7 @@ class Answer:
         text = c.take_echo() + piece
         choice: dict[str, Any] = {"index": c.index}
         if self.chat:
-            delta: dict[str, Any] = {"content": text}
+            delta: dict[str, Any] = {"content": text} if c.reply is None else _delta(c.reply)
             if not c.role_sent:
                 c.role_sent = True
                 delta = {"role": "assistant", **delta}
@@ -260,7 +285,7 @@ class Answer:
         else:
             choice["text"] = text
         choice["logprobs"] = c.take_logprobs(self.chat)
-        choice["finish_reason"] = c.finish_reason
+        choice["finish_reason"] = c.shown_finish_reason
         if self.req.gen.return_token_ids and c.done:
             choice["token_ids"] = c.token_ids
         out = {**self._envelope(stream=True), "choices": [choice]}
@@ -284,3 +309,29 @@ class Answer:
             "created": self.created,
             "model": self.model,
         }
+
+
+def _message(reply: ChatReply) -> dict[str, Any]:
+    """A finished chat choice's message."""
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": reply.content if reply.content or not reply.calls else None,
+        "reasoning_content": reply.reasoning or None,
+        "refusal": None,
+    }
+    if reply.calls:
+        message["tool_calls"] = [c.as_openai(with_index=False) for c in reply.calls]
+    return message
+
+
+def _delta(reply: ChatReply) -> dict[str, Any]:
+    """A chat stream chunk's delta: what the reply released since the last chunk."""
+    d = reply.take_delta()
+    delta: dict[str, Any] = {}
+    if d.reasoning:
+        delta["reasoning_content"] = d.reasoning
+    if d.content or not (d.reasoning or d.calls):
+        delta["content"] = d.content
+    if d.calls:
+        delta["tool_calls"] = [c.as_openai(with_index=True) for c in d.calls]
+    return delta

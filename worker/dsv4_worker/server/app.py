@@ -38,6 +38,7 @@ from dsv4_common.api.worker_status import Load, WorkerStatus, build_worker_statu
 from dsv4_router.http_guard import guarded_app, json_error, read_json
 from dsv4_worker.server.admission import RETRY_AFTER_S, SHED_REASONS
 from dsv4_worker.server.answer import Answer, Choice
+from dsv4_worker.server.api_options import IGNORED_FIELDS_HEADER, ApiOptions, shown_fields
 from dsv4_worker.server.drain import REFUSED, Drain
 from dsv4_worker.server.generation import choice_params
 from dsv4_worker.server.metrics import Metrics
@@ -82,6 +83,7 @@ class ServeInfo:
     served_model_names: tuple[str, ...] = ()  # the names `model` may give (default: model_name)
     created_s: int = field(default_factory=lambda: int(time.time()))
     drain: Drain = field(default_factory=Drain)  # set at SIGTERM (`serve`); the apps read it
+    api: ApiOptions = field(default_factory=ApiOptions)  # defaults of the OpenAI API
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -178,9 +180,12 @@ def build_app(
                         vocab_size=info.vocab_size,
                         max_context_tokens=info.max_context_tokens,
                         models=info.names,
+                        options=info.api,
                     )
                 except RequestError as exc:
                     return json_error(exc.status, str(exc), param=exc.field or None, code=exc.code)
+                if req.ignored:
+                    log.info("request %s: ignored fields: %s", rid, shown_fields(req.ignored))
                 need_tokens = max(len(p.ids) for p in req.prompts) + req.params.max_new_tokens
                 verdict = runner.admission(need_tokens)
             if not verdict.admitted:  # shed at once: 503 + Retry-After, never a queue past bound
@@ -218,8 +223,10 @@ def build_app(
                         response = await _stream(request, call)
                     else:
                         response = await _complete(call)
-                if not response.prepared:  # a stream's head already carries it
+                if not response.prepared:  # a stream's head already carries them
                     response.headers[REQUEST_ID_HEADER] = rid
+                    if req.ignored:
+                        response.headers[IGNORED_FIELDS_HEADER] = shown_fields(req.ignored)
                 return response
             except (asyncio.CancelledError, ConnectionResetError):
                 for h in handles:
@@ -391,13 +398,14 @@ def _failure(message: str | None, retryable: bool, code: str | None = None) -> w
 
 async def _stream(request: web.Request, call: _Call) -> web.StreamResponse:
     answer = call.answer
-    resp = web.StreamResponse(
-        headers={
-            "Content-Type": "text/event-stream",
-            "Cache-Control": "no-cache",
-            REQUEST_ID_HEADER: answer.request_id,
-        }
-    )
+    headers = {
+        "Content-Type": "text/event-stream",
+        "Cache-Control": "no-cache",
+        REQUEST_ID_HEADER: answer.request_id,
+    }
+    if answer.req.ignored:
+        headers[IGNORED_FIELDS_HEADER] = shown_fields(answer.req.ignored)
+    resp = web.StreamResponse(headers=headers)
     async for c, piece, done in _events(call):
         error = done.error if done is not None and done.reason == "error" else None
         if not resp.prepared:  # headers go with the first token, so a failure before it is a 5xx

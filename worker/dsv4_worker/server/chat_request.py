@@ -1,27 +1,36 @@
-"""The chat-only fields of /v1/chat/completions: the messages (rendered by the tokenizer's chat
-template) and the fields no completion has. Pure.
+"""The chat-only fields of /v1/chat/completions: what the prompt is (`ChatSpec`: the tools,
+the thinking mode, the template's kwargs) and the fields no completion has. Pure. The messages
+are `chat_messages.py`'s, the tools `tools.py`'s.
 
-    messages        roles system, developer (rendered as system), user, assistant; content a
-                    string or a list of text parts (joined with "\\n"); `name` is passed to
-                    the template. Refused: image, audio and file parts; tool and function
-                    messages and assistant tool calls (no tool parser)
+    tools tool_choice              honored (tools.py); functions / function_call: the legacy
+    parallel_tool_calls            names of the same
+    thinking                       DeepSeek's {"type": "enabled" | "disabled"}
+    chat_template_kwargs           {"thinking": bool} (vLLM's and SGLang's switch; also
+                                   "enable_thinking"); every entry reaches a model
+                                   directory's own template
+    reasoning_effort               "none": thinking off; minimal/low, medium/high, xhigh/max:
+                                   DeepSeek's three efforts, thinking on unless a switch
+                                   above turns it off ("max" adds the release's instruction)
     logprobs top_logprobs          honored: each token's logprob and up to 20 alternatives
     max_completion_tokens          honored (wins over max_tokens)
-    tools functions                [] accepted; a tool list only with tool_choice "none"
-    tool_choice function_call      "none" (or "auto" without tools) accepted
     audio modalities moderation    only null / ["text"]: text in, text out, no moderation
     web_search_options             only null: no web search
-    reasoning_effort verbosity     only null / "none" / "medium": no reasoning controls
+    verbosity                      only null / "medium"
     store                          only false / null: nothing is stored
-    metadata parallel_tool_calls   accepted, unused
+    metadata                       accepted, unused
     prediction prompt_cache_*      accepted, unused (hints that change no output)
     safety_identifier service_tier accepted, unused
+
+Two switches that disagree (thinking enabled, chat_template_kwargs.thinking false) are a 400.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
+from dsv4_worker.server.conversation import RESERVED_TEMPLATE_VARS
+from dsv4_worker.server.dsv4_encoding import Effort
 from dsv4_worker.server.fields import (
     RequestError,
     boolean,
@@ -30,10 +39,10 @@ from dsv4_worker.server.fields import (
     optional_object,
     optional_str,
     refuse_unless,
-    text,
     unknown_fields,
 )
 from dsv4_worker.server.generation import EndpointOptions, top_logprobs
+from dsv4_worker.server.tools import Tools, parse_tools
 
 CHAT_FIELDS = frozenset(
     {
@@ -41,6 +50,7 @@ CHAT_FIELDS = frozenset(
         "logprobs",
         "top_logprobs",
         "audio",
+        "chat_template_kwargs",
         "function_call",
         "functions",
         "metadata",
@@ -55,22 +65,62 @@ CHAT_FIELDS = frozenset(
         "safety_identifier",
         "service_tier",
         "store",
+        "thinking",
         "tool_choice",
         "tools",
         "verbosity",
         "web_search_options",
     }
 )
-CHAT_ROLES = ("system", "developer", "user", "assistant")
-TOOL_ROLES = ("tool", "function")
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority", "fast")
-_MESSAGE_FIELDS = frozenset(
-    {"role", "content", "name", "tool_calls", "tool_call_id", "function_call", "refusal", "audio"}
-)
-_TEXT_PART_FIELDS = frozenset({"type", "text", "prompt_cache_breakpoint"})
-_REFUSAL_PART_FIELDS = frozenset({"type", "refusal"})
-PART_SEPARATOR = "\n"  # between the text parts of one message
-NO_TOOLS = "tool calling is not supported (this server has no tool parser)"
+EFFORTS: dict[str, Effort | None] = {
+    "none": None,
+    "minimal": "low",
+    "low": "low",
+    "medium": "high",
+    "high": "high",
+    "xhigh": "max",
+    "max": "max",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ChatSpec:
+    tools: Tools = field(default_factory=Tools)
+    thinking: bool = False
+    effort: Effort | None = None
+    template_kwargs: Mapping[str, object] = field(default_factory=dict)
+
+
+def chat_spec(obj: Mapping[str, object], thinking_default: bool) -> ChatSpec:
+    """The tools, the thinking mode (`thinking_default` when nothing chooses) and the
+    template's kwargs."""
+    kwargs = dict(optional_object(obj, "chat_template_kwargs") or {})
+    for key in sorted(kwargs):
+        if key in RESERVED_TEMPLATE_VARS:
+            raise RequestError(f"chat_template_kwargs.{key}", "is set by the server")
+    switches: list[tuple[str, bool]] = []
+    for key in ("thinking", "enable_thinking"):
+        if kwargs.get(key) is not None:
+            switches.append((f"chat_template_kwargs.{key}", _bool(kwargs, key)))
+    deepseek = optional_object(obj, "thinking")
+    if deepseek is not None:
+        unknown_fields(deepseek, frozenset({"type"}), "thinking")
+        kind = deepseek.get("type")
+        if kind not in ("enabled", "disabled"):
+            raise RequestError("thinking.type", f'must be "enabled" or "disabled", got {kind!r}')
+        switches.append(("thinking.type", kind == "enabled"))
+    effort_name = one_of(obj, "reasoning_effort", tuple(EFFORTS))
+    effort = EFFORTS[effort_name] if effort_name is not None else None
+    if effort_name == "none":
+        switches.append(("reasoning_effort", False))
+    for where, value in switches[1:]:
+        if value != switches[0][1]:
+            raise RequestError(where, f"disagrees with {switches[0][0]}")
+    thinking = switches[0][1] if switches else thinking_default or effort is not None
+    kwargs.pop("thinking", None)
+    kwargs.pop("enable_thinking", None)
+    return ChatSpec(parse_tools(obj), thinking, effort if thinking else None, kwargs)
 
 
 def chat_options(obj: Mapping[str, object], max_tokens: int | None) -> EndpointOptions:
@@ -79,113 +129,27 @@ def chat_options(obj: Mapping[str, object], max_tokens: int | None) -> EndpointO
     top = top_logprobs("top_logprobs", obj)
     if top and not wants_logprobs:
         raise RequestError("top_logprobs", "needs logprobs: true")
-    _check_tools(obj)
     refuse_unless(obj, "audio", lambda _: False, "audio output is not supported")
     refuse_unless(
         obj, "modalities", lambda v: v == ["text"], 'only ["text"] is supported (no audio)'
     )
     refuse_unless(obj, "moderation", lambda _: False, "moderation is not supported")
     refuse_unless(obj, "web_search_options", lambda _: False, "web search is not supported")
-    refuse_unless(obj, "reasoning_effort", lambda v: v == "none", 'only "none" is supported')
     refuse_unless(obj, "verbosity", lambda v: v == "medium", 'only "medium" is supported')
     refuse_unless(obj, "store", lambda v: v is False, "only false is supported: nothing is stored")
     optional_object(obj, "metadata")
     optional_object(obj, "prediction")
     optional_object(obj, "prompt_cache_options")
-    boolean(obj, "parallel_tool_calls")
     for key in ("prompt_cache_key", "prompt_cache_retention", "safety_identifier"):
         optional_str(obj, key)
     one_of(obj, "service_tier", SERVICE_TIERS)
     return EndpointOptions(max_tokens=max_tokens, logprobs=(top or 0) if wants_logprobs else None)
 
 
-def _check_tools(obj: Mapping[str, object]) -> None:
-    """Tools are accepted only where they cannot be called: none given, or choice "none"."""
-    for tools_key, choice_key in (("tools", "tool_choice"), ("functions", "function_call")):
-        tools = obj.get(tools_key)
-        if tools is not None and not isinstance(tools, list):
-            raise RequestError(tools_key, f"must be a list, not {json_type(tools)}")
-        choice = obj.get(choice_key)
-        if choice == "none" or (not tools and choice in (None, "auto")):
-            continue  # nothing can be called
-        if tools and choice in (None, "auto"):
-            raise RequestError(tools_key, f'{NO_TOOLS}; send {choice_key}: "none" or no tools')
-        raise RequestError(choice_key, f'{NO_TOOLS}; only "none" is accepted')
-
-
-def parse_messages(obj: Mapping[str, object]) -> list[dict[str, str]]:
-    if "messages" not in obj:
-        raise RequestError("messages", "is required")
-    messages = obj["messages"]
-    if not isinstance(messages, list):
-        raise RequestError("messages", f"must be a list of objects, not {json_type(messages)}")
-    if not messages:
-        raise RequestError("messages", "must not be empty")
-    return [_parse_message(f"messages[{i}]", m) for i, m in enumerate(messages)]
-
-
-def _parse_message(where: str, message: object) -> dict[str, str]:
-    if not isinstance(message, dict):
-        raise RequestError(where, f"must be an object, not {json_type(message)}")
-    unknown_fields(message, _MESSAGE_FIELDS, where)
-    role = message.get("role")
-    if role in TOOL_ROLES:
-        raise RequestError(f"{where}.role", f"{role} messages are refused: {NO_TOOLS}")
-    if role not in CHAT_ROLES:
-        raise RequestError(f"{where}.role", f"must be one of {', '.join(CHAT_ROLES)}")
-    assistant = role == "assistant"
-    if assistant:
-        refuse_unless(message, "tool_calls", lambda v: v == [], NO_TOOLS, where)
-        refuse_unless(message, "function_call", lambda _: False, NO_TOOLS, where)
-        refuse_unless(message, "audio", lambda _: False, "audio is not supported", where)
-        optional_str(message, "refusal")
-    else:
-        for key in ("tool_calls", "function_call", "refusal", "audio", "tool_call_id"):
-            if key in message:
-                raise RequestError(f"{where}.{key}", f"is not a field of a {role} message")
-    out = {
-        "role": "system" if role == "developer" else str(role),
-        "content": _parse_content(f"{where}.content", message, assistant),
-    }
-    name = optional_str(message, "name")
-    if name is not None:
-        out["name"] = name
-    return out
-
-
-def _parse_content(where: str, message: Mapping[str, object], assistant: bool) -> str:
-    """A string, or a list of text parts (an assistant's may also be refusal parts) joined
-    into one string; an assistant's may be null."""
-    content = message.get("content")
-    if isinstance(content, str):
-        return text(where, content)
-    if content is None and assistant:
-        return ""
-    if not isinstance(content, list):
+def _bool(obj: Mapping[str, object], key: str) -> bool:
+    value = obj.get(key)
+    if not isinstance(value, bool):
         raise RequestError(
-            where, f"must be a string or a list of text parts, not {json_type(content)}"
+            f"chat_template_kwargs.{key}", f"must be a boolean, not {json_type(value)}"
         )
-    if not content:
-        raise RequestError(where, "must not be an empty list")
-    return PART_SEPARATOR.join(
-        _part_text(f"{where}[{j}]", part, assistant) for j, part in enumerate(content)
-    )
-
-
-def _part_text(at: str, part: object, assistant: bool) -> str:
-    if not isinstance(part, dict):
-        raise RequestError(at, f"must be an object, not {json_type(part)}")
-    kind = part.get("type")
-    key, fields = "text", _TEXT_PART_FIELDS
-    if kind == "refusal" and assistant:
-        key, fields = "refusal", _REFUSAL_PART_FIELDS
-    elif kind != "text":
-        got = repr(kind) if isinstance(kind, str) else json_type(kind)
-        raise RequestError(
-            f"{at}.type", f'must be "text" (only text parts are supported), got {got}'
-        )
-    unknown_fields(part, fields, at)
-    value = part.get(key)
-    if not isinstance(value, str):
-        raise RequestError(f"{at}.{key}", f"must be a string, not {json_type(value)}")
-    return text(f"{at}.{key}", value)
+    return value

@@ -2,10 +2,14 @@
 with what HF templates expect. Pure: no files (`tokenizer_config.py` finds the text).
 
     name                   what a template sees
-    messages               [{"role", "content"}] with content a string
+    messages               [{"role", "content"}] with content a string, and OpenAI's
+                           tool_calls / tool_call_id / name / reasoning_content where given
     add_generation_prompt  True when serving: the template opens the assistant's turn
     bos_token, eos_token   (and unk/pad/... when the config sets them) token strings
-    tools, documents       None (tool calls and RAG documents are not supported)
+    tools                  the request's tools in OpenAI's shape, else None
+    documents              None (RAG documents are not supported)
+    thinking,              the request's thinking mode (DeepSeek's and Qwen's names),
+    enable_thinking        and every other chat_template_kwargs entry
     raise_exception(msg)   refuses the conversation (the client gets a 400 on `messages`)
     strftime_now(fmt)      the local time, formatted
     |tojson                JSON without HTML escaping, non-ASCII kept (not jinja's own tojson)
@@ -61,15 +65,22 @@ class ChatTemplate:
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
 
     def render(
-        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, object]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        extra: Mapping[str, object] | None = None,
     ) -> str:
         """The prompt text for `messages`; ChatTemplateError when the template refuses them
-        or fails on them."""
+        or fails on them. `extra`: more variables (chat_template_kwargs), which may not
+        replace the ones above."""
         variables: dict[str, object] = {
             **self.special_tokens,
+            **(extra or {}),
             "messages": [dict(m) for m in messages],
             "add_generation_prompt": add_generation_prompt,
-            "tools": None,
+            "tools": [dict(t) for t in tools] if tools else None,
             "documents": None,
         }
         # NOTE: the template is data from the model directory: any exception it raises while

@@ -167,3 +167,8 @@ def unknown_fields(obj: Mapping[str, object], allowed: frozenset[str], where: st
     if unknown:
         at = f"{where}.{unknown[0]}" if where else unknown[0]
         raise RequestError(at, f"unknown field; allowed fields are {', '.join(sorted(allowed))}")
+
+
+def extra_fields(obj: Mapping[str, object], allowed: frozenset[str]) -> tuple[str, ...]:
+    """The keys of `obj` that are not `allowed`, sorted."""
+    return tuple(sorted(str(k) for k in obj if k not in allowed))

@@ -2,8 +2,8 @@
 parameters the engine runs with and what the answer carries. Pure.
 
     field                          how                                         see
-    max_tokens                     new tokens per choice (default 16)          chat: also
-                                                                               max_completion_tokens
+    max_tokens                     new tokens per choice (completions:         chat: also
+                                   default 16; chat: protocol.py's rule)       max_completion_tokens
     temperature top_p seed         as OpenAI; temperature defaults to 0        sampler.py
     top_k min_p                    vLLM extensions
     presence_penalty               [-2, 2], vLLM semantics                     sampler.py
@@ -283,7 +283,7 @@ def _response_format(obj: Mapping[str, object]) -> str | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return _enforceable("response_format", JSON_OBJECT)
+        return enforceable("response_format", JSON_OBJECT)
     if kind != "json_schema":
         raise RequestError(
             "response_format.type", f'must be "text", "json_object" or "json_schema", got {kind!r}'
@@ -302,17 +302,19 @@ def _response_format(obj: Mapping[str, object]) -> str | None:
             raise RequestError(f"{where}.{key}", f"must be a {label}, not {json_type(value)}")
     schema = spec.get("schema")
     if schema is None:
-        return _enforceable(where, JSON_OBJECT)  # OpenAI: without a schema, any JSON object
+        return enforceable(where, JSON_OBJECT)  # OpenAI: without a schema, any JSON object
     if not isinstance(schema, dict):
         raise RequestError(f"{where}.schema", f"must be an object, not {json_type(schema)}")
-    return _enforceable(f"{where}.schema", canonical_schema(schema))
+    return enforceable(f"{where}.schema", canonical_schema(schema))
 
 
-def _enforceable(where: str, schema: str) -> str:
+def enforceable(where: str, schema: str) -> str:
+    """`schema` (a JSON schema or a Lark grammar) when the grammar library compiles it, else a
+    400 naming `where`."""
     try:
         why = schema_error(schema)
     except RuntimeError as exc:  # the library is missing (it comes with the worker extra)
-        raise RequestError("response_format", str(exc)) from None
+        raise RequestError(where, str(exc)) from None
     if why is not None:
-        raise RequestError(where, f"not a JSON schema this server can enforce: {why}")
+        raise RequestError(where, f"not a grammar this server can enforce: {why}")
     return schema

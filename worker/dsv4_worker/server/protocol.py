@@ -14,24 +14,33 @@ fields). Completions add:
     best_of    only null or n: no ranking of extra candidates
     suffix     only null or "": no fill-in-the-middle
 
-Differences from OpenAI: `temperature` defaults to 0 (greedy), not 1, and chat's max_tokens
-to 16; `stop` may also hold token ids; an explicit null for an optional field means its
-default. The tokenizer's EOS ids join the request's stop ids (unless `ignore_eos`), so
-generation ends at EOS (finish_reason "stop").
+Differences from OpenAI: `temperature` defaults to 0 (greedy), not 1; a chat request without
+max_tokens may use what the context leaves (vLLM's rule; `ApiOptions.max_tokens_default`
+caps it), a completion's defaults to 16 (OpenAI's and vLLM's); `stop` may also hold token
+ids; an explicit null for an optional field means its default. The tokenizer's EOS ids join
+the request's stop ids (unless `ignore_eos`), so generation ends at EOS (finish_reason "stop").
+An unknown top-level field is ignored and listed in `CompletionRequest.ignored` (a 400 with
+`ApiOptions.strict_fields`); an unknown field inside an object is always a 400.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from dsv4_worker.engine.logprobs import MAX_TOP_LOGPROBS
 from dsv4_worker.engine.sampler import SamplingParams
-from dsv4_worker.server.chat_request import CHAT_FIELDS, chat_options, parse_messages
+from dsv4_worker.server.api_options import ApiOptions
+from dsv4_worker.server.chat_messages import parse_messages
+from dsv4_worker.server.chat_reply import ReplySpec
+from dsv4_worker.server.chat_request import CHAT_FIELDS, ChatSpec, chat_options, chat_spec
 from dsv4_worker.server.chat_template import ChatTemplateError
+from dsv4_worker.server.conversation import Conversation, opens_reasoning
 from dsv4_worker.server.fields import (
     RequestError,
     boolean,
+    extra_fields,
     integer,
     is_int,
     json_type,
@@ -44,9 +53,11 @@ from dsv4_worker.server.generation import (
     GENERATION_FIELDS,
     EndpointOptions,
     Generation,
+    enforceable,
     parse_generation,
 )
 from dsv4_worker.server.tokenizer import Tokenizer
+from dsv4_worker.server.tool_grammar import reasoning_then_json, tools_grammar
 
 __all__ = ["CompletionRequest", "Prompt", "RequestError", "parse_chat", "parse_completion"]
 
@@ -54,6 +65,7 @@ COMPLETION_FIELDS = frozenset(
     {"model", "prompt", "echo", "logprobs", "best_of", "suffix", *GENERATION_FIELDS}
 )
 ALL_CHAT_FIELDS = frozenset({"model", "messages", *CHAT_FIELDS, *GENERATION_FIELDS})
+DEFAULT_API = ApiOptions()
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +79,8 @@ class CompletionRequest:
     prompts: tuple[Prompt, ...]  # chat: one; completions: one or a batch
     gen: Generation
     model: str | None  # the served model it named (None: not named)
+    reply: ReplySpec | None = None  # chat: how its text splits into reasoning, content, calls
+    ignored: tuple[str, ...] = ()  # unknown top-level fields, not acted on
 
     @property
     def params(self) -> SamplingParams:
@@ -98,21 +112,22 @@ def parse_completion(
     vocab_size: int,
     max_context_tokens: int,
     models: tuple[str, ...] = (),
+    options: ApiOptions = DEFAULT_API,
 ) -> CompletionRequest:
     """A /v1/completions body -> CompletionRequest. `models`: the names this server serves
     (empty: any name)."""
-    obj = _as_object(body, COMPLETION_FIELDS)
+    obj, ignored = _as_object(body, COMPLETION_FIELDS, options.strict_fields)
     model = _model(obj, models)
     prompts = _parse_prompts(obj, tok, vocab_size)
     echo = boolean(obj, "echo")
-    options = EndpointOptions(
+    endpoint = EndpointOptions(
         max_tokens=_max_tokens(obj, "max_tokens", max_context_tokens, allow_zero=echo),
         logprobs=_completion_logprobs(obj),
         echo=echo,
     )
     gen = parse_generation(
         obj,
-        options,
+        endpoint,
         tuple(len(p.ids) for p in prompts),
         eos_ids=tok.eos_token_ids,
         vocab_size=vocab_size,
@@ -124,7 +139,7 @@ def parse_completion(
             "best_of", f"only null or n ({gen.n}) is supported: candidates are never ranked"
         )
     refuse_unless(obj, "suffix", lambda v: v == "", "is not supported (no fill-in-the-middle)")
-    return CompletionRequest(prompts, gen, model)
+    return CompletionRequest(prompts, gen, model, ignored=ignored)
 
 
 def parse_chat(
@@ -134,39 +149,79 @@ def parse_chat(
     vocab_size: int,
     max_context_tokens: int,
     models: tuple[str, ...] = (),
+    options: ApiOptions = DEFAULT_API,
 ) -> CompletionRequest:
     """A /v1/chat/completions body -> CompletionRequest (messages rendered and tokenized by
-    the tokenizer: its chat template, or the built-in one)."""
-    obj = _as_object(body, ALL_CHAT_FIELDS)
+    the tokenizer: its chat template, or DeepSeek-V4's encoding)."""
+    obj, ignored = _as_object(body, ALL_CHAT_FIELDS, options.strict_fields)
     model = _model(obj, models)
     messages = parse_messages(obj)
+    spec = chat_spec(obj, options.thinking_default)
     max_field = "max_completion_tokens" if obj.get("max_completion_tokens") is not None else None
-    options = chat_options(
-        obj, _max_tokens(obj, max_field or "max_tokens", max_context_tokens, allow_zero=False)
+    max_tokens = _max_tokens(obj, max_field or "max_tokens", max_context_tokens, allow_zero=False)
+    endpoint = chat_options(obj, max_tokens)
+    conv = Conversation(
+        messages, spec.tools.shown, spec.thinking, spec.effort, spec.template_kwargs
     )
     try:
-        prompt = tok.encode_chat(messages)
+        prompt = tok.encode_chat(conv)
     except ChatTemplateError as exc:
         raise RequestError("messages", str(exc)) from exc
+    if max_tokens is None:  # what the context leaves (at least 1: a full prompt is refused)
+        left = max(max_context_tokens - len(prompt.ids), 1)
+        cap = options.max_tokens_default
+        endpoint = dataclasses.replace(endpoint, max_tokens=min(left, cap) if cap else left)
     gen = parse_generation(
         obj,
-        options,
+        endpoint,
         (len(prompt.ids),),
         eos_ids=tok.eos_token_ids,
         vocab_size=vocab_size,
         max_context_tokens=max_context_tokens,
     )
-    return CompletionRequest((Prompt(prompt.ids, prompt.text),), gen, model)
+    reasoning = opens_reasoning(prompt.text)
+    gen = _chat_grammar(gen, spec, reasoning)
+    reply = ReplySpec(
+        reasoning=reasoning,
+        callable=spec.tools.callable,
+        parallel=spec.tools.choice.parallel,
+    )
+    return CompletionRequest((Prompt(prompt.ids, prompt.text),), gen, model, reply, ignored)
+
+
+def _chat_grammar(gen: Generation, spec: ChatSpec, reasoning: bool) -> Generation:
+    """The request's grammar: tool calls for tool_choice "required" or a named tool; a
+    response_format's JSON after the reasoning when the reply opens with it."""
+    tools, schema = spec.tools, gen.params.json_schema
+    if tools.choice.constrained:
+        if schema is not None:
+            raise RequestError(
+                "response_format",
+                'cannot be combined with tool_choice "required" or a named tool: the reply '
+                "is tool calls",
+            )
+        grammar = tools_grammar(tools.specs, tools.choice, thinking=reasoning, where=tools.key)
+        schema = enforceable(tools.key, grammar)
+    elif schema is not None and reasoning:
+        schema = enforceable("response_format", reasoning_then_json(schema))
+    else:
+        return gen
+    return dataclasses.replace(gen, params=dataclasses.replace(gen.params, json_schema=schema))
 
 
 # ---- the body, the model and the prompt ------------------------------------------------------
 
 
-def _as_object(body: object, allowed: frozenset[str]) -> Mapping[str, object]:
+def _as_object(
+    body: object, allowed: frozenset[str], strict: bool
+) -> tuple[Mapping[str, object], tuple[str, ...]]:
+    """The body and the unknown top-level fields it has (a 400 when `strict`)."""
     if not isinstance(body, dict):
         raise RequestError("", f"the body must be a JSON object, not {json_type(body)}")
-    unknown_fields(body, allowed)
-    return body
+    if strict:
+        unknown_fields(body, allowed)
+    ignored = extra_fields(body, allowed)
+    return {k: v for k, v in body.items() if k in allowed} if ignored else body, ignored
 
 
 def _model(obj: Mapping[str, object], models: tuple[str, ...]) -> str | None:

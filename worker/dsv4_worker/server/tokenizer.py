@@ -11,20 +11,26 @@ Prompt tokens (HFTokenizer):
                                                             tokenizer.json's post-processor adds
     chat, with a template        the rendered template      none added: the template writes
                                                             its own (HF's add_special_tokens=False)
-    chat, without a template     `render_chat`              as for a completion
+    chat, without a template     DeepSeek-V4's encoding     none added: the encoding writes it
+                                 (`dsv4_encoding.py`)
 
 Generation ends at any of `eos_token_ids`: tokenizer_config.json's eos_token, then
-generation_config.json's eos_token_id(s). The byte tokenizer has no EOS and no template.
+generation_config.json's eos_token_id(s). The byte tokenizer has no EOS and no template: its
+chat prompts are DeepSeek-V4's encoding as UTF-8 bytes (the special tokens are text there).
+Decoding skips special tokens, except the protocol tags the reply parser reads (<think>,
+</think> and DSML tags, should a tokenizer mark them special).
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 from dsv4_worker.server.chat_template import ChatTemplate
+from dsv4_worker.server.conversation import Conversation, render
+from dsv4_worker.server.dsml import MARK, THINK_END, THINK_START
 from dsv4_worker.server.tokenizer_config import (
     CONFIG_FILE,
     GENERATION_FILE,
@@ -52,9 +58,9 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str: ...
+    def apply_chat_template(self, conv: Conversation) -> str: ...
 
-    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> ChatPrompt: ...
+    def encode_chat(self, conv: Conversation) -> ChatPrompt: ...
 
     def tokenizer_json(self) -> str | None:
         """tokenizer.json's text (with the added tokens), for the grammar library; None: the
@@ -62,19 +68,16 @@ class Tokenizer(Protocol):
         ...
 
 
-def render_chat(messages: Sequence[Mapping[str, str]]) -> str:
-    """The built-in chat template, for tokenizers without one: "<|{role}|>\\n{content}\\n"
-    per message, then "<|assistant|>\\n" to open the reply."""
-    parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
-    return "".join(parts) + "<|assistant|>\n"
+def is_protocol_tag(token: str) -> bool:
+    """A token the reply parser must see in the decoded text."""
+    return token in (THINK_START, THINK_END) or MARK in token
 
 
 class ByteTokenizer:
     """Token id == UTF-8 byte value (vocab 256), for the tiny test models.
 
     Ids outside [0, 256) have no text. Invalid UTF-8 decodes to U+FFFD. No EOS token.
-    The chat template is `render_chat`: "<|{role}|>\\n{content}\\n" for each message,
-    then "<|assistant|>\\n".
+    Chat prompts are DeepSeek-V4's encoding, as bytes.
     """
 
     def __init__(self) -> None:
@@ -92,18 +95,18 @@ class ByteTokenizer:
         data = bytes(i for i in ids if 0 <= i < _BYTE_VOCAB)
         return data.decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
-        return render_chat(messages)
+    def apply_chat_template(self, conv: Conversation) -> str:
+        return render(conv, None)
 
-    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> ChatPrompt:
-        text = render_chat(messages)
+    def encode_chat(self, conv: Conversation) -> ChatPrompt:
+        text = render(conv, None)
         return ChatPrompt(text, tuple(self.encode(text)))
 
 
 class HFTokenizer:
     """A local HuggingFace `tokenizer.json`, through the `tokenizers` package (imported here),
     with what the files beside it say (`tokenizer_config.py`): special tokens, add_bos_token,
-    added tokens, the chat template (none: `render_chat`) and the EOS ids."""
+    added tokens, the chat template (none: DeepSeek-V4's encoding) and the EOS ids."""
 
     def __init__(self, path: Path) -> None:
         try:
@@ -120,6 +123,14 @@ class HFTokenizer:
         where = str(path.parent / CONFIG_FILE)
         _add_missing_tokens(lib, self._tok, config.added_tokens, where, path)
         self.vocab_size: int = int(self._tok.get_vocab_size(with_added_tokens=True))
+        specials = {
+            int(i): str(t.content)
+            for i, t in self._tok.get_added_tokens_decoder().items()
+            if t.special
+        }
+        # Special tokens decoding hides, and whether some special ones must show (the tags).
+        self._hidden = frozenset(i for i, c in specials.items() if not is_protocol_tag(c))
+        self._shows_special = len(self._hidden) < len(specials)
         self.bos_token_id: int | None = self._special_id(config.bos_token, "bos_token", where)
         self.eos_token_ids: tuple[int, ...] = self._eos_ids(config, where, path.parent)
         self.eos_token_id: int | None = self.eos_token_ids[0] if self.eos_token_ids else None
@@ -150,19 +161,19 @@ class HFTokenizer:
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:
-        return str(self._tok.decode(list(ids)))
+        if not self._shows_special:
+            return str(self._tok.decode(list(ids)))
+        kept = [i for i in ids if i not in self._hidden]
+        return str(self._tok.decode(kept, skip_special_tokens=False))
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
+    def apply_chat_template(self, conv: Conversation) -> str:
         """The conversation as text (ChatTemplateError when the template refuses it)."""
-        if self.chat_template is None:
-            return render_chat(messages)
-        return self.chat_template.render(messages, add_generation_prompt=True)
+        return render(conv, self.chat_template)
 
-    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> ChatPrompt:
-        text = self.apply_chat_template(messages)
-        if self.chat_template is None:
-            return ChatPrompt(text, tuple(self.encode(text)))
-        # NOTE: the template writes the BOS text itself; adding special tokens would double it.
+    def encode_chat(self, conv: Conversation) -> ChatPrompt:
+        text = self.apply_chat_template(conv)
+        # NOTE: the template (or the encoding) writes the BOS text itself; adding special
+        # tokens would double it.
         return ChatPrompt(text, tuple(self._ids(text, special=False)))
 
     def _ids(self, text: str, *, special: bool) -> list[int]:

@@ -26,6 +26,7 @@ from tokenizer_support import (
     MODEL_VOCAB,
     USER,
     USER_ID,
+    conv,
     deepseek_config,
     write_model_dir,
 )
@@ -38,7 +39,7 @@ from dsv4_worker.server.app import ServeInfo, build_app
 from dsv4_worker.server.chat_template import ChatTemplate, ChatTemplateError
 from dsv4_worker.server.protocol import RequestError, parse_chat, parse_completion
 from dsv4_worker.server.runner import Done, Handle, Snapshot, Token
-from dsv4_worker.server.tokenizer import HFTokenizer, load_tokenizer, render_chat
+from dsv4_worker.server.tokenizer import HFTokenizer, load_tokenizer
 
 CTX = 256
 Messages = list[dict[str, Any]]
@@ -98,8 +99,8 @@ def test_template_renders_exactly_and_tokens_are_the_tokenizers_own(
 ) -> None:
     tok = _load(deepseek_dir)
     hf = write_model_dir(deepseek_dir / "copy")  # the same training: the same tokenizer
-    assert tok.apply_chat_template(messages) == expected
-    prompt = tok.encode_chat(messages)
+    assert tok.apply_chat_template(conv(messages)) == expected
+    prompt = tok.encode_chat(conv(messages))
     assert prompt.text == expected
     assert list(prompt.ids) == hf.encode(expected, add_special_tokens=False).ids
     assert prompt.ids.count(BOS_ID) == 1 and prompt.ids[0] == BOS_ID
@@ -108,9 +109,9 @@ def test_template_renders_exactly_and_tokens_are_the_tokenizers_own(
 def test_bos_is_not_doubled_although_the_tokenizer_adds_one(deepseek_dir: Path) -> None:
     tok = _load(deepseek_dir)
     hf = write_model_dir(deepseek_dir / "copy")
-    text = tok.apply_chat_template([_user("Hi")])
+    text = tok.apply_chat_template(conv([_user("Hi")]))
     assert hf.encode(text).ids[:2] == [BOS_ID, BOS_ID]  # what adding special tokens would do
-    assert tok.encode_chat([_user("Hi")]).ids[:2] == (BOS_ID, USER_ID)
+    assert tok.encode_chat(conv([_user("Hi")])).ids[:2] == (BOS_ID, USER_ID)
     # A completion prompt gets the one BOS that add_bos_token asks for.
     assert tok.encode("Hello") == hf.encode("Hello").ids
     assert tok.encode("Hello")[0] == BOS_ID and tok.encode("Hello").count(BOS_ID) == 1
@@ -160,7 +161,7 @@ def test_text_parts_are_joined_with_newlines(deepseek_dir: Path) -> None:
     parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
     req = _chat(tok, [{"role": "user", "content": parts}])
     assert req.echo_prompt_text == f"{BOS}{USER}Hello\nthere{ASSISTANT}"
-    assert req.prompt_ids == tok.encode_chat([_user("Hello\nthere")]).ids
+    assert req.prompt_ids == tok.encode_chat(conv([_user("Hello\nthere")])).ids
 
 
 @pytest.mark.parametrize(
@@ -201,7 +202,7 @@ def test_a_template_refusal_is_a_400_on_messages(
 ) -> None:
     tok = _load(deepseek_dir)
     with pytest.raises(ChatTemplateError, match=reason) as direct:
-        tok.encode_chat(messages)
+        tok.encode_chat(conv(messages))
     assert isinstance(direct.value, ValueError)
     with pytest.raises(RequestError) as info:
         _chat(tok, messages)
@@ -243,14 +244,14 @@ def test_generation_config_eos_forms(
 def test_chat_template_jinja_beside_the_config_wins(tmp_path: Path) -> None:
     write_model_dir(tmp_path, config=deepseek_config(chat_template="ignored"))
     (tmp_path / "chat_template.jinja").write_text(DEEPSEEK_TEMPLATE, encoding="utf-8")
-    assert _load(tmp_path).apply_chat_template([_user("Hi")]) == f"{BOS}{USER}Hi{ASSISTANT}"
+    assert _load(tmp_path).apply_chat_template(conv([_user("Hi")])) == f"{BOS}{USER}Hi{ASSISTANT}"
 
 
 def test_chat_template_jinja_without_a_config(tmp_path: Path) -> None:
     write_model_dir(tmp_path)
     (tmp_path / "chat_template.jinja").write_text("{{ bos_token }}[{{ messages|length }}]")
     tok = _load(tmp_path)
-    assert tok.apply_chat_template([_user("a"), _assistant("b")]) == "[2]"  # no bos_token set
+    assert tok.apply_chat_template(conv([_user("a"), _assistant("b")])) == "[2]"  # no bos_token set
     assert tok.eos_token_ids == ()
 
 
@@ -260,7 +261,7 @@ def test_list_of_templates_uses_the_default(tmp_path: Path) -> None:
         {"name": "default", "template": DEEPSEEK_TEMPLATE},
     ]
     write_model_dir(tmp_path, config=deepseek_config(chat_template=templates))
-    assert _load(tmp_path).apply_chat_template([_user("Hi")]) == f"{BOS}{USER}Hi{ASSISTANT}"
+    assert _load(tmp_path).apply_chat_template(conv([_user("Hi")])) == f"{BOS}{USER}Hi{ASSISTANT}"
 
 
 def test_missing_tokenizer_config_falls_back_to_the_built_in_template(tmp_path: Path) -> None:
@@ -268,10 +269,11 @@ def test_missing_tokenizer_config_falls_back_to_the_built_in_template(tmp_path: 
     tok = _load(tmp_path)
     assert tok.chat_template is None and tok.eos_token_ids == () and tok.eos_token_id is None
     messages = [_user("Hi")]
-    prompt = tok.encode_chat(messages)
-    assert prompt.text == render_chat(messages) == "<|user|>\nHi\n<|assistant|>\n"
-    assert list(prompt.ids) == hf.encode(prompt.text).ids  # as a completion: one BOS
-    assert prompt.ids[0] == BOS_ID
+    prompt = tok.encode_chat(conv(messages))
+    assert prompt.text == f"{BOS}{USER}Hi{ASSISTANT}</think>"  # DeepSeek-V4's encoding
+    # The encoding writes its BOS: tokenized without adding one, so there is exactly one.
+    assert list(prompt.ids) == hf.encode(prompt.text, add_special_tokens=False).ids
+    assert prompt.ids[0] == BOS_ID and prompt.ids.count(BOS_ID) == 1
 
 
 def test_config_without_chat_template_falls_back_too(tmp_path: Path) -> None:
@@ -279,7 +281,7 @@ def test_config_without_chat_template_falls_back_too(tmp_path: Path) -> None:
     del config["chat_template"]
     write_model_dir(tmp_path, config=config)
     tok = _load(tmp_path)
-    assert tok.apply_chat_template([_user("Hi")]) == "<|user|>\nHi\n<|assistant|>\n"
+    assert tok.apply_chat_template(conv([_user("Hi")])) == f"{BOS}{USER}Hi{ASSISTANT}</think>"
     assert tok.eos_token_ids == (EOS_ID,)
 
 
@@ -358,7 +360,7 @@ def test_added_tokens_decoder_adds_missing_tokens_at_their_ids(tmp_path: Path) -
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     tok = _load(tmp_path)
     assert tok.vocab_size == size + 1
-    assert tok.encode_chat([_user("<｜tool▁call｜>")]).ids[2] == size
+    assert tok.encode_chat(conv([_user("<｜tool▁call｜>")])).ids[2] == size
     assert tok.decode([size, *hf.encode("Hi", add_special_tokens=False).ids]) == "Hi"
 
 
@@ -446,7 +448,7 @@ def test_same_text_and_ids_as_transformers(deepseek_dir: Path) -> None:
         text = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = theirs.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
         ids = ids["input_ids"] if isinstance(ids, Mapping) else ids
-        assert tok.encode_chat(messages) == (text, tuple(ids))
+        assert tok.encode_chat(conv(messages)) == (text, tuple(ids))
     assert tok.encode("Hello there") == theirs("Hello there")["input_ids"]
 
 

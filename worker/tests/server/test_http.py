@@ -138,7 +138,7 @@ def test_token_id_prompts_and_chat(server: Server) -> None:
         ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
         ({"prompt": "x", "temperature": -1}, "temperature"),
         ({"prompt": "x", "top_p": 0}, "top_p"),
-        ({"prompt": "x", "unknown_field": 1}, "unknown_field"),
+        ({"prompt": "x", "stream_options": {"bogus": 1}}, "stream_options.bogus"),
         ({"prompt": "x" * 5000}, "prompt"),
         ({"prompt": "x", "max_tokens": 4096}, "max_tokens"),
     ],

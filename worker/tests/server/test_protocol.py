@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from dsv4_worker.engine.sampler import SamplingParams
+from dsv4_worker.server.api_options import ApiOptions
 from dsv4_worker.server.protocol import (
     CompletionRequest,
     RequestError,
@@ -19,8 +20,10 @@ from dsv4_worker.server.tokenizer import ByteTokenizer
 
 VOCAB = 300
 CTX = 64
+CHAT_CTX = 256  # DeepSeek-V4's chat encoding costs ~50 byte tokens of special tokens
 TOK = ByteTokenizer()
 MSG = [{"role": "user", "content": "hi"}]
+BOS, USER, ASSISTANT = "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
 
 
 def _completion(body: object) -> CompletionRequest:
@@ -28,7 +31,18 @@ def _completion(body: object) -> CompletionRequest:
 
 
 def _chat(body: object) -> CompletionRequest:
-    return parse_chat(body, TOK, vocab_size=VOCAB, max_context_tokens=CTX)
+    return parse_chat(body, TOK, vocab_size=VOCAB, max_context_tokens=CHAT_CTX)
+
+
+STRICT = ApiOptions(strict_fields=True)
+
+
+def _strict_completion(body: object) -> CompletionRequest:
+    return parse_completion(body, TOK, vocab_size=VOCAB, max_context_tokens=CTX, options=STRICT)
+
+
+def _strict_chat(body: object) -> CompletionRequest:
+    return parse_chat(body, TOK, vocab_size=VOCAB, max_context_tokens=CHAT_CTX, options=STRICT)
 
 
 def _c(**fields: Any) -> dict[str, Any]:
@@ -44,10 +58,16 @@ BAD: list[tuple[str, Any, Any, str, str]] = [
     ("body-list", _completion, [1], "", "JSON object"),
     ("body-str", _completion, "hi", "", "JSON object"),
     ("body-null", _chat, None, "", "JSON object"),
-    ("unknown-field", _completion, _c(bogus=2), "bogus", "allowed fields are"),
-    ("unknown-lists-allowed", _completion, _c(foo=1), "foo", "max_tokens"),
-    ("chat-prompt-not-allowed", _chat, _m(prompt="x"), "prompt", "messages"),
-    ("completion-messages-not-allowed", _completion, _c(messages=MSG), "messages", "prompt"),
+    ("unknown-field", _strict_completion, _c(bogus=2), "bogus", "allowed fields are"),
+    ("unknown-lists-allowed", _strict_completion, _c(foo=1), "foo", "max_tokens"),
+    ("chat-prompt-not-allowed", _strict_chat, _m(prompt="x"), "prompt", "messages"),
+    (
+        "completion-messages-not-allowed",
+        _strict_completion,
+        _c(messages=MSG),
+        "messages",
+        "prompt",
+    ),
     ("prompt-missing", _completion, {}, "prompt", "required"),
     ("prompt-empty-str", _completion, {"prompt": ""}, "prompt", "must not be empty"),
     ("prompt-empty-list", _completion, {"prompt": []}, "prompt", "must not be empty"),
@@ -174,9 +194,9 @@ BAD: list[tuple[str, Any, Any, str, str]] = [
     (
         "chat-too-long",
         _chat,
-        {"messages": [{"role": "user", "content": "x" * 64}]},
+        {"messages": [{"role": "user", "content": "x" * CHAT_CTX}]},
         "prompt",
-        "maximum context of 64",
+        f"maximum context of {CHAT_CTX}",
     ),
 ]
 
@@ -290,8 +310,8 @@ GOOD: list[tuple[str, Any, Any, dict[str, Any]]] = [
             "stream": True,
         },
         {
-            "echo_prompt_text": "<|system|>\nbe brief\n<|user|>\n\n<|assistant|>\n",
-            "prompt_ids": tuple(b"<|system|>\nbe brief\n<|user|>\n\n<|assistant|>\n"),
+            "echo_prompt_text": f"{BOS}be brief{USER}{ASSISTANT}</think>",
+            "prompt_ids": tuple(f"{BOS}be brief{USER}{ASSISTANT}</think>".encode()),
             "params": SamplingParams(max_new_tokens=2),
             "stream": True,
         },
@@ -300,10 +320,19 @@ GOOD: list[tuple[str, Any, Any, dict[str, Any]]] = [
         "chat-text-parts",
         _chat,
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 2}]},
-        {
-            "echo_prompt_text": "<|user|>\na\na\n<|assistant|>\n",
-            "prompt_ids": tuple(b"<|user|>\na\na\n<|assistant|>\n"),
-        },
+        {"echo_prompt_text": f"{BOS}{USER}a\na{ASSISTANT}</think>"},
+    ),
+    (
+        "unknown-top-level-fields-are-ignored-and-named",
+        _completion,
+        _c(bogus=2, zeta=None, max_tokens=3),
+        {"ignored": ("bogus", "zeta"), "params": SamplingParams(max_new_tokens=3)},
+    ),
+    (
+        "chat-unknown-field-ignored",
+        _chat,
+        _m(add_generation_prompt=True),
+        {"ignored": ("add_generation_prompt",)},
     ),
 ]
 

@@ -25,6 +25,7 @@ from dsv4_worker.server.tokenizer import ByteTokenizer
 
 VOCAB = 300
 CTX = 64
+CHAT_CTX = 2048  # DeepSeek-V4's encoding, its tools section most, costs many byte tokens
 MSG = [{"role": "user", "content": "hi"}]
 EOS = 7
 
@@ -46,7 +47,7 @@ def completion(body: dict[str, Any], models: tuple[str, ...] = ()) -> Completion
 
 
 def chat(body: dict[str, Any], models: tuple[str, ...] = ()) -> CompletionRequest:
-    return parse_chat(body, TOK, vocab_size=VOCAB, max_context_tokens=CTX, models=models)
+    return parse_chat(body, TOK, vocab_size=VOCAB, max_context_tokens=CHAT_CTX, models=models)
 
 
 def fields_of(typed_dict: type) -> list[str]:
@@ -73,7 +74,9 @@ def test_every_completion_field_accepts_null(field: str) -> None:
 @pytest.mark.parametrize("field", [f for f in CHAT_FIELDS if f not in ("messages",)])
 def test_every_chat_field_accepts_null(field: str) -> None:
     req = chat({"messages": MSG, field: None})
-    assert req.params.max_new_tokens == 16 and req.gen.logprobs is None
+    # Chat's default length: what the context leaves after the prompt (vLLM's rule).
+    assert req.params.max_new_tokens == CHAT_CTX - len(req.prompt_ids)
+    assert req.gen.logprobs is None
 
 
 def test_all_nulls_at_once() -> None:
@@ -81,6 +84,7 @@ def test_all_nulls_at_once() -> None:
     chat({"messages": MSG, **{f: None for f in CHAT_FIELDS if f != "messages"}})
 
 
+TOOL_F = {"type": "function", "function": {"name": "f"}}
 CHAT_DEFAULTS: dict[str, Any] = {
     "model": "tiny",
     "frequency_penalty": 0,
@@ -247,17 +251,32 @@ def test_chat_messages_in_every_text_form() -> None:
         vocab_size=VOCAB,
         max_context_tokens=256,
     )
+    # DeepSeek-V4's encoding: developer is the system prompt; an assistant turn ends with EOS.
     assert req.echo_prompt_text == (
-        "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n\n<|assistant|>\nno\nok\n"
-        "<|user|>\ngo\n<|assistant|>\n"
+        "<｜begin▁of▁sentence｜>be brief<｜User｜>hi<｜Assistant｜></think>"
+        "<｜end▁of▁sentence｜>no\nok<｜end▁of▁sentence｜><｜User｜>go<｜Assistant｜></think>"
     )
 
 
-def test_tools_are_accepted_only_where_they_cannot_be_called() -> None:
+def test_tool_fields_in_every_form() -> None:
     tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
-    chat({"messages": MSG, "tools": [tool], "tool_choice": "none"})
+    assert chat({"messages": MSG, "tools": [tool], "tool_choice": "none"}).reply is not None
     chat({"messages": MSG, "tool_choice": "auto"})  # nothing to call
-    chat({"messages": MSG, "functions": [{"name": "f"}], "function_call": "none"})
+    none = chat({"messages": MSG, "functions": [{"name": "f"}], "function_call": "none"})
+    assert none.reply is not None and none.reply.callable == frozenset()
+    auto = chat({"messages": MSG, "functions": [{"name": "f"}]})
+    assert auto.reply is not None and auto.reply.callable == {"f"}
+    assert "## Tools" in auto.echo_prompt_text and auto.params.json_schema is None
+    named = chat(
+        {
+            "messages": MSG,
+            "tools": [tool],
+            "tool_choice": {"type": "function", "function": {"name": "f"}},
+        }
+    )
+    assert named.params.json_schema is not None and named.params.json_schema.startswith(
+        "%llguidance"
+    )
 
 
 BAD: list[tuple[str, Any, dict[str, Any], str, str]] = [
@@ -389,51 +408,95 @@ BAD: list[tuple[str, Any, dict[str, Any], str, str]] = [
         chat,
         {"messages": MSG, "max_completion_tokens": 0},
         "max_completion_tokens",
-        "[1, 64]",
-    ),
-    (
-        "tools",
-        chat,
-        {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]},
-        "tools",
-        "no tool parser",
+        f"[1, {CHAT_CTX}]",
     ),
     ("tool-required", chat, {"messages": MSG, "tool_choice": "required"}, "tool_choice", "tool"),
     (
-        "tool-named",
+        "tool-named-unknown",
         chat,
         {"messages": MSG, "tool_choice": {"type": "function", "function": {"name": "f"}}},
         "tool_choice",
-        "tool parser",
+        "not one of the tools",
     ),
     (
-        "functions",
+        "tool-bad-name",
         chat,
-        {"messages": MSG, "functions": [{"name": "f"}]},
+        {"messages": MSG, "tools": [{"type": "function", "function": {"name": "a b"}}]},
+        "tools[0].function.name",
+        "1-64 characters",
+    ),
+    (
+        "tool-type",
+        chat,
+        {"messages": MSG, "tools": [{"type": "web_search"}]},
+        "tools[0].type",
+        '"function"',
+    ),
+    (
+        "functions-and-tools",
+        chat,
+        {"messages": MSG, "functions": [{"name": "f"}], "tools": [TOOL_F]},
         "functions",
-        "tool parser",
+        "not both",
+    ),
+    (
+        "thinking-switches-disagree",
+        chat,
+        {
+            "messages": MSG,
+            "thinking": {"type": "enabled"},
+            "chat_template_kwargs": {"thinking": False},
+        },
+        "thinking.type",
+        "disagrees with chat_template_kwargs.thinking",
+    ),
+    (
+        "thinking-type",
+        chat,
+        {"messages": MSG, "thinking": {"type": "on"}},
+        "thinking.type",
+        '"enabled" or "disabled"',
+    ),
+    (
+        "template-kwargs-reserved",
+        chat,
+        {"messages": MSG, "chat_template_kwargs": {"messages": []}},
+        "chat_template_kwargs.messages",
+        "set by the server",
+    ),
+    (
+        "required-with-response-format",
+        chat,
+        {
+            "messages": MSG,
+            "tools": [TOOL_F],
+            "tool_choice": "required",
+            "response_format": {"type": "json_object"},
+        },
+        "response_format",
+        "tool calls",
     ),
     ("audio", chat, {"messages": MSG, "audio": {"voice": "x"}}, "audio", "audio"),
     ("modalities", chat, {"messages": MSG, "modalities": ["text", "audio"]}, "modalities", ""),
     ("store", chat, {"messages": MSG, "store": True}, "store", "nothing is stored"),
-    ("reasoning", chat, {"messages": MSG, "reasoning_effort": "high"}, "reasoning_effort", ""),
+    ("reasoning", chat, {"messages": MSG, "reasoning_effort": "huge"}, "reasoning_effort", "one"),
     ("verbosity", chat, {"messages": MSG, "verbosity": "low"}, "verbosity", "medium"),
     ("search", chat, {"messages": MSG, "web_search_options": {}}, "web_search_options", ""),
     ("moderation", chat, {"messages": MSG, "moderation": {"model": "m"}}, "moderation", ""),
     ("tier", chat, {"messages": MSG, "service_tier": "gold"}, "service_tier", "one of"),
     (
-        "tool-message",
+        "tool-message-without-id",
         chat,
-        {"messages": [{"role": "tool", "content": "1", "tool_call_id": "c"}]},
-        "messages[0].role",
-        "tool parser",
+        {"messages": [{"role": "tool", "content": "1"}]},
+        "messages[0].tool_call_id",
+        "required",
     ),
     (
-        "tool-calls",
+        "tool-calls-without-function",
         chat,
         {"messages": [{"role": "assistant", "tool_calls": [{"id": "c"}]}]},
-        "messages[0].tool_calls",
-        "tool parser",
+        "messages[0].tool_calls[0].function",
+        "object",
     ),
     (
         "user-tool-call-id",

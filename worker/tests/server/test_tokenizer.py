@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tokenizer_support import conv
 
 from dsv4_worker.server.tokenizer import (
     ByteTokenizer,
@@ -46,13 +47,15 @@ def test_chat_template_exact() -> None:
         {"role": "assistant", "content": "a."},
         {"role": "user", "content": "more"},
     ]
-    assert ByteTokenizer().apply_chat_template(messages) == (
-        "<|system|>\nsys\n<|user|>\nq?\n<|assistant|>\na.\n<|user|>\nmore\n<|assistant|>\n"
+    # DeepSeek-V4's encoding (non-thinking): the special tokens are text to the byte tokenizer.
+    assert ByteTokenizer().apply_chat_template(conv(messages)) == (
+        "<｜begin▁of▁sentence｜>sys<｜User｜>q?<｜Assistant｜></think>a.<｜end▁of▁sentence｜>"
+        "<｜User｜>more<｜Assistant｜></think>"
     )
-    assert ByteTokenizer().apply_chat_template([]) == "<|assistant|>\n"
-    prompt = ByteTokenizer().encode_chat(messages)
-    assert prompt.text == ByteTokenizer().apply_chat_template(messages)
+    prompt = ByteTokenizer().encode_chat(conv(messages))
+    assert prompt.text == ByteTokenizer().apply_chat_template(conv(messages))
     assert prompt.ids == tuple(prompt.text.encode("utf-8"))
+    assert ByteTokenizer().decode(prompt.ids) == prompt.text  # the special tokens round-trip
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -156,9 +159,9 @@ def test_hf_tokenizer_round_trip(tmp_path: Path) -> None:
     ids = tok.encode("hello world again")
     assert ids == [2, 3, 4]
     assert tok.decode(ids) == "hello world again"
-    assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == (
-        "<|user|>\nx\n<|assistant|>\n"
-    )  # no chat_template in the config: the built-in one
+    assert tok.apply_chat_template(conv([{"role": "user", "content": "x"}])) == (
+        "<｜begin▁of▁sentence｜><｜User｜>x<｜Assistant｜></think>"
+    )  # no chat_template in the config: DeepSeek-V4's encoding
     assert isinstance(load_tokenizer(str(path), 5), HFTokenizer)
 
 
@@ -185,7 +188,7 @@ def test_hf_tokenizer_file_path_reads_the_configs_beside_it(tmp_path: Path) -> N
     template = "{% for m in messages %}{{ m.content }} {% endfor %}"
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     tok = load_tokenizer(str(path), 8)
-    prompt = tok.encode_chat([{"role": "user", "content": "hello world"}])
+    prompt = tok.encode_chat(conv([{"role": "user", "content": "hello world"}]))
     assert prompt == ("hello world ", (2, 3))
 
 

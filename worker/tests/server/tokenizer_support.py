@@ -119,3 +119,11 @@ def deepseek_config(**extra: Any) -> dict[str, Any]:
         "chat_template": DEEPSEEK_TEMPLATE,
         **extra,
     }
+
+
+def conv(messages: list[dict[str, Any]], **kw: Any) -> Any:
+    """A `Conversation` of OpenAI-shaped messages (as a request's `messages`)."""
+    from dsv4_worker.server.chat_messages import parse_messages
+    from dsv4_worker.server.conversation import Conversation
+
+    return Conversation(parse_messages({"messages": messages}), **kw)
