@@ -17,6 +17,7 @@ from dsv4_common.api.names import SGLANG_TRANSFERS, WORKER_ROLES, Transfer, Work
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec, parse_meta, parse_spec
 from dsv4_operator.flavors.sglang.command import (
     LAYER_PARTITION_ENV,
+    PARSER_FLAGS,
     PP_RANK_ENV,
     SERVER_FLAGS,
     expand,
@@ -122,7 +123,9 @@ def test_the_flags_carry_the_plans_figures_exactly(case: Case) -> None:
     assert v["--disaggregation-bootstrap-port"] == "8083" and v["--port"] == "8080"
     assert v["--model-path"] == WEIGHTS and v["--host"] == "0.0.0.0"
     assert "--enable-metrics" in v and v["--enable-metrics"] is None
-    assert set(v) <= set(SERVER_FLAGS)  # everything rendered is documented and refused
+    assert v["--tool-call-parser"] == "deepseekv4" and v["--reasoning-parser"] == "deepseek-v4"
+    # Everything rendered is documented: refused in engineArgs, or (the parsers) theirs to set.
+    assert set(v) <= set(SERVER_FLAGS) | {flag for flag, _ in PARSER_FLAGS}
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
@@ -216,6 +219,21 @@ def test_the_specs_served_name_is_sglangs_served_model_name() -> None:
         )
     plain, _, memory = planned("deepseek-v4-flash", 2, "nixl")
     assert "--served-model-name" not in server_args(plain, meta, memory, "decode", 0)
+
+
+def test_deepseek_v4_tool_and_reasoning_parsers_unless_engine_args_choose() -> None:
+    body = sglang_body("deepseek-v4-flash", 1)
+    spec, meta = parse_spec(body), parse_meta(body)
+    for role in ("prefill", "decode"):
+        argv = server_args(spec, meta, plan_memory(spec), role, 0)  # type: ignore[arg-type]
+        args = parse_server_args(list(argv))  # the snapshot's choices hold both names
+        assert (args.tool_call_parser, args.reasoning_parser) == ("deepseekv4", "deepseek-v4")
+    body["spec"]["decode"]["engineArgs"] = ["--tool-call-parser=deepseekv41"]
+    spec = parse_spec(body)
+    argv = server_args(spec, meta, plan_memory(spec), "decode", 0)
+    args = parse_server_args(list(argv))
+    assert (args.tool_call_parser, args.reasoning_parser) == ("deepseekv41", "deepseek-v4")
+    assert sum(a.startswith("--tool-call-parser") for a in argv) == 1
 
 
 def test_every_operator_flag_is_an_sglang_flag() -> None:

@@ -62,6 +62,10 @@ SERVER_FLAGS: Final = {
 # without them engineArgs may set it.
 SERVED_NAME_FLAG: Final = "--served-model-name"
 SERVED_NAME_SOURCE: Final = "spec.model.servedModelNames"
+# DeepSeek-V4's chat replies: SGLang's DSML tool-call parser and its think-tag reasoning parser
+# (names from the 0.5.23 flag snapshot), so its OpenAI API splits tool calls and
+# reasoning_content as ours does. engineArgs that set either flag win.
+PARSER_FLAGS: Final = (("--tool-call-parser", "deepseekv4"), ("--reasoning-parser", "deepseek-v4"))
 
 _VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
@@ -146,8 +150,8 @@ def server_args(
     replica: int,
 ) -> tuple[str, ...]:
     """The argv after SERVER_COMMAND for every PP rank of one group: the operator's flags (see
-    SERVER_FLAGS, and SERVED_NAME_FLAG), then the role's engineArgs as written (engine_args.py
-    checks them)."""
+    SERVER_FLAGS, SERVED_NAME_FLAG and PARSER_FLAGS), then the role's engineArgs as written
+    (engine_args.py checks them)."""
     role_spec = spec.role(role)
     figures = group_figures(memory.role(role))
     weights = spec.model.weights
@@ -182,6 +186,9 @@ def server_args(
     if spec.model.served_model_names:
         (name,) = spec.model.served_model_names  # one with engine sglang (spec.py)
         args += [SERVED_NAME_FLAG, name]
+    for flag, value in PARSER_FLAGS:
+        if not any(a == flag or a.startswith(f"{flag}=") for a in role_spec.engine_args):
+            args += [flag, value]
     return (*args, *role_spec.engine_args)
 
 
