@@ -15,6 +15,7 @@ import openai
 import pytest
 import torch
 from serve_support import free_port, serve_argv, wait_ready
+from tokenizer_support import conv
 
 from dsv4_common.core.presets import tiny
 from dsv4_worker.model.oracle import oracle_greedy, oracle_logits
@@ -60,8 +61,8 @@ def piece(token: int) -> str:
     return chr(token) if token < 0x80 else f"bytes:\\x{token:02x}"
 
 
-def chat_ids(messages: list[dict[str, str]]) -> list[int]:
-    return list(TOK.encode_chat(messages).ids)
+def chat_ids(messages: list[dict[str, Any]]) -> list[int]:
+    return list(TOK.encode_chat(conv(messages)).ids)
 
 
 def test_completion_with_every_supported_field_streams_what_it_answers(
@@ -293,7 +294,7 @@ def test_models_model_check_and_unique_ids(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
         (
             {
                 "response_format": {
