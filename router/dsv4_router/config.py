@@ -2,7 +2,8 @@
 
 Two forms: deployed (`--config-dir DIR` holding `router.json`, the router-config document) and
 quick (`--instance ROLE=HOST:HTTP:STATUS:KV`, repeated). Every bad input raises `ConfigError`
-whose message names the flag or the document field. Reads one file; otherwise pure.
+whose message names the flag or the document field. Reads router.json and the API key's file;
+otherwise pure.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final
 
+from dsv4_common.api.api_key import NO_API_KEY, ApiKeyError, ApiKeyRule, resolve_api_key
 from dsv4_common.api.documents import DocumentError
 from dsv4_common.api.http_rules import HttpLimits, http_limits
 from dsv4_common.api.lifecycle import ROUTER_DRAIN_S
@@ -82,6 +84,8 @@ class RouterSettings:
     http: HttpLimits = field(default_factory=HttpLimits)  # timeouts, body size, connections
     processes: int | None = None  # router processes on the port (None: `default_processes`)
     busy_poll_s: float = DEFAULT_BUSY_POLL_S  # polling after a write before sleeping (`busy_poll`)
+    # The API key clients must send and the router sends to the workers (`api_key`).
+    auth: ApiKeyRule = NO_API_KEY
     # What set the ports, for errors ("--port", "<dir>/router.json: router_config.port").
     port_name: str = "--port"
     status_port_name: str = "router_config.status_port"
@@ -121,11 +125,13 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
             f"--router-busy-poll-us: must be in 0..{MAX_BUSY_POLL_US}, got {busy_poll_us}"
         )
     busy_poll_s = DEFAULT_BUSY_POLL_S if busy_poll_us is None else busy_poll_us / 1e6
+    key, key_file = getattr(args, "api_key", None), getattr(args, "api_key_file", None)
     if config_dir is not None:
         if flags:
             raise ConfigError("--instance: not with --config-dir (router.json lists the roles)")
-        deployed = _deployed(Path(config_dir), host or DEPLOYED_HOST)
-        return replace(deployed, http=http, processes=processes, busy_poll_s=busy_poll_s)
+        deployed, configured = _deployed(Path(config_dir), host or DEPLOYED_HOST)
+        auth = _auth(key, key_file, configured, open_status=True)  # the status port: open
+        return replace(deployed, http=http, processes=processes, busy_poll_s=busy_poll_s, auth=auth)
     port = getattr(args, "port", 8000)
     if not isinstance(port, int) or not 0 <= port <= MAX_PORT:
         raise ConfigError(f"--port: must be in 0..{MAX_PORT}, got {port!r}")
@@ -137,7 +143,21 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         http=http,
         processes=processes,
         busy_poll_s=busy_poll_s,
+        auth=_auth(key, key_file, None, open_status=bool(getattr(args, "open_status", False))),
     )
+
+
+def _auth(
+    key: str | None, key_file: str | None, configured: tuple[str, str] | None, *, open_status: bool
+) -> ApiKeyRule:
+    """--api-key, --api-key-file, else router.json's api_key_file (`configured`: (path,
+    where)); the file is read here."""
+    try:
+        path, where = configured if configured is not None else (None, "")
+        resolved = resolve_api_key(key, key_file, path, config_field=where)
+    except ApiKeyError as exc:
+        raise ConfigError(str(exc)) from exc
+    return ApiKeyRule(resolved, open_status=open_status)
 
 
 def _http_limits(args: argparse.Namespace) -> HttpLimits:
@@ -182,7 +202,8 @@ def _quick_roles(flags: Sequence[str]) -> dict[WorkerRole, RoleTargets]:
     return {role: RoleTargets(instances=tuple(found[role])) for role in WORKER_ROLES}
 
 
-def _deployed(config_dir: Path, host: str) -> RouterSettings:
+def _deployed(config_dir: Path, host: str) -> tuple[RouterSettings, tuple[str, str] | None]:
+    """The settings of router.json, and its api_key_file (with the field naming it)."""
     path = config_dir / ROUTER_CONFIG_KEY
     try:
         text = path.read_text()
@@ -198,13 +219,17 @@ def _deployed(config_dir: Path, host: str) -> RouterSettings:
         raise ConfigError(f"{path}: {exc}") from exc
     _check_router_config(config, str(path))
     roles = {role: _role_targets(config, role) for role in WORKER_ROLES}
-    return RouterSettings(
+    settings = RouterSettings(
         host=host,
         port=config.port,
         status_port=config.status_port,
         roles=roles,
         port_name=f"{path}: router_config.port",
         status_port_name=f"{path}: router_config.status_port",
+    )
+    key_file = config.api_key_file
+    return settings, (
+        None if key_file is None else (key_file, f"{path}: router_config.api_key_file")
     )
 
 

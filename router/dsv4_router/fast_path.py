@@ -7,7 +7,8 @@ aiohttp) hands the connection to aiohttp's protocol for the rest of its life
 
 The rules are aiohttp's (`http_guard`): a request's answers go out in order (the next request
 is read once the previous one is answered); its handler is a task, cancelled when the client
-disconnects; Content-Length past max_body_bytes is a 413 and a body not in within
+disconnects; a head without the API key (`api_key`) is a 401 and closes the connection, its
+body unread; Content-Length past max_body_bytes is a 413 and a body not in within
 body_timeout_s of its head a 408, both closing the connection; no whole request within
 idle_timeout_s of connecting or of the last answer closes it; HTTP/1.0 keeps the connection
 only on `Connection: keep-alive`, and streams without chunks, to the close. Each connection
@@ -26,6 +27,7 @@ from typing import Final, cast
 from aiohttp.http import SERVER_SOFTWARE
 from aiohttp.web_protocol import RequestHandler
 
+from dsv4_common.api.api_key import NO_API_KEY, ApiKeyRule
 from dsv4_common.api.http_rules import (
     BodyError,
     body_timeout,
@@ -36,6 +38,7 @@ from dsv4_common.api.http_rules import (
 from dsv4_router.busy_poll import BusyPoll
 from dsv4_router.client_head import ClientHead, parse_head
 from dsv4_router.errors import json_answer, upstream_message
+from dsv4_router.http_auth import unauthorized_answer
 from dsv4_router.http_guard import Guard, log_level
 from dsv4_router.reply import Headers, Incoming
 
@@ -58,11 +61,15 @@ class FastFront:
         guard: Guard,
         hand_off: Callable[[], RequestHandler],
         busy_poll: BusyPoll | None = None,
+        *,
+        auth: ApiKeyRule = NO_API_KEY,
     ) -> None:
         """`complete`: answers one completion (its body in, within the size limit);
         `hand_off`: a new aiohttp protocol for a connection this path does not serve;
-        `busy_poll`: kicked at each write (None: never spins)."""
+        `busy_poll`: kicked at each write (None: never spins); `auth`: the API key every
+        completion must carry (its paths always want it: `api_key`)."""
         self.complete = complete
+        self.auth = auth
         self.busy_poll = busy_poll if busy_poll is not None else BusyPoll(0.0)
         self.guard = guard
         self.limits = guard.limits
@@ -176,6 +183,9 @@ class FastConnection(asyncio.Protocol):
                 self._hand_off()
                 return
             head = parsed
+            if self._front.auth.enabled and not self._front.auth.allows(_authorization(head)):
+                self._unauthorized(head)
+                return
             try:
                 check_content_length(head.content_length, self._front.limits.max_body_bytes)
             except BodyError as exc:
@@ -242,6 +252,15 @@ class FastConnection(asyncio.Protocol):
         reply.answer(*json_answer(exc.status, exc.document()))
         log = self._front.guard.log
         log.log(log_level(exc.status, False), "%s -> %d: %s", _where(head), exc.status, exc)
+        if self._transport is not None:
+            self._transport.close()
+
+    def _unauthorized(self, head: ClientHead) -> None:
+        """401 before the body is read: answered and closed, the body unread."""
+        reply = FastReply(self, head)
+        reply.keep_alive = False
+        reply.answer(*unauthorized_answer(_authorization(head)))
+        self._front.guard.log.info("%s -> 401: %s", _where(head), upstream_message(reply.body))
         if self._transport is not None:
             self._transport.close()
 
@@ -402,6 +421,13 @@ class FastReply:
 
 def _fast(head: ClientHead) -> bool:
     return head.method == "POST" and head.path in FAST_PATHS
+
+
+def _authorization(head: ClientHead) -> bytes | None:
+    for name, value in head.headers:
+        if len(name) == 13 and name.lower() == b"authorization":
+            return value
+    return None
 
 
 def _where(head: ClientHead) -> str:

@@ -84,7 +84,9 @@ _HOP_HEADERS: Final = frozenset(
     }
 )
 # `expect`: the body is always sent at once (an interim 100 from the worker is skipped).
+# `authorization`: the client's credential is the router's to check; the router sends its own.
 _NOT_FORWARDED: Final = _HOP_HEADERS | {
+    "authorization",
     "host",
     "accept-encoding",
     "expect",
@@ -147,11 +149,13 @@ def request_head(
     prefill: Instance,
     body_bytes: int,
     request_id: str,
+    credential: bytes = b"",
 ) -> bytes:
     """The HTTP/1.1 request line and headers for the decode: the client's end-to-end headers
-    as they came (`headers`: raw pairs), its Host, the attempt's request id, the prefill's KV
-    address, the body length. The connection stays open (HTTP/1.1's default)."""
-    lines = [f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n".encode("latin-1")]
+    as they came (`headers`: raw pairs; never its Authorization), its Host, the router's own
+    `credential` (an Authorization line, or nothing), the attempt's request id, the prefill's
+    KV address, the body length. The connection stays open (HTTP/1.1's default)."""
+    lines = [f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n".encode("latin-1"), credential]
     lines += [
         name + b": " + value + b"\r\n"
         for name, value in headers
@@ -212,6 +216,10 @@ class Proxy:
         self._upstream = upstream
         self._clock = clock
         self._rules = (settings.liveness, settings.stall)  # the settings are frozen
+        credential = settings.auth.credential()
+        self._credential = (
+            b"" if credential is None else f"Authorization: {credential}\r\n".encode()
+        )
 
     async def completion(self, incoming: Incoming, reply: Reply) -> None:
         """Route one completion, answering through `reply`; counts its outcome once
@@ -274,6 +282,7 @@ class Proxy:
             pair.prefill.instance,
             len(body),
             request_id,
+            self._credential,
         )
         timeout_s = self._settings.first_byte_timeout_s
         liveness, stall = self._rules

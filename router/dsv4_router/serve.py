@@ -26,6 +26,7 @@ from typing import Final
 import aiohttp
 from aiohttp import web
 
+from dsv4_common.api.api_key import exposed_without_key
 from dsv4_common.api.http_rules import HttpLimits
 from dsv4_common.core.cpus import available_cpus
 from dsv4_router.app import RouterState, build_api_app, build_probe_app, fast_completion
@@ -35,6 +36,7 @@ from dsv4_router.config import ConfigError, RouterSettings, default_processes, s
 from dsv4_router.discovery import Discovery, Resolver, resolve_host
 from dsv4_router.drain import drain
 from dsv4_router.fast_path import FastFront
+from dsv4_router.http_auth import require_api_key
 from dsv4_router.http_guard import GUARD, make_runner, new_protocol
 from dsv4_router.http_listen import ListenError, bind, raise_fd_limit, serve_on
 from dsv4_router.metrics import RouterMetrics, SharedCounts
@@ -73,13 +75,17 @@ async def start_router(
     metrics = RouterMetrics(
         lambda: (table.records(), clock()), settings.liveness, counts=counts, process=process
     )
+    # The router's own key goes to the workers (their /status and API want it).
+    credential = settings.auth.credential()
+    upstream_headers = {"Authorization": credential} if credential is not None else None
     probe_session = aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=MAX_PROBE_CONNECTIONS)
+        connector=aiohttp.TCPConnector(limit=MAX_PROBE_CONNECTIONS), headers=upstream_headers
     )
     # No total timeout: a stream lasts as long as its generation.
     api_session = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s),
+        headers=upstream_headers,
     )
     busy_poll = BusyPoll(settings.busy_poll_s)
     upstream = Upstream(
@@ -107,10 +113,15 @@ async def start_router(
     try:
         if prebound is None:
             prebound = bind_router(settings)
-        api_port = await _listen(build_api_app(state), settings, prebound.api, runners, fast=state)
+        api_app = build_api_app(state)
+        # Without a status port of its own, the API port is the status port (`api_key`).
+        require_api_key(api_app, settings.auth, status_port=prebound.status is None)
+        api_port = await _listen(api_app, settings, prebound.api, runners, fast=state)
         status_port = None
         if prebound.status is not None:
-            status_port = await _listen(build_probe_app(state), settings, prebound.status, runners)
+            status_app = build_probe_app(state)
+            require_api_key(status_app, settings.auth, status_port=True)
+            status_port = await _listen(status_app, settings, prebound.status, runners)
         yield Listening(state, api_port, status_port)
     finally:
         for runner in reversed(runners):
@@ -190,6 +201,7 @@ async def _listen(
         app[GUARD],
         lambda: new_protocol(server),
         fast.busy_poll,
+        auth=fast.settings.auth,
     )
     return await serve_on(runner, sockets, fast=front)
 
@@ -264,6 +276,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"dsv4 serve: error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if (warning := exposed_without_key(settings.host, settings.auth)) is not None:
+        logging.getLogger(__name__).warning("%s", warning)  # once, whatever the processes
     raise_fd_limit()  # before the apps size their connection bound from it
     count = settings.processes or default_processes(available_cpus())
     settings = replace(settings, processes=count)

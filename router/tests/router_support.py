@@ -87,6 +87,7 @@ class Seen:
     body: bytes
     prefill: str | None  # the X-DSV4-Prefill header
     request_id: str | None = None  # the X-Request-Id header
+    authorization: str | None = None  # the Authorization header
 
 
 @dataclass
@@ -102,6 +103,8 @@ class StubWorker:
     gap_s: float = 0.05  # `trickle`: between events
     trickle_events: int = 20
     kv_port: int = field(default_factory=lambda: next(_kv_ports))
+    # Set: /status and the API want `Authorization: Bearer <api_key>` (401 otherwise).
+    api_key: str | None = None
     seen: list[Seen] = field(default_factory=list)
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
     http_port: int = 0
@@ -138,7 +141,7 @@ class StubWorker:
         return doc
 
     async def start(self) -> None:
-        app = web.Application()
+        app = web.Application(middlewares=[self._check_key])
         app.router.add_get("/status", self._status)
         app.router.add_get("/ready", self._ready)
         app.router.add_get("/v1/models", self._models)
@@ -161,6 +164,15 @@ class StubWorker:
         if self._runner is not None:
             await self._runner.cleanup()
 
+    @web.middleware
+    async def _check_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        wanted = None if self.api_key is None else f"Bearer {self.api_key}"
+        given = request.headers.get("Authorization")
+        if wanted is not None and request.path != "/ready" and given != wanted:
+            return web.json_response({"error": {"code": "invalid_api_key"}}, status=401)
+        response: web.StreamResponse = await handler(request)
+        return response
+
     async def _status(self, _: web.Request) -> web.Response:
         while self.status_hangs:
             await asyncio.sleep(0.01)
@@ -180,6 +192,7 @@ class StubWorker:
                 await request.read(),
                 headers.get("X-DSV4-Prefill"),
                 headers.get("X-Request-Id"),
+                headers.get("Authorization"),
             )
         )
         try:
@@ -310,7 +323,12 @@ async def routed(
         for worker in workers:
             await worker.start()
         settings = settings_for(prefills, decodes, **overrides)
-        async with start_router(settings) as listening, aiohttp.ClientSession() as client:
+        credential = settings.auth.credential()  # the harness's own requests carry the key
+        headers = {"Authorization": credential} if credential is not None else None
+        async with (
+            start_router(settings) as listening,
+            aiohttp.ClientSession(headers=headers) as client,
+        ):
             harness = Harness(client, f"http://127.0.0.1:{listening.api_port}", listening)
             if wait_eligible:
                 await harness.wait_state("eligible", *workers)

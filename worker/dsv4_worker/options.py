@@ -5,7 +5,7 @@ does not hold (the deployed form, `from_rank_config`: --device, --tokenizer, --s
 queue, HTTP and PD timeouts stay flags, and a flag given wins over the config's field where
 both exist). Every "the config's value, else the flag's" decision is here; `serve.build`
 reads only the options. Pure except `load_options`, which reads the rank config file and the
-pod's environment.
+pod's environment, and the API key's file (`--api-key-file`, the rank config's api_key_file).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from dsv4_common.api.api_key import NO_API_KEY, ApiKeyError, ApiKeyRule, resolve_api_key
 from dsv4_common.api.documents import DocumentError
 from dsv4_common.api.http_rules import HttpLimits, http_limits
 from dsv4_common.api.lifecycle import DRAIN_S
@@ -110,6 +111,7 @@ class ServeOptions:
     transfer_threads: int | None
     drain_timeout_s: float
     api: ApiOptions  # the OpenAI API's defaults (flags in both forms)
+    auth: ApiKeyRule = NO_API_KEY  # the API key clients must send (`dsv4_common.api.api_key`)
 
     @property
     def deployed(self) -> bool:
@@ -151,6 +153,7 @@ class ServeOptions:
             transfer_threads=args.transfer_threads,
             drain_timeout_s=args.drain_timeout_s or DRAIN_S,
             api=api_options(args),
+            auth=_auth(args, None, open_status=args.open_status),
         )
 
     @classmethod
@@ -204,6 +207,7 @@ class ServeOptions:
             transfer_threads=args.transfer_threads,
             drain_timeout_s=args.drain_timeout_s or DRAIN_S,
             api=api_options(args),
+            auth=_auth(args, config.api_key_file, open_status=True),  # the status port: open
         )
 
 
@@ -278,6 +282,22 @@ def _quick_pp(args: argparse.Namespace, host: str) -> PPSpec | None:
         timeout_s=args.pp_timeout_s,
         listen_host=host,  # rank 0 hosts the rendezvous on --host only
     )
+
+
+def _auth(
+    args: argparse.Namespace, configured_file: str | None, *, open_status: bool
+) -> ApiKeyRule:
+    """The API key: --api-key, --api-key-file, else the rank config's file (read here)."""
+    try:
+        key = resolve_api_key(
+            args.api_key,
+            args.api_key_file,
+            configured_file,
+            config_field="rank config api_key_file",
+        )
+    except ApiKeyError as exc:
+        raise ServeError(str(exc)) from exc
+    return ApiKeyRule(key, open_status=open_status)
 
 
 def _http(args: argparse.Namespace) -> HttpLimits:

@@ -12,7 +12,9 @@ prefill instances there (the router names one per request). The router role is
 
 The HTTP ports are bound before the tokenizer and the weights are read: a busy port or a bad
 `--host` exits 2 at once (`--port 0` takes a free port and prints it). The HTTP rules for
-clients (timeouts, body size, a connection bound) are `dsv4_router.http_guard`'s.
+clients (timeouts, body size, a connection bound) are `dsv4_router.http_guard`'s; with an API
+key (`--api-key-file`, the rank config's api_key_file) every path but the probes wants it
+(`dsv4_common.api.api_key`), and a worker listening beyond loopback without one says so once.
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ import torch
 from aiohttp import web
 from safetensors import SafetensorError
 
+from dsv4_common.api.api_key import exposed_without_key
 from dsv4_common.api.lifecycle import ABORT_GRACE_S, DRAIN_S
 from dsv4_common.api.worker_status import Threads, WorkerStatus
 from dsv4_common.core.model import DSV4Config, ModelConfig, ModelConfigError
 from dsv4_common.core.presets import PRESETS, load_model_config
 from dsv4_common.plan.inputs import PlanError
+from dsv4_router.http_auth import require_api_key
 from dsv4_router.http_guard import make_runner
 from dsv4_router.http_listen import ListenError, bind, raise_fd_limit, serve_on
 from dsv4_worker.build import Agent, wire
@@ -220,9 +224,14 @@ def build(opts: ServeOptions) -> Built:
     probes_only = role == "prefill" or pp_rank > 0
     app = build_status_app(runner, info, metrics, limits) if probes_only else None
     app = app or build_app(runner, tok, info, metrics, limits)
+    # The quick form's one port is its status port too (`dsv4_common.api.api_key`).
+    require_api_key(app, opts.auth, status_port=len(listeners) == 1)
+    if (warning := exposed_without_key(host, opts.auth)) is not None:
+        log.warning("%s", warning)
     if len(listeners) == 1:  # the quick form: the probes are on the API port
         return Built(runner, ((app, listeners[0]),), agent, info.drain)
     status_app = build_status_app(runner, info, metrics, limits)
+    require_api_key(status_app, opts.auth, status_port=True)
     return Built(runner, ((app, listeners[0]), (status_app, listeners[1])), agent, info.drain)
 
 

@@ -148,6 +148,9 @@ class RankConfig:
     # worker derives them. `dsv4 serve --max-queue-requests/--queue-timeout-s` override them.
     max_queue_requests: int | None = None
     queue_timeout_s: float | None = None
+    # The file holding the API key clients (the router) must send (`dsv4_common.api.api_key`);
+    # None: no key. `dsv4 serve --api-key/--api-key-file` override it.
+    api_key_file: str | None = None
 
     def plan_inputs(self, model: ModelConfig, device_memory_bytes: int | None = None) -> PlanInputs:
         """The planner inputs of this rank's group; `device_memory_bytes` replaces the planned
@@ -200,6 +203,9 @@ class RouterConfig:
     max_context_tokens: int
     transfer: Transfer
     roles: dict[str, RoleEndpoint]
+    # The file holding the API key: clients must send it, and the router sends it to the
+    # workers; None: no key.
+    api_key_file: str | None = None
 
 
 def planned_rank(rank: RankPlan) -> PlannedRank:
@@ -223,6 +229,7 @@ def build_rank_config(
     role_services: Mapping[WorkerRole, str],
     ports: WorkerPorts = DEFAULT_PORTS,
     torch_threads: int | None = None,
+    api_key_file: str | None = None,
 ) -> RankConfig:
     plan = memory.role(role)
     inputs = plan.inputs
@@ -266,6 +273,7 @@ def build_rank_config(
         peers=Peers(host_template=peers_host_template, pp_size=inputs.pp_size),
         role_services={r: role_services[r] for r in WORKER_ROLES},
         torch_threads=torch_threads,
+        api_key_file=api_key_file,
     )
 
 
@@ -275,6 +283,7 @@ def build_router_config(
     endpoints: Mapping[WorkerRole, RoleEndpoint],
     *,
     status_port: int = DEFAULT_PORTS.status,
+    api_key_file: str | None = None,
 ) -> RouterConfig:
     return RouterConfig(
         version=ROUTER_CONFIG_VERSION,
@@ -284,6 +293,7 @@ def build_router_config(
         max_context_tokens=spec.max_context_tokens,
         transfer=spec.kv.transfer,
         roles={r: endpoints[r] for r in WORKER_ROLES},
+        api_key_file=api_key_file,
     )
 
 

@@ -244,6 +244,36 @@ SERVE_FLAGS: Final = (
         reader="both",
     ),
     Flag(
+        "--api-key",
+        "clients must send `Authorization: Bearer KEY` on every path but /live, /health and "
+        "/ready (/metrics and /status: see --open-status); the router sends its own key to "
+        "the workers. Visible in the process list: prefer --api-key-file",
+        metavar="KEY",
+        group=HTTP,
+        reader="both",
+        operator="spec.apiKey",
+    ),
+    Flag(
+        "--api-key-file",
+        "--api-key read from this file (its surrounding whitespace dropped; default: the rank "
+        "or router config's api_key_file)",
+        metavar="PATH",
+        group=HTTP,
+        reader="both",
+        operator="spec.apiKey",
+    ),
+    Flag(
+        "--open-status",
+        "with an API key: /metrics and /status (the router's /instances too) answer without it "
+        "on the status port, which the quick form's one port is too (a --config-dir process "
+        "always serves its status port so; its API port always wants the key)",
+        switch=True,
+        default=False,
+        group=HTTP,
+        reader="both",
+        operator="spec.apiKey (a deployed status port is open, its API port wants the key)",
+    ),
+    Flag(
         "--transfer",
         "KV transfer backend of prefill and decode (default: nixl)",
         choices=("nixl", "zmq"),

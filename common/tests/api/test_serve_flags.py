@@ -24,7 +24,8 @@ from dsv4_common.api.serve_flags import (
 )
 
 # What `podtemplate.OWNED_FLAGS` held when it was written out by hand: the table must give the
-# operator exactly these flags, each with where to set it instead.
+# operator exactly these flags, each with where to set it instead (and the API key's, added
+# since: the operator mounts the key of spec.apiKey).
 OWNED_BEFORE_THE_TABLE = {
     "--role": "the pod's role",
     "--config-dir": "the mounted config",
@@ -45,6 +46,9 @@ OWNED_BEFORE_THE_TABLE = {
     "--pp-addr": "the group's Service",
     "--prefill": "the router config",
     "--instance": "the router config",
+    "--api-key": "spec.apiKey",
+    "--api-key-file": "spec.apiKey",
+    "--open-status": "spec.apiKey (a deployed status port is open, its API port wants the key)",
 }
 
 
