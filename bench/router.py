@@ -3,6 +3,7 @@ backend that answers at once (prints a table; not a test).
 
     .venv/bin/python bench/router.py [--rounds 3] [--window-s 1.5] [--json]
         [--sglang-python /tmp/sglr/bin/python | --no-sglang] [--variant NAME=PYTHONPATH ...]
+        [--api-key KEY]
 
 Processes, all on 127.0.0.1: the stub (`router_stub.py`: completions as JSON or SSE, the
 /status and /ready our router polls, the /health and info paths sglang-router asks), our
@@ -26,6 +27,8 @@ rotates every round so they share the machine's noise; figures are medians over 
   its writes by default (`--router-busy-poll-us`); `--busy-poll-us US` adds a target with US
   (`--busy-poll-us 0`: ours without it, in the same rounds). `--relay` adds a bare relay
   (`router_relay.py`: bytes both ways, nothing else), with and without busy polling.
+  `--api-key KEY` sends `Authorization: Bearer KEY` with every request and adds ours_key, our
+  router checking it (`dsv4_common.api.api_key`): ours_key / ours is what the check costs.
 
 Then ours / each other router, per round and medians. `--variant NAME=PYTHONPATH` adds our
 router run from another tree's package directories (e.g. the last commit's, extracted with
@@ -88,11 +91,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+AUTHORIZATION: dict[str, str] = {}  # `--api-key`: every request's Authorization header
+
+
 def _post_ok(port: int) -> bool:
     body = json.dumps({"model": "stub", "prompt": "hi", "max_tokens": 1})
     try:
         conn = http.client.HTTPConnection(HOST, port, timeout=5)
-        conn.request("POST", PATH, body=body, headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json", **AUTHORIZATION}
+        conn.request("POST", PATH, body=body, headers=headers)
         return conn.getresponse().status == 200
     except OSError:
         return False
@@ -164,6 +171,7 @@ def start_ours(
     pythonpath: str | None = None,
     processes: int | None = None,
     busy_poll_us: int | None = None,
+    api_key: str | None = None,
 ) -> Target:
     """`dsv4 serve --role router` in front of the stub; `pythonpath` first on its path (a
     variant: another tree's package directories); `processes`: its --router-processes (None:
@@ -176,6 +184,8 @@ def start_ours(
         argv += ["--router-processes", str(processes)]
     if busy_poll_us is not None:
         argv += ["--router-busy-poll-us", str(busy_poll_us)]
+    if api_key is not None:
+        argv += ["--api-key", api_key]
     argv += ["--instance", f"prefill={HOST}:{api}:{ports['prefill_status']}:1"]
     argv += ["--instance", f"decode={HOST}:{api}:{ports['decode_status']}:1"]
     env = dict(os.environ)
@@ -247,6 +257,7 @@ class Load:
     ) -> dict[str, Any]:
         command = {"port": target.port, "path": PATH, "connections": cell.connections}
         command |= {"stream": cell.stream, "warmup_s": warmup_s, "window_s": window_s}
+        command["authorization"] = AUTHORIZATION.get("Authorization")
         stdin, stdout = self.proc.stdin, self.proc.stdout
         assert stdin is not None and stdout is not None
         cpu_before_s = _cpu_s(target.pid) if target.pid is not None else 0.0
@@ -471,8 +482,16 @@ def main() -> int:
         help="also a bare relay (router_relay.py), as targets relay and relay_bp50 (busy "
         "polling 50 us): what any asyncio relay costs here",
     )
+    parser.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="every request (to every target) carries `Authorization: Bearer KEY`, and target "
+        "ours_key is our router with --api-key KEY: what checking the key costs",
+    )
     parser.add_argument("--json", action="store_true", help="also print a @bench-json line")
     args = parser.parse_args()
+    if args.api_key is not None:
+        AUTHORIZATION["Authorization"] = f"Bearer {args.api_key}"
     cells = _cells([int(c) for c in args.connections.split(",")], args.modes.split(","))
     missing = sglang_missing(None if args.no_sglang else args.sglang_python)
     print(f"load average at start: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}", flush=True)
@@ -484,6 +503,8 @@ def main() -> int:
         targets += [
             start_ours(procs, ports, f"ours_bp{us}", busy_poll_us=us) for us in args.busy_poll_us
         ]
+        if args.api_key is not None:
+            targets.append(start_ours(procs, ports, "ours_key", api_key=args.api_key))
         if args.relay:
             targets += [start_relay(procs, ports, us) for us in (0, 50)]
         if missing is None:

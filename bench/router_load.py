@@ -26,10 +26,11 @@ DONE: Final = b"data: [DONE]\n\n"
 PROMPT: Final = "The quick brown fox jumps over the lazy dog. " * 2
 
 
-def request_bytes(port: int, path: str, stream: bool) -> bytes:
+def request_bytes(port: int, path: str, stream: bool, authorization: str | None = None) -> bytes:
     body = json.dumps({"model": "stub", "prompt": PROMPT, "max_tokens": 3, "stream": stream})
+    credential = f"Authorization: {authorization}\r\n" if authorization else ""
     head = (
-        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{credential}"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     )
     return (head + body).encode()
@@ -152,7 +153,7 @@ class LoadProtocol(asyncio.Protocol):
 async def measure(command: dict[str, Any]) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     port, stream = int(command["port"]), bool(command["stream"])
-    request = request_bytes(port, str(command["path"]), stream)
+    request = request_bytes(port, str(command["path"]), stream, command.get("authorization"))
     rec = Recorder()
     protocols: list[LoadProtocol] = []
     for _ in range(int(command["connections"])):

@@ -44,6 +44,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="once ready, send one completion with this prompt, print it and stop",
     )
     p.add_argument("--max-tokens", type=bounded(POSITIVE_INT), default=16, help="with --request")
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="the API key every process wants (clients send Authorization: Bearer KEY); "
+        "required when the CR names spec.apiKey.secretRef (default: $DSV4_API_KEY)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

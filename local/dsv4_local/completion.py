@@ -30,15 +30,17 @@ class Completion:
 
 
 def request_completion(
-    router_url: str, prompt: str, max_tokens: int, timeout_s: float
+    router_url: str, prompt: str, max_tokens: int, timeout_s: float, api_key: bytes | None = None
 ) -> Completion:
+    """`api_key`: sent as `Authorization: Bearer` (the router wants it)."""
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
     parts = urlsplit(router_url)
     conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout_s)
+    headers = {"Content-Type": "application/json"}
+    if api_key is not None:
+        headers["Authorization"] = f"Bearer {api_key.decode('ascii')}"
     try:
-        conn.request(
-            "POST", COMPLETIONS_PATH, body=body, headers={"Content-Type": "application/json"}
-        )
+        conn.request("POST", COMPLETIONS_PATH, body=body, headers=headers)
         response = conn.getresponse()
         raw = response.read()
     except TimeoutError as exc:

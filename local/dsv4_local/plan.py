@@ -45,6 +45,7 @@ __all__ = [
 HOST: Final = "127.0.0.1"
 ROUTER: Final = "router"
 PORTS_PER_RANK: Final = 4  # http, status, pp, kv
+API_KEY_FILE_NAME: Final = "api-key"
 
 # (how many ports, ports it must not return) -> that many distinct free ports.
 PortAllocator = Callable[[int, frozenset[int]], tuple[int, ...]]
@@ -72,10 +73,17 @@ class LaunchPlan:
     processes: tuple[ProcessSpec, ...]  # start order: workers, then the router
     documents: dict[Path, dict[str, Any]]  # config file -> its JSON document
     router_url: str
+    # The API key every process wants (written to `api_key_path`, which every config names);
+    # None: no key.
+    api_key: bytes | None = None
 
     @property
     def log_dir(self) -> Path:
         return self.workdir / "logs"
+
+    @property
+    def api_key_path(self) -> Path:
+        return self.workdir / API_KEY_FILE_NAME
 
     @property
     def status_path(self) -> Path:
@@ -91,12 +99,15 @@ def build_launch_plan(
     allocate_ports: PortAllocator,
     python: str = sys.executable,
     cpus: float | None = None,
+    api_key: bytes | None = None,
 ) -> LaunchPlan:
     """`router_port`: None = the CR's `spec.router.port`, 0 = any free port. `cpus`: the
     cores this machine lends the deployment; every worker rank's rank config gets the torch
     threads of an equal share (None: each worker decides from all it sees, and they
-    oversubscribe)."""
+    oversubscribe). `api_key`: the key every process wants (the router sends it to the
+    workers), in WORKDIR/api-key, which every config names."""
     spec = deployment.spec
+    key_file = str(workdir / API_KEY_FILE_NAME) if api_key is not None else None
     fixed_port = spec.router.port if router_port is None else router_port
     groups = [
         (role, replica, spec.role(role).pipeline_parallel)
@@ -139,6 +150,7 @@ def build_launch_plan(
                 role_services={r: HOST for r in WORKER_ROLES},
                 ports=ports,
                 torch_threads=threads,
+                api_key_file=key_file,
             )
             processes.append(process)
             path = process.config_dir / rank_config_key(role, pp_rank)
@@ -149,7 +161,7 @@ def build_launch_plan(
     (status_port,) = _take(free, 1)
     api_port = fixed_port or _take(free, 1)[0]
     router_config = build_router_config(
-        spec, deployment.meta, _endpoints(instances), status_port=status_port
+        spec, deployment.meta, _endpoints(instances), status_port=status_port, api_key_file=key_file
     )
     router_config = dataclasses.replace(router_config, port=api_port)  # --port wins
     router = _router(workdir, python, status_port, api_port)
@@ -160,6 +172,7 @@ def build_launch_plan(
         processes=tuple(processes),
         documents=documents,
         router_url=f"http://{HOST}:{api_port}",
+        api_key=api_key,
     )
 
 

@@ -21,12 +21,14 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, TextIO
 
 import yaml
 
+from dsv4_common.api.api_key import API_KEY_ENV, ApiKeyError, parse_api_key, read_api_key_file
 from dsv4_common.api.deployment import MemoryPlanError
 from dsv4_common.api.spec import SpecError
 from dsv4_local.completion import Completion, CompletionError, request_completion
@@ -61,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         deployment = load_deployment(Path(args.file))
         _check_router_port(deployment, args.port)
+        api_key = local_api_key(deployment, getattr(args, "api_key_file", None), os.environ)
         workdir = _workdir(args.workdir)
         plan = build_launch_plan(
             deployment,
@@ -68,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
             router_port=args.port,
             allocate_ports=free_ports,
             cpus=len(os.sched_getaffinity(0)),  # shared out: the workers run side by side
+            api_key=api_key,
         )
         write_workdir(plan)
     except UpError as exc:
@@ -80,6 +84,26 @@ def run(args: argparse.Namespace) -> int:
     if args.request is not None:
         request = CompletionRequest(prompt=args.request, max_tokens=args.max_tokens)
     return launch(plan, timeout_s=args.timeout_s, request=request)
+
+
+def local_api_key(
+    deployment: Deployment, key_file: str | None, environ: Mapping[str, str]
+) -> bytes | None:
+    """The key the processes want: --api-key-file, else $DSV4_API_KEY; required when the CR
+    names a Secret (`spec.apiKey`), which `dsv4 up` cannot read."""
+    try:
+        if key_file is not None:
+            return read_api_key_file(key_file, "--api-key-file")
+        if (text := environ.get(API_KEY_ENV)) is not None:
+            return parse_api_key(text, API_KEY_ENV)
+    except ApiKeyError as exc:
+        raise UpError(str(exc)) from exc
+    if (ref := deployment.spec.api_key) is not None:
+        raise UpError(
+            f"spec.apiKey.secretRef: dsv4 up cannot read Secret {ref.name!r}; give its key "
+            f"with --api-key-file FILE or ${API_KEY_ENV}"
+        )
+    return None
 
 
 def load_deployment(path: Path) -> Deployment:
@@ -175,6 +199,8 @@ def format_ready(plan: LaunchPlan, ready_s: float) -> str:
         if p.api_url:
             lines.append(f"api:    {p.name:<{width}}  {p.api_url}  ({_serves(p)})")
         lines.append(f"status: {p.name:<{width}}  {p.status_url}")
+    if plan.api_key is not None:
+        lines.append(f"api key: every API wants it ({plan.api_key_path}; probes need none)")
     lines.append(f"logs: {plan.log_dir}")
     lines.append(f"supervisor status: {plan.status_path}")
     return "\n".join(lines)
@@ -203,7 +229,11 @@ def _send(
         try:
             results.append(
                 request_completion(
-                    plan.router_url, request.prompt, request.max_tokens, request.timeout_s
+                    plan.router_url,
+                    request.prompt,
+                    request.max_tokens,
+                    request.timeout_s,
+                    plan.api_key,
                 )
             )
         except CompletionError as exc:

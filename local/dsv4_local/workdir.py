@@ -3,6 +3,7 @@ plan at its path, and an empty log directory.
 
     WORKDIR/<role>-<replica>/<role>-rank-<pp>.json   rank configs of one worker group
     WORKDIR/router/router.json                      the router config
+    WORKDIR/api-key                                 the API key (with one; mode 0600)
     WORKDIR/logs/<process>.log                      stdout + stderr of each process (a
                                                     restart appends, after a marker line)
     WORKDIR/status.json                             every unit's state, pids and restarts
@@ -12,6 +13,7 @@ plan at its path, and an empty log directory.
 from __future__ import annotations
 
 import json
+import os
 
 from dsv4_local.plan import LaunchPlan
 
@@ -24,3 +26,7 @@ def write_workdir(plan: LaunchPlan) -> None:
     for path, document in plan.documents.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
+    if plan.api_key is not None:  # readable by this user only, from its first byte
+        fd = os.open(plan.api_key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(plan.api_key + b"\n")

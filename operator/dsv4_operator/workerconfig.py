@@ -14,6 +14,7 @@ from typing import Any, Final
 
 from dsv4_common.api.deployment import MemoryPlan
 from dsv4_common.api.rank_config import (
+    API_KEY_FILE,
     CONFIG_DIR,
     DEFAULT_PORTS,
     ROUTER_CONFIG_KEY,
@@ -59,8 +60,14 @@ def rank_config(
         peers_host_template="{group}-{rank}.{group}." + f"{meta.namespace}.svc",
         role_services={r: _service_host(meta, r) for r in WORKER_ROLES},
         torch_threads=torch_threads,
+        api_key_file=api_key_file(spec),
     )
     return rank_config_to_dict(config)
+
+
+def api_key_file(spec: DeploymentSpec) -> str | None:
+    """Where the pods read the API key (`workloads` mounts the Secret there); None: no key."""
+    return API_KEY_FILE if spec.api_key is not None else None
 
 
 def router_config(spec: DeploymentSpec, meta: DeploymentMeta) -> dict[str, Any]:
@@ -71,7 +78,8 @@ def router_config(spec: DeploymentSpec, meta: DeploymentMeta) -> dict[str, Any]:
         )
         for r in WORKER_ROLES
     }
-    return router_config_to_dict(build_router_config(spec, meta, endpoints))
+    config = build_router_config(spec, meta, endpoints, api_key_file=api_key_file(spec))
+    return router_config_to_dict(config)
 
 
 def _dump(doc: dict[str, Any]) -> str:

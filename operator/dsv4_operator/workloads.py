@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from dsv4_common.api.names import GPU_RESOURCE
-from dsv4_common.api.rank_config import MODEL_CONFIG_DIR
+from dsv4_common.api.rank_config import API_KEY_DIR, MODEL_CONFIG_DIR
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec
 from dsv4_common.core.units import GIB
 from dsv4_common.plan.planner import Plan
@@ -27,6 +27,11 @@ from dsv4_operator.quantities import quantity
 from dsv4_operator.workerconfig import CONFIG_DIR, WORKER_PORTS
 
 RUN_AS_USER: Final = 10001  # the images' non-root user (Dockerfile.worker)
+# spec.apiKey's Secret key, mounted as API_KEY_DIR/API_KEY_FILE_NAME (the rank config's file),
+# readable by the pod's group (fsGroup) only.
+API_KEY_VOLUME: Final = "api-key"
+API_KEY_FILE_NAME: Final = "api-key"
+API_KEY_MODE: Final = 0o440
 DEFAULT_WORKER_IMAGE: Final = "ghcr.io/dsv4-serve/worker:0.1.0"
 # CPU mode: requests/limits for worker pods (the planner budgets CPU_MODE_MEMORY_BYTES of it).
 CPU_MODE_REQUESTS: Final = {"cpu": "500m", "memory": "1536Mi"}
@@ -164,6 +169,13 @@ def _volumes(
         item = {"key": ref.key, "path": f"{ref.name}/config.json"}
         volumes.append({"name": "model-config", "configMap": {"name": ref.name, "items": [item]}})
         mounts.append({"name": "model-config", "mountPath": MODEL_CONFIG_DIR, "readOnly": True})
+    if (key := spec.api_key) is not None:
+        # The kubelet mounts the key (the operator never reads the Secret); the pod waits
+        # while the Secret or its key is missing, rather than serving without a key.
+        item = {"key": key.key, "path": API_KEY_FILE_NAME}
+        secret = {"secretName": key.name, "items": [item], "defaultMode": API_KEY_MODE}
+        volumes.append({"name": API_KEY_VOLUME, "secret": secret})
+        mounts.append({"name": API_KEY_VOLUME, "mountPath": API_KEY_DIR, "readOnly": True})
     return volumes, mounts
 
 
@@ -265,10 +277,11 @@ def router_pod_template(
 ) -> Obj:
     """The router's pod template around the engine's `router` container (`flavors`)."""
     pod = _pod_spec(meta, spec, container, gpu=False, tmp_limit=tmp_limit)
-    # The router needs the config only (no weights, little shared memory).
-    pod["volumes"] = [v for v in pod["volumes"] if v["name"] in ("config", "tmp")]
+    # The router needs the config (and the API key) only: no weights, little shared memory.
+    kept = ("config", "tmp", API_KEY_VOLUME)
+    pod["volumes"] = [v for v in pod["volumes"] if v["name"] in kept]
     pod["containers"][0]["volumeMounts"] = [
-        m for m in pod["containers"][0]["volumeMounts"] if m["name"] in ("config", "tmp")
+        m for m in pod["containers"][0]["volumeMounts"] if m["name"] in kept
     ]
     return {"metadata": {"labels": L.component_labels(meta.name, "router")}, "spec": pod}
 

@@ -123,6 +123,9 @@ PREDICATES: dict[tuple[str, str], Callable[[Any], bool]] = {
     ("spec", "self.engine.name != 'sglang' || self.speculativeDraftTokens == 0"): lambda s: (
         not _sglang(s) or s["speculativeDraftTokens"] == 0
     ),
+    ("spec", "self.engine.name != 'sglang' || !has(self.apiKey)"): lambda s: (
+        not _sglang(s) or "apiKey" not in s
+    ),
     (
         "spec",
         "self.engine.name != 'sglang' || self.decode.pipelineParallel == 1 || "

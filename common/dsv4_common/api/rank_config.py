@@ -38,6 +38,10 @@ ROUTER_CONFIG_KEY: Final = "router.json"
 # worker names the model after the ConfigMap, as the operator's plan does); beside CONFIG_DIR,
 # not inside it: a mount point cannot be made in a read-only ConfigMap volume.
 MODEL_CONFIG_DIR: Final = "/etc/dsv4-model"
+# Where pods mount the API key of `spec.apiKey.secretRef` (the Secret's key as API_KEY_FILE): the
+# rank and router configs' `api_key_file`.
+API_KEY_DIR: Final = "/etc/dsv4-api-key"
+API_KEY_FILE: Final = f"{API_KEY_DIR}/api-key"
 # Only this PP rank of a group takes requests; its /ready means "the whole group is up".
 SERVING_RANK: Final = 0
 

@@ -60,6 +60,7 @@ _CONFIG_MAP_NAME = re.compile(rf"^{_DNS_SUBDOMAIN}$")
 _CONFIG_MAP_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 _SERVED_NAME = re.compile(r"^\S+$")
 DEFAULT_CONFIG_MAP_KEY = "config.json"
+DEFAULT_API_KEY_KEY = "api-key"
 
 # A partial PodTemplateSpec (`metadata.labels/annotations`, `spec`), a plain mapping: its shape
 # is checked here as the CRD checks it; what it may set, and how it merges into the pods the
@@ -79,6 +80,15 @@ class ConfigMapRef:
 
     name: str
     key: str = DEFAULT_CONFIG_MAP_KEY
+
+
+@dataclass(frozen=True, slots=True)
+class SecretKeyRef:
+    """A key of a Secret in the CR's own namespace (the kubelet mounts it; the operator never
+    reads it)."""
+
+    name: str
+    key: str = DEFAULT_API_KEY_KEY
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +230,8 @@ class DeploymentSpec:
     scheduling: SchedulingSpec = SchedulingSpec()
     group_restarts: GroupRestartSpec = GroupRestartSpec()
     engine: EngineSpec = EngineSpec()
+    # The API key clients (and the router, to the workers) must send; None: no key.
+    api_key: SecretKeyRef | None = None
 
     def role(self, role: WorkerRole) -> RoleSpec:
         return self.prefill if role == "prefill" else self.decode
@@ -266,7 +278,7 @@ def parse_spec(body: Mapping[str, Any]) -> DeploymentSpec:
         "spec",
         {"model", "maxContextTokens", "gpu", "kv", "prefill", "decode", "router"}
         | {"speculativeDraftTokens", "memFraction", "image", "resources", "scheduling"}
-        | {"groupRestarts", "engine"},
+        | {"groupRestarts", "engine", "apiKey"},
     )
     model = _model(r, spec.get("model"))
     max_context = r.integer(spec, "maxContextTokens", "spec", None, 1, 16_777_216, required=True)
@@ -287,6 +299,7 @@ def parse_spec(body: Mapping[str, Any]) -> DeploymentSpec:
     scheduling = _scheduling(r, spec.get("scheduling"))
     group_restarts = _group_restarts(r, spec.get("groupRestarts"))
     engine = _engine(r, spec.get("engine"))
+    api_key = _api_key(r, spec.get("apiKey"))
 
     # Cross-field rules (the CRD's CEL rules say the same).
     cpu_model = model is not None and (
@@ -308,6 +321,8 @@ def parse_spec(body: Mapping[str, Any]) -> DeploymentSpec:
                 f"tensor-parallel group, got {role_spec.tensor_parallel}",
             )
     _engine_rules(r, engine, gpu, kv, roles, image, model, draft)
+    if engine.sglang and api_key is not None:
+        r.fail("spec.apiKey", "not supported with engine.name sglang (only our engine checks it)")
     r.raise_if_any()
     assert model is not None and max_context is not None
     return DeploymentSpec(
@@ -325,7 +340,43 @@ def parse_spec(body: Mapping[str, Any]) -> DeploymentSpec:
         scheduling=scheduling,
         group_restarts=group_restarts,
         engine=engine,
+        api_key=api_key,
     )
+
+
+def _api_key(r: FieldReader, raw: object) -> SecretKeyRef | None:
+    """`{secretRef: {name, key}}`: a Secret in the CR's own namespace."""
+    if raw is None:
+        return None
+    path = "spec.apiKey"
+    m = r.obj(raw, path)
+    r.keys(m, path, {"secretRef"})
+    if m.get("secretRef") is None:
+        r.fail(f"{path}.secretRef", "required")
+        return None
+    ref = r.obj(m["secretRef"], f"{path}.secretRef")
+    r.keys(ref, f"{path}.secretRef", {"name", "key"})
+    if ref.get("name") is None:
+        r.fail(f"{path}.secretRef.name", "required")
+    name = r.string(
+        ref,
+        "name",
+        f"{path}.secretRef",
+        max_length=253,
+        pattern=_CONFIG_MAP_NAME,
+        pattern_hint="must be a Secret name (a DNS subdomain)",
+    )
+    key = r.string(
+        ref,
+        "key",
+        f"{path}.secretRef",
+        max_length=253,
+        pattern=_CONFIG_MAP_KEY,
+        pattern_hint="must be a Secret data key (letters, digits, '-', '_', '.')",
+    )
+    if name is None:
+        return None
+    return SecretKeyRef(name=name, key=key or DEFAULT_API_KEY_KEY)
 
 
 def _engine(r: FieldReader, raw: object) -> EngineSpec:

@@ -1,5 +1,7 @@
 """Every object the operator renders from the committed samples (those it can plan without a
-cluster: a `configMapRef` or a `configPath` absent here is skipped)."""
+cluster: a `configMapRef` or a `configPath` absent here is skipped), and from tiny-cpu.yaml with
+fields no committed sample sets (an API key's Secret: a sample with one would need the key to
+run under `dsv4 up`)."""
 
 from __future__ import annotations
 
@@ -23,3 +25,7 @@ def rendered_objects() -> Iterator[dict[str, Any]]:
                 yield from desired_state_for(doc).objects
             except (SpecError, MemoryPlanError):
                 continue  # needs the cluster (a ConfigMap) or a local config.json
+    tiny = yaml.safe_load((SAMPLES / "tiny-cpu.yaml").read_text())
+    tiny["metadata"]["name"] = "tiny-keyed"
+    tiny["spec"]["apiKey"] = {"secretRef": {"name": "tiny-api-key"}}
+    yield from desired_state_for(tiny).objects
