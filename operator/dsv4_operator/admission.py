@@ -132,6 +132,8 @@ def review(
             memory,
             default_image=config.default_image,
             metrics_scrape_namespace=config.metrics_scrape_namespace,
+            operator_namespace=config.operator_namespace,
+            pod_security=config.pod_security,
         )
     except SpecError as exc:
         return _refuse("InvalidSpec", exc)

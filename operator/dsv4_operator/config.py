@@ -5,6 +5,11 @@ Environment (set by the Helm chart):
   DSV4_WORKER_IMAGE   default worker image when a CR sets no spec.image
   DSV4_METRICS_SCRAPE_NAMESPACE  namespace whose pods (Prometheus) each CR's NetworkPolicy
                       lets scrape the workers' metrics port; empty or unset = none
+  DSV4_OPERATOR_NAMESPACE  the operator's own namespace (the downward API): each CR's
+                      NetworkPolicies admit the operator's pods from there only
+                      (default dsv4-system, the chart's documented one)
+  DSV4_POD_SECURITY_LEVEL  the Pod Security Standard a podTemplate's containers and volumes
+                      are held to: restricted (default), baseline or privileged
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
+from dsv4_operator.manifests import DEFAULT_OPERATOR_NAMESPACE
+from dsv4_operator.pod_security import DEFAULT_LEVEL, Level, parse_level
 from dsv4_operator.workloads import DEFAULT_WORKER_IMAGE
 
 
@@ -20,12 +27,18 @@ from dsv4_operator.workloads import DEFAULT_WORKER_IMAGE
 class OperatorConfig:
     default_image: str = DEFAULT_WORKER_IMAGE
     metrics_scrape_namespace: str = ""  # "" = no scrape rule in the NetworkPolicy
+    operator_namespace: str = DEFAULT_OPERATOR_NAMESPACE
+    pod_security: Level = DEFAULT_LEVEL
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> OperatorConfig:
+        """ValueError (naming the variable) for a level that is not one."""
+        level = env.get("DSV4_POD_SECURITY_LEVEL") or DEFAULT_LEVEL
         return cls(
             default_image=env.get("DSV4_WORKER_IMAGE") or DEFAULT_WORKER_IMAGE,
             metrics_scrape_namespace=env.get("DSV4_METRICS_SCRAPE_NAMESPACE", ""),
+            operator_namespace=env.get("DSV4_OPERATOR_NAMESPACE") or DEFAULT_OPERATOR_NAMESPACE,
+            pod_security=parse_level(level, "DSV4_POD_SECURITY_LEVEL"),
         )
 
 

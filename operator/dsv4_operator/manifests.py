@@ -6,13 +6,16 @@ The pod-bearing kinds (StatefulSet, Deployment) live in `workloads.py`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 from dsv4_common.api.spec import DeploymentMeta
 from dsv4_operator import labels as L
 from dsv4_operator.workerconfig import HTTP_PORT, STATUS_PORT, WORKER_PORTS
 
 Obj = dict[str, Any]
+# Where the chart installs the operator (its README's namespace): the NetworkPolicies' default
+# when the operator's own namespace is not known (`dsv4 render`).
+DEFAULT_OPERATOR_NAMESPACE: Final = "dsv4-system"
 
 
 def owner_reference(meta: DeploymentMeta) -> Obj:
@@ -152,22 +155,27 @@ def metrics_ingress(scrape_namespace: str, *, port: str = "status") -> list[Obj]
     ]
 
 
-def operator_ingress(port: int | str) -> Obj:
-    """The operator's pods (any namespace) on `port`."""
+def operator_ingress(port: int | str, operator_namespace: str) -> Obj:
+    """The operator's pods, in the operator's own namespace only, on `port`. (The pod label
+    alone would admit any pod that carries it; only a cluster admin places pods there.)"""
+    namespace = {"matchLabels": {L.NAMESPACE_NAME_LABEL: operator_namespace}}
+    pods = {"matchLabels": dict(L.OPERATOR_POD_LABELS)}
     return {
-        "from": [
-            {"namespaceSelector": {}, "podSelector": {"matchLabels": dict(L.OPERATOR_POD_LABELS)}}
-        ],
+        "from": [{"namespaceSelector": namespace, "podSelector": pods}],
         "ports": [{"protocol": "TCP", "port": port}],
     }
 
 
 def build_network_policy(
-    meta: DeploymentMeta, scrape_namespace: str = "", *, observed_port: str = "status"
+    meta: DeploymentMeta,
+    scrape_namespace: str = "",
+    *,
+    observed_port: str = "status",
+    operator_namespace: str = DEFAULT_OPERATOR_NAMESPACE,
 ) -> Obj:
     """Worker ingress: peer workers of this deployment on any port (PP activations and KV
     transfer; UCX/NIXL data paths use ephemeral ports), the router on the serving and status
-    ports, the operator (any namespace) on the port it observes and, when given, the metrics
+    ports, the operator (from its namespace) on the port it observes and, when given, the metrics
     scrapers' namespace (`metrics_ingress`). Everything else is denied. The operator and the
     scrapers get `observed_port` (a worker port name, the engine flavor's: `status`, 8081, on
     every rank of our worker; `http`, 8080, on PP rank 0 of SGLang's)."""
@@ -187,15 +195,20 @@ def build_network_policy(
                     {"protocol": "TCP", "port": STATUS_PORT},
                 ],
             },
-            operator_ingress(observed_number),
+            operator_ingress(observed_number, operator_namespace),
             *metrics_ingress(scrape_namespace, port=observed_port),
         ],
     )
 
 
-def build_router_network_policy(meta: DeploymentMeta, scrape_namespace: str = "") -> Obj:
-    """Router ingress: clients from anywhere on the serving port (`http`), the operator (any
-    namespace) and the metrics scrapers' namespace (when given) on `status` (/status,
+def build_router_network_policy(
+    meta: DeploymentMeta,
+    scrape_namespace: str = "",
+    *,
+    operator_namespace: str = DEFAULT_OPERATOR_NAMESPACE,
+) -> Obj:
+    """Router ingress: clients from anywhere on the serving port (`http`), the operator (from
+    its namespace) and the metrics scrapers' namespace (when given) on `status` (/status,
     /metrics). Everything else is denied."""
     return _ingress_policy(
         meta,
@@ -203,7 +216,7 @@ def build_router_network_policy(meta: DeploymentMeta, scrape_namespace: str = ""
         "router",
         [
             {"ports": [{"protocol": "TCP", "port": "http"}]},
-            operator_ingress("status"),
+            operator_ingress("status", operator_namespace),
             *metrics_ingress(scrape_namespace),  # the router's /metrics is on `status`
         ],
     )

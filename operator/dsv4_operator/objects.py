@@ -19,11 +19,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dsv4_common.api.deployment import MemoryPlan
+from dsv4_common.api.object_rules import MAX_OBJECT_BYTES
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec, PodTemplate, SpecError
 from dsv4_operator import labels as L
 from dsv4_operator.flavors import flavor_of
 from dsv4_operator.gang import POD_GROUP_KINDS, build_pod_group
 from dsv4_operator.manifests import (
+    DEFAULT_OPERATOR_NAMESPACE,
     Obj,
     build_config_map,
     build_group_service,
@@ -34,6 +36,7 @@ from dsv4_operator.manifests import (
     build_router_service,
     build_service_account,
 )
+from dsv4_operator.pod_security import DEFAULT_LEVEL, Level
 from dsv4_operator.podtemplate import merge_pod_template
 from dsv4_operator.workerconfig import ROUTER_CONFIG_KEY, config_data, role_config_data
 from dsv4_operator.workloads import (
@@ -125,15 +128,26 @@ def build_desired_state(
     default_image: str = DEFAULT_WORKER_IMAGE,
     metrics_scrape_namespace: str = "",
     model_config_hash: str | None = None,  # of a configMapRef's config.json: rolls workers
+    operator_namespace: str = DEFAULT_OPERATOR_NAMESPACE,
+    pod_security: Level = DEFAULT_LEVEL,
 ) -> DesiredState:
+    """`operator_namespace`: where the NetworkPolicies admit the operator from;
+    `pod_security`: the level the podTemplates' containers and volumes are held to."""
     flavor = flavor_of(spec)
     image = flavor.worker_image(spec, default_image)
     data = config_data(spec, meta, memory, worker_torch_threads(spec))
     objects: list[Obj] = [
         build_service_account(meta),
         build_config_map(meta, data),
-        build_network_policy(meta, metrics_scrape_namespace, observed_port=flavor.observed_port),
-        build_router_network_policy(meta, metrics_scrape_namespace),
+        build_network_policy(
+            meta,
+            metrics_scrape_namespace,
+            observed_port=flavor.observed_port,
+            operator_namespace=operator_namespace,
+        ),
+        build_router_network_policy(
+            meta, metrics_scrape_namespace, operator_namespace=operator_namespace
+        ),
     ]
     hashes: dict[str, str] = {}
     workloads: list[Obj] = []
@@ -144,17 +158,25 @@ def build_desired_state(
         """The base template with the role's podTemplate merged in (errors collected)."""
         main: L.Component = "router" if role == "router" else "worker"
         try:
-            return merge_pod_template(
+            template = merge_pod_template(
                 base,
                 user,
                 path=f"spec.{role}.podTemplate",
                 main=main,
                 default_requests=defaults,
                 args_refused=flavor.args_refused(main),
+                pod_security=pod_security,
             )
         except SpecError as exc:
             errors.extend(e for e in exc.errors if e not in errors)
             return base
+        size = len(json.dumps(template).encode())
+        if size > MAX_OBJECT_BYTES and not any(e.startswith(f"spec.{role}.") for e in errors):
+            errors.append(
+                f"spec.{role}.podTemplate: the pod template would be {size} bytes; a workload "
+                f"past {MAX_OBJECT_BYTES} bytes is never stored (etcd's request limit)"
+            )
+        return template
 
     for role in L.WORKER_ROLES:
         objects.append(build_role_service(meta, role))

@@ -37,11 +37,25 @@ from typing import Any, Final
 
 from dsv4_common.api.errors import SpecError
 from dsv4_common.api.names import GPU_RESOURCE
+from dsv4_common.api.object_rules import (
+    annotations_error,
+    dns1123_label_error,
+    env_name_error,
+    image_error,
+)
 from dsv4_common.api.serve_flags import operator_owned
 from dsv4_common.api.spec import PodTemplate
 from dsv4_operator import labels as L
 from dsv4_operator.gang import COSCHEDULING_GROUP_LABEL, VOLCANO_GROUP_ANNOTATION
 from dsv4_operator.manifests import Obj
+from dsv4_operator.pod_security import (
+    DEFAULT_LEVEL,
+    Level,
+    annotation_errors,
+    container_errors,
+    harden,
+    volume_errors,
+)
 from dsv4_operator.quantities import quantity
 
 # Pod fields the operator sets: refused. The others it knows how to merge are below.
@@ -89,13 +103,15 @@ def merge_pod_template(
     main: str,
     default_requests: Mapping[str, str] | None = None,
     args_refused: str | None = None,
+    pod_security: Level = DEFAULT_LEVEL,
 ) -> Obj:
     """`base` (generated; left unchanged) with `user` merged in. `default_requests` go to the
     main container for each resource the user sets neither a request nor a limit for; its
     memory limit defaults to `default_memory_limit`.
-    `args_refused`: why the main container takes no `args` (engine sglang), if it takes none."""
+    `args_refused`: why the main container takes no `args` (engine sglang), if it takes none.
+    `pod_security`: the level the containers and volumes `user` adds are held to."""
     out = copy.deepcopy(base)
-    merger = _Merger(path, args_refused)
+    merger = _Merger(path, args_refused, pod_security)
     if user:
         merger.metadata(out["metadata"], user.get("metadata") or {})
         merger.pod_spec(out["spec"], user.get("spec") or {}, main)
@@ -154,9 +170,12 @@ def _named(items: list[Obj], name: str) -> Obj:
 class _Merger:
     """Merges one user template section by section, recording an error per refused field."""
 
-    def __init__(self, path: str, args_refused: str | None = None) -> None:
+    def __init__(
+        self, path: str, args_refused: str | None = None, level: Level = DEFAULT_LEVEL
+    ) -> None:
         self.path = path
         self.args_refused = args_refused
+        self.level = level
         self.errors: list[str] = []
 
     def fail(self, where: str, message: str) -> None:
@@ -217,6 +236,10 @@ class _Merger:
                     self.fail(f"{where}[{k}]", "owned by the operator")
                 else:
                     out.setdefault(key, {})[k] = v
+            if key == "annotations":
+                self.errors.extend(annotation_errors(out.get(key, {}), where, self.level))
+                if (why := annotations_error(out.get(key, {}))) is not None:
+                    self.fail(where, f"the pod's annotations (the operator's and these) {why}")
 
     # --- pod spec ----------------------------------------------------------------------------
     def pod_spec(self, out: Obj, user: Mapping[str, Any], main: str) -> None:
@@ -231,6 +254,7 @@ class _Merger:
             "schedulerName": self._scalar,
             "imagePullSecrets": self._pull_secrets,
             "volumes": self._volumes,  # before containers: mounts must name a volume
+            "initContainers": self._init_containers,
             "containers": lambda o, v, w: self._containers(o, v, w, main),
         }
         for key in sorted(set(user) - set(mergers)):
@@ -310,6 +334,10 @@ class _Merger:
                 self.fail(f"{where}[{name}]", "name clash with a volume the operator generates")
             elif any(v["name"] == name for v in mine):
                 self.fail(f"{where}[{name}]", "duplicate volume name")
+            elif (why := dns1123_label_error(name)) is not None:
+                self.fail(f"{where}[{name}].name", why)
+            elif refused := volume_errors(volume, f"{where}[{name}]", self.level):
+                self.errors.extend(refused)
             else:
                 mine.append(volume)
 
@@ -326,8 +354,39 @@ class _Merger:
                 self._main(_named(out["containers"], main), container, f"{where}[{name}]", out)
             elif any(c["name"] == name for c in out["containers"]):
                 self.fail(f"{where}[{name}]", "owned by the operator")
-            elif self._string(container.get("image"), f"{where}[{name}].image") is not None:
-                out["containers"].append(container)  # a sidecar, as written
+            elif (added := self._added(container, f"{where}[{name}]")) is not None:
+                out["containers"].append(added)  # a sidecar
+
+    def _init_containers(self, out: Obj, value: object, where: str) -> None:
+        """Appended (the operator runs none); native sidecars (restartPolicy Always) too."""
+        names = {c["name"] for c in out["containers"]}
+        for container in self._objects(value, where, named=True):
+            name = container["name"]
+            if name in names:
+                self.fail(f"{where}[{name}]", "duplicate container name")
+                continue
+            names.add(name)
+            if (added := self._added(container, f"{where}[{name}]")) is not None:
+                out.setdefault("initContainers", []).append(added)
+
+    def _added(self, container: Obj, where: str) -> Obj | None:
+        """A container the user adds, as written but held to the pod security level (and
+        hardened where `restricted` wants it explicit); None when refused."""
+        before = len(self.errors)
+        if (why := dns1123_label_error(container["name"])) is not None:
+            self.fail(f"{where}.name", why)
+        image = self._string(container.get("image"), f"{where}.image")
+        if image is not None and (why := image_error(image)) is not None:
+            self.fail(f"{where}.image", why)
+        self._env_names(container.get("env"), f"{where}.env")
+        self.errors.extend(container_errors(container, where, self.level))
+        return harden(container, self.level) if len(self.errors) == before else None
+
+    def _env_names(self, env: object, where: str) -> None:
+        for item in env if isinstance(env, list) else []:
+            name = item.get("name") if isinstance(item, Mapping) else None
+            if isinstance(name, str) and (why := env_name_error(name)) is not None:
+                self.fail(f"{where}[{name}]", why)
 
     def _main(self, out: Obj, user: Obj, where: str, pod: Obj) -> None:
         for key in sorted(set(user) - {"name", *MAIN_CONTAINER_FIELDS}):
@@ -342,6 +401,7 @@ class _Merger:
             self._args(out, user["args"], f"{where}.args")
         if "env" in user:
             names = {e["name"] for e in out.get("env", [])}
+            self._env_names(user["env"], f"{where}.env")
             for env in self._objects(user["env"], f"{where}.env", named=True):
                 if env["name"] in names:
                     self.fail(f"{where}.env[{env['name']}]", "set by the operator")

@@ -143,6 +143,8 @@ def reconcile(
             memory,
             default_image=config.default_image,
             metrics_scrape_namespace=config.metrics_scrape_namespace,
+            operator_namespace=config.operator_namespace,
+            pod_security=config.pod_security,
             model_config_hash=model.config_hash,
         )
     except SpecError as exc:

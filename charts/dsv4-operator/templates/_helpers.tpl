@@ -105,3 +105,16 @@ repository@digest when a digest is given, else repository:tag (default tag: appV
 {{- define "dsv4-operator.webhookSecret" -}}
 {{- printf "%s-webhook-tls" (include "dsv4-operator.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
+
+{{/* podSecurity.level, checked: one of the three, and the CRD's rules must be able to follow it
+(the crds/ copy holds restricted's: another level needs the templated CRD, crds.manage). */}}
+{{- define "dsv4-operator.podSecurityLevel" -}}
+{{- $level := .Values.podSecurity.level | toString -}}
+{{- if not (has $level (list "restricted" "baseline" "privileged")) -}}
+{{- fail (printf "podSecurity.level must be restricted, baseline or privileged, got %q" $level) -}}
+{{- end -}}
+{{- if and (ne $level "restricted") (not .Values.crds.manage) -}}
+{{- fail (printf "podSecurity.level=%s needs crds.manage=true: the CRD in crds/ holds the rules of restricted, and Helm never templates crds/ (install with --skip-crds, see README.md)" $level) -}}
+{{- end -}}
+{{- $level -}}
+{{- end -}}

@@ -44,6 +44,7 @@ from dsv4_common.api.names import (
     WorkerRole,
     name_error,
 )
+from dsv4_common.api.object_rules import MAX_IMAGE_CHARS, image_error
 from dsv4_common.core.gpus import GPU_TYPE_NAMES, gpu_type
 from dsv4_common.core.units import GIB
 
@@ -294,7 +295,7 @@ def parse_spec(body: Mapping[str, Any]) -> DeploymentSpec:
     )
     draft = r.integer(spec, "speculativeDraftTokens", "spec", 0, 0, 16) or 0
     mem_fraction = r.number(spec, "memFraction", "spec", 0.05, 1.0)
-    image = r.string(spec, "image", "spec", max_length=512)
+    image = _image(r, spec, "image", "spec")
     resources = _resources(r, spec.get("resources"))
     scheduling = _scheduling(r, spec.get("scheduling"))
     group_restarts = _group_restarts(r, spec.get("groupRestarts"))
@@ -344,6 +345,15 @@ def parse_spec(body: Mapping[str, Any]) -> DeploymentSpec:
     )
 
 
+def _image(r: FieldReader, m: Mapping[str, Any], key: str, path: str) -> str | None:
+    """An image reference the kubelet can pull (`object_rules.image_error`)."""
+    image = r.string(m, key, path, min_length=1, max_length=MAX_IMAGE_CHARS)
+    if image is not None and (why := image_error(image)) is not None:
+        r.fail(f"{path}.{key}", why)
+        return None
+    return image
+
+
 def _api_key(r: FieldReader, raw: object) -> SecretKeyRef | None:
     """`{secretRef: {name, key}}`: a Secret in the CR's own namespace."""
     if raw is None:
@@ -386,8 +396,8 @@ def _engine(r: FieldReader, raw: object) -> EngineSpec:
     name = r.string(m, "name", path, enum=ENGINES) or DEFAULT_ENGINE
     engine = EngineSpec(
         name=cast(Engine, name),
-        image=r.string(m, "image", path, min_length=1, max_length=512),
-        router_image=r.string(m, "routerImage", path, min_length=1, max_length=512),
+        image=_image(r, m, "image", path),
+        router_image=_image(r, m, "routerImage", path),
     )
     if not engine.sglang:
         for key in ("image", "routerImage"):

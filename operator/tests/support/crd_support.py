@@ -53,11 +53,18 @@ def invalid_samples() -> list[Path]:
     return sorted((SAMPLES / "invalid").glob("*.yaml"))
 
 
-def expected_path(path: Path) -> str:
+def pod_security_samples() -> list[Path]:
+    """CRs whose podTemplate breaks the Pod Security Standards (refused by the CRD's rules at
+    restricted, and by the operator at the level their `# refused at:` line names)."""
+    return sorted((SAMPLES / "pod-security").glob("*.yaml"))
+
+
+def expected_path(path: Path, tag: str = "expect") -> str:
+    """The `# <tag>: <value>` line of a sample (`expect`: the field its refusal names)."""
     for line in path.read_text().splitlines():
-        if line.startswith("# expect:"):
+        if line.startswith(f"# {tag}:"):
             return line.split(":", 1)[1].strip()
-    raise AssertionError(f"{path.name}: no '# expect: <field path>' comment")
+    raise AssertionError(f"{path.name}: no '# {tag}: ...' comment")
 
 
 # ---------------------------------------------------------------------------------------------
