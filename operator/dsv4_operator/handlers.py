@@ -109,10 +109,18 @@ def _reconcile_current(
         if body is None or body.get("metadata", {}).get("deletionTimestamp"):
             return None
         result = reconcile(body, deps.kube, deps.probe, config=deps.config, clock=deps.clock)
+    except KubeError as exc:
+        if exc.namespace_terminating:
+            # Its namespace is being deleted, the CR and its children with it: nothing to do,
+            # and nothing worth a warning (no Event either: it could not be created there).
+            logger.info("namespace %s is being deleted: not reconciling %s", namespace, name)
+            return None
+        deps.metrics.failed(exc, time.monotonic() - started)
+        if exc.retryable:
+            raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
+        raise
     except Exception as exc:
         deps.metrics.failed(exc, time.monotonic() - started)
-        if isinstance(exc, KubeError) and exc.retryable:
-            raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
         raise
     seconds = time.monotonic() - started
     deps.metrics.reconciled(namespace, name, result, seconds)

@@ -8,14 +8,25 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+NAMESPACE_TERMINATING = "NamespaceTerminating"  # a Status cause: a create in a deleted namespace
+
 
 class KubeError(Exception):
-    """An API call failed. `retryable`: a conflict, throttling, timeout or server error."""
+    """An API call failed. `retryable`: a conflict, throttling, timeout or server error.
+    `cause`: the Status's first cause (NAMESPACE_TERMINATING: the namespace is being deleted,
+    so nothing new may be created in it; what is there goes with it)."""
 
-    def __init__(self, message: str, *, retryable: bool, status: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, retryable: bool, status: int | None = None, cause: str = ""
+    ) -> None:
         super().__init__(message)
         self.retryable = retryable
         self.status = status
+        self.cause = cause
+
+    @property
+    def namespace_terminating(self) -> bool:
+        return self.cause == NAMESPACE_TERMINATING
 
 
 class Kube(Protocol):

@@ -6,6 +6,7 @@ The only module that talks to the API server.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -97,7 +98,10 @@ class ApiKube:
             if status == 404 and missing_ok:
                 return None
             raise KubeError(
-                f"{what}: {status} {exc.reason}", retryable=status in _RETRYABLE, status=status
+                f"{what}: {status} {exc.reason}",
+                retryable=status in _RETRYABLE,
+                status=status,
+                cause=_cause(exc.body),
             ) from exc
         except (HTTPError, OSError) as exc:
             raise KubeError(f"{what}: {exc}", retryable=True) from exc
@@ -155,3 +159,13 @@ class ApiKube:
             namespace=namespace,
             content_type="application/merge-patch+json",
         )
+
+
+def _cause(body: object) -> str:
+    """The first cause of an error's Status body ("" when it has none or is not one)."""
+    try:
+        status = json.loads(body) if isinstance(body, str | bytes) else None
+        causes = status["details"]["causes"] if isinstance(status, dict) else None
+        return str(causes[0]["reason"]) if causes else ""
+    except (ValueError, KeyError, TypeError, IndexError):
+        return ""

@@ -219,6 +219,34 @@ def test_network_policy_admits_only_peers_router_and_operator(
     assert [p["port"] for p in operator["ports"]] == [8081]
 
 
+def test_the_operator_is_admitted_from_its_own_namespace_only(
+    make_body: Callable[..., Body],
+) -> None:
+    """The operator's pod label alone would admit any pod that carries it, in any namespace;
+    with its namespace (the chart's DSV4_OPERATOR_NAMESPACE) only a cluster admin's pods."""
+    body = make_body()
+    spec = parse_spec(body)
+    for namespace in ("dsv4-system", "ops"):
+        state = build_desired_state(
+            spec, parse_meta(body), plan_memory(spec), operator_namespace=namespace
+        )
+        for policy in by_kind(state)["NetworkPolicy"].values():
+            rules = [r for r in policy["spec"]["ingress"] if "from" in r]
+            operator = [
+                r
+                for r in rules
+                if "podSelector" in r["from"][0]
+                and r["from"][0]["podSelector"]["matchLabels"] == L.OPERATOR_POD_LABELS
+            ]
+            assert len(operator) == 1, policy["metadata"]["name"]
+            (peer,) = operator[0]["from"]
+            assert peer["namespaceSelector"] == {
+                "matchLabels": {"kubernetes.io/metadata.name": namespace}
+            }
+            # Nowhere an empty namespaceSelector (every namespace).
+            assert all(p.get("namespaceSelector") != {} for r in rules for p in r["from"])
+
+
 def test_network_policy_admits_the_metrics_scrapers_on_the_status_port(
     make_body: Callable[..., Body],
 ) -> None:

@@ -19,6 +19,13 @@ What it serves (HTTP, 127.0.0.1 only):
              Role/RoleBinding/ClusterRole/ClusterRoleBinding, plus every CRD created (served
              at once, then reported NamesAccepted and Established).
 
+Refused as the real server refuses (support/object_meta.py): ObjectMeta on every write (names
+by the kind's rule: DNS-1123 subdomains, DNS-1035 labels for Services, DNS-1123 labels for
+Namespaces; label keys and values; annotation keys and their total size, 256 KiB), a body past
+3 MiB (413), and a create in a terminating namespace (403 Forbidden, cause NamespaceTerminating:
+a deleted Namespace terminates until `finish_namespace`, the test playing the namespace
+controller, has emptied it).
+
 As the real server does: one global resourceVersion counter; uid, creationTimestamp and
 generation are server-set (generation moves when anything outside metadata and status
 changes); writes to a kind with a status subresource ignore `status` on the main resource and
@@ -77,6 +84,7 @@ from aiohttp import web
 from support import (
     builtin_defaults,
     crd_rules,
+    object_meta,
     owner_refs_admission,
     quantity_canon,
     rbac,
@@ -91,6 +99,7 @@ Obj = dict[str, Any]
 Admission = Callable[[Obj], Obj]  # returns the (defaulted) object or raises AdmissionError
 
 ALL_VERBS = ("create", "delete", "deletecollection", "get", "list", "patch", "update", "watch")
+MAX_REQUEST_BODY_BYTES: Final = 3 * 1024 * 1024
 
 
 def now_rfc3339() -> str:
@@ -505,6 +514,7 @@ class Request:
     code: int = 0  # the response's status code
     warnings: list[str] = field(default_factory=list)  # sent as Warning headers (webhooks')
     user: str = ""  # who made it (rbac.ADMIN without credentials)
+    cause: str = ""  # a refusal's first Status cause (e.g. NamespaceTerminating)
 
 
 @dataclass
@@ -894,8 +904,15 @@ class FakeApiServer:
         operation: str = "CREATE",
         subresource: str | None = None,
     ) -> Obj:
-        """The admission hook (defaults, schema), then the validating webhooks (main resource
-        only): the object to store, or ApiError."""
+        """ObjectMeta's validation, the admission hook (defaults, schema), then the validating
+        webhooks (main resource only): the object to store, or ApiError."""
+        meta = obj.get("metadata") or {}
+        invalid = object_meta.meta_errors(rtype.group, rtype.plural, meta)
+        if invalid:
+            message = object_meta.invalid_message(
+                rtype.group, rtype.kind, str(meta.get("name", "")), invalid
+            )
+            raise ApiError(422, message, "Invalid")
         hook = self._admission.get((rtype.group, rtype.plural))
         if hook is not None:
             try:
@@ -970,8 +987,15 @@ class FakeApiServer:
                 raise ApiError(400, "the namespace of the object does not match the request")
             if meta.get("namespace", namespace) != namespace:
                 raise ApiError(400, "the namespace of the provided object does not match")
-            if not self._objects.get(("", "namespaces", "", namespace)):
+            ns_obj = self._objects.get(("", "namespaces", "", namespace))
+            if not ns_obj:
                 raise ApiError(404, f'namespaces "{namespace}" not found')
+            if ns_obj.obj["metadata"].get("deletionTimestamp"):  # NamespaceLifecycle
+                name = meta.get("name") or meta.get("generateName", "")
+                message, details = object_meta.terminating_refusal(
+                    rtype.group, rtype.plural, name, namespace
+                )
+                raise ApiError(403, message, "Forbidden", details=details)
             meta["namespace"] = namespace
         else:
             meta.pop("namespace", None)
@@ -1141,6 +1165,8 @@ class FakeApiServer:
     def _delete(self, rtype: ResourceType, namespace: str, name: str, propagation: str) -> Obj:
         live = self._require(rtype, namespace, name)
         key = self._key(rtype, namespace, name)
+        if (rtype.group, rtype.plural) == ("", "namespaces"):
+            return self._terminate_namespace(key, live)
         if live["metadata"].get("finalizers"):
             if live["metadata"].get("deletionTimestamp"):
                 return copy.deepcopy(live)
@@ -1158,6 +1184,38 @@ class FakeApiServer:
             self._emit("DELETED", stored.rtype, copy.deepcopy(out), None)
             return out
         return self._remove(key, out)
+
+    def _terminate_namespace(self, key: Key, live: Obj) -> Obj:
+        """A deleted namespace terminates (its finalizer `kubernetes` holds it) until the
+        namespace controller (`finish_namespace`, the test's) has emptied it."""
+        if live["metadata"].get("deletionTimestamp"):
+            return copy.deepcopy(live)
+        out = copy.deepcopy(live)
+        out["metadata"]["deletionTimestamp"] = now_rfc3339()
+        out["spec"] = {"finalizers": ["kubernetes"]}
+        out["status"] = {"phase": "Terminating"}
+        out["metadata"]["resourceVersion"] = self._next_rv()
+        self._objects[key].obj = out
+        self._emit("MODIFIED", self._objects[key].rtype, copy.deepcopy(out), copy.deepcopy(live))
+        return copy.deepcopy(out)
+
+    def finish_namespace(self, namespace: str) -> bool:
+        """One pass of the namespace controller over a terminating namespace: delete what is
+        in it (objects with finalizers wait for them), and the namespace itself once empty.
+        True when it is gone."""
+        with self._lock:
+            key: Key = ("", "namespaces", "", namespace)
+            if key not in self._objects:
+                return True
+            assert self._objects[key].obj["metadata"].get("deletionTimestamp"), namespace
+            inside = [(k, s.rtype) for k, s in self._objects.items() if k[2] == namespace]
+            for (_, _, ns, obj_name), rtype in inside:
+                if rtype.namespaced and self._key(rtype, ns, obj_name) in self._objects:
+                    self._delete(rtype, ns, obj_name, "Background")
+            if any(k[2] == namespace for k in self._objects if k != key):
+                return False
+            self._remove(key, self._objects[key].obj)
+            return True
 
     def _select(
         self, rtype: ResourceType, namespace: str | None, name: str | None, selector: str
@@ -1308,6 +1366,11 @@ class FakeApiServer:
         write that needs a webhook's answer has no effect yet: the answer is asked outside the
         lock, and the request served again (its effect and code then in one hold)."""
         raw = await request.read()
+        if len(raw) > MAX_REQUEST_BODY_BYTES:  # the apiserver's MaxRequestBodyBytes
+            with self._lock:
+                self.requests.append(Request(request.method, request.path, {}, None, None, 413))
+            limit = f"Request entity too large: limit is {MAX_REQUEST_BODY_BYTES}"
+            return ApiError(413, limit, "RequestEntityTooLarge").response()
         ctype = request.headers.get("Content-Type")
         query = {k: v for k, v in request.query.items()}
         body: Any = None
@@ -1375,6 +1438,8 @@ class FakeApiServer:
                 served = self._respond(request, query, ctype, body)
             except ApiError as exc:
                 served = exc.response()
+                causes = (exc.details or {}).get("causes") or [{}]
+                logged.cause = str(causes[0].get("reason", ""))
             if isinstance(served, web.StreamResponse):
                 for warning in self._warnings:
                     served.headers.add("Warning", f'299 - "{warning}"')
