@@ -12,17 +12,24 @@ DSV4Deployment's `spec.model.configMapRef` names (found through a kopf index).
 
 The validating admission webhook (`validate_deployment`) refuses at apply time what the
 reconcile would reject (`admission.py`); it is served only when `settings` configures a server.
+
+The handlers that call out (the API, the workers) are async and run that work `in_thread`, so
+that SIGTERM never waits on it (`handler_threads`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import contextvars
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Final, cast
+from typing import Any, Final, TypeVar, cast
 
 import kopf
 
@@ -43,6 +50,7 @@ GROUP_FAILED: Final = (
     "spec changes or its pods are deleted"
 )
 
+T = TypeVar("T")
 AnyLogger = logging.Logger | logging.LoggerAdapter[Any]
 Warn = Callable[[Mapping[str, Any], str, str], None]  # (CR body, Event reason, message)
 
@@ -143,18 +151,32 @@ def _reconcile_current(
     return body, result
 
 
+async def in_thread(memo: kopf.Memo, fn: Callable[[], T]) -> T:
+    """`fn` (blocking: the API, the workers) on the handler threads (`handler_threads`), in
+    this context (kopf's logging and event posting read it). Cancelled, when the operator
+    stops, it returns at once and leaves `fn` there: kopf would wait for a sync handler's
+    thread, and a reconcile stuck on a silent API server held the exit past the pod's grace."""
+    executor: Executor | None = memo.get("handler_threads")
+    context = contextvars.copy_context()
+    return await asyncio.get_running_loop().run_in_executor(
+        executor, functools.partial(context.run, fn)
+    )
+
+
 @kopf.on.create(L.GROUP, L.VERSION, L.PLURAL)
 @kopf.on.update(L.GROUP, L.VERSION, L.PLURAL)
 @kopf.on.resume(L.GROUP, L.VERSION, L.PLURAL)
-def on_change(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-    run_reconcile(body, Deps.from_memo(memo), logger, warn=_post_warning)
+async def on_change(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    deps = Deps.from_memo(memo)
+    await in_thread(memo, lambda: run_reconcile(body, deps, logger, warn=_post_warning))
 
 
 @kopf.timer(L.GROUP, L.VERSION, L.PLURAL, interval=RECONCILE_INTERVAL_S, initial_delay=5.0)
-def on_timer(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+async def on_timer(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     # A permanent problem is already in status and was raised by the change handler.
+    deps = Deps.from_memo(memo)
     with contextlib.suppress(kopf.PermanentError):
-        run_reconcile(body, Deps.from_memo(memo), logger, warn=_post_warning)
+        await in_thread(memo, lambda: run_reconcile(body, deps, logger, warn=_post_warning))
 
 
 def reconcile_owner(
@@ -207,7 +229,7 @@ def _post_warning(body: Mapping[str, Any], reason: str, message: str) -> None:
     "deployments",
     labels={L.DEPLOYMENT_LABEL: kopf.PRESENT, L.APP_COMPONENT: "router"},
 )
-def on_child_event(
+async def on_child_event(
     namespace: str | None,
     labels: Mapping[str, str],
     memo: kopf.Memo,
@@ -215,8 +237,10 @@ def on_child_event(
     **_: Any,
 ) -> None:
     if namespace:
-        deps = Deps.from_memo(memo)
-        reconcile_owner(namespace, labels[L.DEPLOYMENT_LABEL], deps, logger, warn=_post_warning)
+        deps, owner = Deps.from_memo(memo), labels[L.DEPLOYMENT_LABEL]
+        await in_thread(
+            memo, lambda: reconcile_owner(namespace, owner, deps, logger, warn=_post_warning)
+        )
 
 
 @kopf.index(L.GROUP, L.VERSION, L.PLURAL)
@@ -228,7 +252,7 @@ def model_config_maps(
 
 
 @kopf.on.event("", "v1", "configmaps")
-def on_config_map_event(
+async def on_config_map_event(
     namespace: str | None, name: str, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any
 ) -> None:
     """A ConfigMap that DSV4Deployments plan from was created, edited or deleted: re-plan them
@@ -239,14 +263,18 @@ def on_config_map_event(
     if key not in index:
         return
     deps = Deps.from_memo(memo)
-    for deployment in sorted(set(index[key])):
-        reconcile_owner(key[0], deployment, deps, logger, warn=_post_warning)
+
+    def reconcile_them() -> None:
+        for deployment in sorted(set(index[key])):
+            reconcile_owner(key[0], deployment, deps, logger, warn=_post_warning)
+
+    await in_thread(memo, reconcile_them)
 
 
 @kopf.on.validate(
     L.GROUP, L.VERSION, L.PLURAL, id=admission.WEBHOOK_ID, operations=["CREATE", "UPDATE"]
 )
-def validate_deployment(
+async def validate_deployment(
     subresource: str | None,
     namespace: str | None,
     warnings: list[str],
@@ -258,7 +286,9 @@ def validate_deployment(
     operation, new, old = kwargs.get("operation"), kwargs.get("new"), kwargs.get("old")
     request = admission.AdmissionRequest(operation or "", new, old, subresource)
     resolve = admission.cluster_resolver(namespace or "", memo["kube"])
-    verdict = admission.review(request, resolve=resolve, config=memo["config"])
+    verdict = await in_thread(
+        memo, lambda: admission.review(request, resolve=resolve, config=memo["config"])
+    )
     warnings.extend(verdict.warnings)
     if not verdict.allowed:
         raise kopf.AdmissionError(verdict.refusal, code=admission.REFUSAL_CODE)

@@ -18,6 +18,8 @@ Environment (set by the Helm chart):
   DSV4_WEBHOOK_HOST   the address to bind (default 0.0.0.0)
   DSV4_WEBHOOK_CERT_DIR  the mounted serving certificate: tls.crt and tls.key (re-read when
                       they change, e.g. renewed by cert-manager)
+  DSV4_EXIT_TIMEOUT_S  kopf's last resort after SIGTERM: it kills the process this long after
+                      (default 25, under the pod's 30 s grace; kopf's own is 10 minutes)
 (and config.py's variables)
 """
 
@@ -37,11 +39,14 @@ from prometheus_client import start_http_server
 from dsv4_operator import labels as L
 from dsv4_operator.config import OperatorConfig
 from dsv4_operator.gate import ReconcileGate
+from dsv4_operator.handler_threads import DaemonThreadExecutor
 from dsv4_operator.kube_api import ApiKube
 from dsv4_operator.metrics import OperatorMetrics
 from dsv4_operator.probe import HttpWorkerProbe
 
 REQUEST_TIMEOUT_S: Final = 30.0
+DEFAULT_EXIT_TIMEOUT_S: Final = 25.0
+HANDLER_THREADS: Final = 16
 # Watches that silently stall are a known kopf failure mode: make the server end each watch
 # and reconnect well before any proxy or load balancer idles it out.
 WATCH_SERVER_TIMEOUT_S: Final = 270
@@ -61,6 +66,11 @@ def configure(settings: kopf.OperatorSettings, env: dict[str, str]) -> None:
     settings.posting.loggers = True
     settings.posting.level = logging.WARNING
     settings.networking.request_timeout = REQUEST_TIMEOUT_S
+    # SIGTERM: the handlers' threads never hold the process (`handler_threads`), and past
+    # DSV4_EXIT_TIMEOUT_S kopf kills it whatever is still running.
+    settings.execution.executor = DaemonThreadExecutor(HANDLER_THREADS)
+    exit_timeout_s = float(env.get("DSV4_EXIT_TIMEOUT_S") or DEFAULT_EXIT_TIMEOUT_S)
+    settings.process.ultimate_exiting_timeout = exit_timeout_s
     settings.watching.server_timeout = WATCH_SERVER_TIMEOUT_S
     settings.watching.client_timeout = WATCH_CLIENT_TIMEOUT_S
     peering = env.get("DSV4_PEERING", "")
@@ -121,6 +131,7 @@ def metrics_address(env: Mapping[str, str]) -> tuple[str, int] | None:
 def on_startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     env = dict(os.environ)
     configure(settings, env)
+    memo["handler_threads"] = settings.execution.executor  # `handlers.in_thread` runs on it
     memo["kube"] = ApiKube.from_environment(REQUEST_TIMEOUT_S)
     memo["probe"] = HttpWorkerProbe()
     memo["config"] = OperatorConfig.from_env(env)

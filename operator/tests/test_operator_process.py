@@ -31,6 +31,9 @@ from dsv4_operator import labels as L
 
 NS = "default"
 T = TypeVar("T")
+# SIGTERM to exit, even with a reconcile stuck in an API call (the chart's grace is 30 s; kopf
+# needs a few seconds to stop its tasks on a loaded machine).
+STOP_WITHIN_S = 15.0
 
 
 def _free_port() -> int:
@@ -200,6 +203,11 @@ def test_the_charts_command_line_runs_the_operator(server: FakeApiServer, tmp_pa
         (policy,) = [p for p in policies if p["metadata"]["name"] == "tiny-workers"]
         scrapers = policy["spec"]["ingress"][-1]["from"][0]["namespaceSelector"]
         assert scrapers == {"matchLabels": {L.NAMESPACE_NAME_LABEL: "monitoring"}}
+        # ... and DSV4_OPERATOR_NAMESPACE (the downward API's) the operator's own rule.
+        operator_rule = policy["spec"]["ingress"][2]["from"][0]
+        assert operator_rule["namespaceSelector"] == {
+            "matchLabels": {L.NAMESPACE_NAME_LABEL: "dsv4-system"}
+        }
         # The operator's own metrics: the reconcile was counted, the plan is exported.
         text = _wait("operator metrics", lambda: _scrape(metrics_port))
         assert 'dsv4_operator_planned_full_tokens{deployment="tiny",namespace="default"' in text
@@ -208,6 +216,37 @@ def test_the_charts_command_line_runs_the_operator(server: FakeApiServer, tmp_pa
         code = op.stop()
     output = op.output()
     assert code == 0, output
+    assert "Traceback" not in output, output
+
+
+@needs_helm
+def test_sigterm_stops_the_operator_within_its_grace_mid_api_call(
+    server: FakeApiServer, tmp_path: Path
+) -> None:
+    """The kubelet's SIGTERM while a reconcile waits on an API server that does not answer:
+    the process exits (0, no traceback) well within the pod's terminationGracePeriodSeconds,
+    without waiting out the API client's timeout."""
+    (sts,) = [o for o in render() if o["kind"] == "StatefulSet"]
+    grace_s = sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    container = _operator_container()
+    kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
+    env = _environment(container, kubeconfig, tmp_path)
+    liveness_port = _free_port()
+    op = OperatorProcess(_command_line(container, env, liveness_port), env, tmp_path / "op.log")
+    held = server.hold("PATCH", "/statefulsets/")  # the reconcile's first StatefulSet apply
+    try:
+        _wait_healthy(liveness_port)
+        _create_cr(server, "tiny")
+        assert held.arrived.wait(30), op.output()
+        started = time.monotonic()
+        code = op.stop(timeout_s=grace_s)
+        took_s = time.monotonic() - started
+    finally:
+        held.release.set()
+        op.stop()
+    output = op.output()
+    assert code == 0, output
+    assert took_s < STOP_WITHIN_S < grace_s, (took_s, output)
     assert "Traceback" not in output, output
 
 

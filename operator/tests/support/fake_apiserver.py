@@ -54,7 +54,8 @@ answer 410 (support/watch_cache.py); `close_watches()` ends the open streams.
 
 For tests: `requests` logs every request (method, path, query, content type, parsed body, and
 the response code: 0 while in flight, set in the same hold of the lock as the request's effect);
-`fail_next` makes the next matching request fail with a given code; the object helpers
+`fail_next` makes the next matching request fail with a given code; `hold` hangs matching
+requests until released; the object helpers
 (`create`, `get`, `list`, `set_status`, `delete`) act as a controller or kubelet would
 (and show up in watches); `write_kubeconfig` points a client at the server.
 """
@@ -518,6 +519,17 @@ class Request:
 
 
 @dataclass
+class Hold:
+    """Requests matching `method` and containing `path` wait, unanswered, until `release`
+    is set (`arrived` is set when the first one does): an API server that hangs."""
+
+    method: str
+    path: str
+    arrived: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
 class _Failure:
     code: int
     method: str | None
@@ -587,6 +599,7 @@ class FakeApiServer:
         self._user = rbac.ADMIN
         self._watches: list[_Watch] = []
         self._failures: list[_Failure] = []
+        self._holds: list[Hold] = []
         self._admission: dict[tuple[str, str], Admission] = {}
         self._webhooks: dict[tuple[str, str], list[Webhook]] = {}
         self._answers: dict[str, WebhookAnswer] = {}  # webhook answers, asked outside the lock
@@ -659,6 +672,8 @@ class FakeApiServer:
         with self._lock:
             for watch in self._watches:
                 watch.loop.call_soon_threadsafe(watch.queue.put_nowait, None)
+            for held in self._holds:
+                held.release.set()
         loop.call_soon_threadsafe(loop.stop)
         thread.join(15)
         if self._sock is not None:
@@ -807,6 +822,13 @@ class FakeApiServer:
             self._failures.append(
                 _Failure(code, method.upper() if method else None, path, reason, message, times)
             )
+
+    def hold(self, method: str, path: str) -> Hold:
+        """Hang every request matching `method` and containing `path` until released."""
+        held = Hold(method.upper(), path)
+        with self._lock:
+            self._holds.append(held)
+        return held
 
     def clear_requests(self) -> None:
         """Forget the requests logged so far (an install's, before the test's own)."""
@@ -1366,6 +1388,11 @@ class FakeApiServer:
         write that needs a webhook's answer has no effect yet: the answer is asked outside the
         lock, and the request served again (its effect and code then in one hold)."""
         raw = await request.read()
+        for held in list(self._holds):
+            if held.method == request.method and held.path in request.path:
+                held.arrived.set()
+                while not held.release.is_set():
+                    await asyncio.sleep(0.02)
         if len(raw) > MAX_REQUEST_BODY_BYTES:  # the apiserver's MaxRequestBodyBytes
             with self._lock:
                 self.requests.append(Request(request.method, request.path, {}, None, None, 413))
