@@ -282,14 +282,12 @@ def test_peering_crds_ship_with_the_chart() -> None:
 
 EXPECTED_RULES = {
     ("serving.dsv4.io", "dsv4deployments"): {"get", "list", "watch", "patch"},
-    ("serving.dsv4.io", "dsv4deployments/status"): {"get", "patch"},
+    ("serving.dsv4.io", "dsv4deployments/status"): {"patch"},
     **{
-        (group, res): {"get", "list", "watch", "create", "patch", "delete"}
+        (group, res): {"list", "create", "patch", "delete"}
         for group, res in [
             ("apps", "statefulsets"),
-            ("apps", "deployments"),
             ("", "services"),
-            ("", "configmaps"),
             ("", "serviceaccounts"),
             ("policy", "poddisruptionbudgets"),
             ("networking.k8s.io", "networkpolicies"),
@@ -297,7 +295,9 @@ EXPECTED_RULES = {
             ("scheduling.x-k8s.io", "podgroups"),
         ]
     },
-    ("", "pods"): {"get", "list", "watch", "delete", "deletecollection"},
+    ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("", "configmaps"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("", "pods"): {"list", "watch", "deletecollection"},
     ("", "events"): {"create"},
     ("serving.dsv4.io", "dsv4deployments/finalizers"): {"update"},
 }

@@ -60,38 +60,55 @@ repository@digest when a digest is given, else repository:tag (default tag: appV
 {{- end -}}
 {{- end -}}
 
-{{/* The rules the operator needs on the objects it plans, in every namespace it serves. */}}
+{{/* The rules the operator needs on the objects it plans, in every namespace it serves:
+exactly the verbs its code uses (operator/tests/test_chart_verbs.py reads them from the code). */}}
 {{- define "dsv4-operator.workloadRules" -}}
+# kopf watches its CRs (list, watch) and patches its finalizer and annotations in; each
+# reconcile reads its CR afresh (get) and writes status (patch on /status).
 - apiGroups: [serving.dsv4.io]
   resources: [dsv4deployments]
   verbs: [get, list, watch, patch]
 - apiGroups: [serving.dsv4.io]
   resources: [dsv4deployments/status]
-  verbs: [get, patch]
+  verbs: [patch]
 # Children carry ownerReferences with blockOwnerDeletion: true; clusters that enforce
 # OwnerReferencesPermissionEnforcement (OpenShift) require update on the owner's finalizers.
 - apiGroups: [serving.dsv4.io]
   resources: [dsv4deployments/finalizers]
   verbs: [update]
+# The children: server-side applied (create, patch), listed to prune and deleted when no longer
+# planned (delete also lets an update change their ownerReferences). No get and no watch: the
+# reconcile lists them, and kopf watches none of these.
 - apiGroups: [apps]
-  resources: [statefulsets, deployments]
-  verbs: [get, list, watch, create, patch, delete]
+  resources: [statefulsets]
+  verbs: [list, create, patch, delete]
 - apiGroups: [""]
-  resources: [services, configmaps, serviceaccounts]
-  verbs: [get, list, watch, create, patch, delete]
+  resources: [services, serviceaccounts]
+  verbs: [list, create, patch, delete]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [get, list, watch, create, patch, delete]
+  verbs: [list, create, patch, delete]
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
-  verbs: [get, list, watch, create, patch, delete]
+  verbs: [list, create, patch, delete]
 # PodGroups of gang-scheduled PP groups (spec.scheduling.gang: Volcano, scheduler-plugins).
 - apiGroups: [scheduling.volcano.sh, scheduling.x-k8s.io]
   resources: [podgroups]
+  verbs: [list, create, patch, delete]
+# The router Deployment and the config ConfigMap are children too; kopf also watches both (the
+# router's readiness, a configMapRef's edits), and the reconcile reads the router (get) and a
+# configMapRef's ConfigMap (get).
+- apiGroups: [apps]
+  resources: [deployments]
   verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [""]
+  resources: [configmaps]
+  verbs: [get, list, watch, create, patch, delete]
+# Worker pods: watched (a failed or restarted pod), listed (observed), a PP group's deleted at
+# once (deletecollection) when it restarts as a unit.
+- apiGroups: [""]
   resources: [pods]
-  verbs: [get, list, watch, delete, deletecollection]
+  verbs: [list, watch, deletecollection]
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
