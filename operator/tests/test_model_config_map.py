@@ -325,8 +325,9 @@ def test_the_chart_grants_what_every_watch_and_the_config_map_read_need(values: 
             for group in rule["apiGroups"]:
                 for res in rule["resources"]:
                     grants.setdefault((group, res), set()).update(rule["verbs"])
-        for resource in _watched():
-            assert {"get", "list", "watch"} <= grants.get(resource, set()), resource
+        for resource in _watched():  # kopf lists and watches (it gets none of them)
+            assert {"list", "watch"} <= grants.get(resource, set()), resource
+        assert "get" in grants[("", "configmaps")]  # the configMapRef's read
 
 
 # --- dsv4 render: no cluster -------------------------------------------------------------------
