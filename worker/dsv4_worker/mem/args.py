@@ -1,19 +1,22 @@
 """Argument checks at the edges of the KV memory package. Pure: reads its inputs, writes nothing.
 
-Index and count arguments come in as tensors of any integer dtype and leave as 1-D int64 on the
-allocator's device, or raise InvalidArgument; ranges are checked before any tensor is indexed
-(an out-of-range index is a device-side assert on CUDA) and before any int64 arithmetic.
+Index and count arguments come in as host values (a 1-D numpy integer array, or a CPU tensor)
+or as a tensor on the allocator's device, in any integer dtype, and leave as 1-D int64 numpy
+arrays, or raise InvalidArgument. Host values cost nothing to check; a device tensor is read
+back once (a device sync on CUDA, and under DSV4_EMULATE_DEVICE=1): hot paths pass host values.
 """
 
 from __future__ import annotations
 
 import operator
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from dsv4_worker.mem.errors import InvalidArgument
 
+I64 = np.int64
 INT_DTYPES = frozenset(
     {
         torch.uint8,
@@ -33,58 +36,55 @@ def resolve_device(device: torch.device | str) -> torch.device:
     return torch.empty(0, device=device).device
 
 
-def int64_vector(value: object, what: str, device: torch.device) -> Tensor:
-    """`value` as a 1-D int64 tensor (converted from any integer dtype); checks metadata only,
-    so it never syncs with the device.
+def host_ints(
+    value: object, what: str, device: torch.device | None = None, *, shared: bool = True
+) -> np.ndarray:
+    """`value` as a 1-D int64 numpy array (converted from any integer dtype): a numpy array or a
+    CPU tensor as it is, a tensor on `device` (None: the host only) read back, unless `shared`
+    says that device's tensors are host memory (a CPU taking host shortcuts, `device.py`).
 
-    NOTE: the common case (a plain 1-D int64 tensor on `device`) costs four attribute reads and
-    returns `value` itself; everything else takes the checked conversion below."""
-    if (
-        type(value) is Tensor
-        and value.dtype is torch.int64
-        and value.device == device
-        and value.dim() == 1
-    ):
+    NOTE: the common case (a 1-D int64 numpy array) returns `value` itself: callers only read
+    their arguments."""
+    if type(value) is np.ndarray and value.dtype == I64 and value.ndim == 1:
         return value
-    return _converted(value, what, device)
-
-
-def _converted(value: object, what: str, device: torch.device) -> Tensor:
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "iu":
+            raise InvalidArgument(f"{what} must have an integer dtype, got {value.dtype}")
+        if value.ndim != 1:
+            raise InvalidArgument(f"{what} must be 1-D, got shape {value.shape}")
+        return value.astype(I64)
     if not isinstance(value, Tensor):
-        raise InvalidArgument(f"{what} must be a torch.Tensor, got {type(value).__name__}")
+        raise InvalidArgument(
+            f"{what} must be a numpy array or a torch.Tensor, got {type(value).__name__}"
+        )
     if value.dtype not in INT_DTYPES:
         raise InvalidArgument(f"{what} must have an integer dtype, got {value.dtype}")
-    if value.device != device:
-        raise InvalidArgument(f"{what} is on {value.device}, the allocator on {device}")
     if value.dim() != 1:
         raise InvalidArgument(f"{what} must be 1-D, got shape {tuple(value.shape)}")
-    return value.to(torch.int64)
-
-
-def check_range(values: Tensor, lo: int, hi: int, what: str) -> None:
-    """Raise InvalidArgument unless every value lies in lo..hi (one device sync)."""
-    if values.numel() == 0:
-        return
-    if values.numel() == 1:  # one read, no reduction
-        v = int(values)
-        check_bounds(v, v, lo, hi, what)
-        return
-    if values.device.type == "cpu":  # no sync to share: two reads beat one stacked read
-        low, high = torch.aminmax(values)
-        vmin, vmax = int(low), int(high)
+    if device is not None and value.device == device and not shared:
+        read: np.ndarray = value.cpu().numpy()  # device data: one read-back
+    elif value.device.type == "cpu":
+        read = value.numpy()
     else:
-        vmin, vmax = torch.stack(torch.aminmax(values)).tolist()
-    check_bounds(vmin, vmax, lo, hi, what)
+        where = "the host" if device is None else str(device)
+        raise InvalidArgument(f"{what} is on {value.device}, expected {where}")
+    return read.astype(I64, copy=False)
 
 
 def check_bounds(vmin: int, vmax: int, lo: int, hi: int, what: str) -> None:
-    """`check_range` for a min and max the caller already fetched (to share one sync)."""
+    """Raise InvalidArgument unless [vmin, vmax] lies in lo..hi."""
     if vmin < lo or vmax > hi:
         raise InvalidArgument(f"{what} must be in {lo}..{hi}, got {vmin if vmin < lo else vmax}")
 
 
-def check_same_shape(what: str, first: Tensor, *others: Tensor) -> None:
-    """Raise InvalidArgument unless the tensors pair up entry for entry."""
+def check_range(values: np.ndarray, lo: int, hi: int, what: str) -> None:
+    """Raise InvalidArgument unless every value lies in lo..hi."""
+    if values.size:
+        check_bounds(int(values.min()), int(values.max()), lo, hi, what)
+
+
+def check_same_shape(what: str, first: np.ndarray, *others: np.ndarray) -> None:
+    """Raise InvalidArgument unless the arrays pair up entry for entry."""
     if any(t.shape != first.shape for t in others):
         shapes = ", ".join(str(tuple(t.shape)) for t in (first, *others))
         raise InvalidArgument(f"{what}: one entry each expected, got shapes {shapes}")

@@ -1,19 +1,18 @@
-"""What requests hold, gathered and checked before a free. Reads a KVAllocator, never writes it.
+"""What requests hold, gathered and checked before a free. Reads a KVAllocator's host tables,
+never writes them (numpy: no device data is read).
 
 Raises OwnershipError on a mapping that breaks the window invariant (an SWA page outside the
-window, or none inside it: a stale mapping left by an earlier owner). One request's free on the
-CPU takes `host_free` instead (the same checks in numpy).
+window, or none inside it: a stale mapping left by an earlier owner).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-import torch
-from torch import Tensor
+import numpy as np
 
 from dsv4_worker.mem.errors import OwnershipError
-from dsv4_worker.mem.scratch import per_item
+from dsv4_worker.mem.runs import pages_for, per_item, runs
 
 if TYPE_CHECKING:
     from dsv4_worker.mem.kv_allocator import KVAllocator
@@ -25,28 +24,25 @@ STALE_MAPPING = (
 
 
 class Held(NamedTuple):
-    """Pages a batch of requests holds."""
+    """Pages a batch of requests holds (int64 host arrays)."""
 
-    pages: Tensor  # full pages
-    owners: Tensor  # request slot of each full page
-    swa_pages: Tensor  # mapped SWA pages
-    swa_owners: Tensor  # full page of each SWA page
-    table_index: Tensor  # flat page-table index of `pages`
+    pages: np.ndarray  # full pages
+    owners: np.ndarray  # request slot of each full page (one entry: every page's)
+    swa_pages: np.ndarray  # mapped SWA pages
+    swa_owners: np.ndarray  # full page of each SWA page
+    table_index: np.ndarray  # flat page-table index of `pages`
 
 
-def held_by_batch(alloc: KVAllocator, slots: Tensor, num_tokens: Tensor) -> Held:
+def held_by_batch(alloc: KVAllocator, slots: np.ndarray, num_tokens: np.ndarray) -> Held:
     """The pages of open requests `slots` holding `num_tokens` tokens each."""
-    math = alloc.page_math
-    counts = math.pages_for(num_tokens)
-    total = int(counts.sum())
-    batch, cols = alloc.scratch.runs(counts, total)
-    rows = per_item(slots, batch).expand(total)
-    flat = torch.add(cols, rows, alpha=alloc.config.max_pages_per_request)
-    pages = alloc.table_flat.index_select(0, flat)
-    mapped = alloc.full_to_swa.index_select(0, pages)
-    swa_cols = math.div(alloc.swa_start_tokens.index_select(0, slots))
-    in_window = cols >= per_item(swa_cols, batch)
-    if not torch.equal(mapped > 0, in_window):
+    page, host = alloc.config.page_size, alloc.host
+    counts = pages_for(num_tokens, page)
+    batch, cols = runs(counts, int(counts.sum()))
+    rows = per_item(slots, batch)
+    flat = cols + rows * alloc.config.max_pages_per_request
+    pages = host.page_table.reshape(-1)[flat]
+    mapped = host.full_to_swa[pages]
+    in_window = cols >= per_item(host.swa_start_tokens[slots] // page, batch)
+    if np.count_nonzero((mapped > 0) != in_window):
         raise OwnershipError(STALE_MAPPING)
-    swa_pages, swa_owners = mapped.masked_select(in_window), pages.masked_select(in_window)
-    return Held(pages, rows, swa_pages, swa_owners, flat)
+    return Held(pages, rows, mapped[in_window], pages[in_window], flat)

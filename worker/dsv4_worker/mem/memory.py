@@ -6,14 +6,14 @@ The hot allocation paths live on `pages` (a KVAllocator); this class owns reques
 
 from __future__ import annotations
 
+import numpy as np
 import torch
-from torch import Tensor
 
 from dsv4_common.core.layout import KVLayout
 from dsv4_common.plan.capacity import units_per_space
 from dsv4_common.plan.planner import RankPlan
 from dsv4_worker.mem.alloc_config import AllocatorConfig
-from dsv4_worker.mem.args import check_range, int64_vector, resolve_device
+from dsv4_worker.mem.args import check_range, host_ints, resolve_device
 from dsv4_worker.mem.errors import IntegrityError, KVMemoryError
 from dsv4_worker.mem.kv_allocator import KVAllocator
 from dsv4_worker.mem.pool import KVPool
@@ -54,8 +54,9 @@ class KVMemory:
         config = AllocatorConfig.from_rank_plan(rank, max_context_tokens)
         return cls(rank.layout, config, device, with_buffers=with_buffers)
 
-    def open(self, num_requests: int) -> Tensor:
-        """Allocate and open `num_requests` request slots (state cleared); all or nothing."""
+    def open(self, num_requests: int) -> np.ndarray:
+        """Allocate and open `num_requests` request slots (state cleared); all or nothing.
+        Returns the slots as a host array."""
         slots = self.req_slots.alloc(num_requests)
         try:
             self.pages.open(slots)
@@ -64,10 +65,10 @@ class KVMemory:
             raise
         return slots
 
-    def free(self, slots: Tensor) -> None:
+    def free(self, slots: object) -> None:
         """End requests: free their pages, then their slots; all or nothing."""
-        slots = int64_vector(slots, "free: slots", self.device)  # checked once, here
-        if slots.numel() == 0:
+        slots = host_ints(slots, "free: slots", self.device, shared=self.pages.tables.shared)
+        if slots.size == 0:
             return
         check_range(slots, 1, self.config.num_request_slots, "free: request slots")
         self.req_slots.check_owned_checked(slots)  # so the second free cannot fail
@@ -81,7 +82,7 @@ class KVMemory:
         self.pages.check_integrity()
         self.req_slots.check_integrity()
         open_ = self.pages.open_slots()
-        if not bool(self.req_slots.in_use(open_).all()) or open_.numel() != (
+        if not np.all(self.req_slots.in_use(open_)) or open_.size != (
             self.req_slots.num_slots - self.req_slots.num_free
         ):
             raise IntegrityError("open page-table rows and used request slots disagree")

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from dsv4_common.core.layout import IndexSpace
+from dsv4_worker.mem.device import upload
 from dsv4_worker.mem.errors import (
     IntegrityError,
     InvalidArgument,
@@ -42,15 +44,18 @@ class OffloadedRequest:
 
 
 def _units_by_space(mem: KVMemory, slot: int) -> tuple[dict[IndexSpace, Tensor], Tensor]:
-    """The units request `slot` holds in each index space, and its SWA mask (on CPU)."""
-    full_pages, swa_pages = mem.pages.request_pages(slot)
+    """The units request `slot` holds in each index space (on the device: one upload), and its
+    SWA mask (on CPU)."""
+    full_pages, swa_pages = mem.pages.request_pages(slot)  # host copies
     mask = swa_pages > 0
-    units = {
-        IndexSpace.FULL_PAGE: full_pages,
-        IndexSpace.SWA_PAGE: swa_pages[mask],
-        IndexSpace.REQ_SLOT: torch.tensor([slot], dtype=torch.int64, device=mem.device),
+    full, swa = full_pages.numpy(), swa_pages[mask].numpy()
+    units = upload(np.concatenate([full, swa, np.array([slot], dtype=np.int64)]), mem.device)
+    by_space = {
+        IndexSpace.FULL_PAGE: units[: full.size],
+        IndexSpace.SWA_PAGE: units[full.size : full.size + swa.size],
+        IndexSpace.REQ_SLOT: units[full.size + swa.size :],
     }
-    return units, mask.to("cpu")
+    return by_space, mask
 
 
 def offload_request(mem: KVMemory, slot: int) -> OffloadedRequest:
@@ -63,12 +68,12 @@ def offload_request(mem: KVMemory, slot: int) -> OffloadedRequest:
         for c in mem.layout.components
     }
     snapshot = OffloadedRequest(
-        num_tokens=int(mem.pages.num_tokens[slot]),
-        swa_start_tokens=int(mem.pages.swa_start_tokens[slot]),
+        num_tokens=int(mem.pages.host.num_tokens[slot]),
+        swa_start_tokens=int(mem.pages.host.swa_start_tokens[slot]),
         swa_mask=swa_mask,
         data=data,
     )
-    mem.free(torch.tensor([slot], dtype=torch.int64, device=mem.device))
+    mem.free(np.array([slot], dtype=np.int64))
     return snapshot
 
 
@@ -82,8 +87,8 @@ def reload_request(mem: KVMemory, snapshot: OffloadedRequest) -> int:
     try:
         mem.pages.alloc_sparse(
             slots,
-            torch.tensor([snapshot.num_tokens], dtype=torch.int64, device=dev),
-            torch.tensor([snapshot.swa_start_tokens], dtype=torch.int64, device=dev),
+            np.array([snapshot.num_tokens], dtype=np.int64),
+            np.array([snapshot.swa_start_tokens], dtype=np.int64),
         )
     except KVMemoryError:
         mem.free(slots)
@@ -93,7 +98,8 @@ def reload_request(mem: KVMemory, snapshot: OffloadedRequest) -> int:
     if not torch.equal(swa_mask, snapshot.swa_mask):
         raise IntegrityError("reload: the new SWA mask differs from the offloaded one")
     for c in mem.layout.components:
-        mem.pool.buffer(c.name).index_copy_(1, units[c.index_space], snapshot.data[c.name].to(dev))
+        data = snapshot.data[c.name].to(dev, non_blocking=True)  # pageable: staged at once
+        mem.pool.buffer(c.name).index_copy_(1, units[c.index_space], data)
     return slot
 
 

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
 import torch
 from torch import Tensor
 
 from dsv4_common.core.layout import IndexSpace, build_layout
 from dsv4_common.core.presets import load_model_config
 from dsv4_worker.mem.alloc_config import AllocatorConfig
+from dsv4_worker.mem.device import EMULATE_ENV
 from dsv4_worker.mem.kv_allocator import KVAllocator
 from dsv4_worker.mem.memory import KVMemory
 
@@ -23,7 +29,9 @@ def small_memory(
     draft_tokens: int = 0,
     with_buffers: bool = True,
     device: str = "cpu",
+    emulate: bool = False,
 ) -> KVMemory:
+    """`emulate`: built under DSV4_EMULATE_DEVICE=1 (device tables apart from the host's)."""
     layout = build_layout(load_model_config(preset), page_size, draft_tokens)
     config = AllocatorConfig(
         page_size=page_size,
@@ -34,30 +42,49 @@ def small_memory(
         window_tokens=layout.window_tokens,
         draft_tokens=layout.draft_tokens,
     )
-    return KVMemory(layout, config, device, with_buffers=with_buffers)
+    with emulating_device(emulate):
+        return KVMemory(layout, config, device, with_buffers=with_buffers)
+
+
+@contextmanager
+def emulating_device(on: bool = True) -> Iterator[None]:
+    """DSV4_EMULATE_DEVICE=1 while allocators are built (they read it then): the CPU takes
+    the code a CUDA device takes."""
+    old = os.environ.get(EMULATE_ENV)
+    if on:
+        os.environ[EMULATE_ENV] = "1"
+    else:
+        os.environ.pop(EMULATE_ENV, None)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(EMULATE_ENV, None)
+        else:
+            os.environ[EMULATE_ENV] = old
 
 
 def t(*values: int) -> Tensor:
     return torch.tensor(values, dtype=torch.int64)
 
 
+def h(values: np.ndarray) -> Tensor:
+    """A host array as a tensor (for the state comparisons)."""
+    return torch.from_numpy(values)
+
+
 def allocator_state(alloc: KVAllocator) -> list[Tensor]:
-    """Every piece of allocator state, copied (for all-or-nothing comparisons)."""
-    out = [
-        alloc.page_table.clone(),
-        alloc.num_tokens.clone(),
-        alloc.swa_start_tokens.clone(),
-        alloc.full_to_swa.clone(),
-        alloc.next_slot.clone(),
-    ]
+    """Every piece of allocator state, copied (for all-or-nothing comparisons): the host
+    tables, both pools, and the device's copies of the tables."""
+    out = [torch.from_numpy(table.copy()) for table in alloc.host]
     for pages in (alloc.full, alloc.swa):
-        out += [pages.owner.clone(), pages.free_units().clone(), t(pages.num_free)]
-    return out
+        out += [torch.from_numpy(pages.owner.copy()), h(pages.free_units()), t(pages.num_free)]
+    return [*out, alloc.page_table.cpu().clone(), alloc.full_to_swa.cpu().clone()]
 
 
 def memory_state(mem: KVMemory) -> list[Tensor]:
     slots = mem.req_slots._slots
-    return [*allocator_state(mem.pages), slots.owner.clone(), t(slots.num_free)]
+    return [*allocator_state(mem.pages), h(slots.owner.copy()), t(slots.num_free)]
 
 
 def same_state(a: list[Tensor], b: list[Tensor]) -> bool:

@@ -247,7 +247,7 @@ def test_reload_of_a_snapshot_from_another_layout_fails_before_allocating() -> N
 
 def test_page_allocator_checks_its_arguments() -> None:
     pages = PageAllocator("full", 4)
-    got = pages.alloc(t(7, 7).to(torch.int32))
+    got = torch.from_numpy(pages.alloc(t(7, 7).to(torch.int32)))
     assert pages.owner[got].tolist() == [7, 7]
     with pytest.raises(InvalidArgument):
         pages.alloc(torch.tensor([7.0]))

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from dsv4_common.core import index_space as scalar
 from dsv4_worker.mem import index as vec
-from dsv4_worker.mem.page_math import PageMath
+from dsv4_worker.mem.runs import pages_for, runs
 
 PAGES = st.sampled_from([4, 16, 64, 256])
 RATIOS = st.sampled_from([1, 4, 16])
@@ -81,12 +82,18 @@ def test_full_to_swa_slots_maps_through_page_and_keeps_none() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(values=VALUES, page=st.sampled_from([1, 4, 12, 16, 100, 256]))
-def test_page_math_matches_the_index_conversions(values: list[int], page: int) -> None:
-    """Shifts (power-of-two pages) and divisions (other pages) give the same answers."""
+def test_host_page_counts_match_the_index_conversions(values: list[int], page: int) -> None:
+    """The allocator's numpy page arithmetic (`runs.pages_for`) agrees with the torch one."""
     x = torch.tensor(values, dtype=torch.int64)
-    math = PageMath(page)
-    assert torch.equal(math.div(x), vec.full_page_of(x, page))
-    assert torch.equal(math.mod(x), x % page)
-    assert torch.equal(math.start(x), vec.full_slot_at(x, torch.zeros_like(x), page))
-    assert torch.equal(math.floor(x), vec.floor_to_page(x, page))
-    assert torch.equal(math.pages_for(x), vec.pages_for_tokens(x, page))
+    got = pages_for(x.numpy(), page)
+    assert got.tolist() == vec.pages_for_tokens(x, page).tolist()
+    assert got.tolist() == [scalar.pages_for_tokens(v, page) for v in values]
+
+
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=8))
+def test_runs_number_each_run_from_zero(counts: list[int]) -> None:
+    c = np.array(counts, dtype=np.int64)
+    batch, within = runs(c, int(c.sum()))
+    want = [(i, j) for i, n in enumerate(counts) for j in range(n)]
+    got_batch = [0] * len(want) if batch is None else batch.tolist()
+    assert list(zip(got_batch, within.tolist(), strict=True)) == want

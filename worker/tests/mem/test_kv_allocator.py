@@ -103,10 +103,12 @@ def test_tail_preallocation_clears_stale_mappings_of_recycled_pages() -> None:
     a = _alloc()
     victim = _opened(a, 1)
     a.extend(victim, t(10))
-    victim_swa = int(a.full_to_swa[a.page_table[1, 0]])
-    # The pages the next 4-page allocation will take; pretend an earlier owner left mappings.
-    recycled = a.full.free_units()[:4].clone()
-    a.full_to_swa[recycled[:2]] = victim_swa  # columns 0 and 1 will be outside the tail
+    victim_swa = int(a.host.full_to_swa[a.host.page_table[1, 0]])
+    # The pages the next 4-page allocation will take; pretend an earlier owner left mappings
+    # (on the host and on the device).
+    recycled = torch.from_numpy(a.full.free_units()[:4])
+    a.host.full_to_swa[recycled[:2].numpy()] = victim_swa  # columns 0 and 1: outside the tail
+    a.full_to_swa[recycled[:2]] = victim_swa
     s = _opened(a, 2)
     a.alloc_tail(s, t(50))
     assert torch.equal(a.page_table[2, :4], recycled)
@@ -123,8 +125,9 @@ def test_free_with_a_stale_mapping_raises_and_changes_nothing() -> None:
     a.extend(s1, t(40))
     a.extend(s2, t(3))
     a.evict_window()
-    other_swa = int(a.full_to_swa[a.page_table[2, 0]])
-    a.full_to_swa[a.page_table[1, 0]] = other_swa  # stale: an evicted column maps a live page
+    host = a.host  # the truth every check reads
+    other_swa = int(host.full_to_swa[host.page_table[2, 0]])
+    host.full_to_swa[host.page_table[1, 0]] = other_swa  # stale: an evicted column maps a live page
     before = allocator_state(a)
     with pytest.raises(OwnershipError):
         a.free(s1)

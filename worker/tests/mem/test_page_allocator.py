@@ -70,7 +70,7 @@ def test_free_then_double_free() -> None:
 def test_integrity_detects_a_corrupted_free_list() -> None:
     a = PageAllocator("full", 4)
     a.alloc(t(1))
-    free = a.free_units()
+    free = a._free[a.num_used :]  # the free list itself
     free[0] = free[1]  # a page on the free list twice
     with pytest.raises(IntegrityError, match="twice"):
         a.check_integrity()

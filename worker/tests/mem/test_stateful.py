@@ -160,9 +160,9 @@ class MemoryMachine(RuleBasedStateMachine):
         full_pages = _ceil(n, self.page)
         tail_from = self._window_floor(n) // self.page
         fits = full_pages <= self.a.full.num_free and full_pages - tail_from <= self.a.swa.num_free
-        recycled = self.a.full.free_units()[:full_pages].clone()
-        if fits and recycled.numel():
-            self.a.full_to_swa[recycled] = 1  # an earlier owner's leftovers (#25805)
+        recycled = self.a.full.free_units()[:full_pages]
+        if fits and recycled.size:
+            self.a.host.full_to_swa[recycled] = 1  # an earlier owner's leftovers (#25805)
         if not self._try(lambda: self.a.alloc_tail(slot_t, torch.tensor([n]))):
             assert not fits
             self.mem.free(slot_t)
