@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal, NamedTuple
 
+import numpy as np
 import torch
 
 from dsv4_common.core.index_space import pages_for_tokens
@@ -234,7 +235,7 @@ class Engine:
         """Free the pages of a held request (its transfer finished, failed or was cancelled)."""
         req = self.held.pop(rid, None)
         if req is not None and req.slot is not None:
-            self.mem.free(torch.tensor([req.slot], dtype=torch.int64, device=self.mem.device))
+            self.mem.free(np.array([req.slot], dtype=np.int64))
             req.slot = None
         self.source.record(Release(rid))
 
@@ -550,7 +551,7 @@ class Engine:
         only (`execute` then tells the prefill side where to write: `on_prealloc`)."""
         assert self.config.role is Role.DECODE, "only a decode engine preallocates"
         slots = self.mem.open(1)
-        n = torch.tensor([len(req.prompt)], dtype=torch.int64, device=self.mem.device)
+        n = np.array([len(req.prompt)], dtype=np.int64)
         try:
             self.mem.pages.alloc_tail(slots, n)
         except KVMemoryError as exc:
@@ -564,7 +565,6 @@ class Engine:
         """Grow the page tables by this step's tokens; the batch's segments, which segment
         each sampling request reads its logits from, and the prompt chunks whose tokens get
         logprobs."""
-        dev = self.mem.device
         segments: list[Segment] = []
         sample_at: list[tuple[int, Request]] = []
         score_at: list[tuple[int, Request]] = []
@@ -572,7 +572,7 @@ class Engine:
         if decoders:
             slot_ids = [r.slot for r in decoders if r.slot is not None]
             assert len(slot_ids) == len(decoders), "a decoding request holds a slot"
-            slots = torch.tensor(slot_ids, dtype=torch.int64, device=dev)
+            slots = np.array(slot_ids, dtype=np.int64)  # host values: no device sync
             try:  # the command checks before it writes: no separate can_decode pass
                 self.mem.pages.decode(slots)
             except KVMemoryError as exc:
@@ -592,8 +592,8 @@ class Engine:
         for rid, tokens in plan.chunks:
             req = self.requests[rid]
             assert req.slot is not None
-            slot = torch.tensor([req.slot], dtype=torch.int64, device=dev)
-            count = torch.tensor([tokens], dtype=torch.int64, device=dev)
+            slot = np.array([req.slot], dtype=np.int64)
+            count = np.array([tokens], dtype=np.int64)
             try:
                 self.mem.pages.extend(slot, count)
             except KVMemoryError as exc:
@@ -636,7 +636,7 @@ class Engine:
         if req.keep_pages and reason in ("stop", "length"):
             self.held[req.rid] = req
         elif req.slot is not None:
-            self.mem.free(torch.tensor([req.slot], dtype=torch.int64, device=self.mem.device))
+            self.mem.free(np.array([req.slot], dtype=np.int64))
             req.slot = None
         req.snapshot = None
         req.finish_reason = reason
@@ -661,15 +661,15 @@ class Engine:
     def _views(self) -> list[ReqView]:
         """Every unfinished request as the scheduler sees it. Pages held follow from the page
         table's invariant (columns below ceil(n/P) have a full page; those at or past
-        swa_start/P also an SWA page): two host reads for the whole batch.
+        swa_start/P also an SWA page), read from the allocator's host tables.
 
         Runs over every request on each step the shortcut declines, hence the plain loop:
         positional tuples (ReqView's field order) and one `Need` per distinct (full, swa)
         count, shared (they are immutable)."""
         page = self.config.scheduler.page_size
         pages = self.mem.pages
-        num_tokens = pages.num_tokens.tolist()
-        swa_start = pages.swa_start_tokens.tolist()
+        num_tokens = pages.host.num_tokens.tolist()
+        swa_start = pages.host.swa_start_tokens.tolist()
         shared = self._held_needs
         make = tuple.__new__
         views: list[ReqView] = []

@@ -20,11 +20,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from dsv4_common.core.layout import IndexSpace
 from dsv4_common.core.model import DSV4Config, HybridSWAConfig, ModelConfig
+from dsv4_worker.mem.device import upload
 from dsv4_worker.mem.memory import KVMemory
 from dsv4_worker.model import attention as A
 from dsv4_worker.model import compressor as C
@@ -58,6 +60,7 @@ class _Batch(NamedTuple):
     segments: Sequence[Segment]
     bounds: list[tuple[int, int]]
     starts: Tensor  # per token: its segment's first position
+    host_positions: np.ndarray  # `positions` on the host: sizes are decided from it, no sync
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +113,8 @@ class PagedModel:
 
     def _swa_pages(self, slots: Tensor, positions: Tensor) -> Tensor:
         pages = self.memory.pages.full_to_swa[self._full_pages(slots, positions)]
-        assert bool((pages > 0).all()), "a token outside the retained window was addressed"
+        # Checked on the device, without a sync (on CUDA a failure is a device-side assert).
+        torch._assert_async((pages > 0).all(), "a token outside the retained window was addressed")
         return pages
 
     def _rows(self, name: str, layer: int) -> Tensor:
@@ -145,17 +149,12 @@ class PagedModel:
         is None), later ones continue from the previous stage's hidden states [tokens, dim];
         the last returns logits at each segment's last token (at every token of the segments
         `every` marks: prompt logprobs), the others their hidden states."""
-        dev = self.device
         lengths = [len(s.token_ids) for s in segments]
         bounds = _bounds(lengths)
-        per_token = torch.tensor(lengths, device=dev)
-        los = torch.tensor([lo for lo, _ in bounds], device=dev).repeat_interleave(per_token)
-        starts = torch.tensor([s.start for s in segments], device=dev).repeat_interleave(per_token)
-        slots = torch.tensor([s.slot for s in segments], device=dev).repeat_interleave(per_token)
-        positions = starts + torch.arange(bounds[-1][1], device=dev) - los
-        batch = _Batch(positions, slots, segments, bounds, starts)
-        ids = torch.tensor([t for s in segments for t in s.token_ids], dtype=torch.long, device=dev)
-        last = torch.tensor(_logit_rows(bounds, every), device=dev)
+        host = _batch_rows(segments, lengths, _logit_rows(bounds, every))
+        rows = upload(np.concatenate(host), self.device)
+        positions, slots, starts, ids, last = torch.split(rows, [len(a) for a in host])
+        batch = _Batch(positions, slots, segments, bounds, starts, host[0])
         if isinstance(self.model, DSV4Config):
             m = self.model
             if self.stage.first:
@@ -209,10 +208,11 @@ class PagedModel:
         # One-token segments (decode) attend together over keys gathered per token; longer
         # ones (prefill chunks) share one key set per segment.
         out = torch.empty_like(q)
-        singles = [lo for lo, hi in batch.bounds if hi - lo == 1]
-        if singles:
-            idx = torch.tensor(singles, device=self.device)
-            out[idx] = self._dsv4_token_attention(m, layer, idx, x, q, latent, batch)
+        singles = np.array([lo for lo, hi in batch.bounds if hi - lo == 1], dtype=np.int64)
+        if singles.size:
+            idx = upload(singles, self.device)
+            end = int(batch.host_positions[singles].max()) + 1  # the furthest token's, host
+            out[idx] = self._dsv4_token_attention(m, layer, idx, end, x, q, latent, batch)
         for seg, (lo, hi) in zip(batch.segments, batch.bounds, strict=True):
             if hi - lo > 1:
                 out[lo:hi] = self._dsv4_segment_attention(
@@ -225,12 +225,14 @@ class PagedModel:
         m: DSV4Config,
         layer: int,
         idx: Tensor,
+        end: int,
         x: Tensor,
         q: Tensor,
         latent: Tensor,
         batch: _Batch,
     ) -> Tensor:
-        """Attention of the batch tokens `idx` [N], each over its own request's keys: the
+        """Attention of the batch tokens `idx` [N] (`end`: 1 + the largest of their positions),
+        each over its own request's keys: the
         window padded to `window_tokens` and the complete compressed blocks padded to the
         most any of them has, masked per token. Padding addresses a position the token's
         request holds (itself, or block 0), so every gathered row is a real, finite row."""
@@ -244,7 +246,7 @@ class PagedModel:
         swa = self._swa_pages(key_slot, key_pos) * self.page + key_pos % self.page
         keys = self._rows("swa_kv", layer)[swa].to(COMPUTE)
         ratio = m.compress_ratios[layer]
-        num_blocks = int(((pos + 1) // ratio).max()) if ratio else 0
+        num_blocks = end // ratio if ratio else 0
         if num_blocks:
             blocks = torch.arange(num_blocks, device=dev)[None, :]
             available = blocks < ((pos + 1) // ratio)[:, None]
@@ -317,15 +319,16 @@ class PagedModel:
             block_slots = torch.tensor(done_slot, device=self.device)
             pooled_rows = torch.stack(pooled)
         else:
-            done = torch.nonzero((positions + 1) % ratio == 0).flatten()
-            if len(done):
+            done_h = np.flatnonzero((batch.host_positions + 1) % ratio == 0)
+            done = upload(done_h, self.device)
+            if done_h.size:
                 blocks, block_slots = positions[done] // ratio, slots[done]
                 rows, valid = self._block_rows(
                     state_name, ring, states, batch, done, ratio, overlap
                 )
                 pooled_rows = C.pool_blocks(rows, valid, overlap)
             self._write_ring(state_name, ring, states, batch)
-            if not len(done):
+            if not done_h.size:
                 return
         rows = C.finish_rows(
             pooled_rows,
@@ -464,6 +467,20 @@ def _logit_rows(bounds: Sequence[tuple[int, int]], every: Sequence[bool]) -> lis
         for (lo, hi), all_rows in zip(bounds, every, strict=True)
         for r in (range(lo, hi) if all_rows else (hi - 1,))
     ]
+
+
+def _batch_rows(
+    segments: Sequence[Segment], lengths: Sequence[int], logit_rows: Sequence[int]
+) -> list[np.ndarray]:
+    """Per token, built on the host (one upload takes them to the device): its position, its
+    request slot, its segment's first position, its token id; then the logit rows."""
+    count = np.array(lengths, dtype=np.int64)
+    starts = np.repeat(np.array([s.start for s in segments], dtype=np.int64), count)
+    firsts = np.repeat(np.cumsum(count) - count, count)  # each token's segment's first row
+    positions = starts + np.arange(int(count.sum()), dtype=np.int64) - firsts
+    slots = np.repeat(np.array([s.slot for s in segments], dtype=np.int64), count)
+    ids = np.array([t for s in segments for t in s.token_ids], dtype=np.int64)
+    return [positions, slots, starts, ids, np.array(logit_rows, dtype=np.int64)]
 
 
 def _bounds(lengths: Sequence[int]) -> list[tuple[int, int]]:

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from dsv4_worker.engine.logprobs import MAX_TOP_LOGPROBS
+from dsv4_worker.mem.device import host_shortcuts
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,8 +170,9 @@ def draw(scores: torch.Tensor, params: SamplingParams, gen: torch.Generator | No
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
     """Each row's argmax, for logits [batch, vocab]: the first maximum, a NaN counting as the
     maximum (torch.argmax's rule). On CPU, float32/64 logits go through numpy's argmax, which
-    keeps that rule and is several times faster than torch's CPU kernel at batch 1024."""
-    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+    keeps that rule and is several times faster than torch's CPU kernel at batch 1024 (not
+    under DSV4_EMULATE_DEVICE=1, which takes CUDA's code: one read-back of the argmaxes)."""
+    if host_shortcuts(logits.device) and logits.dtype in (torch.float32, torch.float64):
         rows: np.ndarray = logits.detach().numpy()
         out: list[int] = rows.argmax(axis=-1).tolist()
         return out

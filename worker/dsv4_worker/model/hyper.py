@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import torch
 
 from dsv4_common.core.model import DSV4Arch
+from dsv4_worker.mem.device import host_shortcuts
 from dsv4_worker.model.ops import rms_norm
 
 Mixes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # pre [T, hc], post [T, hc], comb
@@ -37,11 +38,12 @@ def mixes(streams: torch.Tensor, p: Mapping[str, torch.Tensor], prefix: str, a: 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Alternate column and row normalization of [T, hc, hc] (columns first and last).
 
-    NOTE: on CPU without autograd the iterations run in numpy: the same float operations in
-    the same order (equal to torch's to a few ulps: the two libraries' reductions are
-    different kernels), at a third of torch's per-call cost on these tiny matrices, which
-    dominate a decode step's op count (4 ops x 2 x iters per sub-block)."""
-    if comb.device.type == "cpu" and not comb.requires_grad:
+    NOTE: on CPU without autograd the iterations run in numpy (not under DSV4_EMULATE_DEVICE=1,
+    which takes CUDA's code): the same float operations in the same order (equal to torch's to
+    a few ulps: the two libraries' reductions are different kernels), at a third of torch's
+    per-call cost on these tiny matrices, which dominate a decode step's op count (4 ops x 2 x
+    iters per sub-block)."""
+    if host_shortcuts(comb.device) and not comb.requires_grad:
         x = comb.numpy()
         x = x / (x.sum(axis=-2, keepdims=True) + eps)
         for _ in range(iters - 1):

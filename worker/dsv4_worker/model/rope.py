@@ -40,11 +40,13 @@ def _inv_freq_cpu(dims: int, theta: float, yarn: YarnScaling | None) -> torch.Te
     return base / yarn.factor * (1 - keep) + base * keep
 
 
+@lru_cache(maxsize=64)
 def inv_freq(
     dims: int, theta: float, yarn: YarnScaling | None, device: torch.device
 ) -> torch.Tensor:
-    """Inverse frequencies [dims // 2] (float64) of a rope over `dims` channels."""
-    return _inv_freq_cpu(dims, theta, yarn).to(device)
+    """Inverse frequencies [dims // 2] (float64) of a rope over `dims` channels (one copy per
+    device, made once and without a sync: a copy per call was a blocking copy on CUDA)."""
+    return _inv_freq_cpu(dims, theta, yarn).to(device, non_blocking=True)
 
 
 def compress_freq(m: DSV4Config, device: torch.device) -> torch.Tensor:

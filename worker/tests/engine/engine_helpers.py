@@ -21,7 +21,9 @@ def engine(
     slots: int = 8,
     chunk: int = 24,
     page: int = 16,
+    device: str = "cpu",
 ) -> Engine:
+    """`weights` must be on `device` (the pools' device)."""
     memory = small_memory(
         model.name,
         page_size=page,
@@ -29,6 +31,7 @@ def engine(
         swa_pages=swa_pages,
         slots=slots,
         max_pages=full_pages,
+        device=device,
     )
     sched = SchedulerConfig(
         page_size=page,
