@@ -1,10 +1,18 @@
 """Microbenchmark of the KV allocator's hot operations (prints a table; not a test).
 
     .venv/bin/python bench/alloc.py [--device cpu|cuda] [--repeats N] [--rounds R] [--json]
+        [--emulated] [--syncs]
     /tmp/sgl/bin/python bench/alloc.py --vs-sglang      # PYTHONPATH=worker:common (README)
 
 Microseconds per call, one torch thread, page sizes 256 and 16. Each cell is the median of
 `--rounds` round medians (each over `--repeats` calls): shared CPUs here add bursts of noise.
+Arguments are host arrays, as the engine passes them (a tree whose allocator predates host
+arguments gets tensors on the device: `bench/compare.py` runs this script on old trees too).
+
+`--emulated` adds a column per page size for the same allocator built under
+DSV4_EMULATE_DEVICE=1 on a CPU (the code CUDA runs: device tables apart from the host's,
+written by uploads) beside the plain CPU path; `--syncs` adds the calls that would sync on
+CUDA per operation (the most over its calls, counted on the emulated path by `SyncCounter`).
 
 `--vs-sglang` runs SGLang's own `SWATokenToKVPoolAllocator` through the same scenarios in the
 same process, round for round after ours, and prints ours / SGLang (below 1: ours is faster).
@@ -21,6 +29,7 @@ What SGLang is timed doing, per row (its tensors are built before the clock star
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -28,11 +37,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from benchjson import Figure, emit
 
 from dsv4_worker.mem.alloc_config import AllocatorConfig
 from dsv4_worker.mem.kv_allocator import KVAllocator
+
+try:  # host arguments and the emulated device (issue #38); absent from older trees
+    from dsv4_worker.mem.device import EMULATE_ENV
+    from dsv4_worker.mem.sync_counter import SyncCounter
+
+    HOST_ARGS = True
+except ImportError:
+    HOST_ARGS = False
 
 MAX_CONTEXT_TOKENS = 65536
 WINDOW_TOKENS = 128
@@ -57,6 +75,17 @@ def _timer(device: torch.device) -> Timer:
     return timed
 
 
+def _sync_counter() -> Timer:
+    """timed(fn, *args): (the calls in fn(*args) that would sync on CUDA, fn(*args))."""
+
+    def counted(fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
+        with SyncCounter() as counter:
+            out = fn(*args)
+        return float(counter.total), out
+
+    return counted
+
+
 def _pages(page: int, requests: int, tokens_per_request: int) -> int:
     return requests * (-(-tokens_per_request // page) + 2) + 64
 
@@ -74,13 +103,14 @@ def _prompts(running: int, lo: int, hi: int, seed: int) -> list[int]:
 
 
 class Ours:
-    """The scenarios on our KVAllocator: each returns the microseconds of its timed calls."""
+    """The scenarios on our KVAllocator: each returns the microseconds of its timed calls.
+    `emulated`: built under DSV4_EMULATE_DEVICE=1; `syncs`: counts syncs instead of timing."""
 
-    name = "ours"
-
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, emulated: bool = False, syncs: bool = False):
         self.device = device
-        self.timed = _timer(device)
+        self.emulated = emulated
+        self.name = "syncs" if syncs else "emulated" if emulated else "ours"
+        self.timed = _sync_counter() if syncs else _timer(device)
 
     def _alloc(self, page: int, requests: int, tokens_per_request: int) -> KVAllocator:
         pages = _pages(page, requests, tokens_per_request)
@@ -92,15 +122,31 @@ class Ours:
             max_pages_per_request=MAX_CONTEXT_TOKENS // page,
             window_tokens=WINDOW_TOKENS,
         )
-        return KVAllocator(cfg, self.device)
+        if not self.emulated:
+            return KVAllocator(cfg, self.device)
+        old = os.environ.get(EMULATE_ENV)
+        os.environ[EMULATE_ENV] = "1"
+        try:
+            return KVAllocator(cfg, self.device)
+        finally:
+            if old is None:
+                del os.environ[EMULATE_ENV]
+            else:
+                os.environ[EMULATE_ENV] = old
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
+    def _tensor(self, values: list[int]) -> Any:
+        """Host values as the engine passes them (an old tree: a tensor on the device)."""
+        if HOST_ARGS:
+            return np.array(values, dtype=np.int64)
         return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def _slots(self, running: int) -> Any:
+        return self._tensor(list(range(1, running + 1)))
 
     def decode(self, page: int, running: int, steps: int) -> list[float]:
         prompt = _prompts(running, 1, 1024, 0)
         alloc = self._alloc(page, running, 1024 + steps + 1)
-        slots = torch.arange(1, running + 1, device=self.device)
+        slots = self._slots(running)
         alloc.open(slots)
         alloc.extend(slots, self._tensor(prompt))
         return [self.timed(alloc.decode, slots)[0] for _ in range(steps)]
@@ -142,7 +188,7 @@ class Ours:
         """steady: one pass per decode step (0-1 page per request); else right after prefill."""
         prompt = self._tensor(_prompts(running, 512, 2048, 1))
         alloc = self._alloc(page, running, 2048 + max(repeats, page) + 1)
-        slots = torch.arange(1, running + 1, device=self.device)
+        slots = self._slots(running)
         times = []
         if steady:
             alloc.open(slots)
@@ -372,10 +418,22 @@ def main() -> None:
         "--vs-sglang", action="store_true", help="time SGLang's SWA allocator beside ours"
     )
     parser.add_argument("--json", action="store_true", help="also print a @bench-json line")
+    parser.add_argument(
+        "--emulated", action="store_true", help="also the CUDA code path on a CPU (see above)"
+    )
+    parser.add_argument("--syncs", action="store_true", help="also count syncs per operation")
     args = parser.parse_args()
     torch.set_num_threads(1)
     device = torch.device(args.device)
     systems: list[Any] = [Ours(device)]
+    if (args.emulated or args.syncs) and not HOST_ARGS:
+        parser.error("--emulated and --syncs need an allocator with host arguments (issue #38)")
+    if args.emulated:
+        if device.type != "cpu":
+            parser.error("--emulated emulates a CUDA device on a CPU: use it with --device cpu")
+        systems.append(Ours(device, emulated=True))
+    if args.syncs:
+        systems.append(Ours(device, emulated=device.type == "cpu", syncs=True))
     if args.vs_sglang:
         loaded = load_sglang()
         if isinstance(loaded, str):
@@ -389,7 +447,8 @@ def main() -> None:
         f"(us per call: median of {args.rounds} round medians)"
     )
     heads = [f"{s.name} p{p}" for p in args.pages for s in systems]
-    if len(systems) == 2:
+    vs_sglang = any(s.name == "sglang" for s in systems)
+    if vs_sglang:
         heads = [h for p in args.pages for h in (f"ours p{p}", f"sglang p{p}", f"ratio p{p}")]
     print(f"{'operation':<32}" + "".join(f"{h:>13}" for h in heads))
     figures: list[Figure] = []
@@ -401,14 +460,18 @@ def main() -> None:
             medians: dict[str, list[float]] = {s.name: [] for s in systems}
             for _ in range(args.rounds):  # systems alternate within each round
                 for system in systems:
-                    medians[system.name].append(statistics.median(run(system, page)))
+                    if system.name == "syncs":  # deterministic: the most over the calls
+                        medians[system.name].append(max(run(system, page)))
+                    else:
+                        medians[system.name].append(statistics.median(run(system, page)))
             us = {k: statistics.median(v) for k, v in medians.items()}
             for system in systems:
-                cells.append(f"{us[system.name]:.1f}")
+                cells.append(f"{us[system.name]:.{0 if system.name == 'syncs' else 1}f}")
+                unit = "syncs" if system.name == "syncs" else "us"
                 figures.append(
-                    Figure(f"{name} p{page} {system.name}", us[system.name], "us", "lower")
+                    Figure(f"{name} p{page} {system.name}", us[system.name], unit, "lower")
                 )
-            if len(systems) == 2:
+            if vs_sglang:
                 ratio = us["ours"] / us["sglang"]
                 cells.append(f"{ratio:.2f}x")
                 figures.append(Figure(f"{name} p{page} ours/sglang", ratio, "x", "lower"))

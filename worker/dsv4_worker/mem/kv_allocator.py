@@ -55,6 +55,7 @@ from dsv4_worker.mem.usage import PoolUsage
 I64 = np.int64
 _YES = Verdict()
 _NONE = np.zeros(0, dtype=I64)
+_SMALL = 8  # batches up to this size are checked with Python ints
 
 
 class _ExtendPlan(NamedTuple):
@@ -73,6 +74,8 @@ class _DecodePlan(NamedTuple):
 
     slots: np.ndarray
     n0: np.ndarray  # tokens before
+    cols: np.ndarray  # page column of each next token
+    offsets: np.ndarray  # its offset in that page
     rollover: np.ndarray  # positions in `slots` whose token starts a page
 
 
@@ -231,12 +234,11 @@ class KVAllocator:
     def decode(self, slots: object) -> Tensor:
         """One more token per request; a page (and its SWA page) only at a page boundary.
         Returns each request's new full slot, on the device."""
-        plan = self._plan_decode(slots)
-        s, n0, roll = plan.slots, plan.n0, plan.rollover
+        s, n0, cols, offsets, roll = self._plan_decode(slots)
         if s.size == 0:
             return self.tables.apply()
-        page, width = self.config.page_size, self.config.max_pages_per_request
-        flat = n0 // page + s * width  # column of each next token
+        flat = s * self.config.max_pages_per_request
+        flat += cols  # the page-table entry of each next token
         table: Change | None = None
         to_swa: Change | None = None
         if roll.size:  # the requests at a page boundary get a page and its SWA page
@@ -246,22 +248,25 @@ class KVAllocator:
             self._table_flat[new_flat] = pages
             self.host.full_to_swa[pages] = swa
             table, to_swa = (new_flat, pages), (pages, swa)
-        out = self._table_flat[flat] * page + n0 % page
+        out = self._table_flat[flat]
+        out *= self.config.page_size
+        out += offsets
         self.host.num_tokens[s] = n0 + 1
         return self.tables.apply(table, to_swa, out)
 
     def _plan_decode(self, slots: object) -> _DecodePlan:
         s = self._slots("decode", slots)
         if s.size == 0:
-            return _DecodePlan(s, s, s)
+            return _DecodePlan(s, s, s, s, s)
         max_tokens = self.config.max_tokens_per_request - 1
         n0 = self._checked_num_tokens("decode", s, max_tokens=max_tokens)
-        at_boundary = n0 % self.config.page_size == 0
+        cols, offsets = np.divmod(n0, self.config.page_size)
+        at_boundary = offsets == 0
         if not np.count_nonzero(at_boundary):  # the steady step
-            return _DecodePlan(s, n0, _NONE)
+            return _DecodePlan(s, n0, cols, offsets, _NONE)
         rollover = np.flatnonzero(at_boundary)
         self._check_free(rollover.size, rollover.size)
-        return _DecodePlan(s, n0, rollover)
+        return _DecodePlan(s, n0, cols, offsets, rollover)
 
     def alloc_tail(self, slots: object, num_tokens: object) -> None:
         """PD decode preallocation for fresh requests: full pages for all `num_tokens`, SWA pages
@@ -410,12 +415,20 @@ class KVAllocator:
         reserved), a closed or repeated slot, or one holding more than `max_tokens` (no
         writes)."""
         limit = self.config.num_request_slots
-        # NOTE: one max each, as unsigned: a value below the range wraps past its top.
-        if int((slots - 1).view(np.uint64).max()) >= limit:
-            check_bounds(int(slots.min()), int(slots.max()), 1, limit, f"{op}: slots")
-        n: np.ndarray = self.host.num_tokens[slots]
         bound = self.config.max_tokens_per_request if max_tokens is None else max_tokens
-        if int(n.view(np.uint64).max()) > bound:  # a closed slot's -1 reads 2**64 - 1
+        if slots.size <= _SMALL:  # Python's min and max cost less than numpy's here
+            values = slots.tolist()
+            check_bounds(min(values), max(values), 1, limit, f"{op}: slots")
+            n: np.ndarray = self.host.num_tokens[slots]
+            counts = n.tolist()
+            bad = min(counts) < 0 or max(counts) > bound
+        else:
+            # NOTE: one max each, as unsigned: a value below the range wraps past its top.
+            if int((slots - 1).view(np.uint64).max()) >= limit:
+                check_bounds(int(slots.min()), int(slots.max()), 1, limit, f"{op}: slots")
+            n = self.host.num_tokens[slots]
+            bad = int(n.view(np.uint64).max()) > bound  # a closed slot's -1 reads 2**64 - 1
+        if bad:
             if int(n.min()) < 0:
                 closed = int(slots[np.flatnonzero(n < 0)[0]])
                 raise OwnershipError(f"{op}: request slot {closed} is not open")

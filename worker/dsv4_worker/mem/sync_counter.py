@@ -4,8 +4,8 @@ device (tests and benches; never installed on a serving path).
 Run under DSV4_EMULATE_DEVICE=1 the CPU takes the code CUDA takes (`device.py`), so what this
 counts there is what would sync on CUDA. Its model: a tensor is a DEVICE tensor unless it is a
 HOST tensor, made inside the counter by a factory without a device (or with `device="cpu"`
-spelled as a string: the host, named), read back (`.cpu()`, `.to("cpu")`), pinned, or computed
-from host tensors only. Host data is numpy or Python values; tensors made before the counter
+spelled as a string: the host, named) or by `torch.from_numpy`, read back (`.cpu()`,
+`.to("cpu")`), pinned, or computed from host tensors only. Tensors made before the counter
 started count as device tensors. Counted, one per call:
 
     reads of a device tensor      item, tolist, __bool__ / __int__ / __float__ / __index__,
@@ -21,8 +21,9 @@ started count as device tensors. Counted, one per call:
                                   view, a slice bound, ...)
 
 NOTE: a device tensor's `.to(device)` is taken for a no-op (under emulation the device is the
-CPU too): code that means the host spells it "cpu". Not seen: torch.cuda.synchronize and
-stream or event waits (not torch functions; the emulated code never calls them).
+CPU too): code that means the host spells it "cpu". `torch.from_numpy` is no torch function:
+the counter wraps it while counting (one counter at a time, tests and benches only). Not seen:
+torch.cuda.synchronize and stream or event waits (the emulated code never calls them).
 """
 
 from __future__ import annotations
@@ -120,6 +121,25 @@ class SyncCounter(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
+        self._from_numpy: Callable[[Any], Tensor] | None = None
+
+    def __enter__(self) -> SyncCounter:
+        made = torch.from_numpy
+        self._from_numpy = made
+
+        def host_view(array: Any) -> Tensor:
+            t = made(array)
+            _mark([t], True)
+            return t
+
+        torch.from_numpy = host_view  # type: ignore[assignment]  # restored by __exit__
+        super().__enter__()  # type: ignore[no-untyped-call]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]
+        if self._from_numpy is not None:
+            torch.from_numpy = self._from_numpy  # type: ignore[assignment]
 
     @property
     def total(self) -> int:

@@ -50,8 +50,8 @@ def _script(mem: KVMemory) -> list[torch.Tensor]:
         a.num_tokens,
         a.swa_start_tokens,
         a.full_to_swa,
-        a.full.owner,
-        a.swa.owner,
+        torch.from_numpy(a.full.owner),  # host state
+        torch.from_numpy(a.swa.owner),
         *(mem.pool.buffer(c.name) for c in mem.layout.components),
     ]
     # As raw bytes: the random fill holds NaN patterns, and NaN != NaN in a float compare.

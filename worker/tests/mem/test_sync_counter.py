@@ -50,6 +50,7 @@ SYNCS: dict[str, Callable[[Tensor], object]] = {
     "tensor(device=)": lambda x: torch.tensor([1, 2], device=x.device),
     "as_tensor(device=)": lambda x: torch.as_tensor([1, 2], device=x.device),
     "blocking upload": lambda x: torch.tensor([1, 2]).to(x.device),
+    "blocking upload of numpy": lambda x: torch.from_numpy(np.arange(3)).to(x.device),
     "copy_ from host": lambda x: x.copy_(torch.tensor([5, 4, 3, 2, 1, 0])),
     "arange(tensor)": lambda x: torch.arange(x[3]),
     "slice by tensor": lambda x: x[: x[2]],

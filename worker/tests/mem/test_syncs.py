@@ -152,5 +152,32 @@ def test_a_device_tensor_argument_is_read_back_once() -> None:
     import torch
 
     a, slots = _running([100, 101])
-    counts = _syncs(lambda: a.decode(torch.from_numpy(slots).to(a.device)))
-    assert counts == {"cpu": 1}
+    on_device = torch.from_numpy(slots).to(a.device)  # made before counting: a device tensor
+    assert _syncs(lambda: a.decode(on_device)) == {"cpu": 1}
+
+
+def test_the_switch_turns_the_host_shortcuts_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from dsv4_worker.mem.device import EMULATE_ENV, host_shortcuts
+
+    monkeypatch.delenv(EMULATE_ENV, raising=False)
+    assert host_shortcuts(torch.device("cpu")) and not host_shortcuts(torch.device("cuda"))
+    monkeypatch.setenv(EMULATE_ENV, "1")
+    assert not host_shortcuts(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("preset", ["tiny", "hybrid-tiny"])
+def test_the_emulated_path_matches_the_cpu_path_decision_for_decision(preset: str) -> None:
+    """test_cuda.py's script of every operation (pools with random bytes, offload and reload
+    included), on the CPU's shared tables and on separate device tables: the same results,
+    state and bytes."""
+    from mem_helpers import small_memory
+    from test_cuda import _script
+
+    sizes = dict(full_pages=64, swa_pages=24, slots=6, max_pages=16)
+    shared = _script(small_memory(preset, **sizes))  # type: ignore[arg-type]
+    emulated = _script(small_memory(preset, emulate=True, **sizes))  # type: ignore[arg-type]
+    assert len(shared) == len(emulated)
+    for i, (x, y) in enumerate(zip(shared, emulated, strict=True)):
+        assert (x == y).all(), f"step {i} differs"
