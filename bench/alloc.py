@@ -450,7 +450,7 @@ def main() -> None:
     vs_sglang = any(s.name == "sglang" for s in systems)
     if vs_sglang:
         heads = [h for p in args.pages for h in (f"ours p{p}", f"sglang p{p}", f"ratio p{p}")]
-    print(f"{'operation':<32}" + "".join(f"{h:>13}" for h in heads))
+    print(f"{'operation':<32}" + "".join(f"{h:>14}" for h in heads))
     figures: list[Figure] = []
     for name, run in scenarios(args.repeats):
         if args.only not in name:
@@ -475,7 +475,7 @@ def main() -> None:
                 ratio = us["ours"] / us["sglang"]
                 cells.append(f"{ratio:.2f}x")
                 figures.append(Figure(f"{name} p{page} ours/sglang", ratio, "x", "lower"))
-        print(f"{name:<32}" + "".join(f"{c:>13}" for c in cells), flush=True)
+        print(f"{name:<32}" + "".join(f"{c:>14}" for c in cells), flush=True)
     if args.json:
         emit("alloc", figures)
 
