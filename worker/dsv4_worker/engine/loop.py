@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Final, Literal, NamedTuple
 
 import numpy as np
@@ -48,6 +49,7 @@ from dsv4_worker.engine.changes import (
     Submit,
 )
 from dsv4_worker.engine.events import NO_EVENTS, EngineEvents
+from dsv4_worker.engine.failures import Failure, batch_failure, failure_of
 from dsv4_worker.engine.grammar import GrammarCompiler, Matcher, allowed_tokens
 from dsv4_worker.engine.logprobs import TokenLogprob, row_layout, token_logprobs
 from dsv4_worker.engine.paged import PagedModel, Segment
@@ -80,6 +82,7 @@ class Request:
     snapshot: OffloadedRequest | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_code: str | None = None  # an OpenAI error code for its answer (`failures`)
     generator: torch.Generator | None = None
     retractions: int = 0
     keep_pages: bool = False  # PD prefill: keep the pages after finishing, until release()
@@ -99,14 +102,21 @@ class Request:
 SampleAt = Sequence[tuple[int, "Request"]]  # (segment index, request), in batch order
 
 
+NO_FAILURES: Final[Mapping[RequestId, Failure]] = MappingProxyType({})
+
+
 class Scored(NamedTuple):
     """What one batch's logits give: a token per sampling request (in `sample_at` order),
     its logprob entry where the request asks for logprobs, and the prompt logprobs of the
-    chunks that score their prompt: (rid, index into `prompt_logprobs`, entries)."""
+    chunks that score their prompt: (rid, index into `prompt_logprobs`, entries). `failed`:
+    the requests whose sampling or scoring raised (their token is meaningless); `batch`: the
+    forward itself failed, so every request of the batch fails (`failures`)."""
 
     tokens: list[int]
     logprobs: list[TokenLogprob | None]
     prompt: list[tuple[RequestId, int, tuple[TokenLogprob, ...]]]
+    failed: Mapping[RequestId, Failure] = NO_FAILURES
+    batch: Failure | None = None
 
 
 def ends_with(req: Request, token: int) -> FinishReason | None:
@@ -349,14 +359,11 @@ class Engine:
         segments, sample_at, score_at = self._grow(plan)
         if segments or self.source.always_run_batch:
             scored = self.run_batch(segments, sample_at, score_at)
-            for rid, start, entries in scored.prompt:
-                req = self.requests[rid]
-                assert len(req.prompt_logprobs) >= start, "prompt chunks are scored in order"
-                req.prompt_logprobs[start:] = entries
-            for (_, req), token, logprob in zip(
-                sample_at, scored.tokens, scored.logprobs, strict=True
-            ):
-                self._accept(req, token, finished, logprob)
+            if scored.batch is not None:
+                batch = (*plan.decodes, *(rid for rid, _ in plan.chunks))
+                self._fail_each({rid: scored.batch for rid in batch}, finished)
+            else:
+                self._take(scored, sample_at, finished)
         # After the batch: in a PP group that is after the step's barrier, so every stage has
         # preallocated these requests before the prefill side may write into them.
         for rid in plan.preallocs:
@@ -373,6 +380,33 @@ class Engine:
         elif self._idle_since_s is None:
             self._idle_since_s = time.monotonic()
         return finished
+
+    def _take(self, scored: Scored, sample_at: SampleAt, finished: list[Request]) -> None:
+        """A batch's results: prompt logprobs and tokens of the requests that did not fail,
+        each accepted on its own (one that raises fails alone), then the failed ones end."""
+        failed = dict(scored.failed)
+        for rid, start, entries in scored.prompt:
+            req = self.requests[rid]
+            assert len(req.prompt_logprobs) >= start, "prompt chunks are scored in order"
+            req.prompt_logprobs[start:] = entries
+        for (_, req), token, logprob in zip(sample_at, scored.tokens, scored.logprobs, strict=True):
+            if req.rid in failed:
+                continue
+            try:
+                self._accept(req, token, finished, logprob)
+            except Exception as exc:
+                failed[req.rid] = failure_of("accepting its token", req.rid, exc)
+        self._fail_each(failed, finished)
+
+    def _fail_each(self, failed: Mapping[RequestId, Failure], finished: list[Request]) -> None:
+        """End each request of `failed` that is still running with its error."""
+        for rid, failure in failed.items():
+            req = self.requests.get(rid)
+            if req is None:
+                continue  # it finished on the token it was accepted with
+            req.error, req.error_code = failure.why, failure.code
+            self._finish(req, "error")
+            finished.append(req)
 
     def check_if_idle(self, settled_s: float = 0.0) -> None:
         """The whole-state check (`check_integrity`, milliseconds) once the engine has stayed
@@ -403,11 +437,15 @@ class Engine:
         sample_at: SampleAt,
         score_at: SampleAt = (),
     ) -> Scored:
-        """`run_batch` of a single stage: the whole model's forward, sampled here."""
-        if score_at:
-            logits = self.paged.forward(segments, scored_segments(len(segments), score_at))
-        else:
-            logits = self.paged.forward(segments)
+        """`run_batch` of a single stage: the whole model's forward, sampled here. A forward
+        that raises fails the batch (`failures`)."""
+        try:
+            if score_at:
+                logits = self.paged.forward(segments, scored_segments(len(segments), score_at))
+            else:
+                logits = self.paged.forward(segments)
+        except Exception as exc:
+            return Scored([], [], [], batch=batch_failure(exc))
         return self.sample(logits, segments, sample_at, score_at)
 
     def sample(
@@ -420,44 +458,86 @@ class Engine:
         """Tokens (and logprobs) from a forward's logits: one row per segment, or one per
         token of the `score_at` segments (`logprobs.row_layout`)."""
         prompt: list[tuple[RequestId, int, tuple[TokenLogprob, ...]]] = []
+        failed: dict[RequestId, Failure] = {}  # each request's work is its own (`failures`)
         if score_at:
             every = scored_segments(len(segments), score_at)
             rows = row_layout([len(s.token_ids) for s in segments], every)
             for i, req in score_at:
-                prompt.append(_prompt_logprobs(logits, rows[i], segments[i], req))
+                try:
+                    prompt.append(_prompt_logprobs(logits, rows[i], segments[i], req))
+                except Exception as exc:
+                    failed[req.rid] = failure_of("prompt logprobs", req.rid, exc)
             logits = logits[torch.tensor([last for _, last in rows], device=logits.device)]
         greedy = greedy_tokens(logits)  # one sync for every plain greedy request
         tokens = [greedy[i] for i, _ in sample_at]
         logprobs: list[TokenLogprob | None] = [None] * len(tokens)
-        processed = self._processed(logits, sample_at)
-        masks = self._masks(logits, sample_at)
+        processed = self._processed(logits, sample_at, failed)
+        masks = self._masks(logits, sample_at, failed)
         for j, (i, req) in enumerate(sample_at):
-            if req.plain:
+            if req.plain or req.rid in failed:
                 continue
-            p = req.params
-            if j in masks:  # the grammar last, on what the processors left
-                k = processed.rows.get(j)
-                scores = logits[i] if k is None else processed.scores[k]
-                tokens[j] = draw(scores.masked_fill(~masks[j], float("-inf")), p, req.generator)
-            elif j in processed.greedy:
-                tokens[j] = processed.greedy[j]
-            elif req.generator is not None or p.processed:
-                k = processed.rows.get(j)
-                tokens[j] = draw(logits[i] if k is None else processed.scores[k], p, req.generator)
-            if p.logprobs is not None:
-                logprobs[j] = token_logprobs(logits[i : i + 1], [tokens[j]], p.logprobs)[0]
-        return Scored(tokens, logprobs, prompt)
+            try:
+                tokens[j], logprobs[j] = self._pick(logits, i, j, req, tokens[j], processed, masks)
+            except Exception as exc:
+                failed[req.rid] = failure_of("sampling", req.rid, exc)
+        return Scored(tokens, logprobs, prompt, failed)
 
-    def _processed(self, logits: torch.Tensor, sample_at: SampleAt) -> Adjusted:
+    def _pick(
+        self,
+        logits: torch.Tensor,
+        i: int,
+        j: int,
+        req: Request,
+        token: int,
+        processed: Adjusted,
+        masks: dict[int, torch.Tensor],
+    ) -> tuple[int, TokenLogprob | None]:
+        """The token (and logprob entry) of sample_at entry `j`, a request that is not plain,
+        from logits row `i`; `token`, the batch's argmax, when nothing changes it."""
+        p = req.params
+        k = processed.rows.get(j)
+        if j in masks:  # the grammar last, on what the processors left
+            scores = logits[i] if k is None else processed.scores[k]
+            token = draw(scores.masked_fill(~masks[j], float("-inf")), p, req.generator)
+        elif j in processed.greedy:
+            token = processed.greedy[j]
+        elif req.generator is not None or p.processed:
+            token = draw(logits[i] if k is None else processed.scores[k], p, req.generator)
+        logprob = None
+        if p.logprobs is not None:
+            logprob = token_logprobs(logits[i : i + 1], [token], p.logprobs)[0]
+        return token, logprob
+
+    def _processed(
+        self, logits: torch.Tensor, sample_at: SampleAt, failed: dict[RequestId, Failure]
+    ) -> Adjusted:
         """The logit processors of every request that has one, batched, and the tokens of
-        the greedy ones among them (one argmax)."""
+        the greedy ones among them (one argmax). When the batch raises, each request runs
+        alone: one that raises again goes into `failed`, the others keep their results."""
         todo = [
             (j, i, req)
             for j, (i, req) in enumerate(sample_at)
-            if not req.plain and req.params.processed
+            if not req.plain and req.params.processed and req.rid not in failed
         ]
         if not todo:  # the usual step: one pass, nothing built
             return NOTHING_ADJUSTED
+        try:
+            return self._process(logits, sample_at, todo)
+        except Exception:
+            pass  # find the request at fault (a TokenCounts catch-up is idempotent)
+        kept = []
+        for entry in todo:
+            try:
+                self._process(logits, sample_at, [entry])
+            except Exception as exc:
+                failed[entry[2].rid] = failure_of("logit processors", entry[2].rid, exc)
+            else:
+                kept.append(entry)
+        return self._process(logits, sample_at, kept) if kept else NOTHING_ADJUSTED
+
+    def _process(
+        self, logits: torch.Tensor, sample_at: SampleAt, todo: Sequence[tuple[int, int, Request]]
+    ) -> Adjusted:
         batch: list[Processed] = []
         at: list[int] = []
         for j, i, req in todo:
@@ -474,15 +554,34 @@ class Engine:
             tops = greedy_tokens(scores[picks]) if picks else []
         return Adjusted(scores, rows, {at[k]: t for k, t in zip(picks, tops, strict=True)})
 
-    def _masks(self, logits: torch.Tensor, sample_at: SampleAt) -> dict[int, torch.Tensor]:
+    def _masks(
+        self, logits: torch.Tensor, sample_at: SampleAt, failed: dict[RequestId, Failure]
+    ) -> dict[int, torch.Tensor]:
         """The allowed tokens of every request with a grammar, batched: sample_at index ->
-        bool [vocab]. A request without one costs a test."""
-        index = [j for j, (_, req) in enumerate(sample_at) if req.matcher is not None]
+        bool [vocab]. A request without one costs a test. When the batch raises, each
+        matcher runs alone: one that raises again goes into `failed`."""
+        index = [
+            j
+            for j, (_, req) in enumerate(sample_at)
+            if req.matcher is not None and req.rid not in failed
+        ]
         if not index:
             return {}
-        matchers = [m for _, r in sample_at if (m := r.matcher) is not None]
-        allowed = allowed_tokens(matchers, logits.shape[-1], logits.device)
-        return {j: allowed[k] for k, j in enumerate(index)}
+        vocab, dev = logits.shape[-1], logits.device
+        matchers = [m for j in index if (m := sample_at[j][1].matcher) is not None]
+        try:
+            allowed = allowed_tokens(matchers, vocab, dev)
+            return {j: allowed[k] for k, j in enumerate(index)}
+        except Exception:
+            pass  # find the matcher at fault
+        masks = {}
+        for j, matcher in zip(index, matchers, strict=True):
+            try:
+                masks[j] = allowed_tokens([matcher], vocab, dev)[0]
+            except Exception as exc:
+                rid = sample_at[j][1].rid
+                failed[rid] = failure_of("the response_format grammar", rid, exc)
+        return masks
 
     def fail_all(self, why: str) -> list[Request]:
         """End every request with an error and free everything it holds (the engine cannot

@@ -137,7 +137,7 @@ def _penalize(scores: torch.Tensor, batch: Sequence[Processed], rows: Sequence[i
     found = torch.cat([c.output_counts[: c.size] for c in counts])
     values = scores[row, ids]  # the one gather
     # Every entry is a seen token (prompt or output); a factor of 1 leaves a value as it is.
-    factor = per_entry([p.params.repetition_penalty for p in batch])
+    factor = per_entry([p.params.repetition_factor for p in batch])
     values = torch.where(values > 0, values / factor, values * factor)
     per_count = per_entry([p.params.frequency_penalty for p in batch])
     once = per_entry([p.params.presence_penalty for p in batch])

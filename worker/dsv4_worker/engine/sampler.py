@@ -16,6 +16,18 @@ The order is vLLM's (its V1 sampler), on the model's logits for one request:
 Logprobs never see these steps: they come from the raw logits (`logprobs.py`). The engine
 runs steps 1-3 batched over a step's requests (`penalties.py`, equal to `adjust` bit for bit),
 then `draw`; `sample` is the same for one request.
+
+Degenerate values (every accepted one is served; none divides into inf or NaN):
+
+    temperature < TEMPERATURE_FLOOR           greedy (no generator: as temperature 0)
+    repetition_penalty < REPETITION_FLOOR     counts as REPETITION_FLOOR (a positive logit
+                                              divided by less could overflow float64; the
+                                              seen tokens win outright either way)
+    step 5 scales (scores - max) / temperature: the best token at 0, the rest <= 0, so a
+    large score or a small temperature underflows to -inf (probability 0), never to +inf
+    no token left (the grammar and min_tokens exclude every one)   NoTokenAllowed
+    NaN or +inf scores (a broken forward, never a parameter)        NoTokenAllowed
+The engine fails that one request (`loop.py`); the others of its batch go on.
 """
 
 from __future__ import annotations
@@ -29,6 +41,17 @@ import torch
 
 from dsv4_worker.engine.logprobs import MAX_TOP_LOGPROBS
 from dsv4_worker.mem.device import host_shortcuts
+
+# Below this a temperature samples greedily (vLLM's sampling epsilon): 1/T would scale a
+# logit gap of one float32 ulp past the float64 range long before T reaches a denormal.
+TEMPERATURE_FLOOR = 1e-5
+# Below this a repetition penalty counts as this: logits (float32 range, plus a bias of at
+# most 100) divided by it stay finite in float64 with room to spare for 1/temperature.
+REPETITION_FLOOR = 1e-200
+
+
+class NoTokenAllowed(ValueError):
+    """The request's scores leave no token to pick (every one is -inf, or they hold NaN)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +103,16 @@ class SamplingParams:
                 raise ValueError(f"{name}={k} must be in [0, {MAX_TOP_LOGPROBS}]")
 
     @property
+    def greedy(self) -> bool:
+        """Argmax, no generator: temperature 0 or below `TEMPERATURE_FLOOR`."""
+        return self.temperature < TEMPERATURE_FLOOR
+
+    @property
+    def repetition_factor(self) -> float:
+        """The repetition penalty as applied (`REPETITION_FLOOR` at least)."""
+        return max(self.repetition_penalty, REPETITION_FLOOR)
+
+    @property
     def processed(self) -> bool:
         """Whether a logit processor (steps 1-3) can change this request's logits."""
         return bool(
@@ -92,7 +125,7 @@ class SamplingParams:
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
-    if params.temperature == 0:
+    if params.greedy:
         return None
     gen = torch.Generator(device=device)
     gen.manual_seed(params.seed if params.seed is not None else int(torch.seed() % (1 << 63)))
@@ -125,7 +158,7 @@ def adjust(
         seen = torch.zeros(vocab, dtype=torch.bool, device=dev)
         seen[torch.tensor(list(prompt), dtype=torch.long, device=dev)] = True
         seen[out] = True
-        p = params.repetition_penalty
+        p = params.repetition_factor
         scores = torch.where(seen, torch.where(scores > 0, scores / p, scores * p), scores)
     if (params.frequency_penalty or params.presence_penalty) and len(output):
         counts = torch.bincount(out, minlength=vocab)[:vocab].to(scores.dtype)
@@ -148,11 +181,32 @@ def sample(
 
 
 def draw(scores: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """Step 5 on scores [vocab] that went through steps 1-4 (or need none)."""
+    """Step 5 on scores [vocab] that went through steps 1-4 (or need none). Raises
+    NoTokenAllowed when no token has a finite score, or a score is NaN or +inf (one host
+    sync either way: the token and that check come back together)."""
     scores = scores.to(torch.float64)
-    if params.temperature == 0 or gen is None:
-        return int(scores.argmax())
-    scores = scores / params.temperature
+    top = scores.max()  # NaN when any score is (torch's max propagates it)
+    finite = top.isfinite()
+    if params.greedy or gen is None:
+        token = scores.argmax()
+    else:
+        token = _sample(scores, top, finite, params, gen)
+    picked, ok = torch.stack([token, finite.to(token.dtype)]).tolist()
+    if not ok:
+        raise NoTokenAllowed(_why_none(float(top)))
+    return int(picked)
+
+
+def _sample(
+    scores: torch.Tensor,
+    top: torch.Tensor,
+    finite: torch.Tensor,
+    params: SamplingParams,
+    gen: torch.Generator,
+) -> torch.Tensor:
+    """Temperature, min-p, top-k, top-p and one draw; a row without a finite maximum draws
+    from a placeholder (the caller refuses its token), never from NaN probabilities."""
+    scores = (scores - top) / params.temperature  # <= 0: no overflow (module docstring)
     if params.min_p > 0:  # relative to the most likely token, before top-k / top-p (vLLM)
         probs = torch.softmax(scores, dim=-1)
         scores = scores.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
@@ -164,7 +218,14 @@ def draw(scores: torch.Tensor, params: SamplingParams, gen: torch.Generator | No
         sorted_probs, order = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_probs, 0) - sorted_probs < params.top_p  # at least the top one
         probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
-    return int(torch.multinomial(probs, 1, generator=gen))
+    probs = torch.where(finite, probs, torch.ones_like(probs))
+    return torch.multinomial(probs, 1, generator=gen)[0]
+
+
+def _why_none(top: float) -> str:
+    if top == -math.inf:
+        return "no token is allowed here (every score is -inf)"
+    return f"the logits hold {top} (a broken forward)"
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:

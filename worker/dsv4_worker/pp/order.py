@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsv4_worker.engine.changes import Change
+from dsv4_worker.engine.failures import Failure
 from dsv4_worker.engine.logprobs import TokenLogprob
 from dsv4_worker.sched.scheduler import RequestId, StepPlan
 
@@ -42,7 +43,8 @@ class StepOrder:
 @dataclass(frozen=True, slots=True)
 class Sampled:
     """The last stage's tokens, one per sampling request in batch order (with their logprob
-    entries and the batch's prompt logprobs, as `loop.Scored` has them), and the generator
+    entries, the batch's prompt logprobs and its failures, as `loop.Scored` has them; every
+    other stage sends back its own forward's failure or None), and the generator
     states of seeded requests that finished holding their pages (a PD prefill hands the
     sampler's state to decode)."""
 
@@ -50,3 +52,5 @@ class Sampled:
     generator_states: tuple[tuple[RequestId, Any], ...] = ()
     logprobs: tuple[TokenLogprob | None, ...] = ()
     prompt_logprobs: tuple[tuple[RequestId, int, tuple[TokenLogprob, ...]], ...] = ()
+    failed: tuple[tuple[RequestId, Failure], ...] = ()  # requests whose sampling raised
+    batch: Failure | None = None  # the last stage's forward raised: the batch fails

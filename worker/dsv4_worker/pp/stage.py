@@ -30,6 +30,7 @@ from dsv4_worker.engine.changes import (
     Release,
     Submit,
 )
+from dsv4_worker.engine.failures import Failure, batch_failure
 from dsv4_worker.engine.loop import (
     DuplicateRequest,
     Engine,
@@ -56,42 +57,58 @@ def stage_batch(
     score_at: SampleAt,
 ) -> Scored:
     """One stage's part of a batch: its layers (hidden states in from the previous stage,
-    out to the next), tokens sampled on the last stage and gathered by every stage."""
+    out to the next), tokens sampled on the last stage and gathered by every stage. A stage
+    whose forward raises still sends (zeros) and says so in the gather: every stage then
+    fails the batch's requests (`failures`), and the group goes on."""
     paged = engine.paged
     stage = paged.stage
     out: torch.Tensor | None = None
+    broken: Failure | None = None  # this stage's forward raised
     if segments:
         hidden = None
+        tokens = sum(len(s.token_ids) for s in segments)
         if not stage.first:
-            tokens = sum(len(s.token_ids) for s in segments)
             hidden = link.recv_hidden((tokens, paged.hidden_size), paged.dtype)
         every = scored_segments(len(segments), score_at) if score_at else ()
-        out = paged.forward_stage(segments, hidden, every)
+        try:
+            out = paged.forward_stage(segments, hidden, every)
+        except Exception as exc:
+            broken = batch_failure(exc)
         if not stage.last:
-            link.send_hidden(out)
-    sampled = None
+            shape, dev = (tokens, paged.hidden_size), engine.mem.device
+            link.send_hidden(
+                out if out is not None else torch.zeros(shape, dtype=paged.dtype, device=dev)
+            )
+    sampled: Sampled | Failure | None = broken
     if stage.last:
-        scored = (
-            engine.sample(out, segments, sample_at, score_at)
-            if out is not None
-            else Scored([], [], [])
-        )
+        scored = Scored([], [], [])
+        if out is not None:
+            scored = engine.sample(out, segments, sample_at, score_at)
         sampled = Sampled(
             tuple(scored.tokens),
-            _handoff_states(sample_at, scored.tokens),
+            _handoff_states(sample_at, scored.tokens) if broken is None else (),
             tuple(scored.logprobs),
             tuple(scored.prompt),
+            tuple(scored.failed.items()),
+            broken,
         )
     # All-gather, not a broadcast: it also makes the end of a step a barrier, so once the
     # leader's step is over every stage has applied its order and finished the step
     # before (what the PD prefill leader waits for before saying a request is settled).
-    sampled = link.all_gather(sampled)[-1]
-    assert isinstance(sampled, Sampled)
-    for rid, state in sampled.generator_states:
+    gathered = link.all_gather(sampled)
+    last = gathered[-1]
+    assert isinstance(last, Sampled)
+    batch = next((f for f in (*gathered[:-1], last.batch) if f is not None), None)
+    if batch is not None:
+        assert isinstance(batch, Failure)
+        return Scored([], [], [], batch=batch)
+    for rid, state in last.generator_states:
         req = engine.requests.get(rid)
         if req is not None and req.generator is not None and not stage.last:
             req.generator.set_state(state)
-    return Scored(list(sampled.tokens), list(sampled.logprobs), list(sampled.prompt_logprobs))
+    return Scored(
+        list(last.tokens), list(last.logprobs), list(last.prompt_logprobs), dict(last.failed)
+    )
 
 
 def _handoff_states(sample_at: SampleAt, tokens: list[int]) -> tuple[tuple[RequestId, Any], ...]:
