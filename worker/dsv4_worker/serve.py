@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -56,7 +57,7 @@ from dsv4_worker.server.admission import AdmissionPolicy, default_policy
 from dsv4_worker.server.app import ServeInfo, build_app, build_status_app
 from dsv4_worker.server.drain import Drain, drain, engine_busy
 from dsv4_worker.server.metrics import Metrics
-from dsv4_worker.server.runner import EngineRunner
+from dsv4_worker.server.runner import EngineRunner, Health
 from dsv4_worker.server.tokenizer import Tokenizer, load_tokenizer
 from dsv4_worker.threads import configure_threads
 
@@ -217,7 +218,12 @@ def build(opts: ServeOptions) -> Built:
         drain=Drain(),
         api=opts.api,
     )
-    metrics = Metrics(runner.snapshot, runner.queue_view, runner.policy.max_queue_requests)
+    metrics = Metrics(
+        runner.snapshot,
+        runner.queue_view,
+        runner.policy.max_queue_requests,
+        health=lambda: _health(runner, agent),
+    )
     limits = opts.http
     # A prefill worker takes requests from decode workers only, and a later PP stage from its
     # leader only: their HTTP side is the probes.
@@ -233,6 +239,15 @@ def build(opts: ServeOptions) -> Built:
     status_app = build_status_app(runner, info, metrics, limits)
     require_api_key(status_app, opts.auth, status_port=True)
     return Built(runner, ((app, listeners[0]), (status_app, listeners[1])), agent, info.drain)
+
+
+def _health(runner: EngineRunner, agent: Agent | None) -> Health:
+    """The engine thread's health, and the PD agent's control thread's deaths."""
+    health = runner.health()
+    if agent is None:
+        return health
+    died = ("pd_control", int(agent.failure is not None))
+    return dataclasses.replace(health, deaths=(*health.deaths, died))
 
 
 def _admission_policy(opts: ServeOptions, max_running_requests: int) -> AdmissionPolicy:

@@ -34,6 +34,15 @@ LARK_HEADER: Final = "%llguidance {}"
 # The JSON the output may be: json.dumps's separators and no other whitespace (free whitespace
 # lets a model pad forever; the schema's own "x-guidance" cannot turn it back on).
 JSON_FORM: Final = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# The longest schema (compact JSON text) a request may carry: compiling one this long takes
+# about 0.1 s here (a 50,000-value enum takes 1.5 s; OpenAI's own limits are far smaller).
+MAX_SCHEMA_CHARS: Final = 64 * 1024
+PROBE_BYTES: Final = 256  # how far `schema_error` walks a grammar looking for a complete value
+_PROBE_VOCAB: Final = 257  # the byte tokenizer's bytes and its EOS
+# Bytes that end a value or a string soonest, then the cheapest values to write.
+_PROBE_ORDER: Final = tuple(b'}]"0ntf,:{[')
+_PROBE_LOCK = threading.Lock()
+_PROBE_TOKENIZER: Any = None
 
 
 class Matcher(Protocol):
@@ -70,15 +79,60 @@ class TokenSource(Protocol):
 
 
 def schema_error(schema: str) -> str | None:
-    """Why the library refuses a grammar (a JSON schema or Lark text), or None when it
-    compiles."""
+    """Why a grammar (a JSON schema or Lark text) cannot be enforced, or None: refused by
+    the library, or, a JSON schema, past MAX_SCHEMA_CHARS (compiling takes time linear in its
+    size, on the server's event loop and again on the engine thread) or admitting no JSON
+    value as far as `_probe` sees (a `$ref` cycle with no way out, an empty enum): such a
+    request could only fail. (Lark text is the server's own, `tool_grammar`: not probed, its
+    special tokens have no bytes.)"""
+    lark = schema.startswith(LARK_HEADER)
+    if not lark and len(schema) > MAX_SCHEMA_CHARS:
+        return f"{len(schema)} characters; at most {MAX_SCHEMA_CHARS} (as compact JSON)"
     lib = _library()
     try:
         grammar = _grammar(lib, schema)
     except ValueError as exc:
         return str(exc)
     is_error, messages = lib.LLMatcher.validate_grammar_with_warnings(grammar)
-    return str(messages[0]) if is_error else None
+    if is_error:
+        return str(messages[0])
+    return None if lark else _probe(lib, grammar)
+
+
+def _probe(lib: Any, grammar: str) -> str | None:
+    """Walk the grammar byte by byte (over the byte tokenizer), preferring the bytes that
+    close a value (`_PROBE_ORDER`), for at most PROBE_BYTES bytes: why it cannot produce a
+    complete JSON value, or None when the walk completed one or ran out of bytes (a grammar
+    the walk cannot finish is not proven empty; the engine fails such a request alone)."""
+    matcher = lib.LLMatcher(_probe_tokenizer(lib), grammar, log_level=0)
+    words = np.zeros(-(-_PROBE_VOCAB // 32), dtype=np.int32)
+    for _ in range(PROBE_BYTES):
+        if matcher.is_error():
+            return _unsatisfiable(str(matcher.get_error()))
+        if matcher.is_stopped() or matcher.is_accepting():
+            return None
+        words[:] = 0
+        matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:256]
+        if not bits.any():
+            return _unsatisfiable(str(matcher.get_error()) if matcher.is_error() else "")
+        byte = next((b for b in _PROBE_ORDER if bits[b]), int(np.flatnonzero(bits)[0]))
+        matcher.consume_token(byte)
+    return None
+
+
+def _unsatisfiable(detail: str) -> str:
+    why = "no JSON value satisfies it (e.g. a $ref cycle with no way out, or an empty enum)"
+    first = detail.strip().splitlines()[0] if detail.strip() else ""
+    return f"{why}: {first}" if first else why
+
+
+def _probe_tokenizer(lib: Any) -> Any:
+    global _PROBE_TOKENIZER
+    with _PROBE_LOCK:
+        if _PROBE_TOKENIZER is None:
+            _PROBE_TOKENIZER = lib.LLTokenizer(lib.TokenizerWrapper(_ByteTokens(256)))
+        return _PROBE_TOKENIZER
 
 
 def allowed_tokens(matchers: Sequence[Matcher], vocab: int, device: torch.device) -> torch.Tensor:

@@ -10,6 +10,12 @@ the engine frees its pages at its next turn. No response header is sent before t
 token, so a request that fails before it because of its PD prefill side gets a plain 502 the
 router can retry with another prefill. A PD decode worker takes the prefill instance from the
 `X-DSV4-Prefill` header.
+
+A request that fails alone (`engine.failures`; or its answer cannot be written) is a 500 with
+an OpenAI code (`internal_error`, `sampling_failed`), or an error event once its stream has
+begun; its engine requests are aborted. `/live` and `/health` answer 503 once the engine can
+serve no more (its thread died, a PP stage or the PD agent was lost): the kubelet and
+`dsv4 up` restart the worker on that.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from dsv4_common.api.request_id import (
 )
 from dsv4_common.api.worker_status import Load, WorkerStatus, build_worker_status
 from dsv4_router.http_guard import guarded_app, json_error, read_json
+from dsv4_worker.engine.failures import INTERNAL_CODE
 from dsv4_worker.server.admission import RETRY_AFTER_S, SHED_REASONS
 from dsv4_worker.server.answer import Answer, Choice
 from dsv4_worker.server.api_options import IGNORED_FIELDS_HEADER, ApiOptions, shown_fields
@@ -50,6 +57,8 @@ from dsv4_worker.server.protocol import (
 )
 from dsv4_worker.server.runner import (
     DUPLICATE_CODE,
+    ENGINE_DEAD_CODE,
+    REFUSED_CODE,
     Done,
     DuplicateRequest,
     EngineRunner,
@@ -144,13 +153,8 @@ def build_app(
     limits: HttpLimits | None = None,
 ) -> web.Application:
     """The API with the probes on the same port (the quick form)."""
-    metrics = metrics or Metrics(runner.snapshot)
+    metrics = metrics or Metrics(runner.snapshot, health=lambda: runner.health())
     app = guarded_app(limits or HttpLimits(), logger=log)
-
-    def error(status: int, message: str, field: str = "", retry: bool = False) -> web.Response:
-        return json_error(
-            status, message, param=field or None, retry_after_s=RETRY_AFTER_S if retry else None
-        )
 
     def completion_handler(
         parse: Parser, chat: bool
@@ -167,9 +171,12 @@ def build_app(
                 return json_error(503, REFUSED, code=DRAIN_CODE, retry_after_s=RETRY_AFTER_S)
             if not runner.alive:
                 why = runner.failure
-                metrics.shed.labels("engine_unavailable").inc()
-                return error(
-                    503, "the engine is not running" + (f": {why}" if why else ""), retry=True
+                metrics.shed.labels(ENGINE_DEAD_CODE).inc()
+                return json_error(
+                    503,
+                    "the engine is not running" + (f": {why}" if why else ""),
+                    code=ENGINE_DEAD_CODE,
+                    retry_after_s=RETRY_AFTER_S,
                 )
             verdict = runner.admission(1)
             if verdict.admitted:
@@ -232,6 +239,11 @@ def build_app(
                 for h in handles:
                     runner.abort(h)  # the client went away: free its pages now
                 raise
+            except Exception as exc:  # a bug answering it: this request fails alone
+                for h in handles:
+                    runner.abort(h)
+                log.exception("request %s: answering it failed", rid)
+                return json_error(500, f"internal error: {exc!r}", code=INTERNAL_CODE)
 
         return handle
 
@@ -268,8 +280,12 @@ def build_status_app(
 def _add_probes(
     app: web.Application, runner: EngineRunner, info: ServeInfo, metrics: Metrics
 ) -> None:
-    async def health(_: web.Request) -> web.Response:
-        return web.Response(text="ok")
+    async def live(_: web.Request) -> web.Response:
+        """200 while the engine can serve (busy or not); 503 once it never will again."""
+        why = runner.failure
+        if why is None:
+            return web.Response(text="ok")
+        return web.Response(status=503, text=f"engine not running: {why}")
 
     async def ready(_: web.Request) -> web.Response:
         if info.drain.draining:
@@ -290,8 +306,8 @@ def _add_probes(
     async def metrics_page(_: web.Request) -> web.Response:
         return web.Response(body=metrics.render(), content_type="text/plain")
 
-    app.router.add_get("/health", health)
-    app.router.add_get("/live", health)
+    app.router.add_get("/health", live)
+    app.router.add_get("/live", live)
     app.router.add_get("/ready", ready)
     app.router.add_get("/status", status)
     app.router.add_get("/metrics", metrics_page)
@@ -390,7 +406,9 @@ def _failure(message: str | None, retryable: bool, code: str | None = None) -> w
         return json_error(503, message or "shed", code=code, retry_after_s=RETRY_AFTER_S)
     if code == DUPLICATE_CODE:  # its namesake still held pages here: nothing was computed
         return json_error(409, message or "duplicate", param=REQUEST_ID_HEADER, code=code)
-    body = error_document(message or "failed", "server_error")
+    if code == REFUSED_CODE:  # the engine refused what the request asks: nothing was computed
+        return json_error(400, message or "refused", code=code)
+    body = error_document(message or "failed", "server_error", None, code)
     if retryable:
         return web.json_response(body, status=502, headers={"Retry-After": str(RETRY_AFTER_S)})
     return web.json_response(body, status=500)
@@ -406,16 +424,27 @@ async def _stream(request: web.Request, call: _Call) -> web.StreamResponse:
     if answer.req.ignored:
         headers[IGNORED_FIELDS_HEADER] = shown_fields(answer.req.ignored)
     resp = web.StreamResponse(headers=headers)
-    async for c, piece, done in _events(call):
-        error = done.error if done is not None and done.reason == "error" else None
-        if not resp.prepared:  # headers go with the first token, so a failure before it is a 5xx
-            if error is not None and done is not None:
-                for h in call.handles:
-                    call.runner.abort(h)
-                return _failure(error, done.retryable, done.code)
-            await resp.prepare(request)
-        chunk = answer.chunk(c, piece, error, None if done is None else done.code)
-        await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    try:
+        async for c, piece, done in _events(call):
+            error = done.error if done is not None and done.reason == "error" else None
+            if not resp.prepared:  # headers go with the first token: a failure before is a 5xx
+                if error is not None and done is not None:
+                    for h in call.handles:
+                        call.runner.abort(h)
+                    return _failure(error, done.retryable, done.code)
+                await resp.prepare(request)
+            chunk = answer.chunk(c, piece, error, None if done is None else done.code)
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    except Exception as exc:  # (not a cancellation) a bug answering it: the request fails alone
+        if not resp.prepared:
+            raise  # the handler answers 500
+        for h in call.handles:
+            call.runner.abort(h)
+        log.exception("request %s: its stream failed", answer.request_id)
+        doc = error_document(f"internal error: {exc!r}", "server_error", None, INTERNAL_CODE)
+        await resp.write(f"data: {json.dumps(doc)}\n\ndata: [DONE]\n\n".encode())
+        await resp.write_eof()
+        return resp
     if answer.req.gen.include_usage:
         await resp.write(f"data: {json.dumps(answer.usage_chunk())}\n\n".encode())
     await resp.write(b"data: [DONE]\n\n")

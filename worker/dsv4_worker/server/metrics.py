@@ -3,7 +3,9 @@
 Pool gauges are read from the runner's latest snapshot at scrape time, the queue's depth
 from the runner's own count; counters and latency histograms are fed by the request handlers
 (`dsv4_requests_shed_total{reason}`: requests answered 503 + Retry-After by admission, reasons
-as in `admission.SHED_REASONS`).
+as in `admission.SHED_REASONS`). The threads' health is read at scrape time too
+(`runner.Health`): `dsv4_engine_thread_deaths_total{thread}`, `dsv4_engine_serving` (0 once
+`/live` fails) and `dsv4_engine_call_errors_total`.
 """
 
 from __future__ import annotations
@@ -11,11 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from dsv4_worker.server.admission import SHED_REASONS, QueueView
-from dsv4_worker.server.runner import Snapshot
+from dsv4_worker.server.runner import Health, Snapshot
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -57,15 +59,43 @@ class _PoolCollector(Collector):
         )
 
 
+class _HealthCollector(Collector):
+    def __init__(self, health: Callable[[], Health]) -> None:
+        self.health = health
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        health = self.health()
+        deaths = CounterMetricFamily(
+            "dsv4_engine_thread_deaths",
+            "Threads of this worker that died (the worker fails /live: it must be restarted)",
+            labels=["thread"],
+        )
+        for thread, count in health.deaths:
+            deaths.add_metric([thread], count)
+        yield deaths
+        yield GaugeMetricFamily(
+            "dsv4_engine_serving",
+            "1 while the engine can serve, 0 once it never will again (/live fails)",
+            value=int(health.serving),
+        )
+        yield CounterMetricFamily(
+            "dsv4_engine_call_errors",
+            "Calls on the engine thread that raised (each failed alone)",
+            value=health.call_errors,
+        )
+
+
 class Metrics:
     def __init__(
         self,
         snapshot: Callable[[], Snapshot],
         queue: Callable[[], QueueView] | None = None,
         max_queue_requests: int = 0,
+        health: Callable[[], Health] = Health,
     ) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_PoolCollector(snapshot, queue, max_queue_requests))
+        self.registry.register(_HealthCollector(health))
         r = self.registry
         self.shed = Counter(
             "dsv4_requests_shed", "Requests shed with 503 + Retry-After", ["reason"], registry=r

@@ -17,11 +17,18 @@ submits; the runner counts every submitted request until the engine schedules it
 in arrival order), and one still unscheduled after `queue_timeout_s` is removed at the next
 turn and answered with Done("error", code="queue_timeout"). NOTE: a queued request (WAITING,
 PREALLOC) holds no slot and no pages, so removing it frees nothing.
+
+Failures (`engine.failures`): a request the engine fails alone ends with Done("error") and its
+code; a submission or a `call` that raises fails that request or that call (logged), and the
+thread serves on. Anything else that escapes a turn kills the thread: every request it knew
+and every one submitted later gets Done("error", retryable: nothing ran here), `failure` says
+why, and the app's `/live` fails so a supervisor restarts the worker (`health` counts it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -29,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dsv4_common.api.request_id import new_request_id
+from dsv4_worker.engine.failures import INTERNAL_CODE
 from dsv4_worker.engine.logprobs import TokenLogprob
 from dsv4_worker.engine.loop import DuplicateRequest as DuplicateRequest
 from dsv4_worker.engine.loop import Engine, EngineFailed, Request
@@ -45,6 +53,8 @@ from dsv4_worker.server.admission import (
     timeout_message,
 )
 
+log = logging.getLogger(__name__)
+
 IDLE_WAIT_S = 0.05  # how long the idle runner blocks waiting for work
 IDLE_CHECK_S = 0.05  # the engine's integrity check waits for this much quiet (it is slow)
 # The most the engine thread waits, before its next step, for an event loop to take what was
@@ -52,6 +62,8 @@ IDLE_CHECK_S = 0.05  # the engine's integrity check waits for this much quiet (i
 HANDOFF_WAIT_S = 0.002
 QUEUED_PHASES = (Phase.WAITING, Phase.PREALLOC)  # accepted, not scheduled: no slot, no pages
 DUPLICATE_CODE = "duplicate_request_id"  # Done.code of a request whose id is in flight here
+ENGINE_DEAD_CODE = "engine_unavailable"  # Done.code of a request the dead engine never served
+REFUSED_CODE = "invalid_request"  # Done.code of a request the engine refused at submission (400)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +98,17 @@ class _Ahead:
     handle: Handle
     loop: asyncio.AbstractEventLoop
     with_prompt_logprobs: bool  # it asked for them: they come with the first token
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    """What `/metrics` says of the worker's threads: deaths by thread (`engine`; the server
+    adds `pd_control` for a PD agent's), whether the engine still serves, and the calls on
+    the engine thread that raised (each failed alone)."""
+
+    deaths: tuple[tuple[str, int], ...] = (("engine", 0),)
+    serving: bool = True
+    call_errors: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,14 +161,18 @@ class EngineRunner:
         self._ahead: dict[RequestId, _Ahead] = {}  # under _lock: may still show a first token
         self._snapshot = Snapshot(usage=engine.mem.usage())
         self._thread = threading.Thread(target=self._run, name="dsv4-engine", daemon=True)
-        self.error: BaseException | None = None
+        self._started = self._stopping = False
+        self.error: BaseException | None = None  # set (under _lock): the engine thread died
+        self.call_errors = 0  # calls (`call`) that raised; the thread went on
 
     # -- any thread ------------------------------------------------------------------------------
 
     def start(self) -> None:
+        self._started = True
         self._thread.start()
 
     def stop(self) -> None:
+        self._stopping = True
         self._inbox.put(None)
         self._thread.join(timeout=10)
 
@@ -155,10 +182,21 @@ class EngineRunner:
 
     @property
     def failure(self) -> str | None:
-        """Why the engine stopped serving, if it did."""
+        """Why the engine stopped serving, if it did (its thread died, it exited unasked, or
+        the engine failed for good: a PP stage or the PD agent was lost)."""
         if self.engine.failure is not None:
             return self.engine.failure
-        return repr(self.error) if self.error is not None else None
+        if self.error is not None:
+            return f"the engine thread died: {self.error!r}"
+        if self._started and not self._stopping and not self._thread.is_alive():
+            return "the engine thread exited"
+        return None
+
+    def health(self) -> Health:
+        """Deaths of the engine thread (0 or 1: a dead thread is never restarted in-process;
+        the worker is, once `/live` fails), and the rest of `Health`."""
+        deaths = (("engine", int(self.error is not None)),)
+        return Health(deaths, self.failure is None, self.call_errors)
 
     def snapshot(self) -> Snapshot:
         with self._lock:
@@ -207,11 +245,14 @@ class EngineRunner:
             if rid in self._live:
                 raise DuplicateRequest(f"request id {rid!r} is already in flight")
             handle = Handle(rid, asyncio.Queue(), time.monotonic(), first_token_ahead)
+            if self.error is not None:  # the thread died: nothing will take it from the inbox
+                _emit(loop, handle, _dead(self.error))
+                return handle
             self._live.add(rid)
             self._queued[rid] = handle.submitted_s
             if first_token_ahead:
                 self._ahead[rid] = _Ahead(handle, loop, params.prompt_logprobs is not None)
-        self._inbox.put(_Submit(prompt, params, handle, loop, prefill))
+            self._inbox.put(_Submit(prompt, params, handle, loop, prefill))
         return handle
 
     def show_first_token(
@@ -268,11 +309,28 @@ class EngineRunner:
                 self.engine.events.after_step(finished)
                 self._publish(finished)
                 self.engine.check_if_idle(settled_s=IDLE_CHECK_S)
-        except BaseException as exc:  # surface to /ready; fail every waiting client
+        except BaseException as exc:  # surface to /live and /ready; fail every waiting client
+            log.critical("the engine thread died; this worker serves no more", exc_info=exc)
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        """Answer every request the thread knew, and every one still in the inbox, with an
+        error; from here on `submit` answers at once (under the lock: none slips between)."""
+        with self._lock:
             self.error = exc
-            for handle, loop, _ in self._listeners.values():
-                _emit(loop, handle, Done("error", repr(exc)))
-            raise
+            self._live.clear()
+            self._queued.clear()
+            self._ahead.clear()
+        for handle, loop, _ in self._listeners.values():
+            _emit(loop, handle, _dead(exc))
+        self._listeners.clear()
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _Submit):
+                _emit(item.loop, item.handle, _dead(exc))
 
     def _drain(self, *, block: bool) -> int | None:
         """Take every queued command; how many calls ran, or None on stop."""
@@ -289,7 +347,11 @@ class EngineRunner:
                 self._abort(item.rid)
                 continue
             if isinstance(item, _Call):
-                item.fn()
+                try:
+                    item.fn()
+                except Exception:  # that call's work fails; the engine serves on
+                    self.call_errors += 1
+                    log.exception("a call on the engine thread failed")
                 calls += 1
                 continue
             rid = item.handle.rid
@@ -305,7 +367,13 @@ class EngineRunner:
                 continue
             except ValueError as exc:  # refused before it ran: tell the client, keep serving
                 self._end(rid)
-                _emit(item.loop, item.handle, Done("error", str(exc)))
+                _emit(item.loop, item.handle, Done("error", str(exc), code=REFUSED_CODE))
+                continue
+            except Exception as exc:  # a bug: this request fails alone
+                log.exception("request %s: submission failed", rid)
+                self._end(rid)
+                why = f"internal error at submission: {exc!r}"
+                _emit(item.loop, item.handle, Done("error", why, code=INTERNAL_CODE))
                 continue
             self._listeners[rid] = (item.handle, item.loop, 0)
 
@@ -377,7 +445,7 @@ class EngineRunner:
                 # Its id is free before its Done goes out: the client may reuse it at once.
                 self._end(rid)
                 retryable = req.retryable and not handle.first_shown  # a token went out
-                events.append(Done(str(req.finish_reason), req.error, retryable))
+                events.append(Done(str(req.finish_reason), req.error, retryable, req.error_code))
             if events:
                 loops.add(loop)
             if not all(_emit(loop, handle, e) for e in events):
@@ -405,6 +473,13 @@ class EngineRunner:
         with self._lock:
             self._snapshot = snap
         return loops
+
+
+def _dead(exc: BaseException) -> Done:
+    """The answer of a request the dead engine thread will never serve (nothing ran here:
+    another instance may)."""
+    why = f"the engine is not running: the engine thread died: {exc!r}"
+    return Done("error", why, retryable=True, code=ENGINE_DEAD_CODE)
 
 
 def _turned(loops: set[asyncio.AbstractEventLoop], timeout_s: float) -> None:

@@ -21,7 +21,7 @@ from dsv4_worker.server.admission import (
     decide,
 )
 from dsv4_worker.server.app import ServeInfo, build_app
-from dsv4_worker.server.runner import Done, Handle, Snapshot
+from dsv4_worker.server.runner import Done, Handle, Health, Snapshot
 from dsv4_worker.server.tokenizer import ByteTokenizer
 
 
@@ -34,6 +34,9 @@ class StubRunner:
 
     def snapshot(self) -> Snapshot:
         return Snapshot()
+
+    def health(self) -> Health:
+        return Health(serving=self.alive)
 
     policy = AdmissionPolicy(max_queue_requests=4, queue_timeout_s=5.0)
 
@@ -170,5 +173,7 @@ def test_a_shed_reads_no_body_and_tokenizes_nothing(alive: bool) -> None:
             return bad.status, await bad.json()
 
     status, body = asyncio.run(post())
-    assert status == 503 and body["error"]["code"] == ("queue_full" if alive else None)
+    assert status == 503 and body["error"]["code"] == (
+        "queue_full" if alive else "engine_unavailable"
+    )
     assert tok.encoded == 0 and runner.submitted == 0
