@@ -65,6 +65,7 @@ class ProcessSpec:
     ready_url: str  # GET answers 200 once the process serves
     status_url: str
     api_url: str = ""  # its HTTP port ("": none)
+    live_url: str = ""  # GET answers non-200 once it never will serve again ("": not probed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +204,7 @@ def _worker(
         ready_url=_url(ports.status, "/ready"),
         status_url=_url(ports.status, "/status"),
         api_url=_url(ports.http, ""),
+        live_url=_url(ports.status, "/live"),
     )
 
 
@@ -219,6 +221,7 @@ def _router(workdir: Path, python: str, status_port: int, api_port: int) -> Proc
         ready_url=_url(status_port, "/ready"),
         status_url=_url(status_port, "/status"),
         api_url=_url(api_port, ""),
+        live_url=_url(status_port, "/live"),
     )
 
 

@@ -10,6 +10,12 @@ A unit is what restarts together:
                                                   dies the others cannot go on
     router       the router process
 
+A member whose liveness URL (`ProcessSpec.live_url`, the worker's `/live`) answers non-200
+`failure_threshold` times in a row, probed every `period_s` while its unit is ready, is taken
+as exited (its engine can never serve again; the kubelet does the same with the pod's
+livenessProbe); so is one that answered nothing for `silent_s` (hung: a stop of seconds, or a
+busy process on a loaded machine, is not). `LivenessPolicy`, `liveness_verdict`.
+
 When a member of a unit exits, the others of its unit are stopped and then:
 
     restarts of the unit in the last window_s   decision
@@ -30,6 +36,8 @@ from dsv4_local.plan import ProcessSpec
 __all__ = [
     "Decision",
     "GiveUp",
+    "Liveness",
+    "LivenessPolicy",
     "Restart",
     "RestartPolicy",
     "Unit",
@@ -38,6 +46,8 @@ __all__ = [
     "decide",
     "describe_exit",
     "exit_line",
+    "liveness_verdict",
+    "observe_liveness",
     "policy_line",
     "status_document",
     "units_of",
@@ -68,6 +78,48 @@ class RestartPolicy:
             raise ValueError(f"budget: must be >= 0, got {self.budget}")
         if not self.window_s > 0:
             raise ValueError(f"window_s: must be > 0, got {self.window_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class LivenessPolicy:
+    period_s: float = 1.0  # between probes of one process
+    failure_threshold: int = 3  # non-200 answers in a row that count as an exit
+    silent_s: float = 60.0  # no answer at all for this long counts as an exit
+    timeout_s: float = 0.5  # one probe's wait
+
+    def __post_init__(self) -> None:
+        if not (self.period_s > 0 and self.timeout_s > 0 and self.silent_s > 0):
+            raise ValueError("liveness: period_s, timeout_s and silent_s must be > 0")
+        if self.failure_threshold < 1:
+            raise ValueError(
+                f"liveness: failure_threshold must be >= 1, got {self.failure_threshold}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Liveness:
+    """One process's liveness probes so far (since its unit became ready)."""
+
+    failures: int = 0  # non-200 answers in a row
+    last_status: int | None = None  # the last answer's status
+    answered_s: float | None = None  # the clock at the last answer (or when probing began)
+
+
+def observe_liveness(seen: Liveness, status: int | None, now_s: float) -> Liveness:
+    """`seen` after a probe that answered `status` (None: nothing answered) at `now_s`."""
+    if status is None:
+        since_s = now_s if seen.answered_s is None else seen.answered_s
+        return Liveness(seen.failures, seen.last_status, since_s)
+    return Liveness(0 if status == 200 else seen.failures + 1, status, now_s)
+
+
+def liveness_verdict(seen: Liveness, now_s: float, policy: LivenessPolicy) -> str | None:
+    """Why the process counts as exited, or None while it is live."""
+    if seen.failures >= policy.failure_threshold:
+        return f"its /live answered {seen.last_status} {seen.failures} times in a row"
+    if seen.answered_s is not None and now_s - seen.answered_s >= policy.silent_s:
+        return f"its /live answered nothing for {now_s - seen.answered_s:.0f} s"
+    return None
 
 
 def policy_line(policy: RestartPolicy) -> str:
@@ -134,11 +186,15 @@ def describe_exit(code: int) -> str:
         return f"code {code}"
 
 
-def exit_line(unit: Unit, process: str, code: int, decision: Decision) -> str:
+def exit_line(unit: Unit, process: str, code: int | None, decision: Decision, why: str = "") -> str:
     """The one line an exit while serving prints, e.g. `decode-0 exited with code -9 (SIGKILL);
-    restarting in 2 s (restart 2 of 5)`."""
+    restarting in 2 s (restart 2 of 5)`; a process taken as exited (code None) says `why`:
+    `decode-0 is not live (its /live answered 503 3 times in a row); restarting ...`."""
     what = f"its PP group {unit.name} ({len(unit.members)} processes)" if unit.is_group else ""
-    head = f"{process} exited with {describe_exit(code)}; "
+    if code is None:
+        head = f"{process} is not live ({why}); "
+    else:
+        head = f"{process} exited with {describe_exit(code)}; "
     if isinstance(decision, Restart):
         target = f"{what} " if what else ""
         return (

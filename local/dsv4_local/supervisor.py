@@ -13,8 +13,9 @@ and every child's exit (a readiness probe may take its own timeout, 1 s).
 
 Until every process is ready, an exit fails the start-up (it is most likely a bad input, and
 the log's tail says which). While serving, an exit stops the rest of its unit (a PP group
-restarts as one) and restarts it after a backoff, within a budget; each event is one line, and
-`status_path` (when given) holds every unit's state as JSON.
+restarts as one) and restarts it after a backoff, within a budget; so does a process that
+fails its liveness probe (`supervise.liveness_verdict`: its engine died, yet it runs). Each
+event is one line, and `status_path` (when given) holds every unit's state as JSON.
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ from typing import Final, TextIO
 
 from dsv4_common.api.lifecycle import STOP_GRACE_S
 from dsv4_local.plan import ProcessSpec
-from dsv4_local.probe import is_ready
+from dsv4_local.probe import is_ready, status_of
 from dsv4_local.supervise import (
+    Liveness,
+    LivenessPolicy,
     Restart,
     RestartPolicy,
     Unit,
@@ -46,6 +49,8 @@ from dsv4_local.supervise import (
     decide,
     describe_exit,
     exit_line,
+    liveness_verdict,
+    observe_liveness,
     status_document,
     units_of,
 )
@@ -77,6 +82,8 @@ class _Child:
     popen: subprocess.Popen[bytes]
     log_path: Path
     ready_after_s: float | None = None
+    live: Liveness = field(default_factory=Liveness)  # its probes while its unit is ready
+    live_probed_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -107,6 +114,8 @@ class Supervisor:
         policy: RestartPolicy | None = None,
         status_path: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
+        liveness: LivenessPolicy | None = None,
+        live_probe: Callable[[str, float], int | None] = status_of,
     ) -> None:
         self.processes = tuple(processes)
         self.log_dir = log_dir
@@ -120,6 +129,8 @@ class Supervisor:
         self._policy = policy or RestartPolicy()
         self._status_path = status_path
         self._clock = clock
+        self._liveness = liveness or LivenessPolicy()
+        self._live_probe = live_probe
         by_name = {p.name: p for p in self.processes}
         self._units = [
             _Unit(u, tuple(by_name[n] for n in u.members)) for u in units_of(self.processes)
@@ -211,6 +222,8 @@ class Supervisor:
         for unit in self._units:
             if unit.state in ("starting", "ready"):
                 self._check_exit(unit)
+            if unit.state == "ready":
+                self._check_live(unit)
             if unit.state == "waiting" and self._clock() >= (unit.restart_at_s or 0.0):
                 self._restart(unit)
             if unit.state == "starting":
@@ -218,13 +231,35 @@ class Supervisor:
 
     def _check_exit(self, unit: _Unit) -> None:
         exited = [(c, code) for c in unit.children if (code := c.popen.poll()) is not None]
-        if not exited:
-            return
-        child, code = exited[0]
+        if exited:
+            self._lost(unit, *exited[0])
+
+    def _check_live(self, unit: _Unit) -> None:
+        """Probe the members' liveness URLs that are due; one that fails counts as exited."""
+        policy = self._liveness
+        for child in unit.children:
+            now_s = self._clock()
+            due = child.live_probed_s is None or now_s - child.live_probed_s >= policy.period_s
+            if not child.spec.live_url or not due:
+                continue
+            status = self._live_probe(child.spec.live_url, policy.timeout_s)
+            child.live_probed_s = now_s = self._clock()
+            child.live = observe_liveness(child.live, status, now_s)
+            why = liveness_verdict(child.live, now_s, policy)
+            if why is not None:
+                self._lost(unit, child, None, why)
+                return
+
+    def _lost(self, unit: _Unit, child: _Child, code: int | None, why: str = "") -> None:
+        """`child` exited with `code` (None: it runs, but is not live, `why`): stop its unit
+        and restart it after the backoff, or give up on it."""
         now_s = self._clock()
         decision = decide(unit.restarts_at_s, now_s, self._policy)
-        self._say(exit_line(unit.unit, child.spec.name, code, decision))
-        unit.last_exit = f"{child.spec.name} exited with {describe_exit(code)}"
+        self._say(exit_line(unit.unit, child.spec.name, code, decision, why))
+        if code is None:
+            unit.last_exit = f"{child.spec.name} was not live: {why}"
+        else:
+            unit.last_exit = f"{child.spec.name} exited with {describe_exit(code)}"
         unit.exited_at_s = now_s
         self._stop_children(unit.children, self._restart_stop_grace_s, self._stop_requested)
         unit.children = []

@@ -45,6 +45,7 @@ class StandIns:
         delay_s: float = 0.0,
         grandchild: bool = False,
         exit_after_s: float | None = None,
+        unlive_after_s: float | None = None,
         wait_for: Path | None = None,
         api_port: int | None = None,
         role: str | None = None,
@@ -63,6 +64,8 @@ class StandIns:
             argv.append("--grandchild")
         if exit_after_s is not None:
             argv += ["--exit-after-s", str(exit_after_s)]
+        if unlive_after_s is not None:
+            argv += ["--unlive-after-s", str(unlive_after_s)]
         if wait_for is not None:
             argv += ["--wait-for", str(wait_for)]
         if role is None:
@@ -79,6 +82,7 @@ class StandIns:
             ready_url=f"http://127.0.0.1:{status_port}/ready",
             status_url=f"http://127.0.0.1:{status_port}/status",
             api_url="" if api_port is None else f"http://127.0.0.1:{api_port}",
+            live_url=f"http://127.0.0.1:{status_port}/live",
         )
 
     def _next_replica(self) -> int:

@@ -6,9 +6,11 @@ Every mode first writes its PID to D/N.pid and appends it to D/N.history (a rest
 stand-in replaces N.pid; the history keeps every one), and with --grandchild starts a child in
 its own process group that writes D/N.grandchild.pid (appended to D/N.grandchild.history),
 then:
-  ready     after --delay-s, answers GET /ready, GET /status and POST /v1/completions on every
-            --port; with --exit-after-s, exits with code 4 that long after it first answered
-            /ready
+  ready     after --delay-s, answers GET /ready, GET /live, GET /status and POST
+            /v1/completions on every --port; with --exit-after-s, exits with code 4 that long
+            after it first answered /ready; with --unlive-after-s, /live (and /ready) answer
+            503 from that long after it first answered /ready on, and it keeps running (a
+            worker whose engine thread died)
   stubborn  as ready, but ignores SIGTERM (only SIGKILL stops it)
   fail      prints 50 numbered lines, waits for --wait-for (a file) if given, exits with 3
   never     sleeps, never ready
@@ -30,6 +32,8 @@ from pathlib import Path
 FAIL_CODE = 3
 EXIT_AFTER_CODE = 4
 ANSWERED_READY = threading.Event()
+UNLIVE_AFTER_S: list[float] = []  # --unlive-after-s, when given
+READY_AT_S: list[float] = []  # when it first answered /ready
 COMPLETION = {
     "choices": [{"index": 0, "text": " stand-in text"}],
     "usage": {"completion_tokens": 3},
@@ -55,9 +59,15 @@ def write_pid(path: Path, pid: int) -> None:
 
 class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
-        if self.path in ("/ready", "/status"):
+        dead = bool(UNLIVE_AFTER_S and READY_AT_S) and (
+            time.monotonic() - READY_AT_S[0] >= UNLIVE_AFTER_S[0]
+        )
+        if dead and self.path in ("/ready", "/live"):
+            self._answer(503, {"error": "engine not running"})
+        elif self.path in ("/ready", "/status", "/live"):
             self._answer(200, {"ok": True})
-            if self.path == "/ready":
+            if self.path == "/ready" and not ANSWERED_READY.is_set():
+                READY_AT_S.append(time.monotonic())
                 ANSWERED_READY.set()
         else:
             self._answer(404, {"error": self.path})
@@ -101,10 +111,13 @@ def main() -> int:
     parser.add_argument("--port", type=int, action="append", default=[])
     parser.add_argument("--delay-s", type=float, default=0.0)
     parser.add_argument("--exit-after-s", type=float, default=None)
+    parser.add_argument("--unlive-after-s", type=float, default=None)
     parser.add_argument("--wait-for", type=Path, default=None)
     parser.add_argument("--grandchild", action="store_true")
     args = parser.parse_args()
 
+    if args.unlive_after_s is not None:
+        UNLIVE_AFTER_S.append(args.unlive_after_s)
     if args.mode == "stubborn":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     write_pid(args.pid_dir / f"{args.name}.pid", os.getpid())

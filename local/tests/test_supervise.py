@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from dsv4_local.plan import ProcessSpec
 from dsv4_local.supervise import (
     GiveUp,
+    Liveness,
+    LivenessPolicy,
     Restart,
     RestartPolicy,
     Unit,
@@ -19,6 +21,8 @@ from dsv4_local.supervise import (
     decide,
     describe_exit,
     exit_line,
+    liveness_verdict,
+    observe_liveness,
     policy_line,
     status_document,
     units_of,
@@ -191,3 +195,22 @@ def test_the_status_document() -> None:
 def test_a_bad_policy_is_refused(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         RestartPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+def test_liveness_counts_non_200_answers_in_a_row_and_silence_apart() -> None:
+    """Three non-200 answers in a row are an exit; a 200 between resets the count; no answer
+    (a stopped or busy process) is not a failure until `silent_s` has passed."""
+    policy = LivenessPolicy(period_s=1.0, failure_threshold=3, silent_s=60.0)
+    seen = Liveness()
+    for t, status in enumerate([503, 503, 200, 503, 503]):
+        seen = observe_liveness(seen, status, float(t))
+        assert liveness_verdict(seen, float(t), policy) is None
+    seen = observe_liveness(seen, 503, 5.0)
+    assert liveness_verdict(seen, 5.0, policy) == "its /live answered 503 3 times in a row"
+    quiet = observe_liveness(Liveness(), 200, 0.0)
+    for t in range(1, 60):
+        quiet = observe_liveness(quiet, None, float(t))
+        assert liveness_verdict(quiet, float(t), policy) is None
+    quiet = observe_liveness(quiet, None, 60.0)
+    assert liveness_verdict(quiet, 60.0, policy) == "its /live answered nothing for 60 s"
+    assert liveness_verdict(observe_liveness(Liveness(), None, 7.0), 66.9, policy) is None

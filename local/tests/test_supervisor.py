@@ -21,7 +21,7 @@ import pytest
 
 from dsv4_local.plan import LaunchPlan, ProcessSpec
 from dsv4_local.probe import is_ready
-from dsv4_local.supervise import RestartPolicy
+from dsv4_local.supervise import LivenessPolicy, RestartPolicy
 from dsv4_local.supervisor import Outcome, Supervisor, tail_lines
 from dsv4_local.up import CompletionRequest, launch
 
@@ -144,6 +144,40 @@ def test_an_exit_while_serving_restarts_until_the_budget_is_spent(
         "restart_in_s": None,
     }
     assert len(stand_ins.history("decode-0")) == 3
+    stand_ins.assert_all_gone()
+
+
+def test_a_process_whose_live_fails_is_restarted_and_one_that_answers_200_is_not(
+    stand_ins: StandIns, tmp_path: Path
+) -> None:
+    """decode-0 keeps running but its /live answers 503 0.3 s after it is ready (a worker
+    whose engine thread died): after three 503s in a row it is stopped and restarted as if it
+    had exited; the router, live throughout, keeps its process (issue #37 item 1)."""
+    out = io.StringIO()
+    decode = stand_ins.spec("decode-0", "ready", unlive_after_s=0.3, role="decode")
+    router = stand_ins.spec("router", "ready")
+    status = tmp_path / "status.json"
+    quick = LivenessPolicy(period_s=0.05, failure_threshold=3, timeout_s=2.0)
+    with supervisor(
+        [decode, router], tmp_path, out, policy=FAST, status_path=status, liveness=quick
+    ) as sup:
+        assert sup.start()
+        assert sup.wait_ready(DEADLINE_S) is Outcome.READY
+        router_pid = sup.pids["router"]
+        first = sup.pids["decode-0"]
+        assert sup.serve(until=lambda: "ready again" in out.getvalue()) is Outcome.DONE
+        assert sup.pids["router"] == router_pid and sup.pids["decode-0"] != first
+        doc = json.loads(status.read_text())
+    assert (
+        "dsv4 up: decode-0 is not live (its /live answered 503 3 times in a row); "
+        "restarting in 0.05 s (restart 1 of 2)"
+    ) in out.getvalue()
+    units = {u["name"]: u for u in doc["units"]}
+    assert units["decode-0"]["restarts"] == 1
+    assert units["decode-0"]["last_exit"] == (
+        "decode-0 was not live: its /live answered 503 3 times in a row"
+    )
+    assert units["router"]["restarts"] == 0
     stand_ins.assert_all_gone()
 
 
