@@ -29,6 +29,16 @@ PROMPTS = (list(b"Hello"), list(b"Once upon"), list(b"The"))
 NEW = 4  # tokens per request
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """One intra-op thread: on a loaded 2-core machine torch's default (one per core) makes a
+    tiny step many times slower (OpenMP workers wait for a core), not faster."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def weights() -> dict[str, torch.Tensor]:
     return init_weights(tiny(), seed=1)
