@@ -68,7 +68,9 @@ def _stage_main(run: GroupRun, rank: int, port: int, out: Any) -> None:
             PPSpec(rank, run.pp_size, HOST, port, start_timeout_s=120, timeout_s=60),
         )
         engine = stage_engine(built, Role.COLOCATED)
+        _inject_forward_fault(engine, rank, run.extra.get("fail_forward"))
         outputs: list[list[int]] = []
+        endings: list[tuple[str | None, str | None]] = []  # (finish reason, error code)
         logprobs: list[Any] = []  # per request: (sampled tokens', prompt tokens') entries
         retractions = 0
         if rank == 0:
@@ -77,6 +79,7 @@ def _stage_main(run: GroupRun, rank: int, port: int, out: Any) -> None:
                 engine.step()
             engine.step()  # one more order: followers apply the last tokens and go idle
             outputs = [list(r.output) for r in reqs]
+            endings = [(r.finish_reason, r.error_code) for r in reqs]
             logprobs = [(list(r.logprobs), list(r.prompt_logprobs)) for r in reqs]
             retractions = sum(r.retractions for r in reqs)
             engine.close()
@@ -90,6 +93,7 @@ def _stage_main(run: GroupRun, rank: int, port: int, out: Any) -> None:
                 rank,
                 {
                     "outputs": outputs,
+                    "endings": endings,
                     "logprobs": logprobs,
                     "pool_bytes": built.memory.pool.nbytes,
                     "planned_bytes": built.rank.pools.kv_bytes,
@@ -103,6 +107,22 @@ def _stage_main(run: GroupRun, rank: int, port: int, out: Any) -> None:
         )
     except BaseException:
         out.put((rank, {"error": traceback.format_exc()}))
+
+
+def _inject_forward_fault(engine: Any, rank: int, fault: tuple[int, int] | None) -> None:
+    """`GroupRun.extra["fail_forward"] = (rank, n)`: that rank's n-th forward raises."""
+    if fault is None or fault[0] != rank:
+        return
+    forward = engine.paged.forward_stage
+    calls = [0]
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == fault[1]:
+            raise RuntimeError(f"injected: stage {rank}'s forward broke")
+        return forward(*args, **kwargs)
+
+    engine.paged.forward_stage = broken
 
 
 def run_group(run: GroupRun, timeout_s: float = 300.0) -> dict[int, dict[str, Any]]:
