@@ -345,4 +345,18 @@ def run(args: argparse.Namespace) -> int:
     except ServeError as exc:
         print(f"dsv4 serve: error: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(built, opts.drain_timeout_s))
+    code = asyncio.run(_serve(built, opts.drain_timeout_s))
+    if built.runner.failure is not None:
+        _exit_now(1)  # the engine was broken: its teardown may hang (`_exit_now`)
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """Leave without the interpreter's teardown. A worker whose engine broke (its PP group
+    lost a stage, its thread died) holds native state that may wait forever on the dead peer
+    at exit (gloo's process groups: the survivor of a killed stage hung until SIGKILL, 5 s);
+    everything was drained and answered by now, and the supervisor restarts the group."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -118,6 +118,13 @@ def test_a_killed_stage_fails_the_group_and_the_survivors_free_everything(
     )
     code, refused = _post_raw(leader.port, {"prompt": "hi", "max_tokens": 2})
     assert code == 503 and "PP stage" in refused["error"]["message"]
+    # It can serve no more: /live fails (a supervisor restarts the group), and on SIGTERM
+    # each survivor leaves without the teardown a broken gloo group can hang (exit code 1).
+    assert leader.get("/live")[0] == 503 and last.get("/live")[0] == 503
+    for p in (leader, last):
+        p.proc.terminate()
+    for p in (leader, last):
+        assert p.proc.wait(timeout=FAIL_WITHIN_S) == 1
 
 
 def _post_raw(port: int, body: dict[str, Any]) -> tuple[int, Any]:
