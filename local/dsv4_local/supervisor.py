@@ -20,6 +20,7 @@ event is one line, and `status_path` (when given) holds every unit's state as JS
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import enum
@@ -84,6 +85,7 @@ class _Child:
     ready_after_s: float | None = None
     live: Liveness = field(default_factory=Liveness)  # its probes while its unit is ready
     live_probed_s: float | None = None
+    live_probe: concurrent.futures.Future[int | None] | None = None  # in flight
 
 
 @dataclass(slots=True)
@@ -131,6 +133,8 @@ class Supervisor:
         self._clock = clock
         self._liveness = liveness or LivenessPolicy()
         self._live_probe = live_probe
+        # Liveness probes run here, off the loop: a slow answer must not delay exits/restarts.
+        self._prober: concurrent.futures.ThreadPoolExecutor | None = None
         by_name = {p.name: p for p in self.processes}
         self._units = [
             _Unit(u, tuple(by_name[n] for n in u.members)) for u in units_of(self.processes)
@@ -212,7 +216,13 @@ class Supervisor:
             if all(u.state == "gave_up" for u in self._units):
                 self._say("every process gave up; nothing is left to serve")
                 return Outcome.FAILED
-            time.sleep(self._poll_interval_s)
+            time.sleep(self._pause_s())
+
+    def _pause_s(self) -> float:
+        """The poll interval, or less when a restart falls due sooner."""
+        due = [u.restart_at_s for u in self._units if u.restart_at_s is not None]
+        until_s = min(due, default=float("inf")) - self._clock()
+        return max(0.0, min(self._poll_interval_s, until_s))
 
     # ---- restarting ----------------------------------------------------------------------
 
@@ -235,20 +245,27 @@ class Supervisor:
             self._lost(unit, *exited[0])
 
     def _check_live(self, unit: _Unit) -> None:
-        """Probe the members' liveness URLs that are due; one that fails counts as exited."""
+        """Take the members' finished liveness probes (one that fails counts as exited) and
+        start those that are due, on the prober's thread."""
         policy = self._liveness
         for child in unit.children:
-            now_s = self._clock()
-            due = child.live_probed_s is None or now_s - child.live_probed_s >= policy.period_s
-            if not child.spec.live_url or not due:
+            if not child.spec.live_url:
                 continue
-            status = self._live_probe(child.spec.live_url, policy.timeout_s)
-            child.live_probed_s = now_s = self._clock()
-            child.live = observe_liveness(child.live, status, now_s)
-            why = liveness_verdict(child.live, now_s, policy)
-            if why is not None:
-                self._lost(unit, child, None, why)
-                return
+            probe, now_s = child.live_probe, self._clock()
+            if probe is not None and probe.done():
+                child.live_probe = None
+                child.live = observe_liveness(child.live, probe.result(), now_s)
+                why = liveness_verdict(child.live, now_s, policy)
+                if why is not None:
+                    self._lost(unit, child, None, why)
+                    return
+            due = child.live_probed_s is None or now_s - child.live_probed_s >= policy.period_s
+            if child.live_probe is None and due:
+                if self._prober is None:
+                    self._prober = concurrent.futures.ThreadPoolExecutor(1, "dsv4-up-live")
+                url = child.spec.live_url
+                child.live_probe = self._prober.submit(self._live_probe, url, policy.timeout_s)
+                child.live_probed_s = now_s
 
     def _lost(self, unit: _Unit, child: _Child, code: int | None, why: str = "") -> None:
         """`child` exited with `code` (None: it runs, but is not live, `why`): stop its unit
@@ -265,7 +282,9 @@ class Supervisor:
         unit.children = []
         if isinstance(decision, Restart):
             unit.restarts_at_s.append(now_s)
-            unit.restart_at_s = self._clock() + decision.delay_s  # the backoff after the stop
+            # The backoff counts from the exit (the stop above is part of it, as a pod's
+            # restart delay counts from its container's exit).
+            unit.restart_at_s = now_s + decision.delay_s
             unit.state = "waiting"
         else:
             unit.state = "gave_up"
@@ -307,6 +326,9 @@ class Supervisor:
         children = self._children()
         for unit in self._units:
             unit.children = []
+        if self._prober is not None:
+            self._prober.shutdown(wait=False, cancel_futures=True)
+            self._prober = None
         self._stop_children(children, self._stop_grace_s)
 
     def _stop_children(
