@@ -462,13 +462,17 @@ class DecodeAgent(EngineEvents):
     def _lose(self, peer: _Prefill, why: str, *, retry: bool = True) -> None:
         """The prefill is gone (or refused us): every request sent there ends now (a cancelled
         one frees its pages: nothing more will land), and with `retry` it is handshaken again
-        after the reconnect pause."""
+        after the reconnect pause; one that never answered (still connecting: it is down) at
+        once, so a Hello always waits on a socket for the prefill to come back (the pause only
+        delayed the handshake with a restarted prefill, by up to its length)."""
+        connecting = peer.state == "connecting"
         if peer.state == "ready" or not retry:
             log.error("%s", why)
         else:  # still connecting (it is down): once per attempt, quietly
             log.info("%s", why)
         peer.state, peer.error = "failed", why
-        peer.retry_at_s = time.monotonic() + self.heartbeat.reconnect_s if retry else None
+        pause_s = 0.0 if connecting else self.heartbeat.reconnect_s
+        peer.retry_at_s = time.monotonic() + pause_s if retry else None
         peer.queued.clear()
         self._close(peer, self._poller)
         self._set_status(why)
