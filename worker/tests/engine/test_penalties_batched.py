@@ -95,9 +95,11 @@ def test_batched_processors_equal_the_per_request_reference(
             outputs[r].append(data.draw(TOKEN))
 
 
-def _reference_processed(self: Engine, logits: torch.Tensor, sample_at: SampleAt) -> Adjusted:
+def _reference_processed(
+    self: Engine, logits: torch.Tensor, sample_at: SampleAt, failed: object = None
+) -> Adjusted:
     """The engine's step before batching: `adjust` per request from its token lists, and
-    every token drawn from its own row (greedy too)."""
+    every token drawn from its own row (greedy too); nothing fails here (`failed` unused)."""
     at = [j for j, (_, req) in enumerate(sample_at) if not req.plain and req.params.processed]
     if not at:
         return Adjusted(torch.empty(0), {}, {})
