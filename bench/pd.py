@@ -43,7 +43,8 @@ try:
 except ImportError:  # a tree from before the rename (bench/compare.py's baseline)
     from dsv4_worker.sched.budget import Capacity as PoolRoom  # type: ignore[attr-defined,no-redef]
 
-ENV = {**os.environ, "UCX_NET_DEVICES": "lo"}
+# Every process of a PD stack shares one deployment secret (older trees ignore it).
+ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "DSV4_PD_SECRET": "bench-pd-secret-" + "0" * 32}
 COMMON = http_bench.TINY
 serve = http_bench.serve_argv
 

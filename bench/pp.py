@@ -132,7 +132,12 @@ def plan_figures(pps: Sequence[int]) -> None:
     split_table("Tight memory (H100, TP=4, MTP 2 draft tokens)", "h100-80gb", 4, TIGHT)
 
 
-ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "GLOO_SOCKET_IFNAME": "lo"}
+ENV = {
+    **os.environ,
+    "UCX_NET_DEVICES": "lo",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "DSV4_PD_SECRET": "bench-pd-secret-" + "0" * 32,  # PD roles need one (older trees: ignored)
+}
 COMMON = http_bench.TINY
 
 

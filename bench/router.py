@@ -188,7 +188,7 @@ def start_ours(
         argv += ["--api-key", api_key]
     argv += ["--instance", f"prefill={HOST}:{api}:{ports['prefill_status']}:1"]
     argv += ["--instance", f"decode={HOST}:{api}:{ports['decode_status']}:1"]
-    env = dict(os.environ)
+    env = {**os.environ, "DSV4_PD_SECRET": "bench-pd-secret-" + "0" * 32}  # routers need one
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
     proc, log = procs.start(name, argv, env=env)

@@ -1,15 +1,18 @@
 """The router's settings, from `dsv4 serve --role router` arguments.
 
 Two forms: deployed (`--config-dir DIR` holding `router.json`, the router-config document) and
-quick (`--instance ROLE=HOST:HTTP:STATUS:KV`, repeated). Every bad input raises `ConfigError`
-whose message names the flag or the document field. Reads router.json and the API key's file;
-otherwise pure.
+quick (`--instance ROLE=HOST:HTTP:STATUS:KV`, repeated). Both need the deployment's PD secret
+(`--pd-secret-file`, the router config's `pd_secret_file`, or DSV4_PD_SECRET): the router signs
+each request's `X-DSV4-Prefill` with it, and decode workers honor only a signed one. Every bad
+input raises `ConfigError` whose message names the flag or the document field. Reads
+router.json, the API key's and the PD secret's files; otherwise pure.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -20,6 +23,12 @@ from dsv4_common.api.documents import DocumentError
 from dsv4_common.api.http_rules import HttpLimits, http_limits
 from dsv4_common.api.lifecycle import ROUTER_DRAIN_S
 from dsv4_common.api.names import WORKER_ROLES, WorkerRole
+from dsv4_common.api.pd_secret import (
+    PD_SECRET_FLAG,
+    PDSecretError,
+    load_pd_secret,
+    require_pd_secret,
+)
 from dsv4_common.api.rank_config import (
     ROUTER_CONFIG_KEY,
     Instance,
@@ -89,6 +98,10 @@ class RouterSettings:
     # What set the ports, for errors ("--port", "<dir>/router.json: router_config.port").
     port_name: str = "--port"
     status_port_name: str = "router_config.status_port"
+    # The deployment's PD secret: signs each request's choice of prefill for its decode (None:
+    # unsigned, which real decode workers refuse; only tests against stubs build it so).
+    route_key: bytes | None = field(default=None, repr=False)
+    secret_file: str | None = None  # the router config's `pd_secret_file` (read by from_args)
 
     @property
     def liveness(self) -> LivenessRule:
@@ -111,7 +124,24 @@ def default_processes(cpus: float) -> int:
     return max(1, min(MAX_DEFAULT_PROCESSES, int(cpus)))
 
 
-def settings_from_args(args: argparse.Namespace) -> RouterSettings:
+def settings_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> RouterSettings:
+    """The router's settings; `environ` (default: the process's) may hold DSV4_PD_SECRET."""
+    settings = _settings(args)
+    flag: str | None = getattr(args, "pd_secret_file", None)
+    path, where = flag, PD_SECRET_FLAG
+    if flag is None and settings.secret_file is not None:
+        path, where = settings.secret_file, "router_config.pd_secret_file"
+    try:
+        found = load_pd_secret(path, os.environ if environ is None else environ, where=where)
+        secret = require_pd_secret(found, "router")
+    except PDSecretError as exc:
+        raise ConfigError(str(exc)) from exc
+    return replace(settings, route_key=secret.key, secret_file=None)
+
+
+def _settings(args: argparse.Namespace) -> RouterSettings:
     config_dir: str | None = getattr(args, "config_dir", None)
     flags: Sequence[str] = getattr(args, "instance", None) or []
     host: str | None = getattr(args, "host", None)
@@ -224,6 +254,7 @@ def _deployed(config_dir: Path, host: str) -> tuple[RouterSettings, tuple[str, s
         port=config.port,
         status_port=config.status_port,
         roles=roles,
+        secret_file=config.pd_secret_file,
         port_name=f"{path}: router_config.port",
         status_port_name=f"{path}: router_config.status_port",
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Final
@@ -24,6 +25,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from dsv4_common.api.lifecycle import DRAIN_CODE
+from dsv4_common.api.pd_secret import PREFILL_AUTH_HEADER, PREFILL_HEADER, sign_route
 from dsv4_common.api.rank_config import Instance
 from dsv4_common.api.request_id import (
     REQUEST_ID_HEADER,
@@ -66,7 +68,6 @@ from dsv4_router.upstream import Answer, Upstream, UpstreamStalled
 
 log = logging.getLogger(__name__)
 
-PREFILL_HEADER: Final = "X-DSV4-Prefill"
 REQUEST_ID_RAW: Final = REQUEST_ID_HEADER.lower().encode()
 EVENT_STREAM: Final = "text/event-stream"
 # Hop-by-hop headers and those aiohttp sets itself are never copied across.
@@ -91,6 +92,7 @@ _NOT_FORWARDED: Final = _HOP_HEADERS | {
     "accept-encoding",
     "expect",
     PREFILL_HEADER.lower(),
+    PREFILL_AUTH_HEADER.lower(),  # the router's own signature of its choice
     REQUEST_ID_HEADER.lower(),  # each attempt's own (`attempt_id`)
 }
 _NOT_FORWARDED_RAW: Final = frozenset(name.encode() for name in _NOT_FORWARDED)
@@ -150,11 +152,13 @@ def request_head(
     body_bytes: int,
     request_id: str,
     credential: bytes = b"",
+    route_key: bytes | None = None,
 ) -> bytes:
     """The HTTP/1.1 request line and headers for the decode: the client's end-to-end headers
     as they came (`headers`: raw pairs; never its Authorization), its Host, the router's own
     `credential` (an Authorization line, or nothing), the attempt's request id, the prefill's
-    KV address, the body length. The connection stays open (HTTP/1.1's default)."""
+    KV address and this router's signature of it (`route_key`: the deployment's PD secret),
+    the body length. The connection stays open (HTTP/1.1's default)."""
     lines = [f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n".encode("latin-1"), credential]
     lines += [
         name + b": " + value + b"\r\n"
@@ -162,8 +166,12 @@ def request_head(
         if name.lower() not in _NOT_FORWARDED_RAW
     ]
     prefill_at = host_port(prefill.host, prefill.kv_port)
+    signed = ""
+    if route_key is not None:
+        signature = sign_route(route_key, request_id, prefill_at, time.time())
+        signed = f"{PREFILL_AUTH_HEADER}: {signature}\r\n"
     lines.append(
-        f"{REQUEST_ID_HEADER}: {request_id}\r\n{PREFILL_HEADER}: {prefill_at}\r\n"
+        f"{REQUEST_ID_HEADER}: {request_id}\r\n{PREFILL_HEADER}: {prefill_at}\r\n{signed}"
         f"Content-Length: {body_bytes}\r\n\r\n".encode("latin-1")
     )
     return b"".join(lines)
@@ -283,6 +291,7 @@ class Proxy:
             len(body),
             request_id,
             self._credential,
+            self._settings.route_key,
         )
         timeout_s = self._settings.first_byte_timeout_s
         liveness, stall = self._rules

@@ -77,6 +77,7 @@ BAD_REQUEST: Final = {
     "error": {"message": "max_tokens: must be >= 1", "type": "invalid_request_error"},
     "param": "max_tokens",
 }
+ROUTE_KEY: Final = b"router-support-route-key-0123456789abcdef"  # the deployment's PD secret
 MODELS: Final = {"object": "list", "data": [{"id": "tiny", "object": "model"}]}
 _kv_ports = itertools.count(41000)
 
@@ -88,6 +89,7 @@ class Seen:
     prefill: str | None  # the X-DSV4-Prefill header
     request_id: str | None = None  # the X-Request-Id header
     authorization: str | None = None  # the Authorization header
+    prefill_auth: str | None = None  # the X-DSV4-Prefill-Auth header (the router's signature)
 
 
 @dataclass
@@ -193,6 +195,7 @@ class StubWorker:
                 headers.get("X-DSV4-Prefill"),
                 headers.get("X-Request-Id"),
                 headers.get("Authorization"),
+                headers.get("X-DSV4-Prefill-Auth"),
             )
         )
         try:
@@ -242,10 +245,13 @@ class Harness:
     listening: Listening
 
     async def post(
-        self, body: bytes | dict[str, Any], path: str = "/v1/completions"
+        self,
+        body: bytes | dict[str, Any],
+        path: str = "/v1/completions",
+        headers: dict[str, str] | None = None,
     ) -> tuple[int, bytes, dict[str, str]]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json", **(headers or {})}
         async with self.client.post(self.url + path, data=data, headers=headers) as resp:
             return resp.status, await resp.read(), dict(resp.headers)
 
@@ -305,6 +311,7 @@ def settings_for(
         stale_after_s=30.0,  # freshness has its own pure tests; a loaded machine is slow
         status_timeout_s=5.0,
         shutdown_timeout_s=1.0,
+        route_key=ROUTE_KEY,
     )
     return replace(base, **overrides)
 

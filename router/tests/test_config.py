@@ -14,6 +14,7 @@ from dsv4_common.api.rank_config import ROUTER_CONFIG_KEY, Instance
 from dsv4_router.config import (
     DEFAULT_BUSY_POLL_S,
     MAX_BUSY_POLL_US,
+    ConfigError,
     RoleTargets,
     settings_from_args,
 )
@@ -222,3 +223,33 @@ def test_a_busy_poll_window_out_of_range_names_the_flag(
     namespace.router_busy_poll_us = MAX_BUSY_POLL_US + 1
     err = exit_message(namespace, capsys)
     assert f"--router-busy-poll-us: must be in 0..{MAX_BUSY_POLL_US}" in err
+
+
+def test_no_pd_secret_is_refused_naming_how_to_give_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A router signs every request's choice of prefill: without the deployment's secret it
+    does not start; the secret comes from --pd-secret-file, the config's field or the env."""
+    monkeypatch.delenv("DSV4_PD_SECRET")
+    quick = args("prefill=127.0.0.1:9001:9002:9003", "decode=127.0.0.1:9011:9012:9013")
+    with pytest.raises(ConfigError, match="--role router: no PD secret: set --pd-secret-file"):
+        settings_from_args(quick)
+    secret = tmp_path / "secret"
+    secret.write_text("x" * 40 + "\n")
+    quick.pd_secret_file = str(secret)
+    assert settings_from_args(quick).route_key == b"x" * 40
+    short = tmp_path / "short"
+    short.write_text("too short")
+    quick.pd_secret_file = str(short)
+    with pytest.raises(
+        ConfigError, match=f"--pd-secret-file {short}: PD secret: 9 bytes, at least 32"
+    ):
+        settings_from_args(quick)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "e").mkdir()
+    doc = {**router_doc(), "pd_secret_file": str(secret)}
+    deployed = settings_from_args(args(config_dir=write_config(tmp_path / "d", doc)))
+    assert deployed.route_key == b"x" * 40
+    missing = {**router_doc(), "pd_secret_file": str(tmp_path / "nope")}
+    with pytest.raises(ConfigError, match=r"router_config.pd_secret_file .*nope: cannot read"):
+        settings_from_args(args(config_dir=write_config(tmp_path / "e", missing)))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import aiohttp
 import pytest
@@ -13,6 +14,7 @@ from router_support import (
     BAD_REQUEST,
     JSON_ANSWER,
     MODELS,
+    ROUTE_KEY,
     STREAM_EVENTS,
     StubWorker,
     routed,
@@ -20,6 +22,7 @@ from router_support import (
     wait_until,
 )
 
+from dsv4_common.api.pd_secret import PREFILL_AUTH_HEADER, check_route
 from dsv4_common.api.worker_status import Load
 
 BODY = {"model": "tiny", "prompt": "Hi", "max_tokens": 3}
@@ -42,6 +45,27 @@ async def test_json_pass_through_names_the_prefill_kv_address() -> None:
         assert seen.prefill == prefill.kv_address
         assert prefill.seen == []  # the decode worker talks to the prefill, not the router
         assert await router.metric("dsv4_router_requests_total", outcome="ok") == 1
+
+
+@run_async
+async def test_the_router_signs_its_prefill_choice_and_drops_a_clients() -> None:
+    """The decode honors `X-DSV4-Prefill` only with the router's signature over the request
+    id, that address and an expiry; a client's own prefill headers never pass."""
+    prefill, decode = StubWorker("prefill"), StubWorker("decode")
+    async with routed([prefill], [decode]) as router:
+        forged = {"X-DSV4-Prefill": "evil:1", PREFILL_AUTH_HEADER: "9999999999.00"}
+        status, _, _ = await router.post(BODY, headers=forged)
+        assert status == 200
+        [seen] = decode.seen
+        assert seen.prefill == prefill.kv_address and seen.request_id is not None
+        assert (
+            check_route(ROUTE_KEY, seen.request_id, seen.prefill, seen.prefill_auth, time.time())
+            is None
+        )
+        wrong = check_route(
+            b"another-key" * 4, seen.request_id, seen.prefill, seen.prefill_auth, time.time()
+        )
+        assert wrong is not None and "not signed" in wrong
 
 
 @run_async

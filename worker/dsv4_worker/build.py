@@ -37,7 +37,8 @@ from dsv4_worker.engine.grammar import GrammarCompiler
 from dsv4_worker.engine.role import Place, Role
 from dsv4_worker.options import ServeError, ServeOptions
 from dsv4_worker.pd import control as C
-from dsv4_worker.pd.decode import DecodeAgent, DecodeFollower, new_peer_id
+from dsv4_worker.pd.auth import SessionKeys
+from dsv4_worker.pd.decode import DecodeAgent, DecodeFollower
 from dsv4_worker.pd.prefill import WRITE_TIMEOUT_S, PrefillAgent, PrefillFollower
 from dsv4_worker.pd.transfer import (
     Region,
@@ -112,8 +113,16 @@ def _pools(stage: BuiltStage) -> _Pools:
     pool = memory.pool
     assert pool is not None
     manifest = manifest_of(memory.layout, {str(k): v for k, v in pool.units.items()})
-    regions = [Region(c.name, pool.buffer(c.name)) for c in memory.layout.components]
+    # Each region names its index space: the target lets a write touch granted units only.
+    regions = [
+        Region(c.name, pool.buffer(c.name), str(c.index_space)) for c in memory.layout.components
+    ]
     return _Pools(manifest, manifest_hash(manifest), regions)
+
+
+def _keys(opts: ServeOptions) -> SessionKeys:
+    assert opts.pd_secret is not None, "a PD role's options carry the secret (with_secret)"
+    return SessionKeys(opts.pd_secret)
 
 
 @contextmanager
@@ -149,6 +158,7 @@ def _prefill_leader(x: RoleInputs) -> Wired:
             initiator,
             pools.manifest,
             f"tcp://{opts.host}:{opts.kv_port}",
+            _keys(opts),
             write_timeout_s=min(opts.transfer_timeout_s, WRITE_TIMEOUT_S),
             stages=stages,
         )
@@ -168,6 +178,7 @@ def _prefill_follower(x: RoleInputs) -> Wired:
         agent = PrefillFollower(
             initiator,
             pools.manifest,
+            _keys(opts),
             rank=link.rank,
             write_timeout_s=min(opts.transfer_timeout_s, WRITE_TIMEOUT_S),
         )
@@ -184,17 +195,17 @@ def _decode_leader(x: RoleInputs) -> Wired:
     opts, pools, link = x.opts, _pools(x.stage), x.stage.link
     advertise = advertise_host(opts.host)
     assert opts.transfer is not None
+    keys = _keys(opts)
     with _transfer_errors(opts.transfer):
-        target = make_target(opts.transfer, host=advertise)
+        target = make_target(opts.transfer, keys, host=advertise)
         target.register(pools.regions)
-    peer_id = new_peer_id()
-    me = C.StageTarget(peer_id, C.b64(target.descriptor()), pools.manifest)
+    me = C.StageTarget(C.b64(target.descriptor()), pools.manifest)
     agent = DecodeAgent(
         target,
         pools.manifest,
+        keys,
         default_prefill=opts.default_prefill,
         transfer_timeout_s=opts.transfer_timeout_s,
-        peer_id=peer_id,
         landed_bind=f"tcp://{opts.host}:0" if link is not None else None,
     )
     engine = stage_engine(x.stage, Role.DECODE, agent, x.grammar)
@@ -213,12 +224,13 @@ def _decode_follower(x: RoleInputs) -> Wired:
     opts, pools, link = x.opts, _pools(x.stage), x.stage.link
     assert opts.transfer is not None and link is not None
     with _transfer_errors(opts.transfer):
-        target = make_target(opts.transfer, host=advertise_host(opts.host))
+        target = make_target(opts.transfer, _keys(opts), host=advertise_host(opts.host))
         target.register(pools.regions)
-    me = C.StageTarget(new_peer_id(), C.b64(target.descriptor()), pools.manifest)
+    me = C.StageTarget(C.b64(target.descriptor()), pools.manifest)
     gathered = link.all_gather((me, None))
-    agent = DecodeFollower(target, gathered[0][1])
+    agent = DecodeFollower(target, gathered[0][1], pools.manifest)
     engine = stage_engine(x.stage, Role.DECODE, agent, x.grammar)
+    agent.attach(engine)
     return Wired(EngineRunner(engine, x.policy), agent, lambda: KVState(True, pools.digest, None))
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -21,6 +21,13 @@ from dsv4_common.api.api_key import NO_API_KEY, ApiKeyError, ApiKeyRule, resolve
 from dsv4_common.api.documents import DocumentError
 from dsv4_common.api.http_rules import HttpLimits, http_limits
 from dsv4_common.api.lifecycle import DRAIN_S
+from dsv4_common.api.pd_secret import (
+    PD_SECRET_FLAG,
+    PDSecret,
+    PDSecretError,
+    load_pd_secret,
+    require_pd_secret,
+)
 from dsv4_common.api.rank_config import RankConfig, parse_rank_config
 from dsv4_common.core.layout import RequestState
 from dsv4_common.core.model import ModelConfig
@@ -112,6 +119,7 @@ class ServeOptions:
     drain_timeout_s: float
     api: ApiOptions  # the OpenAI API's defaults (flags in both forms)
     auth: ApiKeyRule = NO_API_KEY  # the API key clients must send (`dsv4_common.api.api_key`)
+    pd_secret: PDSecret | None = None  # a PD role's (required); None: colocated
 
     @property
     def deployed(self) -> bool:
@@ -155,6 +163,17 @@ class ServeOptions:
             api=api_options(args),
             auth=_auth(args, None, open_status=args.open_status),
         )
+
+    def with_secret(self, path: str | None, where: str, environ: Mapping[str, str]) -> ServeOptions:
+        """The options with the PD secret a PD role needs: the file at `path` (`where` names
+        the flag or field), else DSV4_PD_SECRET; ServeError naming how to give one."""
+        if self.role == "colocated":
+            return self
+        try:
+            secret = require_pd_secret(load_pd_secret(path, environ, where=where), self.role)
+        except PDSecretError as exc:
+            raise ServeError(str(exc)) from exc
+        return replace(self, pd_secret=secret)
 
     @classmethod
     def from_rank_config(
@@ -214,11 +233,15 @@ class ServeOptions:
 def load_options(args: argparse.Namespace, environ: Mapping[str, str]) -> ServeOptions:
     """The options of `dsv4 serve`: with --config-dir, from the rank config of this pod's PP
     rank (`DSV4_PP_RANK`), else from the flags."""
+    flag = getattr(args, "pd_secret_file", None)
     if args.config_dir is None:
-        return ServeOptions.from_args(args)
+        return ServeOptions.from_args(args).with_secret(flag, PD_SECRET_FLAG, environ)
     pp_rank = int(environ.get("DSV4_PP_RANK", "0") or 0)
     config = read_rank_config(Path(args.config_dir), args.role, pp_rank)
-    return ServeOptions.from_rank_config(config, args, group=environ.get("DSV4_GROUP", ""))
+    opts = ServeOptions.from_rank_config(config, args, group=environ.get("DSV4_GROUP", ""))
+    if flag is None and config.pd_secret_file is not None:
+        return opts.with_secret(config.pd_secret_file, "rank config pd_secret_file", environ)
+    return opts.with_secret(flag, PD_SECRET_FLAG, environ)
 
 
 def read_rank_config(config_dir: Path, role: str, pp_rank: int) -> RankConfig:

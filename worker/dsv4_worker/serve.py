@@ -217,6 +217,7 @@ def build(opts: ServeOptions) -> Built:
         served_model_names=opts.served_model_names,
         drain=Drain(),
         api=opts.api,
+        route_key=opts.pd_secret.key if role == "decode" and opts.pd_secret else None,
     )
     metrics = Metrics(
         runner.snapshot,

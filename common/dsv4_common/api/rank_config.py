@@ -42,6 +42,10 @@ MODEL_CONFIG_DIR: Final = "/etc/dsv4-model"
 # rank and router configs' `api_key_file`.
 API_KEY_DIR: Final = "/etc/dsv4-api-key"
 API_KEY_FILE: Final = f"{API_KEY_DIR}/api-key"
+# Where worker and router pods mount the deployment's PD Secret (its key PD_SECRET_KEY).
+PD_SECRET_DIR: Final = "/etc/dsv4-pd"
+PD_SECRET_KEY: Final = "secret"
+PD_SECRET_PATH: Final = f"{PD_SECRET_DIR}/{PD_SECRET_KEY}"
 # Only this PP rank of a group takes requests; its /ready means "the whole group is up".
 SERVING_RANK: Final = 0
 
@@ -155,6 +159,9 @@ class RankConfig:
     # The file holding the API key clients (the router) must send (`dsv4_common.api.api_key`);
     # None: no key. `dsv4 serve --api-key/--api-key-file` override it.
     api_key_file: str | None = None
+    # The deployment's PD secret, a file (the operator mounts its Secret at PD_SECRET_PATH;
+    # `dsv4 up` writes one per run); None: `--pd-secret-file` or DSV4_PD_SECRET must give it.
+    pd_secret_file: str | None = None
 
     def plan_inputs(self, model: ModelConfig, device_memory_bytes: int | None = None) -> PlanInputs:
         """The planner inputs of this rank's group; `device_memory_bytes` replaces the planned
@@ -210,6 +217,7 @@ class RouterConfig:
     # The file holding the API key: clients must send it, and the router sends it to the
     # workers; None: no key.
     api_key_file: str | None = None
+    pd_secret_file: str | None = None  # as RankConfig's: the router signs its prefill choice
 
 
 def planned_rank(rank: RankPlan) -> PlannedRank:
@@ -234,6 +242,7 @@ def build_rank_config(
     ports: WorkerPorts = DEFAULT_PORTS,
     torch_threads: int | None = None,
     api_key_file: str | None = None,
+    pd_secret_file: str | None = None,
 ) -> RankConfig:
     plan = memory.role(role)
     inputs = plan.inputs
@@ -278,6 +287,7 @@ def build_rank_config(
         role_services={r: role_services[r] for r in WORKER_ROLES},
         torch_threads=torch_threads,
         api_key_file=api_key_file,
+        pd_secret_file=pd_secret_file,
     )
 
 
@@ -288,6 +298,7 @@ def build_router_config(
     *,
     status_port: int = DEFAULT_PORTS.status,
     api_key_file: str | None = None,
+    pd_secret_file: str | None = None,
 ) -> RouterConfig:
     return RouterConfig(
         version=ROUTER_CONFIG_VERSION,
@@ -298,6 +309,7 @@ def build_router_config(
         transfer=spec.kv.transfer,
         roles={r: endpoints[r] for r in WORKER_ROLES},
         api_key_file=api_key_file,
+        pd_secret_file=pd_secret_file,
     )
 
 

@@ -305,6 +305,16 @@ SERVE_FLAGS: Final = (
         group=PD,
     ),
     Flag(
+        "--pd-secret-file",
+        "prefill, decode and router: the file holding this deployment's PD secret (at least "
+        "32 bytes; the same file for all of them), which authenticates the PD channels and the "
+        "router's choice of prefill; else DSV4_PD_SECRET; required by the PD roles",
+        metavar="FILE",
+        group=PD,
+        reader="both",
+        operator="the deployment's PD Secret",
+    ),
+    Flag(
         "--transfer-threads",
         "prefill, nixl: threads that post a big write's byte shares at once, each on its own "
         "UCX worker (default 2; writes under 256 KiB per thread stay on the engine thread; 0 "

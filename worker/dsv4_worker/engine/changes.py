@@ -46,6 +46,7 @@ class CompleteTransfer:
 class FailTransfer:
     rid: RequestId
     why: str
+    hold: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,8 +3,10 @@ the engine thread. Given once, when the engine is built; every method of this ba
 no-op (a colocated engine's events), and a PD agent overrides those its role hears.
 
     decode     on_admit (the step's plan preallocates a request; before its pages exist)
+               on_allocated (its pages exist on this stage; its grant epoch is set)
                on_prealloc (its pages exist on every stage; after the step's batch)
                on_cancel (aborted while its KV may still be landing; pages held until release)
+               on_transfer_end (its transfer ends: before its pages decode, are held or freed)
     follower   on_note (what the leader's component told, `Engine.note`, in order)
     every      after_step (after each turn of the serving loop, `EngineRunner`)
 """
@@ -22,12 +24,21 @@ class EngineEvents:
         """PD decode: this step's plan preallocates `req` (final: its allocation cannot
         fail); called before its slot and pages exist."""
 
+    def on_allocated(self, req: Request) -> None:
+        """PD decode, every stage: `req`'s pages exist here and `req.epoch` names their
+        grant (a stage's target lets writes of that epoch land in them)."""
+
     def on_prealloc(self, req: Request) -> None:
         """PD decode: `req`'s pages exist (in a PP group: on every stage); where to write."""
 
     def on_cancel(self, req: Request) -> None:
         """PD decode: `req` was aborted while its KV may still be landing; its pages stay
         held until `Engine.release` (or `fail_transfer`)."""
+
+    def on_transfer_end(self, req: Request) -> None:
+        """PD decode, every stage: `req`'s transfer ended (it decodes, failed, or its held
+        pages go); called before its pages change hands, maybe more than once: close its
+        grant (the target refuses or ignores the epoch's later writes)."""
 
     def on_note(self, payload: object) -> None:
         """A PP follower: what the leader's component told its peers (`Engine.note`), in

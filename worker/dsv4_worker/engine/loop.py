@@ -87,6 +87,7 @@ class Request:
     retractions: int = 0
     keep_pages: bool = False  # PD prefill: keep the pages after finishing, until release()
     prefill: str | None = None  # PD decode: the prefill instance that computes the prompt
+    epoch: int = 0  # PD decode: its pages' grant (`_prealloc`; the same on every PP stage)
     retryable: bool = False  # failed before its first token for a reason another pair may not hit
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if asked
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt[1:], if asked
@@ -176,6 +177,9 @@ class Engine:
         self._held_needs: dict[tuple[int, int], Need] = {}  # _views' shared Need per count
         self._finished_between: list[Request] = []  # finished outside step()
         self._seqs = itertools.count()
+        # PD decode: numbers each preallocation's grant (plans run in the same order on every
+        # stage of a PP group, so a request's epoch is the same on all of them)
+        self._epochs = itertools.count(1)
         self.new_token_ratio = RATIO_MAX
         self.steps = 0
         self._idle_since_s: float | None = None  # a step left the engine idle, unchecked since
@@ -244,6 +248,8 @@ class Engine:
     def release(self, rid: RequestId) -> None:
         """Free the pages of a held request (its transfer finished, failed or was cancelled)."""
         req = self.held.pop(rid, None)
+        if req is not None and req.epoch:
+            self.events.on_transfer_end(req)
         if req is not None and req.slot is not None:
             self.mem.free(np.array([req.slot], dtype=np.int64))
             req.slot = None
@@ -264,6 +270,7 @@ class Engine:
         if req is None or req.phase is not Phase.TRANSFER:
             self.release(rid)  # cancelled while in flight: its pages are safe to free now
         else:
+            self.events.on_transfer_end(req)
             req.phase = Phase.DECODE
             if generator_state is not None and req.generator is not None:
                 req.generator.set_state(generator_state)
@@ -273,16 +280,26 @@ class Engine:
             CompleteTransfer(rid, first_token, generator_state, first_logprob, prompt_logprobs)
         )
 
-    def fail_transfer(self, rid: RequestId, why: str) -> None:
-        """PD decode: the prefill side failed or timed out; the request ends with an error."""
+    def fail_transfer(self, rid: RequestId, why: str, *, hold: bool = False) -> None:
+        """PD decode: the prefill side failed or timed out; the request ends with an error.
+        `hold`: a write may still land in its pages (a target that cannot refuse it): they
+        stay held until `release`, however the request ended."""
         req = self.requests.get(rid)
         if req is None:
-            self.release(rid)
+            if not hold:
+                self.release(rid)
         else:
+            if req.epoch:
+                self.events.on_transfer_end(req)
             req.error, req.retryable = why, not req.output  # (before its first token: always)
-            self._finish(req, "error")
+            if hold:
+                req.finish_reason = "error"
+                del self.requests[rid]
+                self.held[rid] = req
+            else:
+                self._finish(req, "error")
             self._finished_between.append(req)
-        self.source.record(FailTransfer(rid, why))
+        self.source.record(FailTransfer(rid, why, hold))
 
     def take_finished(self) -> list[Request]:
         """Requests finished outside `step` (transfers completed or failed) since the last
@@ -659,6 +676,8 @@ class Engine:
                 f"the scheduler planned a preallocation the allocator refuses: {exc}"
             ) from exc
         req.slot, req.num_tokens, req.phase = int(slots[0]), len(req.prompt), Phase.TRANSFER
+        req.epoch = next(self._epochs)
+        self.events.on_allocated(req)
 
     def _grow(self, plan: StepPlan) -> tuple[list[Segment], SampleAt, SampleAt]:
         """Grow the page tables by this step's tokens; the batch's segments, which segment

@@ -2,17 +2,24 @@
 message type, then its JSON body). Strict: a body that does not match its dataclass is refused
 with an error naming the field (`dsv4_common.api.documents`).
 
-    decode -> prefill   hello     its manifest, transfer backend and transfer descriptor
-    prefill -> decode   welcome   ok, or the first manifest field that differs
+    decode -> prefill   hello     its control protocol and a fresh nonce (nothing secret)
+    prefill -> decode   challenge the session id it assigns, its instance, and its proof of the
+                                  deployment's secret over the nonce (`auth`)
+    decode -> prefill   join      (sealed from here on) its manifest, transfer backend and
+                                  transfer descriptor, the sessions of this prefill instance it
+                                  gave up on (`supersedes`: the prefill ends them)
+    prefill -> decode   welcome   ok, or the first manifest field that differs; which of
+                                  `supersedes` are closed now (nothing more is written for them)
     decode -> prefill   prefill   an admitted request: prompt, sampling (prefill starts computing)
     decode -> prefill   destination  its preallocated units (prefill writes only once it has them)
     prefill -> decode   done      the first token and every write's tag (complete once all landed)
     prefill -> decode   failed    the request cannot be served (the message says why)
     decode -> prefill   abort     stop and forget the request (client gone, timeout)
     prefill -> decode   aborted   nothing more will be written for it
-    decode -> prefill   ping      every heartbeat interval (`liveness`)
-    prefill -> decode   pong      at once: its process instance, and whether it knows this
-                                  connection's handshake (a restarted prefill does not)
+    decode -> prefill   ping      every heartbeat interval (`liveness`), echoing the last pong
+    prefill -> decode   pong      at once: its process instance, whether it knows this
+                                  connection's session (a restarted prefill does not; such a
+                                  pong is the one message not sealed), its number
 
 `hello` carries the manifest (with its version) and the control protocol version (`PROTOCOL`);
 prefill refuses either mismatch at handshake, naming it. Protocol 2 split protocol 1's
@@ -21,7 +28,13 @@ Protocol 3 carries every sampling parameter (penalties, logit bias, min_tokens, 
 prefill, which samples the first token as a colocated worker would, and the first token's
 logprobs and the prompt's back in `done`. Protocol 4 adds the heartbeat (`ping`/`pong`) and
 the prefill's process instance in `welcome`, so decode detects a dead, stopped or restarted
-prefill within the heartbeat timeout and handshakes again.
+prefill within the heartbeat timeout and handshakes again. Protocol 5 authenticates the
+channel with the deployment's PD secret (`auth`: a challenge both ways, then every message
+sealed under the session's key, replays refused), assigns the session id at the prefill (no
+self-declared peer ids), carries each destination's grant epoch (every write carries it: the
+decode's target fences stale writes), and echoes pongs in pings, so a prefill measures its
+decode's liveness on its own clock (a ping that waited in a queue while the prefill was
+stopped is not fresh).
 """
 
 from __future__ import annotations
@@ -39,31 +52,42 @@ from dsv4_worker.engine.sampler import SamplingParams
 
 T = TypeVar("T")
 
-PROTOCOL: Final = 4  # this side's control protocol; a `hello` without one speaks 1
+PROTOCOL: Final = 5  # this side's control protocol
 
 
 @dataclass(frozen=True, slots=True)
 class StageTarget:
-    """One stage of a decode PP group: its transfer peer id, descriptor and manifest."""
+    """One stage of a decode PP group: its transfer descriptor and manifest."""
 
-    peer: str
     descriptor: str  # base64
     manifest: Manifest
 
 
 @dataclass(frozen=True, slots=True)
 class Hello:
-    peer: str  # the decode worker's transfer peer id
+    protocol: int
+    nonce: str  # fresh for each connection: the challenge must answer it
+
+
+@dataclass(frozen=True, slots=True)
+class Challenge:
+    session: str  # assigned by the prefill (its instance, then random)
+    instance: str  # the prefill process
+    proof: str  # `auth.SessionKeys.challenge_proof(nonce, session, instance)`
+
+
+@dataclass(frozen=True, slots=True)
+class Join:
     backend: str
     manifest: Manifest
     descriptor: str  # base64 of the transfer target's descriptor
     stages: tuple[StageTarget, ...] = ()  # a decode PP group: every stage, this one first
-    protocol: int = 1
+    supersedes: tuple[str, ...] = ()  # this decode's earlier sessions with the same instance
 
 
-def hello_targets(msg: Hello) -> tuple[StageTarget, ...]:
+def join_targets(msg: Join) -> tuple[StageTarget, ...]:
     """The decode stages a prefill group writes into (one unless decode runs PP)."""
-    return msg.stages or (StageTarget(msg.peer, msg.descriptor, msg.manifest),)
+    return msg.stages or (StageTarget(msg.descriptor, msg.manifest),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +96,7 @@ class Welcome:
     message: str = ""
     manifest_hash: str = ""
     instance: str = ""  # the prefill process (a new one after a restart)
+    closed: tuple[str, ...] = ()  # of the join's `supersedes`: nothing more is written for them
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +158,7 @@ class Destination:
     dst_full_pages: tuple[int, ...]  # one per page column of the prompt
     dst_swa_pages: tuple[int, ...]  # one per column of the window tail (`columns.tail_cols`)
     dst_slot: int
+    epoch: int  # the grant: every write of the request carries it (the target's fence)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,20 +189,34 @@ class Aborted:
 
 @dataclass(frozen=True, slots=True)
 class Ping:
-    peer: str  # the decode worker's peer id
+    echo: int  # the number of the last pong this decode got (0: the welcome)
 
 
 @dataclass(frozen=True, slots=True)
 class Pong:
     instance: str  # the prefill process
-    known: bool  # a handshake from this connection is in force
+    known: bool  # this connection's session is in force
+    number: int = 0  # counts this session's pongs from 1 (a ping echoes it)
 
 
 Message = (
-    Hello | Welcome | PrefillRequest | Destination | Done | Failed | Abort | Aborted | Ping | Pong
+    Hello
+    | Challenge
+    | Join
+    | Welcome
+    | PrefillRequest
+    | Destination
+    | Done
+    | Failed
+    | Abort
+    | Aborted
+    | Ping
+    | Pong
 )
 TYPES: Final[dict[str, type[Any]]] = {
     "hello": Hello,
+    "challenge": Challenge,
+    "join": Join,
     "welcome": Welcome,
     "prefill": PrefillRequest,
     "destination": Destination,
@@ -199,6 +239,7 @@ def encode(msg: Message) -> list[bytes]:
 
 
 def decode(frames: list[bytes]) -> Message:
+    """The message of two frames (a sealed one is opened first: `auth.Opener`)."""
     if len(frames) != 2:
         raise ControlError(f"control message: expected 2 frames, got {len(frames)}")
     name = frames[0].decode(errors="replace")

@@ -4,29 +4,43 @@ admits it (`prefill`: prefill computes while this side allocates and runs its st
 where to write once the pages exist (`destination`), and turns them into decoders when their
 KV, state and first token have landed.
 
-Threads: the control thread owns one DEALER socket per prefill instance (handshake first:
-manifest, backend and this side's transfer descriptor; a mismatch fails every request sent
-there with the prefill's message naming the field) and the transfer target's landed tags;
-the engine thread hands it typed messages through its mailbox (`on_admit`, `on_prealloc`,
-`on_cancel`: `_Admitted`, `_Allocated`, `_Cancelled`; at a step's first admission it waits,
-at most `ADMIT_HANDOFF_S`, until the control thread has handled it: `Mailbox.hand_over`)
-and gets results back through `post` (`complete_transfer`, `fail_transfer`, `release`); the
-first token of a request goes to its client from the control thread as `done` arrives
-(`show`, the runner's `show_first_token`: the stream has it while the last write lands).
-Each request is a `flight.Flight`: the control thread turns messages, landed tags and the
-clock into its events, and does what `flight.decode_step` returns.
+Threads: the control thread owns one DEALER socket per prefill connection and the transfer
+target's landed tags; the engine thread hands it typed messages through its mailbox
+(`on_admit`, `on_prealloc`, `on_cancel`: `_Admitted`, `_Allocated`, `_Cancelled`; at a step's
+first admission it waits, at most `ADMIT_HANDOFF_S`, until the control thread has handled it:
+`Mailbox.hand_over`) and gets results back through `post` (`complete_transfer`,
+`fail_transfer`, `release`); the first token of a request goes to its client from the control
+thread as `done` arrives (`show`, the runner's `show_first_token`: the stream has it while the
+last write lands). Each request is a `flight.Flight`: the control thread turns messages,
+landed tags and the clock into its events, and does what `flight.decode_step` returns.
 
-A request completes when `done` arrived and every tag it lists landed. A request whose prefill
-does not answer within `transfer_timeout_s` fails (the client may retry elsewhere); a cancelled
-request keeps its pages until the prefill side says `aborted` (nothing more will land) or the
-timeout passes.
+Handshake (`auth`, protocol 5): `hello` with a fresh nonce; the prefill's `challenge` must prove
+the deployment's secret over it (else the prefill is refused and learns nothing: the transfer
+descriptor goes only in the `join`, sealed under the session the prefill assigned); then every
+message is sealed. A mismatch (manifest, backend) fails every request sent there with the
+prefill's message naming the field.
 
-Liveness (`liveness`): the control thread pings every prefill it talks to; a prefill silent for
-the heartbeat timeout (killed, stopped, unreachable) is lost: every request sent there fails at
-once (retryable: the router tries another pair) and it is handshaken again after a short pause.
-A pong from another process at the address (a restarted prefill), or one that no longer knows
-this connection, does the same at once. If the control thread itself dies, the worker fails
-everything it holds and reports `failure` (unready; `dsv4 serve` exits non-zero).
+Fencing: a destination leaves only with its grant open at the target (`Grant`: the request's
+epoch, its pages, its session); every write carries the epoch. Every end of a flight revokes
+it. A flight given up on while its prefill may still write (its deadline, a lost prefill) keeps
+its pages when the target cannot refuse writes (NIXL): held until its writer is provably done:
+`failed` / `aborted` from that session (a lost session's socket stays open, `lame`, to hear
+them), the prefill's confirmation in a later handshake with the same process (`supersedes` ->
+`welcome.closed`), or the session's connection dropped (the socket monitor) for
+`2 x` the heartbeat timeout (a live prefill stops writing for a session whose pings stopped
+within one).
+
+A request completes when `done` arrived and every tag it lists landed under its epoch. A request
+whose prefill does not answer within `transfer_timeout_s` fails (the client may retry
+elsewhere); a cancelled request keeps its pages until the prefill side says `aborted` (nothing
+more will land) or the timeout passes.
+
+Liveness (`liveness`): the control thread pings every prefill it is connected to, echoing the
+last pong; a prefill silent for the heartbeat timeout (killed, stopped, unreachable) is lost:
+every request sent there fails at once (retryable: the router tries another pair) and it is
+handshaken again after a short pause. A pong from a process that no longer knows this session
+(restarted, or it dropped it) does the same at once. If the control thread itself dies, the
+worker fails everything it holds and reports `failure` (unready; `dsv4 serve` exits non-zero).
 """
 
 from __future__ import annotations
@@ -37,29 +51,39 @@ import logging
 import os
 import threading
 import time
-import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from dsv4_common.api.manifest import Manifest
+from dsv4_common.core.layout import IndexSpace
 from dsv4_worker.engine.events import EngineEvents
 from dsv4_worker.engine.loop import Engine, Request
 from dsv4_worker.pd import control as C
 from dsv4_worker.pd import flight as F
+from dsv4_worker.pd.auth import (
+    TO_DECODE,
+    TO_PREFILL,
+    AuthError,
+    Opener,
+    Sealer,
+    SessionKeys,
+    instance_of,
+    new_nonce,
+)
 from dsv4_worker.pd.channel import Mailbox, Post, ShowFirst, bound, guarded, socket
 from dsv4_worker.pd.columns import tail_cols
 from dsv4_worker.pd.liveness import (
     Heartbeat,
-    PongVerdict,
     ping_due,
     pong_verdict,
     rooms_of,
     silent,
 )
-from dsv4_worker.pd.transfer import TransferTarget
+from dsv4_worker.pd.transfer import Grant, TransferError, TransferTarget, epoch_of, landed_key
 from dsv4_worker.sched.scheduler import RequestId
 
 log = logging.getLogger(__name__)
@@ -70,22 +94,36 @@ POLL_MS = 50
 ADMIT_HANDOFF_S = 0.002
 LANDED_POLL_S = 0.05  # a decode follower's wait for its target's wake-up (a safety net)
 HANDSHAKE_TIMEOUT_S = 10.0  # a prefill that answers pings but not the handshake
+LOST_KEPT = 8  # lost sessions per prefill address named in the next join (`supersedes`)
 # Test hook: "control-crash" makes the control thread raise at its first request.
 FAULT_ENV = "DSV4_TEST_PD_FAULT"
+MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Prefill:
+    """One connection to a prefill address; a session once the prefill challenged it."""
+
     address: str  # host:port of its control socket
     sock: zmq.Socket[bytes]
+    monitor: zmq.Socket[bytes] | None  # its connection events (`_dropped`)
+    nonce: str  # this connection's hello
     state: F.Link = "connecting"
     error: str = ""
     since_s: float = field(default_factory=time.monotonic)
-    queued: list[tuple[str, list[bytes]]] = field(default_factory=list)  # (room, encoded)
-    instance: str = ""  # the prefill process that welcomed us
+    # (room, encoded message, its grant if a destination): sent at the welcome
+    queued: list[tuple[str, list[bytes], Grant | None]] = field(default_factory=list)
+    session: str = ""  # assigned by the prefill in its challenge
+    instance: str = ""  # the prefill process that challenged us
+    sealer: Sealer | None = None
+    opener: Opener | None = None
     heard_s: float = field(default_factory=time.monotonic)  # its last message (or our hello)
     pinged_s: float | None = None
     retry_at_s: float | None = None  # failed: handshake again from then on (None: not by itself)
+    echo: int = 0  # the number of its last pong (the welcome is 0)
+    connected: bool = False  # its TCP connection was up once
+    dropped_s: float | None = None  # the connection dropped (after being up), when
+    lame: bool = False  # lost, kept open only to hear its held requests' `failed`/`aborted`
 
 
 _Flight = F.Flight[C.Done]  # a request on its way from its prefill (`flight`)
@@ -110,11 +148,13 @@ class _Admitted:
 
 @dataclass(frozen=True, slots=True)
 class _Allocated:
-    """Its pages exist on every stage: send its `destination` (`frames`, encoded)."""
+    """Its pages exist on every stage: send its `destination` (`frames`, encoded) once its
+    `grant` is open at the target under the session it goes on."""
 
     address: str
     room: str
     frames: list[bytes]
+    grant: Grant
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,9 +167,26 @@ class _Cancelled:
 _Out = _Connect | _Admitted | _Allocated | _Cancelled
 
 
+def destination_units(
+    engine: Engine, req: Request, manifest: Manifest
+) -> dict[str, tuple[int, ...]]:
+    """The units a request's destination names, per index space: its full page per column,
+    its SWA page per window-tail column, its slot (the grant's units on every stage)."""
+    assert req.slot is not None
+    full, swa = engine.mem.pages.request_pages(req.slot)
+    tail = tail_cols(
+        len(req.prompt), manifest.page_size, manifest.window_tokens + manifest.draft_tokens
+    )
+    return {
+        IndexSpace.FULL_PAGE: tuple(full.tolist()),
+        IndexSpace.SWA_PAGE: tuple(swa[tail.start : tail.stop].tolist()),
+        IndexSpace.REQ_SLOT: (req.slot,),
+    }
+
+
 class DecodeAgent(EngineEvents):
-    """The decode engine's events (`on_admit`, `on_prealloc`, `on_cancel`): built before its
-    engine, then `attach`ed to it once, before `start`."""
+    """The decode engine's events (`on_admit`, `on_prealloc`, `on_cancel`, `on_transfer_end`):
+    built before its engine, then `attach`ed to it once, before `start`."""
 
     engine: Engine  # set by attach
     post: Post  # runs a function on the engine thread (the runner's `call`)
@@ -139,10 +196,10 @@ class DecodeAgent(EngineEvents):
         self,
         target: TransferTarget,
         manifest: Manifest,
+        keys: SessionKeys,
         *,
         default_prefill: str | None = None,
         transfer_timeout_s: float = 60.0,
-        peer_id: str | None = None,
         stages: tuple[C.StageTarget, ...] = (),
         landed_bind: str | None = None,
         heartbeat: Heartbeat | None = None,
@@ -150,9 +207,9 @@ class DecodeAgent(EngineEvents):
         self.heartbeat = heartbeat or Heartbeat()
         self.target = target
         self.manifest = manifest
+        self.keys = keys
         self.default_prefill = default_prefill
         self.transfer_timeout_s = transfer_timeout_s
-        self.peer_id = peer_id or new_peer_id()
         self.stages = stages  # a PP group: every stage's target, this one first
         self._descriptor = C.b64(target.descriptor())
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -162,10 +219,18 @@ class DecodeAgent(EngineEvents):
         if landed_bind is not None:
             self._landed_in, self.landed_endpoint = bound(self._ctx, zmq.PULL, landed_bind)
         self._outbox: Mailbox[_Out] = Mailbox(self._ctx, "decode")
-        self._prefills: dict[str, _Prefill] = {}
-        self._flights: dict[str, _Flight] = {}  # room -> in flight
+        self._prefills: dict[str, _Prefill] = {}  # address -> its current connection
+        self._lame: list[_Prefill] = []  # lost sessions whose held requests wait for proof
+        self._socks: dict[zmq.Socket[bytes], _Prefill] = {}  # every open connection's socket
+        self._monitors: dict[zmq.Socket[bytes], _Prefill] = {}
+        self._lost: dict[str, list[str]] = {}  # address -> sessions lost there (`supersedes`)
+        self._flights: dict[str, _Flight] = {}  # room -> in flight (or held)
+        self._epochs: dict[str, int] = {}  # room -> its grant's epoch (once granted)
+        self._session_of: dict[str, str] = {}  # room -> the session its destination went on
+        self._rooms_of: dict[str, set[str]] = {}  # session -> rooms granted under it
         self._expecting = False  # told the target: tags are due (`tags_due`)
-        self._landed: set[str] = set()
+        self._landed: set[str] = set()  # `landed_key`s not yet claimed
+        self._held = 0  # flights held (`held_requests`)
         target.on_landed(self._outbox.kick)
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -196,8 +261,8 @@ class DecodeAgent(EngineEvents):
             log.error("the PD decode control thread did not stop")
             return
         self._outbox.close()
-        for p in self._prefills.values():
-            p.sock.close(linger=0)
+        for p in list(self._socks.values()):
+            self._close(p)
         if self._landed_in is not None:
             self._landed_in.close(linger=0)
         self._ctx.destroy(linger=0)  # closes any socket a crash left open, then terminates
@@ -216,6 +281,12 @@ class DecodeAgent(EngineEvents):
         """(some prefill's handshake is in force, the last handshake or liveness error)."""
         with self._lock:
             return self._status
+
+    @property
+    def held_requests(self) -> int:
+        """Requests given up on whose pages wait for their writer to be provably done (any
+        thread)."""
+        return self._held
 
     # -- engine thread ---------------------------------------------------------------------------
 
@@ -237,30 +308,35 @@ class DecodeAgent(EngineEvents):
 
     def on_prealloc(self, req: Request) -> None:
         """The request's pages exist on every stage: tell its prefill instance where to write."""
-        assert req.slot is not None
         address = self._address(req)
         if not address:  # on_admit failed it
             return
-        m = self.manifest
-        full, swa = self.engine.mem.pages.request_pages(req.slot)
-        tail = tail_cols(len(req.prompt), m.page_size, m.window_tokens + m.draft_tokens)
+        room = self._room(req)
+        units = destination_units(self.engine, req, self.manifest)
         msg = C.Destination(
-            room=self._room(req),
-            dst_full_pages=tuple(full.tolist()),
-            dst_swa_pages=tuple(swa[tail.start : tail.stop].tolist()),
-            dst_slot=req.slot,
+            room=room,
+            dst_full_pages=units[IndexSpace.FULL_PAGE],
+            dst_swa_pages=units[IndexSpace.SWA_PAGE],
+            dst_slot=units[IndexSpace.REQ_SLOT][0],
+            epoch=req.epoch,
         )
-        self._forward(address, msg)
+        self._forward(address, msg, Grant(req.epoch, room, units))
 
-    def _forward(self, address: str, msg: C.PrefillRequest | C.Destination) -> None:
+    def _forward(
+        self, address: str, msg: C.PrefillRequest | C.Destination, grant: Grant | None = None
+    ) -> None:
         # Encoded here, once: the control thread forwards the frames as they are.
         if isinstance(msg, C.Destination):
-            self._outbox.put(_Allocated(address, msg.room, C.encode(msg)))
+            assert grant is not None
+            self._outbox.put(_Allocated(address, msg.room, C.encode(msg), grant))
             return
         ticket = self._outbox.put(_Admitted(address, msg.room, C.encode(msg)))
         # The prefill computes from this message on: let the control thread send it now rather
         # than when the rest of this step lets it have the GIL (bounded; once a step).
         self._outbox.hand_over(ticket, ADMIT_HANDOFF_S, self.engine.steps)
+
+    def on_transfer_end(self, req: Request) -> None:
+        self.target.revoke(req.epoch)  # (idempotent: the control thread's `Revoke` came first)
 
     def _address(self, req: Request) -> str | None:
         """The request's prefill instance (the router's pick, else this worker's default)."""
@@ -281,71 +357,88 @@ class DecodeAgent(EngineEvents):
         if self._landed_in is not None:
             poller.register(self._landed_in, zmq.POLLIN)
         while not self._stop.is_set():
-            for sock, _ in poller.poll(POLL_MS):  # a landed tag or stop() kicks the outbox
+            # A landed tag or stop() kicks the outbox; the heartbeat's next ping is the one timer.
+            for sock, _ in poller.poll(self._poll_ms(time.monotonic())):
                 if sock is self._outbox.pull:
                     for out in self._outbox.take():
-                        self._outgoing(out, poller)
+                        self._outgoing(out)
                     self._outbox.handled()  # sent, queued for the handshake, or failed
                 elif self._landed_in is not None and sock is self._landed_in:
                     self._landed.update(t.decode() for t in self._landed_in.recv_multipart())
-                else:
-                    self._incoming(sock, sock.recv_multipart())
+                elif sock in self._monitors:
+                    self._monitored(self._monitors[sock])
+                elif sock in self._socks:
+                    self._incoming(self._socks[sock], sock.recv_multipart())
             self._landed.update(self.target.poll_landed())
-            landed = F.Landed(self._landed)
-            for room in list(self._flights):
-                self._on(room, landed)
+            if self._landed:
+                landed = F.Landed(self._landed)
+                for room in list(self._flights):
+                    self._on(room, landed)
+                live = set(self._epochs.values())  # a tag of an ended grant never counts
+                self._landed = {k for k in self._landed if epoch_of(k) in live}
             now = time.monotonic()
-            self._heartbeat(now, poller)
+            self._heartbeat(now)
             self._expire(now)
             due = tags_due(self._flights.values())
             if due != self._expecting:
                 self._expecting = due
                 self.target.expect(due)
 
-    def _peer(self, address: str, poller: zmq.Poller) -> _Prefill:
+    def _poll_ms(self, now: float) -> int:
+        """How long the control loop may sleep: until the next ping is due, at most POLL_MS."""
+        due = [
+            (p.pinged_s or now) + self.heartbeat.interval_s
+            for p in self._prefills.values()
+            if p.state == "ready"
+        ]
+        if not due:
+            return POLL_MS
+        return max(1, min(POLL_MS, int((min(due) - now) * 1000) + 1))
+
+    def _peer(self, address: str) -> _Prefill:
+        """The address's connection: a new one (hello sent) unless one is live."""
         peer = self._prefills.get(address)
         if peer is not None and peer.state != "failed":
             return peer
-        if peer is not None:  # failed before: try again with a fresh socket
-            self._close(peer, poller)
+        if peer is not None and not peer.lame:  # failed before: try again with a fresh socket
+            self._close(peer)
         sock = socket(self._ctx, zmq.DEALER)
-        peer = _Prefill(address, sock)
+        # Watched before it connects: its first connection's events all arrive.
+        peer = _Prefill(address, sock, sock.get_monitor_socket(MONITORED), new_nonce())
+        assert peer.monitor is not None
         self._prefills[address] = peer
         try:
             sock.connect(f"tcp://{address}")
         except zmq.ZMQError as exc:  # not an address (a bad --prefill or header): fail now
-            sock.close(linger=0)
+            self._close(peer)
             self._lose(peer, f"prefill {address}: cannot connect: {exc}", retry=False)
             return peer
-        poller.register(sock, zmq.POLLIN)
-        hello = C.Hello(
-            self.peer_id,
-            self.target.backend,
-            self.manifest,
-            self._descriptor,
-            self.stages,
-            protocol=C.PROTOCOL,
-        )
-        sock.send_multipart(C.encode(hello))
+        self._socks[sock] = peer
+        self._monitors[peer.monitor] = peer
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(peer.monitor, zmq.POLLIN)
+        sock.send_multipart(C.encode(C.Hello(C.PROTOCOL, peer.nonce)))
         return peer
 
-    def _outgoing(self, out: _Out, poller: zmq.Poller) -> None:
+    def _outgoing(self, out: _Out) -> None:
         if isinstance(out, _Connect):
-            self._peer(out.address, poller)
+            self._peer(out.address)
         elif isinstance(out, _Admitted):
             if self._crash_on_request:
                 raise RuntimeError(f"{FAULT_ENV}=control-crash")
-            peer = self._peer(out.address, poller)
+            peer = self._peer(out.address)
             admitted: tuple[_Flight | None, list[F.DecodeAction[C.Done]]] = F.admit(
                 out.address,
                 timeout_s=self.transfer_timeout_s,
                 now_s=time.monotonic(),
                 link=peer.state,
                 link_error=peer.error,
+                fences=self.target.fences,
             )
             self._apply(out.room, *admitted, out.frames)
         elif isinstance(out, _Allocated):  # always after its `_Admitted`: the outbox keeps order
-            self._on(out.room, F.DestinationReady(self._link(out.address)), out.frames)
+            event = F.DestinationReady(self._link(out.address))
+            self._on(out.room, event, out.frames, out.grant)
         else:
             flight = self._flights.get(out.room)
             link = self._link(flight.prefill) if flight is not None else None
@@ -360,11 +453,12 @@ class DecodeAgent(EngineEvents):
         room: str,
         event: F.DecodeEvent[C.Done],
         frames: list[bytes] | None = None,
+        grant: Grant | None = None,
     ) -> None:
         """Run the request's machine (`flight.decode_step`) on `event` and do what it says.
-        `frames`: the message the event came with."""
+        `frames`: the message the event came with (`grant`: a destination's)."""
         state, actions = F.decode_step(self._flights.get(room), event)
-        self._apply(room, state, actions, frames)
+        self._apply(room, state, actions, frames, grant)
 
     def _apply(
         self,
@@ -372,10 +466,13 @@ class DecodeAgent(EngineEvents):
         state: _Flight | None,
         actions: list[F.DecodeAction[C.Done]],
         frames: list[bytes] | None,
+        grant: Grant | None = None,
     ) -> None:
         """`room` is the engine request's id too."""
         rid = room
-        flight = self._flights.get(room, state)
+        old = self._flights.get(room)
+        flight = old if old is not None else state
+        self._held += (state is not None and state.held) - (old is not None and old.held)
         if state is None:
             self._flights.pop(room, None)
         else:
@@ -385,15 +482,19 @@ class DecodeAgent(EngineEvents):
             if isinstance(action, F.Forward):
                 assert peer is not None and frames is not None
                 if action.queue:
-                    peer.queued.append((room, frames))
+                    peer.queued.append((room, frames, grant))
                 else:
-                    peer.sock.send_multipart(frames)
+                    self._send(peer, room, frames, grant)
             elif isinstance(action, F.SendAbort):
                 assert peer is not None
-                peer.sock.send_multipart(C.encode(C.Abort(room)))
+                self._seal_send(peer, C.encode(C.Abort(room)))
             elif isinstance(action, F.Unqueue):
                 assert peer is not None
                 peer.queued = [q for q in peer.queued if q[0] != room]
+            elif isinstance(action, F.Revoke):
+                epoch = self._epochs.get(room)
+                if epoch is not None:
+                    self.target.revoke(epoch)  # zmq: after this, nothing of it lands
             elif isinstance(action, F.ClaimTags):
                 self._landed.difference_update(action.tags)
             elif isinstance(action, F.ShowFirstToken):  # from here: one thread hop less
@@ -402,69 +503,198 @@ class DecodeAgent(EngineEvents):
             elif isinstance(action, F.Complete):
                 self.post(functools.partial(self._complete, rid, done=action.done))
             elif isinstance(action, F.Fail):
-                self.post(functools.partial(self.engine.fail_transfer, rid, action.why))
+                fail = functools.partial(self.engine.fail_transfer, rid, action.why)
+                self.post(functools.partial(fail, hold=action.hold))
             else:
                 self.post(functools.partial(self.engine.release, rid))
+        if state is None:
+            self._forget(room)
 
-    def _incoming(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
-        peer = next((p for p in self._prefills.values() if p.sock is sock), None)
-        if peer is None or peer.state == "failed":
+    def _send(self, peer: _Prefill, room: str, frames: list[bytes], grant: Grant | None) -> None:
+        """Send a request's message on the peer's session; a destination only once its grant
+        is open at the target for that session."""
+        if grant is not None:
+            try:
+                self.target.grant(replace(grant, session=peer.session))
+            except TransferError as exc:  # its pages are still granted: a bug, loud
+                log.error("request %s: %s", room, exc)
+                self._on(room, F.FailedArrived(f"decode: {exc}"))
+                return
+            self._epochs[room] = grant.epoch
+            self._session_of[room] = peer.session
+            self._rooms_of.setdefault(peer.session, set()).add(room)
+        self._seal_send(peer, frames)
+        if grant is not None:
+            self._on(room, F.Granted())
+
+    def _seal_send(self, peer: _Prefill, frames: list[bytes], *, flags: int = 0) -> None:
+        assert peer.sealer is not None, "a session's messages go after its challenge"
+        peer.sock.send_multipart(peer.sealer.seal(frames), flags)
+
+    def _forget(self, room: str) -> None:
+        """The request's flight ended: its bookkeeping goes (and a lame session with it once
+        it holds nothing any more)."""
+        self._epochs.pop(room, None)
+        session = self._session_of.pop(room, None)
+        if session is None:
+            return
+        rooms = self._rooms_of.get(session)
+        if rooms is not None:
+            rooms.discard(room)
+            if not rooms:
+                del self._rooms_of[session]
+                for lame in [p for p in self._lame if p.session == session]:
+                    log.info("prefill %s: session %s closed for good", lame.address, session)
+                    self._lame.remove(lame)
+                    self._close(lame)
+
+    def _incoming(self, peer: _Prefill, frames: list[bytes]) -> None:
+        if peer.state == "failed" and not peer.lame:
+            return
+        try:
+            if len(frames) == 3 and peer.opener is not None:
+                msg = C.decode(peer.opener.open(frames))
+                sealed = True
+            else:
+                msg, sealed = C.decode(frames), False
+        except (AuthError, C.ControlError) as exc:
+            log.warning("refused a control message from prefill %s: %s", peer.address, exc)
+            return
+        if peer.lame:  # only its held requests' news
+            if sealed and isinstance(msg, C.Failed | C.Aborted):
+                self._news(peer, msg)
             return
         peer.heard_s = time.monotonic()
-        try:
-            msg = C.decode(frames)
-        except C.ControlError as exc:
-            log.warning("bad control message from prefill %s: %s", peer.address, exc)
-            return
-        if isinstance(msg, C.Pong):
-            if peer.state == "ready":
-                verdict = pong_verdict(peer.instance, msg.instance, msg.known)
-                if verdict is not PongVerdict.ALIVE:
-                    why = f"prefill {peer.address}: {verdict.value} (pong from {msg.instance})"
-                    self._lose(peer, why, retry=True)
-                    peer.retry_at_s = peer.heard_s  # handshake with it again at once
+        if not sealed:
+            self._unsealed(peer, msg)
+        elif isinstance(msg, C.Pong):
+            peer.echo = max(peer.echo, msg.number)
         elif isinstance(msg, C.Welcome):
             self._welcome(peer, msg)
         elif isinstance(msg, C.Done):
-            self._on(msg.room, F.DoneArrived(msg, msg.tags))
-        elif isinstance(msg, C.Failed):
+            if self._session_of.get(msg.room) == peer.session:
+                epoch = self._epochs[msg.room]
+                tags = tuple(landed_key(epoch, t) for t in msg.tags)
+                self._on(msg.room, F.DoneArrived(msg, tags))
+        elif isinstance(msg, C.Failed | C.Aborted):
+            self._news(peer, msg)
+
+    def _news(self, peer: _Prefill, msg: C.Failed | C.Aborted) -> None:
+        """`failed` / `aborted` for a request sent on this session (a request of another
+        session is not this prefill's to end)."""
+        flight = self._flights.get(msg.room)
+        if flight is None or flight.prefill != peer.address:
+            return
+        session = self._session_of.get(msg.room)
+        if session is not None and session != peer.session:
+            return
+        if isinstance(msg, C.Failed):
             self._on(msg.room, F.FailedArrived(msg.message))
-        elif isinstance(msg, C.Aborted):
+        else:
             self._on(msg.room, F.AbortedArrived())
 
+    def _unsealed(self, peer: _Prefill, msg: C.Message) -> None:
+        """Before a session: the challenge, or a refusal; after: a pong saying it lost us."""
+        if isinstance(msg, C.Challenge) and peer.sealer is None:
+            self._challenged(peer, msg)
+        elif isinstance(msg, C.Welcome) and not msg.ok and peer.sealer is None:
+            self._lose(
+                peer, f"prefill {peer.address} refused the handshake: {msg.message}", retry=False
+            )
+        elif isinstance(msg, C.Pong) and not msg.known and peer.state == "ready":
+            verdict = pong_verdict(peer.instance, msg.instance, msg.known)
+            self._lose(peer, f"prefill {peer.address}: {verdict.value} (pong from {msg.instance})")
+            peer.retry_at_s = peer.heard_s  # handshake with it again at once
+        else:
+            log.warning("prefill %s: ignored an unsealed %s", peer.address, type(msg).__name__)
+
+    def _challenged(self, peer: _Prefill, msg: C.Challenge) -> None:
+        """Join the session the prefill assigned, if it proved the secret over our nonce."""
+        if not self.keys.check_challenge(peer.nonce, msg.session, msg.instance, msg.proof):
+            why = (
+                f"prefill {peer.address} failed authentication: its challenge does not prove "
+                "this deployment's PD secret"
+            )
+            self._lose(peer, why, retry=False)
+            return
+        key = self.keys.key(msg.session)
+        peer.session, peer.instance = msg.session, msg.instance
+        peer.sealer, peer.opener = Sealer(key, TO_PREFILL), Opener(key, TO_DECODE)
+        supersedes = tuple(
+            s for s in self._lost.get(peer.address, ()) if instance_of(s) == msg.instance
+        )
+        join = C.Join(self.target.backend, self.manifest, self._descriptor, self.stages, supersedes)
+        self._seal_send(peer, C.encode(join))
+
     def _welcome(self, peer: _Prefill, msg: C.Welcome) -> None:
+        if msg.closed:  # the prefill ended these sessions: nothing more is written for them
+            self._closed(peer.address, set(msg.closed))
         if msg.ok:
-            peer.state, peer.instance, peer.error = "ready", msg.instance, ""
+            peer.state, peer.error, peer.pinged_s = "ready", "", None
             self._set_status(None)
-            for _, encoded in peer.queued:
-                peer.sock.send_multipart(encoded)
+            for room, encoded, grant in peer.queued:
+                self._send(peer, room, encoded, grant)
             peer.queued.clear()
             log.info("KV transfer handshake with prefill %s: ok", peer.address)
             return
         why = f"prefill {peer.address} refused the handshake: {msg.message}"
         self._lose(peer, why, retry=False)  # the next request to it tries again
 
-    def _heartbeat(self, now: float, poller: zmq.Poller) -> None:
-        """Ping every live prefill, lose the silent ones, handshake again with lost ones."""
+    def _closed(self, address: str, sessions: set[str]) -> None:
+        """These sessions are provably closed: their held requests' pages go."""
+        lost = self._lost.get(address)
+        if lost is not None:
+            self._lost[address] = [s for s in lost if s not in sessions]
+        for session in sessions:
+            for room in list(self._rooms_of.get(session, ())):
+                self._on(room, F.SessionClosed())
+
+    def _monitored(self, peer: _Prefill) -> None:
+        """A connection event: a drop after the connection was up starts the countdown after
+        which its session counts as closed (`_heartbeat`)."""
+        assert peer.monitor is not None
+        event = recv_monitor_message(peer.monitor)["event"]
+        if event == zmq.EVENT_CONNECTED:
+            peer.connected = True
+            return
+        if not (peer.connected or peer.session):  # (a session proves it was up)
+            return
+        if event == zmq.EVENT_DISCONNECTED and peer.dropped_s is None:
+            peer.dropped_s = time.monotonic()
+
+    def _heartbeat(self, now: float) -> None:
+        """Ping every live prefill, lose the silent ones, handshake again with lost ones; a
+        lost session whose connection dropped long enough ago is closed."""
         hb = self.heartbeat
         for peer in list(self._prefills.values()):
             if peer.state == "failed":
                 if peer.retry_at_s is not None and now >= peer.retry_at_s:
-                    self._peer(peer.address, poller)
+                    self._peer(peer.address)
                 continue
             if silent(peer.heard_s, now, hb):
                 self._lose(peer, f"prefill {peer.address}: no answer for {hb.timeout_s:g} s")
-            elif ping_due(peer.pinged_s, now, hb):
+            elif peer.state == "ready" and ping_due(peer.pinged_s, now, hb):
                 peer.pinged_s = now
                 with contextlib.suppress(zmq.Again):  # a full queue: it is silent anyway
-                    peer.sock.send_multipart(C.encode(C.Ping(self.peer_id)), zmq.NOBLOCK)
+                    self._seal_send(peer, C.encode(C.Ping(peer.echo)), flags=zmq.NOBLOCK)
+        for lame in list(self._lame):
+            if lame.dropped_s is not None and now - lame.dropped_s > 2 * hb.timeout_s:
+                log.info(
+                    "prefill %s: session %s: its connection dropped %.1f s ago: closed",
+                    lame.address,
+                    lame.session,
+                    now - lame.dropped_s,
+                )
+                self._closed(lame.address, {lame.session})
 
     def _lose(self, peer: _Prefill, why: str, *, retry: bool = True) -> None:
         """The prefill is gone (or refused us): every request sent there ends now (a cancelled
-        one frees its pages: nothing more will land), and with `retry` it is handshaken again
-        after the reconnect pause; one that never answered (still connecting: it is down) at
-        once, so a Hello always waits on a socket for the prefill to come back (the pause only
-        delayed the handshake with a restarted prefill, by up to its length)."""
+        one frees its pages: nothing more will land; one that may still be written keeps
+        them), and with `retry` it is handshaken again after the reconnect pause; one that
+        never answered (still connecting: it is down) at once, so a Hello always waits on a
+        socket for the prefill to come back (the pause only delayed the handshake with a
+        restarted prefill, by up to its length). A session that still holds requests stays
+        open (`lame`) to hear that its writer is done."""
         connecting = peer.state == "connecting"
         if peer.state == "ready" or not retry:
             log.error("%s", why)
@@ -474,10 +704,25 @@ class DecodeAgent(EngineEvents):
         pause_s = 0.0 if connecting else self.heartbeat.reconnect_s
         peer.retry_at_s = time.monotonic() + pause_s if retry else None
         peer.queued.clear()
-        self._close(peer, self._poller)
         self._set_status(why)
         for room in rooms_of(((r, f.prefill) for r, f in self._flights.items()), peer.address):
             self._on(room, F.PrefillLost(why))
+        if peer.session:
+            lost = self._lost.setdefault(peer.address, [])
+            lost.append(peer.session)
+            del lost[:-LOST_KEPT]
+        if peer.session and self._rooms_of.get(peer.session):
+            peer.lame = True
+            self._lame.append(peer)
+            log.warning(
+                "prefill %s: %d requests of session %s keep their pages until it is provably "
+                "closed",
+                peer.address,
+                len(self._rooms_of[peer.session]),
+                peer.session,
+            )
+        else:
+            self._close(peer)
 
     def _set_status(self, error: str | None) -> None:
         """Ready while some prefill's handshake is in force: one lost prefill (retried every
@@ -486,23 +731,30 @@ class DecodeAgent(EngineEvents):
         with self._lock:
             self._status = (ready, error)
 
-    @staticmethod
-    def _close(peer: _Prefill, poller: zmq.Poller) -> None:
+    def _close(self, peer: _Prefill) -> None:
         if peer.sock.closed:
             return
+        self._socks.pop(peer.sock, None)
         with contextlib.suppress(KeyError):  # never registered: its connect failed
-            poller.unregister(peer.sock)
+            self._poller.unregister(peer.sock)
+        if peer.monitor is not None:
+            self._monitors.pop(peer.monitor, None)
+            with contextlib.suppress(KeyError):
+                self._poller.unregister(peer.monitor)
+            with contextlib.suppress(zmq.ZMQError):
+                peer.sock.disable_monitor()
+            peer.monitor.close(linger=0)
         peer.sock.close(linger=0)
 
     def _expire(self, now: float) -> None:
-        for peer in self._prefills.values():
+        for peer in list(self._prefills.values()):
             if peer.state == "connecting" and now - peer.since_s > HANDSHAKE_TIMEOUT_S:
                 self._lose(
                     peer,
                     f"prefill {peer.address}: no handshake answer in {HANDSHAKE_TIMEOUT_S:g} s",
                 )
         for room, flight in list(self._flights.items()):
-            if now > flight.deadline_s:
+            if now > flight.deadline_s and not flight.held:
                 self._on(room, F.Tick(now, self._link(flight.prefill)))
 
     def _complete(self, rid: RequestId, *, done: C.Done) -> None:
@@ -520,11 +772,7 @@ def tags_due(flights: Iterable[_Flight]) -> bool:
     just before its last write, so that write is landing now (the target's busy rate). Before
     `done` the prefill computes: a target polling at its busy rate then would take the CPU the
     prefill's forward needs, on a host they share."""
-    return any(f.done is not None for f in flights)
-
-
-def new_peer_id() -> str:
-    return f"decode-{uuid.uuid4().hex[:12]}"
+    return any(f.done is not None and not f.held for f in flights)
 
 
 def _generator_state(text: str | None) -> torch.Tensor | None:
@@ -536,10 +784,15 @@ class DecodeFollower(EngineEvents):
     """A later stage of a decode PP group: its target receives the prefill stages' writes of
     its layers; it reports the tags that landed to the leader, which completes a request only
     when every stage's tags landed (the engine replica follows the leader's orders). Its
-    engine's events: the base's no-ops (only the leader talks to prefill)."""
+    target grants a request's pages as its engine replica allocates them (any session of the
+    deployment may write under the epoch: the leader alone knows the session) and revokes them
+    when its transfer ends, before the pages change hands."""
 
-    def __init__(self, target: TransferTarget, leader_landed: str) -> None:
+    engine: Engine  # set by attach
+
+    def __init__(self, target: TransferTarget, leader_landed: str, manifest: Manifest) -> None:
         self.target = target
+        self.manifest = manifest
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._push = socket(self._ctx, zmq.PUSH)
         self._push.connect(leader_landed)
@@ -551,6 +804,16 @@ class DecodeFollower(EngineEvents):
         )
         self._thread.name = "dsv4-pd-landed"
         self.failure: str | None = None  # set: its thread died (the leader times out)
+
+    def attach(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def on_allocated(self, req: Request) -> None:
+        units = destination_units(self.engine, req, self.manifest)
+        self.target.grant(Grant(req.epoch, req.rid, units))
+
+    def on_transfer_end(self, req: Request) -> None:
+        self.target.revoke(req.epoch)
 
     def _crashed(self, why: str) -> None:
         self.failure = why

@@ -14,22 +14,35 @@ Prefill (`Tx`, one per request per stage; a PP follower runs the same machine wi
 
 Decode (`Flight`, one per request; the leader of a decode PP group):
 
+    admit ──Granted──> granted (its destination left: writes may come)
     admit ──DoneArrived──> done (ShowFirstToken) ──Landed(all tags)──> ended (Complete, or
     Release if cancelled)
-    any ──FailedArrived | Tick(past deadline)──> ended (Fail); PrefillLost ──> ended (Fail, or
-    Release if cancelled)
+    any ──FailedArrived──> ended (Fail); AbortedArrived ──> ended (Release)
+    any ──Tick(past deadline) | PrefillLost──> given up: ended (Fail, or Release if
+    cancelled) when nothing can land any more, else held (below)
     any ──Cancel──> cancelled: its pages stay until AbortedArrived, its tags land, or it expires
+
+Fencing: every end revokes the request's grant (`Revoke`: the target refuses or ignores its
+later writes). A granted flight given up on while its prefill may still be writing (its
+deadline passed, its prefill went silent) ends for its client but, when the target cannot
+refuse writes (`fences` False: NIXL's one-sided writes), keeps its pages: `held`
+(`Fail(hold=True)`), until its writer is provably done: `failed` or `aborted` from it, every
+tag of its `done` landed, or its session provably closed (`SessionClosed`: the prefill said so
+in a later handshake, or its connection dropped a while ago). Then `Release`. A held flight
+has no deadline: pages are never handed out again while a stale write could land in them.
 
 A `Write` is always the last action of its list: the agent answers it with `Written` or
 `WriteFailed` before anything else happens to the request.
 
 Invariants (tests/pd/test_flight.py): every path to an ended state emits exactly one engine
-action that ends the request (prefill leader: AbortRequest or ReleaseRequest, a follower
-none: the leader's engine ends it on every stage; decode: Complete, Fail or Release); an
+action that frees the request (prefill leader: AbortRequest or ReleaseRequest, a follower
+none: the leader's engine ends it on every stage; decode: Complete, Fail or Release, where
+a held flight's Fail(hold=True) ends it for the client and its later Release frees it); an
 ended request only answers a late `abort` (SendAborted) or cancel (Release: the engine's
 release is idempotent); nothing is written before the destination or after the end, each
-column once; a cancelled flight never completes; and a flight shows its first token at most
-once, never after a cancel, and only before it ends.
+column once; a cancelled flight never completes; a flight shows its first token at most
+once, never after a cancel, and only before it ends; and no decode flight frees its pages
+while a granted write may still land (a target that cannot refuse one holds them).
 """
 
 from __future__ import annotations
@@ -336,6 +349,19 @@ class Flight(Generic[P]):
     done: P | None = None
     tags: tuple[str, ...] = ()  # what `done` lists: every write that must land
     cancelled: bool = False  # the client left: its pages go once nothing more can land
+    fences: bool = True  # its target refuses a revoked grant's writes (zmq; NIXL cannot)
+    granted: bool = False  # its destination left: the prefill may write into its pages
+    held: bool = False  # ended for its client; its pages wait until its writer is done
+
+
+@dataclass(frozen=True, slots=True)
+class Granted:
+    """Its destination was sent to its prefill (its grant is open at the target)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SessionClosed:
+    """The session its messages went on is provably closed: nothing more is written for it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,6 +416,8 @@ class PrefillLost:
 
 DecodeEvent = (
     DestinationReady
+    | Granted
+    | SessionClosed
     | Cancel
     | DoneArrived[P]
     | FailedArrived
@@ -441,18 +469,34 @@ class Complete(Generic[P]):
 
 @dataclass(frozen=True, slots=True)
 class Fail:
-    """engine.fail_transfer: the request fails (the router may retry it elsewhere)."""
+    """engine.fail_transfer: the request fails (the router may retry it elsewhere); with
+    `hold`, its pages stay held (a write may still land) until a `Release`."""
 
     why: str
+    hold: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Release:
-    """engine.release: a cancelled request's pages go (nothing more will land)."""
+    """engine.release: a held or cancelled request's pages go (nothing more will land)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Revoke:
+    """Close the request's grant at the target: a fencing target refuses its later writes,
+    any target ignores their tags."""
 
 
 DecodeAction = (
-    Forward | SendAbort | Unqueue | ClaimTags | ShowFirstToken[P] | Complete[P] | Fail | Release
+    Forward
+    | SendAbort
+    | Unqueue
+    | ClaimTags
+    | ShowFirstToken[P]
+    | Complete[P]
+    | Fail
+    | Release
+    | Revoke
 )
 DecodeResult = tuple["Flight[P] | None", list[DecodeAction[P]]]
 
@@ -464,9 +508,11 @@ def admit(
     now_s: float,
     link: Link,
     link_error: str = "",
+    fences: bool = True,
 ) -> DecodeResult[P]:
-    """The engine admitted the request (its `prefill` message is at hand): send it."""
-    flight: Flight[P] = Flight(prefill, timeout_s, now_s + timeout_s)
+    """The engine admitted the request (its `prefill` message is at hand): send it. `fences`:
+    its target refuses a revoked grant's writes."""
+    flight: Flight[P] = Flight(prefill, timeout_s, now_s + timeout_s, fences=fences)
     if link == "failed":  # the address does not parse: nothing will answer
         return None, [Fail(link_error)]
     return flight, [Forward(queue=link == "connecting")]
@@ -477,6 +523,12 @@ def decode_step(flight: Flight[P] | None, event: DecodeEvent[P]) -> DecodeResult
     if flight is None:
         # A cancel of a request that never flew (or ended): its pages go now.
         return None, [Release()] if isinstance(event, Cancel) else []
+    if flight.held:
+        return _held(flight, event)
+    if isinstance(event, Granted):
+        return replace(flight, granted=True), []
+    if isinstance(event, SessionClosed):
+        return flight, []  # (a live flight's session is not closed: PrefillLost comes first)
     if isinstance(event, DestinationReady):
         if flight.cancelled or event.link is None or event.link == "failed":
             return flight, []  # nothing will be written
@@ -485,8 +537,8 @@ def decode_step(flight: Flight[P] | None, event: DecodeEvent[P]) -> DecodeResult
         cancelled = replace(flight, cancelled=True)
         if event.link == "ready":
             return cancelled, [SendAbort()]  # its pages go with `aborted`
-        if event.link is not None:  # never sent: nothing can land
-            return None, [Unqueue(), Release()]
+        if event.link is not None:  # its session is gone (or not yet there)
+            return _give_up(cancelled, "cancelled", [Unqueue()])
         return cancelled, []
     if isinstance(event, DoneArrived):
         # Its first token is final: a stream may show it while the last write lands (once;
@@ -495,23 +547,47 @@ def decode_step(flight: Flight[P] | None, event: DecodeEvent[P]) -> DecodeResult
         show: list[DecodeAction[P]] = [ShowFirstToken(event.done)] if first else []
         return replace(flight, done=event.done, tags=event.tags), show
     if isinstance(event, FailedArrived):
-        return None, [Fail(f"prefill: {event.message}")]  # (cancelled: the engine releases)
+        # (cancelled: the engine releases)
+        return None, [Revoke(), Fail(f"prefill: {event.message}")]
     if isinstance(event, AbortedArrived):
-        return None, [Release()]
+        return None, [Revoke(), Release()]
     if isinstance(event, Landed):
-        if flight.done is None or not all(t in event.tags for t in flight.tags):
+        if not _all_landed(flight, event):
             return flight, []
+        assert flight.done is not None
         end: DecodeAction[P] = Release() if flight.cancelled else Complete(flight.done)
-        return None, [ClaimTags(flight.tags), end]
+        return None, [Revoke(), ClaimTags(flight.tags), end]
     if isinstance(event, Tick):
         if event.now_s <= flight.deadline_s:
             return flight, []
         why = f"prefill {flight.prefill} did not deliver within {flight.timeout_s:g} s"
         abort: list[DecodeAction[P]] = [SendAbort()] if event.link == "ready" else []
-        return None, [*abort, Fail(why)]
-    return None, [_ended(flight, event.why)]  # PrefillLost
+        return _give_up(flight, why, abort)
+    return _give_up(flight, event.why, [])  # PrefillLost
 
 
-def _ended(flight: Flight[P], why: str) -> DecodeAction[P]:
-    """A flight that ends without its first token: a cancelled one only frees its pages."""
-    return Release() if flight.cancelled else Fail(why)
+def _all_landed(flight: Flight[P], event: Landed) -> bool:
+    return flight.done is not None and all(t in event.tags for t in flight.tags)
+
+
+def _give_up(flight: Flight[P], why: str, first: list[DecodeAction[P]]) -> DecodeResult[P]:
+    """The flight ends without its first token while its prefill may not have stopped: free
+    its pages when nothing can land in them any more (never granted, or a fencing target),
+    else end it for its client and hold them (`held`). A cancelled one has no client."""
+    if not flight.granted or flight.fences:
+        end: DecodeAction[P] = Release() if flight.cancelled else Fail(why)
+        return None, [*first, Revoke(), end]
+    hold: list[DecodeAction[P]] = [] if flight.cancelled else [Fail(why, hold=True)]
+    return replace(flight, held=True), [*first, Revoke(), *hold]
+
+
+def _held(flight: Flight[P], event: DecodeEvent[P]) -> DecodeResult[P]:
+    """A held flight frees its pages once its writer is provably done; nothing else moves it
+    (no deadline, no cancel: its client has its answer)."""
+    if isinstance(event, DoneArrived):  # late: the tags it lists may still land
+        return replace(flight, done=event.done, tags=event.tags), []
+    if isinstance(event, FailedArrived | AbortedArrived | SessionClosed):
+        return None, [Release()]
+    if isinstance(event, Landed) and _all_landed(flight, event):
+        return None, [ClaimTags(flight.tags), Release()]
+    return flight, []

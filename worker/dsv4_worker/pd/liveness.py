@@ -2,13 +2,20 @@
 as lost, what a pong says about the prefill process behind it, and which in-flight requests
 end with a lost peer. The agents own the sockets and the clocks; they ask these functions.
 
-    decode  -> prefill  ping   every `interval_s` to every prefill it is connected to
-    prefill -> decode   pong   at once, from the control thread: its process instance and
-                               whether a handshake from this connection is in force
+    decode  -> prefill  ping   every `interval_s` to every prefill it is connected to, echoing
+                               the number of the last pong it got
+    prefill -> decode   pong   at once, from the control thread: its process instance, whether
+                               a handshake from this connection is in force, its number
 
-NOTE: both sides use the same `timeout_s`: decode releases a lost prefill's requests only after
-`timeout_s` of silence, and prefill writes nothing to a decode it has not heard from within
-`timeout_s` (so a prefill resumed after SIGSTOP does not write into pages decode gave away).
+A prefill measures a decode's liveness on its own clock (`Echoes`): a session is fresh while
+the last pong its decode echoed was sent within `timeout_s`. A ping that waited in a socket
+queue while the prefill was stopped (SIGSTOP) echoes a pong sent before the stop: it is not
+fresh, however late it is read.
+
+NOTE: both sides use the same `timeout_s`. Decode gives up on a prefill after `timeout_s` of
+hearing nothing from it, so after it last got a pong; prefill writes to a decode only while
+the last echoed pong is at most `timeout_s` old (`fresh`), so only before decode can have
+given up: echoed pong sent at P <= received by decode < decode gives up at > P + timeout_s.
 """
 
 from __future__ import annotations
@@ -43,6 +50,43 @@ class PongVerdict(Enum):
     ALIVE = "alive"  # the same prefill process, and it knows this connection
     RESTARTED = "restarted"  # another process answers at the address (new instance)
     FORGOTTEN = "forgotten"  # the same process no longer knows this connection
+
+
+class Echoes:
+    """A prefill's pongs to one session (from its control thread) and the freshest one its
+    decode echoed: when that was sent, on the prefill's clock (`fresh_s`)."""
+
+    KEPT = 64  # pong send times remembered (a ping echoes one of the last few)
+
+    def __init__(self, welcome_s: float) -> None:
+        self.fresh_s = welcome_s  # the welcome counts as pong 0
+        self.number = 0
+        self._sent: dict[int, float] = {0: welcome_s}
+
+    def pong(self, now_s: float) -> int:
+        """A pong goes out now; its number."""
+        self.number += 1
+        self._sent[self.number] = now_s
+        if len(self._sent) > self.KEPT:
+            del self._sent[min(self._sent)]
+        return self.number
+
+    def echoed(self, number: int) -> None:
+        """A ping echoed pong `number` (an unknown number changes nothing)."""
+        sent = self._sent.get(number)
+        if sent is not None and sent > self.fresh_s:
+            self.fresh_s = sent
+
+
+def fresh(fresh_s: float, now_s: float, hb: Heartbeat) -> bool:
+    """The prefill may write to the session: its decode cannot have given up on it yet."""
+    return now_s - fresh_s <= hb.timeout_s
+
+
+def gone(fresh_s: float, now_s: float, hb: Heartbeat) -> bool:
+    """The prefill drops the session: past `fresh` by one more ping interval (a ping that is
+    a little late pauses writes; only a longer silence ends the session's transfers)."""
+    return now_s - fresh_s > hb.timeout_s + hb.interval_s
 
 
 def ping_due(last_ping_s: float | None, now_s: float, hb: Heartbeat) -> bool:

@@ -233,7 +233,7 @@ class Follower:
                     change.prompt_logprobs,
                 )
             case FailTransfer():
-                engine.fail_transfer(change.rid, change.why)
+                engine.fail_transfer(change.rid, change.why, hold=change.hold)
             case Note():
                 engine.events.on_note(change.payload)
 

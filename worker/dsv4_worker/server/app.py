@@ -9,7 +9,9 @@ A client that disconnects (streaming or not) cancels its handler, which aborts i
 the engine frees its pages at its next turn. No response header is sent before the first
 token, so a request that fails before it because of its PD prefill side gets a plain 502 the
 router can retry with another prefill. A PD decode worker takes the prefill instance from the
-`X-DSV4-Prefill` header.
+`X-DSV4-Prefill` header, only when `X-DSV4-Prefill-Auth` carries the router's signature of it
+(`dsv4_common.api.pd_secret.check_route`; else 403 naming the header): a client cannot make a
+decode dial a prefill of its choosing.
 
 A request that fails alone (`engine.failures`; or its answer cannot be written) is a 500 with
 an OpenAI code (`internal_error`, `sampling_failed`), or an error event once its stream has
@@ -33,6 +35,7 @@ from aiohttp import web
 
 from dsv4_common.api.http_rules import HttpLimits, error_document
 from dsv4_common.api.lifecycle import DRAIN_CODE
+from dsv4_common.api.pd_secret import PREFILL_AUTH_HEADER, PREFILL_HEADER, check_route
 from dsv4_common.api.request_id import (
     MAX_FORWARDED_ID_CHARS,
     REQUEST_ID_HEADER,
@@ -69,7 +72,7 @@ from dsv4_worker.server.runner import (
 from dsv4_worker.server.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-PREFILL_HEADER = "X-DSV4-Prefill"
+UNSIGNED_PREFILL_CODE = "unsigned_prefill"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +96,9 @@ class ServeInfo:
     created_s: int = field(default_factory=lambda: int(time.time()))
     drain: Drain = field(default_factory=Drain)  # set at SIGTERM (`serve`); the apps read it
     api: ApiOptions = field(default_factory=ApiOptions)  # defaults of the OpenAI API
+    # PD decode: the deployment's secret, which signs the router's `X-DSV4-Prefill` (None: the
+    # header is not read, as on a colocated worker)
+    route_key: bytes | None = field(default=None, repr=False)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -164,6 +170,12 @@ def build_app(
                 rid = request_id_of(request.headers.get(REQUEST_ID_HEADER), MAX_FORWARDED_ID_CHARS)
             except InvalidRequestId as exc:
                 return json_error(400, str(exc), param=REQUEST_ID_HEADER, code="invalid_request_id")
+            prefill = request.headers.get(PREFILL_HEADER) if info.route_key else None
+            if prefill is not None and info.route_key is not None:
+                signature = request.headers.get(PREFILL_AUTH_HEADER)
+                why = check_route(info.route_key, rid, prefill, signature, time.time())
+                if why is not None:
+                    return json_error(403, why, param=PREFILL_HEADER, code=UNSIGNED_PREFILL_CODE)
             # Refusals that need no body first: a shed costs no JSON parse and no tokenizing
             # (under a 503 storm those compete with the engine thread). A 1-token request is
             # the easiest to admit, so when even it is shed, every request is.
@@ -202,7 +214,7 @@ def build_app(
                     503, verdict.message, code=verdict.reason, retry_after_s=RETRY_AFTER_S
                 )
             answer = Answer(tok, req, info.names[0], chat, rid)
-            loop, prefill = asyncio.get_running_loop(), request.headers.get(PREFILL_HEADER)
+            loop = asyncio.get_running_loop()
             handles: list[Handle] = []
             try:
                 for c in answer.choices:  # one engine request per choice

@@ -15,11 +15,13 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from dsv4_common.api.manifest import manifest_of
+from dsv4_common.api.pd_secret import PDSecret
 from dsv4_worker.engine.events import EngineEvents
 from dsv4_worker.engine.loop import Engine, Request
 from dsv4_worker.engine.role import Role
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.mem.memory import KVMemory
+from dsv4_worker.pd.auth import SessionKeys
 from dsv4_worker.pd.decode import DecodeAgent
 from dsv4_worker.pd.prefill import PrefillAgent
 from dsv4_worker.pd.transfer import Block, Region, make_initiator, make_target
@@ -29,11 +31,18 @@ from dsv4_worker.server.runner import Done, EngineRunner, Token
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 WAIT_S = 120.0
+SECRET = PDSecret(b"pd-support-secret-" + b"0123456789abcdef" * 2)  # the pairs' deployment secret
+
+
+def keys() -> SessionKeys:
+    return SessionKeys(SECRET)
 
 
 def _regions(mem: KVMemory) -> list[Region]:
     assert mem.pool is not None
-    return [Region(c.name, mem.pool.buffer(c.name)) for c in mem.layout.components]
+    return [
+        Region(c.name, mem.pool.buffer(c.name), str(c.index_space)) for c in mem.layout.components
+    ]
 
 
 def _manifest(mem: KVMemory):  # type: ignore[no-untyped-def]
@@ -105,11 +114,17 @@ class Relay(EngineEvents):
     def on_admit(self, req: Request) -> None:
         self.to.on_admit(req)
 
+    def on_allocated(self, req: Request) -> None:
+        self.to.on_allocated(req)
+
     def on_prealloc(self, req: Request) -> None:
         self.to.on_prealloc(req)
 
     def on_cancel(self, req: Request) -> None:
         self.to.on_cancel(req)
+
+    def on_transfer_end(self, req: Request) -> None:
+        self.to.on_transfer_end(req)
 
     def on_note(self, payload: object) -> None:
         self.to.on_note(payload)
@@ -129,14 +144,15 @@ def pd_pair(
     made_p, made_d = make_prefill(), make_decode()
     initiator = make_initiator(backend, name=f"p-{time.monotonic_ns()}")
     initiator.register(_regions(made_p.mem))
-    target = make_target(backend, host="127.0.0.1")
+    target = make_target(backend, keys(), host="127.0.0.1")
     target.register(_regions(made_d.mem))
     # Agents first, then each side's engine with its agent as events (as `dsv4_worker.build`).
-    pa = PrefillAgent(initiator, _manifest(made_p.mem), "tcp://127.0.0.1:0")
+    pa = PrefillAgent(initiator, _manifest(made_p.mem), "tcp://127.0.0.1:0", keys())
     address = f"127.0.0.1:{pa.port}"
     da = DecodeAgent(
         target,
         _manifest(made_d.mem),
+        keys(),
         default_prefill=address,
         transfer_timeout_s=transfer_timeout_s,
     )
@@ -203,9 +219,11 @@ def record_writes(pair: Pair) -> list[str]:
     initiator = pair.prefill_agent.initiator
     real = initiator.write
 
-    def write(peer: str, blocks: Sequence[Block], tag: str, timeout_s: float) -> None:
+    def write(
+        peer: str, blocks: Sequence[Block], tag: str, timeout_s: float, *, epoch: int
+    ) -> None:
         tags.append(tag)
-        real(peer, blocks, tag, timeout_s)
+        real(peer, blocks, tag, timeout_s, epoch=epoch)
 
     initiator.write = write  # type: ignore[method-assign]
     return tags

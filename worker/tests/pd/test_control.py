@@ -24,7 +24,17 @@ sampling = st.builds(
     seed=st.none() | ints,
 )
 messages = st.one_of(
-    st.builds(C.Welcome, ok=st.booleans(), message=texts, manifest_hash=texts),
+    st.builds(C.Hello, protocol=ints, nonce=texts),
+    st.builds(C.Challenge, session=texts, instance=texts, proof=texts),
+    st.builds(
+        C.Welcome,
+        ok=st.booleans(),
+        message=texts,
+        manifest_hash=texts,
+        closed=st.lists(texts, max_size=4).map(tuple),
+    ),
+    st.builds(C.Ping, echo=ints),
+    st.builds(C.Pong, instance=texts, known=st.booleans(), number=ints),
     st.builds(
         C.PrefillRequest,
         room=texts,
@@ -39,6 +49,7 @@ messages = st.one_of(
         dst_full_pages=int_tuples,
         dst_swa_pages=int_tuples,
         dst_slot=ints,
+        epoch=ints,
     ),
     st.builds(
         C.Done,
@@ -63,7 +74,7 @@ def test_every_message_round_trips_exactly(msg: C.Message) -> None:
 
 MESSAGES = {
     "prefill": C.PrefillRequest("r1", (1, 2, 3), C.Sampling(0.0, 1.0, 0, None), (7,), 60.0),
-    "destination": C.Destination("r1", (4, 5), (6,), 1),
+    "destination": C.Destination("r1", (4, 5), (6,), 1, 7),
 }
 
 
@@ -78,6 +89,7 @@ MESSAGES = {
         ("prefill", "timeout_s", float("inf"), "prefill.timeout_s: must be finite"),
         ("destination", "dst_swa_pages", None, "destination.dst_swa_pages: must be a list"),
         ("destination", "dst_slot", KeyError, "destination.dst_slot: required"),
+        ("destination", "epoch", KeyError, "destination.epoch: required"),
     ],
 )
 def test_a_bad_field_is_refused_naming_it(

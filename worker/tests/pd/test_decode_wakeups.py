@@ -14,7 +14,6 @@ import threading
 import time
 
 import pytest
-import zmq
 from engine_helpers import engine
 from pd_support import drained, on_engine, pd_pair, wait_until, withheld_landings
 
@@ -157,10 +156,10 @@ def test_a_steps_first_admission_is_sent_before_its_step_goes_on(
     monkeypatch.setattr(decode.DecodeAgent, "on_admit", on_admit)
     real_outgoing = decode.DecodeAgent._outgoing
 
-    def slow_outgoing(self: decode.DecodeAgent, out: object, poller: zmq.Poller) -> None:
+    def slow_outgoing(self: decode.DecodeAgent, out: object) -> None:
         if isinstance(out, decode._Admitted):
             time.sleep(0.2)  # a control thread that gets to it late (the GIL, a busy core)
-        real_outgoing(self, out, poller)  # type: ignore[arg-type]
+        real_outgoing(self, out)  # type: ignore[arg-type]
 
     monkeypatch.setattr(decode.DecodeAgent, "_outgoing", slow_outgoing)
     prompt = [(5 * j) % 200 + 3 for j in range(24)]
@@ -187,10 +186,10 @@ def test_the_admission_hand_over_is_bounded(monkeypatch: pytest.MonkeyPatch) -> 
 
     real_outgoing = decode.DecodeAgent._outgoing
 
-    def held_outgoing(self: decode.DecodeAgent, out: object, poller: zmq.Poller) -> None:
+    def held_outgoing(self: decode.DecodeAgent, out: object) -> None:
         if isinstance(out, decode._Admitted):
             gate.wait(30)  # until the engine thread went on without it
-        real_outgoing(self, out, poller)  # type: ignore[arg-type]
+        real_outgoing(self, out)  # type: ignore[arg-type]
 
     monkeypatch.setattr(decode.DecodeAgent, "on_admit", on_admit)
     monkeypatch.setattr(decode.DecodeAgent, "_outgoing", held_outgoing)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import zmq
@@ -110,10 +111,10 @@ def test_a_destination_of_the_wrong_size_is_refused(backend: str) -> None:
         agent = pair.decode_agent
         real = agent._forward
 
-        def short(address: str, msg: C.PrefillRequest | C.Destination) -> None:
+        def short(address: str, msg: C.PrefillRequest | C.Destination, *grant: Any) -> None:
             if isinstance(msg, C.Destination):
                 msg = dataclasses.replace(msg, dst_full_pages=msg.dst_full_pages[:-1])
-            real(address, msg)
+            real(address, msg, *grant)
 
         agent._forward = short  # type: ignore[method-assign]
         [(tokens, done)] = pair.generate([PROMPT], [PARAMS])
@@ -128,16 +129,7 @@ def test_a_destination_of_the_wrong_size_is_refused(backend: str) -> None:
 
 def test_a_decode_speaking_another_protocol_is_refused_at_handshake() -> None:
     with pd_pair("zmq", _make, _make) as pair:
-        agent = pair.decode_agent
-        old = C.Hello(
-            "decode-old",
-            agent.target.backend,
-            agent.manifest,
-            C.b64(agent.target.descriptor()),
-        )  # protocol 1: no `protocol` field on the wire
-        body = C.encode(old)
-        assert b"protocol" in body[1]  # the default is written; drop it as an old peer would
-        body[1] = body[1].replace(b', "protocol": 1', b"")
+        body = C.encode(C.Hello(C.PROTOCOL - 1, "n" * 32))  # an older decode's first word
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         try:
@@ -149,8 +141,9 @@ def test_a_decode_speaking_another_protocol_is_refused_at_handshake() -> None:
         finally:
             sock.close()
             ctx.term()
-        assert isinstance(answer, C.Welcome) and not answer.ok
-        assert answer.message == f"control protocol: prefill speaks {C.PROTOCOL}, decode 1"
+        assert isinstance(answer, C.Welcome) and not answer.ok  # before any session: unsealed
+        want = f"control protocol: prefill speaks {C.PROTOCOL}, decode {C.PROTOCOL - 1}"
+        assert answer.message == want
 
 
 def test_the_prompt_goes_out_before_the_step_allocates_and_runs_its_batch() -> None:

@@ -211,6 +211,9 @@ TAGS = ("room:0:0:0", "room:0:0:1")
 FL: F.Flight[str] = F.Flight("prefill-a:1", timeout_s=5.0, deadline_s=T0 + 5)
 LANDING = replace(FL, done=DONE, tags=TAGS)
 GONE = replace(FL, cancelled=True)
+SENT = replace(FL, granted=True)  # its destination left (a fencing target: zmq)
+OPEN = replace(FL, granted=True, fences=False)  # ... to a target that cannot refuse (NIXL)
+HELD = replace(OPEN, held=True)
 LATE = "prefill prefill-a:1 did not deliver within 5 s"
 
 DECODE_ROWS: list[tuple[str, F.Flight[str] | None, object, object, list[object]]] = [
@@ -219,9 +222,29 @@ DECODE_ROWS: list[tuple[str, F.Flight[str] | None, object, object, list[object]]
     ("destination: prefill failed", FL, F.DestinationReady("failed"), FL, []),
     ("destination: prefill forgotten", FL, F.DestinationReady(None), FL, []),
     ("destination after the cancel", GONE, F.DestinationReady("ready"), GONE, []),
+    ("destination sent: granted", FL, F.Granted(), SENT, []),
     ("cancel: tell prefill, keep the pages", FL, F.Cancel("ready"), GONE, [F.SendAbort()]),
-    ("cancel before the handshake", FL, F.Cancel("connecting"), None, [F.Unqueue(), F.Release()]),
-    ("cancel after the prefill failed", FL, F.Cancel("failed"), None, [F.Unqueue(), F.Release()]),
+    (
+        "cancel before the handshake",
+        FL,
+        F.Cancel("connecting"),
+        None,
+        [F.Unqueue(), F.Revoke(), F.Release()],
+    ),
+    (
+        "cancel after the prefill failed",
+        FL,
+        F.Cancel("failed"),
+        None,
+        [F.Unqueue(), F.Revoke(), F.Release()],
+    ),
+    (
+        "granted, cancel after its session was lost: keep holding",
+        OPEN,
+        F.Cancel("connecting"),
+        replace(HELD, cancelled=True),
+        [F.Unqueue(), F.Revoke()],
+    ),
     ("cancel, prefill forgotten: wait", FL, F.Cancel(None), GONE, []),
     ("cancel of no flight: free now", None, F.Cancel("ready"), None, [F.Release()]),
     (
@@ -242,34 +265,108 @@ DECODE_ROWS: list[tuple[str, F.Flight[str] | None, object, object, list[object]]
     ("some tags landed", LANDING, F.Landed({TAGS[0]}), LANDING, []),
     ("tags before done", FL, F.Landed(set(TAGS)), FL, []),
     (
-        "every tag landed: complete",
+        "every tag landed: revoke, complete",
         LANDING,
         F.Landed({*TAGS, "other:0:0:0"}),
         None,
-        [F.ClaimTags(TAGS), F.Complete(DONE)],
+        [F.Revoke(), F.ClaimTags(TAGS), F.Complete(DONE)],
     ),
     (
         "every tag of a cancelled one landed: free",
         replace(LANDING, cancelled=True),
         F.Landed(set(TAGS)),
         None,
-        [F.ClaimTags(TAGS), F.Release()],
+        [F.Revoke(), F.ClaimTags(TAGS), F.Release()],
     ),
-    ("failed", FL, F.FailedArrived("oom"), None, [F.Fail("prefill: oom")]),
-    ("failed after the cancel", GONE, F.FailedArrived("oom"), None, [F.Fail("prefill: oom")]),
-    ("aborted: free", GONE, F.AbortedArrived(), None, [F.Release()]),
+    ("failed", FL, F.FailedArrived("oom"), None, [F.Revoke(), F.Fail("prefill: oom")]),
+    (
+        "failed after the cancel",
+        GONE,
+        F.FailedArrived("oom"),
+        None,
+        [F.Revoke(), F.Fail("prefill: oom")],
+    ),
+    ("aborted: free", GONE, F.AbortedArrived(), None, [F.Revoke(), F.Release()]),
     ("before the deadline", FL, F.Tick(T0 + 5, "ready"), FL, []),
-    ("deadline: abort and fail", FL, F.Tick(T0 + 6, "ready"), None, [F.SendAbort(), F.Fail(LATE)]),
-    ("deadline, prefill not ready", GONE, F.Tick(T0 + 6, "failed"), None, [F.Fail(LATE)]),
+    (
+        "deadline: abort and fail",
+        FL,
+        F.Tick(T0 + 6, "ready"),
+        None,
+        [F.SendAbort(), F.Revoke(), F.Fail(LATE)],
+    ),
+    (
+        "deadline of a cancelled one, prefill not ready: free",
+        GONE,
+        F.Tick(T0 + 6, "failed"),
+        None,
+        [F.Revoke(), F.Release()],
+    ),
     (
         "prefill lost: fail (the router retries)",
         LANDING,
         F.PrefillLost("gone"),
         None,
-        [F.Fail("gone")],
+        [F.Revoke(), F.Fail("gone")],
     ),
-    ("prefill lost after the cancel: free", GONE, F.PrefillLost("gone"), None, [F.Release()]),
+    (
+        "prefill lost after the cancel: free",
+        GONE,
+        F.PrefillLost("gone"),
+        None,
+        [F.Revoke(), F.Release()],
+    ),
     ("nothing else of a flight that ended", None, F.DoneArrived(DONE, TAGS), None, []),
+    # Fencing: a granted flight whose target cannot refuse writes (NIXL) keeps its pages.
+    (
+        "granted, fencing target, prefill lost: revoke, free",
+        SENT,
+        F.PrefillLost("gone"),
+        None,
+        [F.Revoke(), F.Fail("gone")],
+    ),
+    (
+        "granted, prefill lost: fail, hold the pages",
+        OPEN,
+        F.PrefillLost("gone"),
+        HELD,
+        [F.Revoke(), F.Fail("gone", hold=True)],
+    ),
+    (
+        "granted, deadline: abort, fail, hold the pages",
+        OPEN,
+        F.Tick(T0 + 6, "ready"),
+        HELD,
+        [F.SendAbort(), F.Revoke(), F.Fail(LATE, hold=True)],
+    ),
+    (
+        "granted, cancelled, prefill lost: keep holding",
+        replace(OPEN, cancelled=True),
+        F.PrefillLost("gone"),
+        replace(HELD, cancelled=True),
+        [F.Revoke()],
+    ),
+    ("held: no deadline", HELD, F.Tick(T0 + 1e9, "failed"), HELD, []),
+    ("held: a lost prefill changes nothing", HELD, F.PrefillLost("gone"), HELD, []),
+    ("held: no cancel", HELD, F.Cancel("ready"), HELD, []),
+    ("held: failed frees", HELD, F.FailedArrived("gone"), None, [F.Release()]),
+    ("held: aborted frees", HELD, F.AbortedArrived(), None, [F.Release()]),
+    ("held: its session closed frees", HELD, F.SessionClosed(), None, [F.Release()]),
+    (
+        "held: a late done, then every tag landed frees",
+        replace(HELD, done=DONE, tags=TAGS),
+        F.Landed(set(TAGS)),
+        None,
+        [F.ClaimTags(TAGS), F.Release()],
+    ),
+    (
+        "held: a late done is kept",
+        HELD,
+        F.DoneArrived(DONE, TAGS),
+        replace(HELD, done=DONE, tags=TAGS),
+        [],
+    ),
+    ("a live flight's session does not close", OPEN, F.SessionClosed(), OPEN, []),
 ]
 
 
@@ -363,28 +460,48 @@ def test_prefill_any_order_ends_once_and_writes_each_column_once(
 
 
 DECODE_OPS = st.sampled_from(
-    ["cancel", "done", "some", "landed", "failed", "aborted", "tick", "late", "lost", "dest"]
+    [
+        "cancel",
+        "done",
+        "some",
+        "landed",
+        "failed",
+        "aborted",
+        "tick",
+        "late",
+        "lost",
+        "dest",
+        "granted",
+        "closed",
+    ]
 )
 LINKS = st.sampled_from(["ready", "connecting", "failed", None])
+PROOFS = ("failed", "aborted", "closed")  # the writer is provably done
 
 
-@settings(max_examples=400, deadline=None)
-@given(ops=st.lists(st.tuples(DECODE_OPS, LINKS), max_size=10))
+@settings(max_examples=600, deadline=None)
+@given(ops=st.lists(st.tuples(DECODE_OPS, LINKS), max_size=10), fences=st.booleans())
 def test_decode_any_interleaving_of_abort_and_landed_ends_once(
-    ops: list[tuple[str, F.Link | None]],
+    ops: list[tuple[str, F.Link | None]], fences: bool
 ) -> None:
-    """Any interleaving of the client's cancel, prefill's answers, landed tags, the deadline
-    and a lost prefill: the flight ends at most once with one engine action (complete, fail or
-    release), never completes after a cancel, and always ends by its deadline (no page is
-    held for ever); it shows its first token at most once, before it ends and never after a
-    cancel."""
-    flight: F.Flight[str] | None = FL
+    """Any interleaving of the client's cancel, prefill's answers, landed tags, the deadline,
+    a lost prefill, the destination leaving and its session closing: the flight ends at most
+    once for its client and frees its pages once (complete, fail or release), never completes
+    after a cancel, shows its first token at most once (before it ends, never after a cancel),
+    and always ends by its deadline, except that while its target cannot refuse writes, a
+    granted flight frees its pages only once its writer is provably done (its pages are never
+    handed out while a stale write may land; they are freed once it is proven)."""
+    flight: F.Flight[str] | None = replace(FL, fences=fences)
     ends: list[object] = []
+    frees = 0
     shown = 0
-    cancelled = False
-    for op, link in [*ops, ("late", "ready")]:
+    cancelled = granted = writer_done = False
+    for op, link in [*ops, ("late", "ready"), ("closed", None)]:
         if op == "cancel" and cancelled:
             continue  # the engine cancels a request once
+        if op == "landed" and flight is not None and flight.done is not None:
+            writer_done = True  # every write `done` lists landed
+        writer_done = writer_done or op in PROOFS
         cancelled = cancelled or op == "cancel"
         event: object = {
             "cancel": F.Cancel(link),
@@ -397,18 +514,29 @@ def test_decode_any_interleaving_of_abort_and_landed_ends_once(
             "late": F.Tick(T0 + 6, link),
             "lost": F.PrefillLost("gone"),
             "dest": F.DestinationReady(link),
+            "granted": F.Granted(),
+            "closed": F.SessionClosed(),
         }[op]
         before = flight
         flight, actions = F.decode_step(flight, event)  # type: ignore[arg-type]
         if before is None:
             continue  # a cancel of an ended flight releases (idempotent in the engine)
-        ends += [a for a in actions if isinstance(a, F.Complete | F.Fail | F.Release)]
+        granted = granted or (flight is not None and flight.granted)
+        ended = [a for a in actions if isinstance(a, F.Complete | F.Fail | F.Release)]
+        ends += [a for a in ended if not (isinstance(a, F.Fail) and a.hold)]
+        freeing = [a for a in ended if not (isinstance(a, F.Fail) and a.hold)]
+        if freeing and granted and not fences:
+            assert writer_done, (op, actions)
+        frees += len(freeing)
+        if any(isinstance(a, F.Fail) and a.hold for a in actions):
+            assert flight is not None and flight.held and not fences
         shows = [a for a in actions if isinstance(a, F.ShowFirstToken)]
         shown += len(shows)
-        assert not shows or (flight is not None and not cancelled)
+        assert not shows or (flight is not None and not cancelled and not flight.held)
         if flight is None:
-            assert len(ends) == 1
+            assert frees == 1
+            assert any(isinstance(a, F.Revoke) for a in actions) or before.held
         if cancelled:
             assert not any(isinstance(a, F.Complete) for a in actions)
-    assert flight is None and len(ends) == 1
+    assert flight is None and frees == 1
     assert shown <= 1

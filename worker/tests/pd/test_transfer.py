@@ -27,9 +27,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pd_support import wait_until
 
+from dsv4_common.api.pd_secret import PDSecret
+from dsv4_worker.pd.auth import SessionKeys
 from dsv4_worker.pd.transfer import (
     Block,
+    Grant,
     Region,
+    Session,
     TransferError,
     TransferInitiator,
     TransferTarget,
@@ -59,6 +63,9 @@ REGIONS: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
     "state": (torch.float32, (10, 50)),
 }
 CHILD_RUN_NAME = "__transfer_target_child__"
+KEYS = SessionKeys(PDSecret(b"test-transfer-secret-" + b"0123456789abcdef" * 2))
+SESSION = Session("inst.s1", KEYS.key("inst.s1"))  # every connection's session here
+ROOM, EPOCH = "r", 1  # every write's grant here (a room's tags are `r:...`)
 # KV pages: [layers, units, unit_bytes]; decode has more units than prefill
 LAYERS, SRC_UNITS, DST_UNITS, UNIT_BYTES = 4, 48, 64, 4096
 
@@ -166,11 +173,37 @@ def random_blocks(rng: np.random.Generator, sizes: Mapping[str, int]) -> list[Bl
     return [b for i in order for b in runs[i]]
 
 
+def tagged(name: str) -> str:
+    """A write's tag in the grant's room."""
+    return f"{ROOM}:{name}"
+
+
+def granted_target(
+    backend: str, regions: Sequence[Region], host: str = "127.0.0.1"
+) -> TransferTarget:
+    """A target over `regions` with the grant every write here carries (no units: the test
+    regions name no index space, so the grant covers them whole)."""
+    target = make_target(backend, KEYS, host=host)
+    target.register(regions)
+    target.grant(Grant(EPOCH, ROOM, {}))
+    return target
+
+
+def landed_names(target: TransferTarget) -> list[str]:
+    """The names (`tagged`) of the writes that landed since the last call, each once."""
+    out = []
+    for key in target.poll_landed():
+        epoch, _, tag = key.partition("/")
+        assert epoch == str(EPOCH) and tag.startswith(f"{ROOM}:"), key
+        out.append(tag.removeprefix(f"{ROOM}:"))
+    return out
+
+
 def wait_tags(target: TransferTarget, want: Sequence[str], seen: list[str]) -> None:
     """Poll until every tag of `want` is in `seen` (which collects all tags polled)."""
     deadline = time.monotonic() + WAIT_S
     while not set(want) <= set(seen):
-        seen.extend(target.poll_landed())
+        seen.extend(landed_names(target))
         assert time.monotonic() < deadline, f"tags {want} did not land; saw {seen}"
         time.sleep(0.002)
 
@@ -193,12 +226,11 @@ def connected(
 ) -> Iterator[Pair]:
     """A target over `dst` and an initiator over `src` in this process, connected as peer
     "t"; both closed on exit."""
-    target = make_target(backend, host="127.0.0.1")
+    target = granted_target(backend, dst)
     initiator = make_initiator(backend, name="test", threads=threads)
     try:
-        target.register(dst)
         initiator.register(src)
-        initiator.connect("t", target.descriptor())
+        initiator.connect("t", target.descriptor(), SESSION)
         yield Pair(target, initiator, src, dst)
     finally:
         initiator.close()
@@ -233,10 +265,10 @@ def test_random_blocks_land_exactly_where_asked_and_tags_once(
     for tag in tags:
         blocks = random_blocks(rng, pair.sizes)
         assert len(merge_blocks(blocks)) < len(blocks)  # the pattern exercises merging
-        pair.initiator.write("t", blocks, tag, timeout_s=WAIT_S)
+        pair.initiator.write("t", blocks, tagged(tag), timeout_s=WAIT_S, epoch=EPOCH)
         want = apply(want, src, blocks)
     # a last write: a duplicate of an earlier tag would most likely arrive before its tag
-    pair.initiator.write("t", [], "end", timeout_s=WAIT_S)
+    pair.initiator.write("t", [], tagged("end"), timeout_s=WAIT_S, epoch=EPOCH)
     seen: list[str] = []
     wait_tags(pair.target, [*tags, "end"], seen)
     assert Counter(seen) == Counter([*tags, "end"])
@@ -260,7 +292,7 @@ def test_cuda_regions_land_exactly_where_asked(
         tags = [f"w{i}" for i in range(3)]
         for tag in tags:
             blocks = random_blocks(rng, p.sizes)
-            p.initiator.write("t", blocks, tag, timeout_s=WAIT_S)
+            p.initiator.write("t", blocks, tagged(tag), timeout_s=WAIT_S, epoch=EPOCH)
             want = apply(want, as_bytes(src), blocks)
         seen: list[str] = []
         wait_tags(p.target, tags, seen)
@@ -274,12 +306,12 @@ def test_on_landed_wakes_the_owner_after_the_tag_is_there(pair: Pair) -> None:
     ready = threading.Event()
 
     def landed() -> None:  # on the target's thread: the tag is already queued
-        woke.append(pair.target.poll_landed())
+        woke.append(landed_names(pair.target))
         ready.set()
 
     pair.target.on_landed(landed)
     pair.target.expect(True)
-    pair.initiator.write("t", [Block("kv", 0, 0, 64)], "a", timeout_s=WAIT_S)
+    pair.initiator.write("t", [Block("kv", 0, 0, 64)], tagged("a"), timeout_s=WAIT_S, epoch=EPOCH)
     assert ready.wait(WAIT_S), "on_landed was not called"
     assert woke[0] == ["a"]
     pair.target.expect(False)
@@ -336,9 +368,8 @@ def test_nixl_target_drops_to_its_idle_poll_once_told_to_stop_expecting(
         return real(previous_s, busy=busy, expecting=expecting, told_idle=told_idle)
 
     monkeypatch.setattr(nixl_backend, "pump_interval_s", spy)
-    target = make_target("nixl")
+    target = granted_target("nixl", make_regions(REGIONS, seed=100))
     try:
-        target.register(make_regions(REGIONS, seed=100))
         target.expect(False)  # never expected: not a change
         target.expect(True)
         wait_until(lambda: (True, False) in calls, "a poll while expecting")
@@ -353,7 +384,7 @@ def test_nixl_target_drops_to_its_idle_poll_once_told_to_stop_expecting(
 
 def test_empty_write_delivers_its_tag_and_moves_nothing(pair: Pair) -> None:
     before = as_bytes(pair.dst)
-    pair.initiator.write("t", [], "empty", timeout_s=WAIT_S)
+    pair.initiator.write("t", [], tagged("empty"), timeout_s=WAIT_S, epoch=EPOCH)
     seen: list[str] = []
     wait_tags(pair.target, ["empty"], seen)
     assert seen == ["empty"]
@@ -362,7 +393,7 @@ def test_empty_write_delivers_its_tag_and_moves_nothing(pair: Pair) -> None:
 
 def test_whole_regions_in_one_block_each(pair: Pair) -> None:
     blocks = [Block(r.name, 0, 0, r.nbytes) for r in pair.src]
-    pair.initiator.write("t", blocks, "all", timeout_s=WAIT_S)
+    pair.initiator.write("t", blocks, tagged("all"), timeout_s=WAIT_S, epoch=EPOCH)
     wait_tags(pair.target, ["all"], [])
     assert_bytes_equal(pair.dst, as_bytes(pair.src))
 
@@ -383,9 +414,9 @@ def test_bad_block_raises_before_any_byte_moves(pair: Pair, bad: Block, words: s
     before = as_bytes(pair.dst)
     good = [Block("kv", 0, 0, 16), Block("state", 0, 0, 100)]
     with pytest.raises(TransferError) as err:
-        pair.initiator.write("t", [*good, bad], "bad", timeout_s=WAIT_S)
+        pair.initiator.write("t", [*good, bad], tagged("bad"), timeout_s=WAIT_S, epoch=EPOCH)
     assert words in str(err.value) and "block 2" in str(err.value)
-    pair.initiator.write("t", [], "after", timeout_s=WAIT_S)
+    pair.initiator.write("t", [], tagged("after"), timeout_s=WAIT_S, epoch=EPOCH)
     seen: list[str] = []
     wait_tags(pair.target, ["after"], seen)
     assert seen == ["after"]
@@ -395,16 +426,15 @@ def test_bad_block_raises_before_any_byte_moves(pair: Pair, bad: Block, words: s
 def test_connect_refuses_a_different_region_set(backend: str) -> None:
     other = {**REGIONS, "extra": (torch.uint8, (8,))}
     del other["swa"]
-    target = make_target(backend)
+    target = granted_target(backend, make_regions(other, seed=5))
     initiator = make_initiator(backend, name="test")
     try:
-        target.register(make_regions(other, seed=5))
         initiator.register(make_regions(REGIONS, seed=1))
         with pytest.raises(TransferError) as err:
-            initiator.connect("t", target.descriptor())
+            initiator.connect("t", target.descriptor(), SESSION)
         assert "'extra'" in str(err.value) and "'swa'" in str(err.value)
         with pytest.raises(TransferError, match="not connected"):
-            initiator.write("t", [], "x", timeout_s=1.0)
+            initiator.write("t", [], tagged("x"), timeout_s=1.0, epoch=EPOCH)
     finally:
         initiator.close()
         target.close()
@@ -419,7 +449,7 @@ def test_connect_refuses_a_bad_descriptor(backend: str, descriptor: bytes) -> No
     try:
         initiator.register(make_regions(REGIONS, seed=1))
         with pytest.raises(TransferError, match="bad descriptor from peer 'p'"):
-            initiator.connect("p", descriptor)
+            initiator.connect("p", descriptor, SESSION)
     finally:
         initiator.close()
 
@@ -449,18 +479,17 @@ def test_nixl_big_writes_go_to_the_posters_small_ones_stay(
 
     monkeypatch.setattr(nixl_backend, "_post", spy)
     monkeypatch.setattr(nixl_backend, "PARALLEL_MIN_BYTES", 1000)
-    target = make_target(backend)
+    src, dst = make_regions(REGIONS, seed=1), make_regions(REGIONS, seed=100)
+    target = granted_target(backend, dst)
     initiator = nixl_backend.NixlInitiator("spy", threads=3)
     try:
-        src, dst = make_regions(REGIONS, seed=1), make_regions(REGIONS, seed=100)
-        target.register(dst)
         initiator.register(src)
-        initiator.connect("t", target.descriptor())
+        initiator.connect("t", target.descriptor(), SESSION)
         want = as_bytes(dst)
         big = [Block("kv", 0, 100, 2000), Block("state", 8, 0, 1001)]
         small = [Block("kv", 4000, 4500, 2999)]
         for blocks, tag in ((big, "big"), (small, "small")):
-            initiator.write("t", blocks, tag, timeout_s=WAIT_S)
+            initiator.write("t", blocks, tagged(tag), timeout_s=WAIT_S, epoch=EPOCH)
             want = apply(want, as_bytes(src), blocks)
         wait_tags(target, ["big", "small"], [])
         assert_bytes_equal(dst, want)
@@ -472,11 +501,13 @@ def test_nixl_big_writes_go_to_the_posters_small_ones_stay(
     by_poster = sorted((name.removeprefix(f"{initiator.name}-poster-"), n) for name, n, _ in shares)
     assert by_poster == [("0", 1001), ("1", 1000), ("2", 1000)]
     assert all(notif == b"" for _, _, notif in shares)
-    assert tag_post == (me, 1, b"big") and small_post == (me, 2999, b"small")
+    tag_notif = nixl_backend.notification(SESSION.key, SESSION.id, EPOCH, tagged("big"))
+    small_notif = nixl_backend.notification(SESSION.key, SESSION.id, EPOCH, tagged("small"))
+    assert tag_post == (me, 1, tag_notif) and small_post == (me, 2999, small_notif)
 
 
 def test_unknown_backend_names_the_choices() -> None:
-    for make in (lambda: make_target("rdma"), lambda: make_initiator("rdma", name="x")):
+    for make in (lambda: make_target("rdma", KEYS), lambda: make_initiator("rdma", name="x")):
         with pytest.raises(TransferError) as err:
             make()
         assert "'rdma'" in str(err.value) and "nixl, zmq" in str(err.value)
@@ -501,9 +532,8 @@ def target_child(conn: Connection, backend: str) -> None:
     """The decode side: register KV pages, send the descriptor; on ("wait", tag) report the
     region digests once `tag` landed; stop on "stop" (or get killed)."""
     os.setsid()  # out of the test's process group: no job-control signals reach it
-    target = make_target(backend, host="127.0.0.1")
     regions = make_regions(kv_spec(DST_UNITS), seed=300)
-    target.register(regions)
+    target = granted_target(backend, regions)
     conn.send(target.descriptor())
     seen: list[str] = []
     try:
@@ -572,12 +602,12 @@ def test_kv_pages_land_in_another_process(backend: str, threads: int | None, chi
     initiator = make_initiator(backend, name="prefill", threads=threads)
     try:
         initiator.register(src)
-        initiator.connect("decode", child.descriptor)
+        initiator.connect("decode", child.descriptor, SESSION)
         rng = np.random.default_rng(11)
         for step in range(3):
             blocks = kv_blocks(rng)
             assert sum(b.nbytes for b in blocks) >= WRITE_THREADS * PARALLEL_MIN_BYTES
-            initiator.write("decode", blocks, f"room:{step}", timeout_s=WAIT_S)
+            initiator.write("decode", blocks, tagged(f"room:{step}"), timeout_s=WAIT_S, epoch=EPOCH)
             want = apply(want, as_bytes(src), blocks)
         child.conn.send(("wait", "room:2"))
         assert child.conn.poll(WAIT_S), "the target process did not answer"
@@ -601,8 +631,8 @@ def test_hung_then_dead_target_fails_writes_within_their_timeout(
     blocks = kv_blocks(np.random.default_rng(5))
     try:
         initiator.register(regions)
-        initiator.connect("decode", child.descriptor)
-        initiator.write("decode", blocks, "before", timeout_s=WAIT_S)
+        initiator.connect("decode", child.descriptor, SESSION)
+        initiator.write("decode", blocks, tagged("before"), timeout_s=WAIT_S, epoch=EPOCH)
 
         stop_process(child.proc.pid)
         try:
@@ -615,7 +645,7 @@ def test_hung_then_dead_target_fails_writes_within_their_timeout(
             assert isinstance(error, TransferError), error
             assert "timed out after 1.5 s" in str(error) and elapsed_s >= 1.5
 
-        initiator.write("decode", blocks, "after", timeout_s=WAIT_S)
+        initiator.write("decode", blocks, tagged("after"), timeout_s=WAIT_S, epoch=EPOCH)
         seen = landed(child, "after")
         assert seen["before"] == 1 and seen["after"] == 1, seen
         assert seen["hung"] == 1 if error is None else seen["hung"] <= 1, seen
@@ -656,7 +686,9 @@ def _thread_state(pid: int, tid: str) -> str:
 
 
 def test_closed_target_fails_the_write(pair: Pair) -> None:
-    pair.initiator.write("t", [Block("kv", 0, 0, 64)], "open", timeout_s=WAIT_S)
+    pair.initiator.write(
+        "t", [Block("kv", 0, 0, 64)], tagged("open"), timeout_s=WAIT_S, epoch=EPOCH
+    )
     pair.target.close()
     for blocks in ([Block("kv", 0, 0, 64)], []):
         error, _ = write_in_thread(pair.initiator, "t", blocks, "closed", timeout_s=1.0)
@@ -673,7 +705,7 @@ def write_in_thread(
 
     def run() -> None:
         try:
-            initiator.write(peer, blocks, tag, timeout_s=timeout_s)
+            initiator.write(peer, blocks, tagged(tag), timeout_s=timeout_s, epoch=EPOCH)
             box.append(None)
         except BaseException as exc:
             box.append(exc)
@@ -688,13 +720,14 @@ def write_in_thread(
 
 def _still_usable(initiator: TransferInitiator, backend: str, regions: Sequence[Region]) -> None:
     """After a failed write, the initiator still reaches a fresh target."""
-    target = make_target(backend)
+    dst = make_regions(kv_spec(DST_UNITS), seed=9)
+    target = granted_target(backend, dst)
     try:
-        dst = make_regions(kv_spec(DST_UNITS), seed=9)
-        target.register(dst)
         initiator.disconnect("decode")
-        initiator.connect("decode", target.descriptor())
-        initiator.write("decode", [Block("full", 0, 64, 128)], "again", timeout_s=WAIT_S)
+        initiator.connect("decode", target.descriptor(), SESSION)
+        initiator.write(
+            "decode", [Block("full", 0, 64, 128)], tagged("again"), timeout_s=WAIT_S, epoch=EPOCH
+        )
         wait_tags(target, ["again"], [])
         assert torch.equal(
             region_bytes(dst[0].tensor)[64:192], region_bytes(regions[0].tensor)[:128]

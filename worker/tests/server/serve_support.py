@@ -15,7 +15,16 @@ from typing import Any
 
 START_TIMEOUT_S = 120.0
 WAIT_S = 60.0
-ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
+# Every hand-made PD process of a test shares this deployment secret (`--pd-secret-file`'s
+# environment form): PD roles refuse to start without one.
+PD_SECRET = "serve-support-pd-secret-0123456789abcdef0123456789"
+ENV = {
+    **os.environ,
+    "UCX_NET_DEVICES": "lo",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "PYTHONUNBUFFERED": "1",
+    "DSV4_PD_SECRET": PD_SECRET,
+}
 
 
 def free_port() -> int:

@@ -17,6 +17,7 @@ from dsv4_cli.main import build_parser
 from dsv4_common.api.http_rules import HttpLimits
 from dsv4_common.api.lifecycle import DRAIN_S
 from dsv4_common.api.names import WorkerRole
+from dsv4_common.api.pd_secret import PDSecret
 from dsv4_common.api.rank_config import rank_config_to_dict
 from dsv4_common.api.serve_flags import SERVE_FLAGS
 from dsv4_common.core.presets import tiny
@@ -261,11 +262,11 @@ def test_load_options_reads_the_config_of_the_pods_pp_rank(tmp_path: Path) -> No
     write(tmp_path, "prefill", 0)
     write(tmp_path, "prefill", 1)
     flags = args("--role", "prefill", "--config-dir", str(tmp_path))
-    opts = load_options(flags, {"DSV4_PP_RANK": "1", "DSV4_GROUP": "grp"})
+    opts = load_options(flags, {"DSV4_PP_RANK": "1", "DSV4_GROUP": "grp", **SECRET_ENV})
     assert opts.pp == PPSpec(
         1, 2, HOST_TEMPLATE.format(group="grp", rank=0), PORTS.pp, listen_host="0.0.0.0"
     )
-    assert load_options(flags, {}).pp.rank == 0  # type: ignore[union-attr]
+    assert load_options(flags, SECRET_ENV).pp.rank == 0  # type: ignore[union-attr]
     assert load_options(args("--model", "m"), {"DSV4_PP_RANK": "1"}) == quick("--model", "m")
 
 
@@ -276,7 +277,41 @@ def test_load_options_names_a_missing_or_mismatched_config(tmp_path: Path) -> No
     with pytest.raises(
         ServeError, match="holds role decode PP rank 1, not --role decode PP rank 0"
     ):
-        load_options(args("--role", "decode", "--config-dir", str(tmp_path)), {})
+        load_options(args("--role", "decode", "--config-dir", str(tmp_path)), SECRET_ENV)
+
+
+SECRET_ENV = {"DSV4_PD_SECRET": "s" * 32}
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_pd_role_refuses_to_start_without_a_secret(role: str, tmp_path: Path) -> None:
+    """Fail closed: an unauthenticated PD channel would let any peer write decode's KV. The
+    secret comes from --pd-secret-file, else the rank config's field, else DSV4_PD_SECRET."""
+    with pytest.raises(ServeError, match=f"--role {role}: no PD secret: set --pd-secret-file"):
+        load_options(args("--role", role), {})
+    assert load_options(args("--role", "colocated"), {}).pd_secret is None
+    assert load_options(args("--role", role), SECRET_ENV).pd_secret == PDSecret(b"s" * 32)
+    short = tmp_path / "short"
+    short.write_text("0123456789\n")
+    with pytest.raises(ServeError, match=f"--pd-secret-file {short}: PD secret: 10 bytes"):
+        load_options(args("--role", role, "--pd-secret-file", str(short)), SECRET_ENV)
+    good = tmp_path / "good"
+    good.write_text("f" * 40 + "\n")  # the file wins over the environment
+    opts = load_options(args("--role", role, "--pd-secret-file", str(good)), SECRET_ENV)
+    assert opts.pd_secret == PDSecret(b"f" * 40)
+    assert "f" * 40 not in repr(opts)  # never printed
+
+
+def test_the_rank_configs_secret_file_is_read_unless_the_flag_names_one(tmp_path: Path) -> None:
+    secret = tmp_path / "mounted"
+    secret.write_text("m" * 32)
+    config = replace(rank_config("decode", 0), pd_secret_file=str(secret))
+    (tmp_path / "decode-rank-0.json").write_text(json.dumps(rank_config_to_dict(config)))
+    flags = args("--role", "decode", "--config-dir", str(tmp_path))
+    assert load_options(flags, {}).pd_secret == PDSecret(b"m" * 32)
+    secret.unlink()
+    with pytest.raises(ServeError, match=r"rank config pd_secret_file .*mounted: cannot read"):
+        load_options(flags, SECRET_ENV)
 
 
 class Reads:
@@ -296,7 +331,7 @@ WORKER_DESTS = {f.dest for f in SERVE_FLAGS if f.reader != "router"} - {"config_
 
 def test_the_quick_form_reads_every_worker_flag_of_the_table() -> None:
     reads = Reads(args("--pp-size", "2", "--pp-addr", "h:1"))  # PP flags: read with PP only
-    ServeOptions.from_args(reads)  # type: ignore[arg-type]
+    load_options(reads, {})  # type: ignore[arg-type]
     assert reads.names >= WORKER_DESTS  # a row no option reads would be a flag that does nothing
 
 

@@ -8,26 +8,36 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Final, TypeVar
 
+from dsv4_worker.pd.auth import SessionKeys
 from dsv4_worker.pd.transfer.base import (
     Block,
     Region,
+    Session,
     TransferError,
     TransferInitiator,
     TransferTarget,
     check_blocks,
     check_same_regions,
+    epoch_of,
+    landed_key,
     merge_blocks,
 )
+from dsv4_worker.pd.transfer.fence import Grant
 
 __all__ = [
     "BACKENDS",
     "Block",
+    "Grant",
     "Region",
+    "Session",
+    "SessionKeys",
     "TransferError",
     "TransferInitiator",
     "TransferTarget",
     "check_blocks",
     "check_same_regions",
+    "epoch_of",
+    "landed_key",
     "make_initiator",
     "make_target",
     "merge_blocks",
@@ -36,17 +46,17 @@ __all__ = [
 T = TypeVar("T")
 
 
-def _nixl_target(host: str) -> TransferTarget:
+def _nixl_target(keys: SessionKeys, host: str) -> TransferTarget:
     from dsv4_worker.pd.transfer.nixl_backend import NixlTarget
 
     del host  # UCX picks its own addresses; they travel in the agent metadata
-    return NixlTarget()
+    return NixlTarget(keys)
 
 
-def _zmq_target(host: str) -> TransferTarget:
+def _zmq_target(keys: SessionKeys, host: str) -> TransferTarget:
     from dsv4_worker.pd.transfer.zmq_backend import ZmqTarget
 
-    return ZmqTarget(host)
+    return ZmqTarget(keys, host)
 
 
 def _nixl_initiator(name: str, threads: int | None) -> TransferInitiator:
@@ -62,7 +72,7 @@ def _zmq_initiator(name: str, threads: int | None) -> TransferInitiator:
     return ZmqInitiator(name)
 
 
-_TARGETS: Final[dict[str, Callable[[str], TransferTarget]]] = {
+_TARGETS: Final[dict[str, Callable[[SessionKeys, str], TransferTarget]]] = {
     "nixl": _nixl_target,
     "zmq": _zmq_target,
 }
@@ -73,9 +83,10 @@ _INITIATORS: Final[dict[str, Callable[[str, int | None], TransferInitiator]]] = 
 BACKENDS: Final = tuple(_TARGETS)
 
 
-def make_target(backend: str, *, host: str = "127.0.0.1") -> TransferTarget:
-    """The receiving side; `host`: the address initiators dial (zmq binds it)."""
-    return _choose(_TARGETS, backend)(host)
+def make_target(backend: str, keys: SessionKeys, *, host: str = "127.0.0.1") -> TransferTarget:
+    """The receiving side, serving writes of sessions keyed from `keys`' secret; `host`: the
+    address initiators dial (zmq binds it)."""
+    return _choose(_TARGETS, backend)(keys, host)
 
 
 def make_initiator(backend: str, *, name: str, threads: int | None = None) -> TransferInitiator:

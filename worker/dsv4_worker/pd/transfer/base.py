@@ -3,6 +3,12 @@ checks both backends share. No sockets, no NIXL.
 
 An initiator (prefill) writes byte blocks of its registered regions into the regions of the same
 name of a target (decode). A write is tagged; the target reports the tag once every byte landed.
+
+Every write belongs to a session (`Session`: its id and key, from the PD control handshake,
+`pd.auth`) and carries the epoch of the destination the decode granted it (`fence.Grant`): the
+target reports `landed_key(epoch, tag)` only for authentic writes of a live grant, and a zmq
+target refuses any other write before a byte lands (`fences`); a NIXL one cannot (one-sided
+writes), so the decode holds a failed transfer's pages until its writer is provably done.
 """
 
 from __future__ import annotations
@@ -11,9 +17,12 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from dsv4_worker.pd.transfer.fence import Grant
 
 
 class TransferError(Exception):
@@ -29,6 +38,10 @@ class Region:
 
     name: str
     tensor: torch.Tensor
+    # The index space of dim 1 (a layer-major KV buffer, [layers, units, ...]): the target
+    # checks that a write touches only units granted to it. None: byte-addressed, any live
+    # grant may write anywhere in it (the worker's pools always name their space).
+    space: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -46,10 +59,36 @@ class Block:
     nbytes: int
 
 
+@dataclass(frozen=True, slots=True, repr=False)
+class Session:
+    """The transfer session a write belongs to: its id (assigned at the PD handshake) and key
+    (`pd.auth.SessionKeys.key`)."""
+
+    id: str
+    key: bytes
+
+    def __repr__(self) -> str:
+        return f"Session({self.id!r})"
+
+
+def landed_key(epoch: int, tag: str) -> str:
+    """How a target reports a landed write: the tag under the grant it landed for."""
+    return f"{epoch}/{tag}"
+
+
+def epoch_of(key: str) -> int:
+    """The epoch of a `landed_key`."""
+    return int(key.partition("/")[0])
+
+
 class TransferTarget(Protocol):
     """The receiving side (decode): initiators write into its regions."""
 
     backend: str
+    # True: after `revoke(epoch)` returns, no byte of that grant can land (the target checks
+    # every write first). False: a revoked grant's writes may still land (one-sided writes):
+    # hold its pages until the writer's session is provably closed.
+    fences: bool
 
     def register(self, regions: Sequence[Region]) -> None:
         """Once, before `descriptor()`."""
@@ -57,8 +96,15 @@ class TransferTarget(Protocol):
     def descriptor(self) -> bytes:
         """Opaque: everything an initiator needs to `connect` (address, each region's size)."""
 
+    def grant(self, grant: Grant) -> None:
+        """Let writes of `grant.epoch` land in its units (before its destination is sent)."""
+
+    def revoke(self, epoch: int) -> None:
+        """End a grant (idempotent): its later writes are refused (`fences`) or ignored."""
+
     def poll_landed(self) -> list[str]:
-        """Tags whose writes fully landed since the last call, each once. Never blocks."""
+        """`landed_key`s of writes that fully landed for a live grant since the last call,
+        each once. Never blocks."""
 
     def on_landed(self, callback: Callable[[], None]) -> None:
         """Call `callback` (from the target's own thread; it must not block) whenever a tag
@@ -95,14 +141,18 @@ class TransferInitiator(Protocol):
     def register(self, regions: Sequence[Region]) -> None:
         """Once, before `connect`."""
 
-    def connect(self, peer: str, descriptor: bytes) -> None:
-        """`peer`: any id the caller picks. Raises TransferError on a bad descriptor, or when
-        the target's region names differ from the local ones (sizes may differ)."""
+    def connect(self, peer: str, descriptor: bytes, session: Session) -> None:
+        """`peer`: any id the caller picks; its writes belong to `session`. Raises
+        TransferError on a bad descriptor, or when the target's region names differ from the
+        local ones (sizes may differ)."""
 
-    def write(self, peer: str, blocks: Sequence[Block], tag: str, timeout_s: float) -> None:
+    def write(
+        self, peer: str, blocks: Sequence[Block], tag: str, timeout_s: float, *, epoch: int
+    ) -> None:
         """Return once every byte of `blocks` is in the target's memory; the target then reports
-        `tag` (also for no blocks). Checks every block (`check_blocks`) before moving a byte.
-        Raises TransferError on a bad block, a dead peer, or after `timeout_s`."""
+        `landed_key(epoch, tag)` (also for no blocks). Checks every block (`check_blocks`)
+        before moving a byte. Raises TransferError on a bad block, a dead peer, a write the
+        target refuses (zmq: no live grant of `epoch` for it), or after `timeout_s`."""
 
     def disconnect(self, peer: str) -> None: ...
 

@@ -7,6 +7,14 @@ target thread polls notifications every `PUMP_INTERVAL_S`, which also progresses
 it, writes over TCP never complete).
 NOTE: after `register`, only that thread touches the target's agent (until `close`).
 
+Authentication and fencing: a write's notification is `auth.notification` (its session, the
+epoch of its grant, its tag, a MAC under the session's key); the target reports the tag
+landed only when the MAC is right and the grant is live (`fence.Fence`). The bytes of a NIXL
+WRITE cannot be refused by the target (`fences` is False): the decode holds the pages of a
+transfer it gave up on until the writer's session is provably closed. The descriptor (agent
+metadata, region addresses: what lets a peer write) travels only inside an authenticated PD
+handshake.
+
 Parallel writes: on one host UCX copies with the kernel (`process_vm_writev`, one call per
 descriptor, in the thread that posts), so one posting thread holds a write to one core's copy
 rate. An initiator with `threads` >= 2 keeps that many poster threads, and its agent one
@@ -47,18 +55,22 @@ from typing import Any, Final, NamedTuple
 import numpy as np
 import torch
 
+from dsv4_worker.pd.auth import AuthError, SessionKeys, notification, read_notification
 from dsv4_worker.pd.transfer.base import (
     Block,
     Region,
+    Session,
     TransferError,
     check_blocks,
     check_regions,
     check_same_regions,
     drain,
+    landed_key,
     merge_blocks,
     nothing,
     split_blocks,
 )
+from dsv4_worker.pd.transfer.fence import Fence, Grant
 
 log = logging.getLogger(__name__)
 
@@ -119,12 +131,17 @@ def segment_of(tensor: torch.Tensor) -> Segment:
 
 
 class NixlTarget:
-    """Receives writes into its registered regions; reports each write's tag once."""
+    """Receives writes into its registered regions; reports each authentic write's tag of a
+    live grant once."""
 
     backend: str = BACKEND
+    fences: bool = False
 
-    def __init__(self) -> None:
+    def __init__(self, keys: SessionKeys) -> None:
         self.name = f"dsv4-kv-target-{uuid.uuid4().hex[:12]}"
+        self._keys = keys
+        self._fence = Fence(())
+        self._lock = threading.Lock()  # the fence: the owner's grants, the pump's checks
         self._agent: Any = _new_agent(self.name)
         self._registered: list[Any] = []
         self._regions: list[Region] = []  # NOTE: keeps the registered memory alive
@@ -146,6 +163,7 @@ class NixlTarget:
         scratch = segment_of(self._scratch)
         self._registered = _register(self._agent, [*segments.items(), ("scratch", scratch)])
         self._regions = list(regions)
+        self._fence = Fence(regions)
         metadata: bytes = self._agent.get_agent_metadata()
         self._descriptor = encode_descriptor(self.name, metadata, segments, scratch)
         self._thread = threading.Thread(target=self._pump, name="dsv4-nixl-target", daemon=True)
@@ -155,6 +173,17 @@ class NixlTarget:
         if self._descriptor is None:
             raise TransferError(f"kv transfer nixl: target {self.name}: register regions first")
         return self._descriptor
+
+    def grant(self, grant: Grant) -> None:
+        with self._lock:
+            try:
+                self._fence.grant(grant)
+            except ValueError as exc:
+                raise TransferError(f"kv transfer nixl: {exc}") from exc
+
+    def revoke(self, epoch: int) -> None:
+        with self._lock:
+            self._fence.revoke(epoch)
 
     def poll_landed(self) -> list[str]:
         return drain(self._landed)
@@ -195,7 +224,8 @@ class NixlTarget:
                 self._stop.wait(1.0)
                 continue
             for messages in notifs.values():
-                self._landed.extend(m.decode("utf-8", "replace") for m in messages)
+                for m in messages:
+                    self._notified(m)
             if notifs:
                 try:
                     self._on_landed()
@@ -206,6 +236,20 @@ class NixlTarget:
             interval_s = pump_interval_s(
                 interval_s, busy=bool(notifs), expecting=self._expecting, told_idle=told_idle
             )
+
+    def _notified(self, raw: bytes) -> None:
+        """A write's notification: its tag lands if it is authentic and its grant is live."""
+        try:
+            session, epoch, tag = read_notification(self._keys, raw)
+        except AuthError as exc:
+            log.warning("kv transfer nixl: target %s: dropped a notification: %s", self.name, exc)
+            return
+        with self._lock:
+            why = self._fence.refuse_tag(session, epoch, tag)
+        if why is not None:
+            log.warning("kv transfer nixl: target %s: ignored write %r: %s", self.name, tag, why)
+            return
+        self._landed.append(landed_key(epoch, tag))
 
 
 def pump_interval_s(
@@ -228,6 +272,7 @@ class _Peer:
     agent: str
     segments: dict[str, Segment]
     scratch: Segment
+    session: Session
 
 
 class _Job(NamedTuple):
@@ -254,6 +299,7 @@ class NixlInitiator:
         self._scratch_tensor = torch.zeros(SCRATCH_NBYTES, dtype=torch.uint8)
         self._scratch = segment_of(self._scratch_tensor)
         self._peers: dict[str, _Peer] = {}
+        self._agents: dict[str, int] = {}  # remote agent -> connected peers writing to it
 
     def register(self, regions: Sequence[Region]) -> None:
         if self._agent is None or self._segments:
@@ -264,31 +310,36 @@ class NixlInitiator:
         self._regions = list(regions)
         self._segments = segments
 
-    def connect(self, peer: str, descriptor: bytes) -> None:
+    def connect(self, peer: str, descriptor: bytes, session: Session) -> None:
         if self._agent is None or not self._segments:
             raise TransferError(f"kv transfer nixl: initiator {self.name}: register regions first")
         if peer in self._peers:
             raise TransferError(f"kv transfer nixl: peer {peer!r} is already connected")
         agent, metadata, segments, scratch = decode_descriptor(descriptor, peer)
         check_same_regions(_sizes(self._segments), _sizes(segments), peer=peer)
-        try:
-            loaded = self._agent.add_remote_agent(metadata)
-        except Exception as exc:
-            raise TransferError(
-                f"kv transfer nixl: peer {peer!r}: bad agent metadata: {exc}"
-            ) from exc
-        loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-        if loaded_name != agent:
-            self._remove(loaded_name)
-            raise TransferError(
-                f"kv transfer nixl: peer {peer!r}: metadata is for agent {loaded_name!r}, "
-                f"the descriptor names {agent!r}"
-            )
-        self._peers[peer] = _Peer(agent, segments, scratch)
+        if agent not in self._agents:  # a target's agent is loaded once for all its peers
+            try:
+                loaded = self._agent.add_remote_agent(metadata)
+            except Exception as exc:
+                raise TransferError(
+                    f"kv transfer nixl: peer {peer!r}: bad agent metadata: {exc}"
+                ) from exc
+            loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if loaded_name != agent:
+                self._remove(loaded_name)
+                raise TransferError(
+                    f"kv transfer nixl: peer {peer!r}: metadata is for agent {loaded_name!r}, "
+                    f"the descriptor names {agent!r}"
+                )
+        self._agents[agent] = self._agents.get(agent, 0) + 1
+        self._peers[peer] = _Peer(agent, segments, scratch, session)
 
-    def write(self, peer: str, blocks: Sequence[Block], tag: str, timeout_s: float) -> None:
+    def write(
+        self, peer: str, blocks: Sequence[Block], tag: str, timeout_s: float, *, epoch: int
+    ) -> None:
         p = self._peer(peer)
         check_blocks(blocks, _sizes(self._segments), _sizes(p.segments), peer=peer)
+        notif = notification(p.session.key, p.session.id, epoch, tag)
         deadline = time.monotonic() + timeout_s
         what = f"write {tag!r} to peer {peer!r}"
         merged = merge_blocks(blocks)
@@ -304,15 +355,13 @@ class NixlInitiator:
             else:
                 jobs = [_job(group, self._segments, p.segments) for group in groups]
                 if len(jobs) == 1:  # the usual case: the tag rides on the one transfer
-                    self._run(p, jobs, tag.encode(), deadline, what, timeout_s)
+                    self._run(p, jobs, notif, deadline, what, timeout_s)
                     return
                 self._run(p, jobs, b"", deadline, what, timeout_s)
             # In shares, or none or several memory-type pairs: the tag follows, once those are
             # done, on a 1-byte scratch write (a bare notification is not progressed without a
             # transfer)
-            self._run(
-                p, [_scratch_job(self._scratch, p.scratch)], tag.encode(), deadline, what, timeout_s
-            )
+            self._run(p, [_scratch_job(self._scratch, p.scratch)], notif, deadline, what, timeout_s)
         except Exception as exc:  # NIXL raises its own types (e.g. a remote disconnect)
             _progress(self._agent)
             if isinstance(exc, TransferError):
@@ -321,7 +370,12 @@ class NixlInitiator:
 
     def disconnect(self, peer: str) -> None:
         p = self._peers.pop(peer, None)
-        if p is not None and self._agent is not None:
+        if p is None or self._agent is None:
+            return
+        left = self._agents.pop(p.agent) - 1
+        if left:
+            self._agents[p.agent] = left  # another session's peer writes to it still
+        else:
             self._remove(p.agent)
 
     def close(self) -> None:

@@ -1,18 +1,27 @@
 """pyzmq transfer backend: the portable fallback (TCP, CPU or CUDA regions through host copies).
 
-A write is one or more messages DEALER -> ROUTER, each a JSON header (seq, tag, last, blocks)
+A write is one or more messages DEALER -> ROUTER, each a JSON header (session, writer, seq,
+part, epoch, tag, last, blocks), the header's MAC under the session's key (`auth.write_mac`),
 and one data frame per block, at most `MESSAGE_NBYTES` of data each, so the target scatters
-while the rest is on the wire. The target's receiver thread owns its socket: it checks and
-scatters every block, records the tag as landed after the last message, then acks, so a
-returned write has its tag ready on the target. A failed write leaves the initiator with a
-fresh socket (late replies and unsent data of that write are dropped).
+while the rest is on the wire. The target's receiver thread owns its socket: it drops a
+message whose MAC is wrong or whose (seq, part) is not above the writer's last one (a replay),
+checks the write against its fence (`fence.Fence`: a live grant of the epoch, for that
+session, the tag's room, every block in granted units) and only then scatters, under the lock
+`revoke` takes: once `revoke` returns, nothing of that grant lands. It records the tag as
+landed after the last message, then acks, so a returned write has its tag ready on the target.
+A refused write is answered with the reason (the initiator raises it). A failed write leaves
+the initiator with a fresh socket (late replies and unsent data of that write are dropped).
+NOTE: the data frames are not MACed (a per-byte MAC would halve this backend's throughput): an
+attacker that can rewrite TCP payloads between the pods is out of scope (use a mesh with mTLS).
 NOTE: an initiator's sockets are created and used by the thread that calls `connect`/`write`.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
+import secrets
 import threading
 import time
 from collections import deque
@@ -23,18 +32,22 @@ from typing import Any, Final
 import torch
 import zmq
 
+from dsv4_worker.pd.auth import AuthError, SessionKeys, write_mac
 from dsv4_worker.pd.transfer.base import (
     Block,
     Region,
+    Session,
     TransferError,
     check_blocks,
     check_regions,
     check_same_regions,
     drain,
+    landed_key,
     merge_blocks,
     nothing,
     region_bytes,
 )
+from dsv4_worker.pd.transfer.fence import Fence, Grant
 
 log = logging.getLogger(__name__)
 
@@ -47,20 +60,42 @@ RECV_POLL_MS: Final = 50  # how often the receiver thread checks for `close`
 class Header:
     """One write message: `blocks` are (region, dst_offset, nbytes), one data frame each."""
 
-    seq: int
+    session: str
+    writer: str  # the initiator (its seq counts its writes)
+    seq: int  # the write
+    part: int  # the message within the write
+    epoch: int  # the grant it writes under
     tag: str
     last: bool
     blocks: tuple[tuple[str, int, int], ...]
 
     def encode(self) -> bytes:
-        doc = {"seq": self.seq, "tag": self.tag, "last": self.last, "blocks": self.blocks}
+        doc = {
+            "session": self.session,
+            "writer": self.writer,
+            "seq": self.seq,
+            "part": self.part,
+            "epoch": self.epoch,
+            "tag": self.tag,
+            "last": self.last,
+            "blocks": self.blocks,
+        }
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @staticmethod
     def decode(raw: bytes) -> Header:
         doc = json.loads(raw)
         blocks = tuple((str(r), int(o), int(n)) for r, o, n in doc["blocks"])
-        return Header(int(doc["seq"]), str(doc["tag"]), bool(doc["last"]), blocks)
+        return Header(
+            str(doc["session"]),
+            str(doc["writer"]),
+            int(doc["seq"]),
+            int(doc["part"]),
+            int(doc["epoch"]),
+            str(doc["tag"]),
+            bool(doc["last"]),
+            blocks,
+        )
 
 
 def split_messages(blocks: Sequence[Block], max_nbytes: int) -> list[list[Block]]:
@@ -80,14 +115,21 @@ def split_messages(blocks: Sequence[Block], max_nbytes: int) -> list[list[Block]
 
 
 class ZmqTarget:
-    """Binds a ROUTER on `tcp://{host}:0`; `host` is also the address initiators dial."""
+    """Binds a ROUTER on `tcp://{host}:0`; `host` is also the address initiators dial. Serves
+    writes authenticated with a session key derived from `keys`' secret."""
 
     backend: str = BACKEND
+    fences: bool = True
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, keys: SessionKeys, host: str = "127.0.0.1") -> None:
         self.host = host
+        self._keys = keys
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = zmq.Context()
         self._regions: dict[str, torch.Tensor] = {}  # name -> flat uint8 view
+        self._fence = Fence(())
+        # Held while a message is checked and scattered, and by grant/revoke.
+        self._lock = threading.Lock()
+        self._last: dict[tuple[str, str], tuple[int, int]] = {}  # (session, writer) -> (seq, part)
         self._descriptor: bytes | None = None
         self._landed: deque[str] = deque()
         self._on_landed: Callable[[], None] = nothing
@@ -100,6 +142,7 @@ class ZmqTarget:
             raise TransferError("kv transfer zmq: target is closed or registered")
         sizes = check_regions(regions)
         self._regions = {r.name: region_bytes(r.tensor) for r in regions}
+        self._fence = Fence(regions)
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
@@ -121,6 +164,17 @@ class ZmqTarget:
         if self._descriptor is None:
             raise TransferError("kv transfer zmq: target: register regions first")
         return self._descriptor
+
+    def grant(self, grant: Grant) -> None:
+        with self._lock:
+            try:
+                self._fence.grant(grant)
+            except ValueError as exc:
+                raise TransferError(f"kv transfer zmq: {exc}") from exc
+
+    def revoke(self, epoch: int) -> None:
+        with self._lock:  # waits for a message of it being scattered now
+            self._fence.revoke(epoch)
 
     def poll_landed(self) -> list[str]:
         return drain(self._landed)
@@ -147,7 +201,8 @@ class ZmqTarget:
                     continue
                 frames = sock.recv_multipart(copy=False)
                 try:
-                    self._handle(sock, frames[0].bytes, frames[1:])
+                    with self._lock:
+                        self._handle(sock, frames[0].bytes, frames[1:])
                 except Exception:  # keep serving the other writes; this one times out
                     log.exception("kv transfer zmq: target: handling a message")
         finally:
@@ -157,27 +212,46 @@ class ZmqTarget:
         self, sock: zmq.Socket[bytes], identity: bytes, frames: Sequence[zmq.Frame]
     ) -> None:
         try:
-            header = Header.decode(frames[0].bytes)
-        except (ValueError, KeyError, TypeError, IndexError) as exc:
-            log.error("kv transfer zmq: dropped a message with a bad header: %s", exc)
+            raw = frames[0].bytes
+            header = Header.decode(raw)
+            self._authenticate(header, raw, frames[1].bytes)
+        except (ValueError, KeyError, TypeError, IndexError, AuthError) as exc:
+            log.warning("kv transfer zmq: dropped a message: %s", exc)  # no reply: not a peer
             return
         failed = self._failed.get(identity)
         error = failed[1] if failed is not None and failed[0] == header.seq else None
         if error is None:
-            try:
-                self._scatter(header, frames[1:])
-            except (TransferError, RuntimeError, ValueError) as exc:
-                error = str(exc)
+            error = self._fence.refuse_tag(header.session, header.epoch, header.tag)
+            if error is None:
+                blocks = [Block(r, 0, o, n) for r, o, n in header.blocks]
+                error = self._fence.refuse_blocks(header.epoch, blocks)
+            if error is None:
+                try:
+                    self._scatter(header, frames[2:])
+                except (TransferError, RuntimeError, ValueError) as exc:
+                    error = str(exc)
+            if error is not None:
+                log.warning("kv transfer zmq: refused write %r: %s", header.tag, error)
                 self._failed[identity] = (header.seq, error)
         if not header.last:
             return
         self._failed.pop(identity, None)
         if error is None:
             self._sync_cuda()
-            self._landed.append(header.tag)
+            self._landed.append(landed_key(header.epoch, header.tag))
             self._on_landed()
         reply = {"seq": header.seq, "error": error}
         sock.send_multipart([identity, json.dumps(reply).encode()])
+
+    def _authenticate(self, header: Header, raw: bytes, mac: bytes) -> None:
+        """AuthError unless the header is MACed with its session's key and comes after the
+        writer's last message (a replayed message, even an authentic one, is refused)."""
+        if not hmac.compare_digest(mac, write_mac(self._keys.key(header.session), raw)):
+            raise AuthError(f"write {header.tag!r}: bad MAC for session {header.session}")
+        key, at = (header.session, header.writer), (header.seq, header.part)
+        if at <= self._last.get(key, (0, -1)):
+            raise AuthError(f"write {header.tag!r}: replayed ({at} after {self._last[key]})")
+        self._last[key] = at
 
     def _scatter(self, header: Header, data: Sequence[zmq.Frame]) -> None:
         if len(data) != len(header.blocks):
@@ -204,6 +278,7 @@ class _Peer:
     endpoint: str
     sizes: dict[str, int]
     sock: zmq.Socket[bytes]
+    session: Session
 
 
 class ZmqInitiator:
@@ -213,6 +288,7 @@ class ZmqInitiator:
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self._writer = f"{name}-{secrets.token_hex(6)}"  # its seq numbers its writes
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = zmq.Context()
         self._sources: dict[str, torch.Tensor] = {}  # name -> flat uint8 view
         self._sizes: dict[str, int] = {}
@@ -225,16 +301,18 @@ class ZmqInitiator:
         self._sizes = check_regions(regions)
         self._sources = {r.name: region_bytes(r.tensor) for r in regions}
 
-    def connect(self, peer: str, descriptor: bytes) -> None:
+    def connect(self, peer: str, descriptor: bytes, session: Session) -> None:
         if self._ctx is None or not self._sizes:
             raise TransferError(f"kv transfer zmq: initiator {self.name}: register regions first")
         if peer in self._peers:
             raise TransferError(f"kv transfer zmq: peer {peer!r} is already connected")
         endpoint, sizes = decode_descriptor(descriptor, peer)
         check_same_regions(self._sizes, sizes, peer=peer)
-        self._peers[peer] = _Peer(endpoint, sizes, self._socket(endpoint))
+        self._peers[peer] = _Peer(endpoint, sizes, self._socket(endpoint), session)
 
-    def write(self, peer: str, blocks: Sequence[Block], tag: str, timeout_s: float) -> None:
+    def write(
+        self, peer: str, blocks: Sequence[Block], tag: str, timeout_s: float, *, epoch: int
+    ) -> None:
         p = self._peer(peer)
         check_blocks(blocks, self._sizes, p.sizes, peer=peer)
         deadline = time.monotonic() + timeout_s
@@ -243,7 +321,16 @@ class ZmqInitiator:
         try:
             messages = split_messages(merge_blocks(blocks), MESSAGE_NBYTES)
             for i, group in enumerate(messages):
-                header = Header(self._seq, tag, i == len(messages) - 1, _header_blocks(group))
+                header = Header(
+                    p.session.id,
+                    self._writer,
+                    self._seq,
+                    i,
+                    epoch,
+                    tag,
+                    i == len(messages) - 1,
+                    _header_blocks(group),
+                )
                 self._send(p, header, group, deadline)
             error = self._await_reply(p, self._seq, deadline)
         except (zmq.Again, TimeoutError) as exc:
@@ -285,7 +372,8 @@ class ZmqInitiator:
         p.sock = self._socket(p.endpoint)
 
     def _send(self, p: _Peer, header: Header, blocks: Sequence[Block], deadline: float) -> None:
-        frames: list[Any] = [header.encode()]
+        raw = header.encode()
+        frames: list[Any] = [raw, write_mac(p.session.key, raw)]
         frames += [self._source(b) for b in blocks]
         p.sock.setsockopt(zmq.SNDTIMEO, _remaining_ms(deadline))
         p.sock.send_multipart(frames, copy=False)
