@@ -34,6 +34,11 @@ class Kube(Protocol):
         """Server-side apply `obj` (namespaced; namespace in its metadata)."""
         ...
 
+    def create(self, obj: Mapping[str, Any]) -> bool:
+        """Create `obj` unless an object of its name exists (then leave it as it is and return
+        False). The one write of a kind the operator may not read (Secrets)."""
+        ...
+
     def get(
         self, api_version: str, kind: str, namespace: str, name: str
     ) -> dict[str, Any] | None: ...

@@ -119,6 +119,22 @@ class ApiKube:
             missing_ok=False,
         )
 
+    def create(self, obj: Mapping[str, Any]) -> bool:
+        meta = obj["metadata"]
+        try:
+            self._call(
+                f"create {obj['kind']}/{meta['name']}",
+                self._resource(obj["apiVersion"], obj["kind"]).create,
+                body=dict(obj),
+                namespace=meta["namespace"],
+                missing_ok=False,
+            )
+        except KubeError as exc:
+            if exc.status == 409:  # AlreadyExists: kept as it is
+                return False
+            raise
+        return True
+
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         res = self._resource(api_version, kind)
         got = self._call(f"get {kind}/{name}", res.get, name=name, namespace=namespace)

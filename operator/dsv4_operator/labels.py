@@ -84,6 +84,7 @@ GROUP_TEMPLATE: Final = "{name}-{role}-{replica}"
 ROLE_SERVICE_TEMPLATE: Final = "{name}-{role}"  # routing Service + PDB per role
 ROUTER_TEMPLATE: Final = "{name}-router"
 CONFIG_TEMPLATE: Final = "{name}-config"
+PD_SECRET_TEMPLATE: Final = "{name}-pd-secret"  # the deployment's PD secret (`dsv4 serve`)
 SERVICE_ACCOUNT_TEMPLATE: Final = "{name}-workload"
 NETWORK_POLICY_TEMPLATE: Final = "{name}-workers"
 ROUTER_NETWORK_POLICY_TEMPLATE: Final = "{name}-router"
@@ -113,6 +114,10 @@ def router_name(name: str) -> str:
 
 def config_name(name: str) -> str:
     return CONFIG_TEMPLATE.format(name=name)
+
+
+def pd_secret_name(name: str) -> str:
+    return PD_SECRET_TEMPLATE.format(name=name)
 
 
 def service_account_name(name: str) -> str:

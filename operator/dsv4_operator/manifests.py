@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
+from dsv4_common.api.rank_config import PD_SECRET_KEY
 from dsv4_common.api.spec import DeploymentMeta
 from dsv4_operator import labels as L
 from dsv4_operator.workerconfig import HTTP_PORT, STATUS_PORT, WORKER_PORTS
@@ -56,6 +57,19 @@ def router_meta(meta: DeploymentMeta) -> Obj:
 
 def _ports(names: tuple[str, ...]) -> list[Obj]:
     return [{"name": n, "port": WORKER_PORTS[n], "targetPort": n, "protocol": "TCP"} for n in names]
+
+
+def build_pd_secret(meta: DeploymentMeta, value: str) -> Obj:
+    """The deployment's PD secret (`value`: random, made once by the reconciler; never
+    re-applied, so it does not change while pods use it). Its pods mount it at
+    PD_SECRET_DIR; it authenticates their PD channels and the router's choice of prefill."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": object_meta(meta, L.pd_secret_name(meta.name), L.owned_labels(meta.name)),
+        "type": "Opaque",
+        "stringData": {PD_SECRET_KEY: value},
+    }
 
 
 def build_service_account(meta: DeploymentMeta) -> Obj:

@@ -7,6 +7,7 @@ call the same function. Writes happen only where the cluster differs from the pl
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -20,6 +21,7 @@ from dsv4_operator.diff import needs_apply, status_patch
 from dsv4_operator.flavors import flavor_of
 from dsv4_operator.groups import GroupAction, GroupPlan, GroupState, group_states, plan_groups
 from dsv4_operator.kube import Kube, KubeError
+from dsv4_operator.manifests import build_pd_secret
 from dsv4_operator.modelsource import resolve_model
 from dsv4_operator.objects import (
     MANAGED_KINDS,
@@ -70,8 +72,11 @@ def reconcile(
        groups (groups.py): which broken groups restart now, with backoff and a budget
        (restarts.py), and which outdated groups roll and with how many surge groups
        (rollout.py)
-    6. server-side apply each planned object the cluster does not already hold (missing or
-       drifted), surge groups included; prune owned children no longer planned
+    6. create the deployment's PD Secret unless it exists (a random value, made once and
+       never rewritten, so it does not change under running pods; the operator may create
+       Secrets but never read one); server-side apply each planned object the cluster does not
+       already hold (missing or drifted), surge groups included; prune owned children no
+       longer planned
     7. delete the pods of the groups that restart or roll (their StatefulSets recreate them);
        observe again if anything was deleted or pruned
     8. summarize status; patch it only when it changed
@@ -161,6 +166,8 @@ def reconcile(
 
     # Step 6.
     applied = []
+    if kube.create(build_pd_secret(meta, secrets.token_hex(32))):
+        applied.append(("v1", "Secret", L.pd_secret_name(meta.name)))
     for obj in planned.objects:
         key = (obj["apiVersion"], obj["kind"], obj["metadata"]["name"])
         if needs_apply(obj, live.get(key)):

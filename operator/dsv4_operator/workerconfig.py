@@ -17,6 +17,7 @@ from dsv4_common.api.rank_config import (
     API_KEY_FILE,
     CONFIG_DIR,
     DEFAULT_PORTS,
+    PD_SECRET_PATH,
     ROUTER_CONFIG_KEY,
     RoleEndpoint,
     build_rank_config,
@@ -61,6 +62,7 @@ def rank_config(
         role_services={r: _service_host(meta, r) for r in WORKER_ROLES},
         torch_threads=torch_threads,
         api_key_file=api_key_file(spec),
+        pd_secret_file=PD_SECRET_PATH,  # the mounted PD Secret
     )
     return rank_config_to_dict(config)
 
@@ -78,7 +80,9 @@ def router_config(spec: DeploymentSpec, meta: DeploymentMeta) -> dict[str, Any]:
         )
         for r in WORKER_ROLES
     }
-    config = build_router_config(spec, meta, endpoints, api_key_file=api_key_file(spec))
+    config = build_router_config(
+        spec, meta, endpoints, api_key_file=api_key_file(spec), pd_secret_file=PD_SECRET_PATH
+    )
     return router_config_to_dict(config)
 
 

@@ -14,7 +14,12 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from dsv4_common.api.names import GPU_RESOURCE
-from dsv4_common.api.rank_config import API_KEY_DIR, MODEL_CONFIG_DIR
+from dsv4_common.api.rank_config import (
+    API_KEY_DIR,
+    MODEL_CONFIG_DIR,
+    PD_SECRET_DIR,
+    PD_SECRET_KEY,
+)
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec
 from dsv4_common.core.units import GIB
 from dsv4_common.plan.planner import Plan
@@ -141,13 +146,18 @@ def _volumes(
     meta: DeploymentMeta, spec: DeploymentSpec, tmp_limit: str
 ) -> tuple[list[Obj], list[Obj]]:
     shm_limit = "1Gi" if spec.gpu.cpu_mode else "32Gi"
+    # The PD secret: the rank and router configs name its file (`pd_secret_file`).
+    secret = {"secretName": L.pd_secret_name(meta.name), "defaultMode": 0o440}
+    secret["items"] = [{"key": PD_SECRET_KEY, "path": PD_SECRET_KEY}]
     volumes: list[Obj] = [
         {"name": "config", "configMap": {"name": L.config_name(meta.name)}},
+        {"name": "pd-secret", "secret": secret},
         {"name": "tmp", "emptyDir": {"sizeLimit": tmp_limit}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_limit}},
     ]
     mounts: list[Obj] = [
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "pd-secret", "mountPath": PD_SECRET_DIR, "readOnly": True},
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "dshm", "mountPath": "/dev/shm"},
     ]
@@ -277,8 +287,9 @@ def router_pod_template(
 ) -> Obj:
     """The router's pod template around the engine's `router` container (`flavors`)."""
     pod = _pod_spec(meta, spec, container, gpu=False, tmp_limit=tmp_limit)
-    # The router needs the config (and the API key) only: no weights, little shared memory.
-    kept = ("config", "tmp", API_KEY_VOLUME)
+    # The router needs the config, the PD secret (and the API key) only: no weights, little
+    # shared memory.
+    kept = ("config", "pd-secret", "tmp", API_KEY_VOLUME)
     pod["volumes"] = [v for v in pod["volumes"] if v["name"] in kept]
     pod["containers"][0]["volumeMounts"] = [
         m for m in pod["containers"][0]["volumeMounts"] if m["name"] in kept

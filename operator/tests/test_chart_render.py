@@ -299,6 +299,7 @@ EXPECTED_RULES = {
     ("", "configmaps"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "pods"): {"list", "watch", "deletecollection"},
     ("", "events"): {"create"},
+    ("", "secrets"): {"create"},  # the deployment's PD secret, never read back
     ("serving.dsv4.io", "dsv4deployments/finalizers"): {"update"},
 }
 
@@ -379,13 +380,17 @@ def test_every_statefulset_names_a_rendered_governing_service() -> None:
 
 
 @needs_helm
-def test_no_secrets_or_nodes_anywhere() -> None:
+def test_no_secret_is_readable_and_no_nodes_anywhere() -> None:
+    """The operator creates each deployment's PD Secret and can do nothing else with
+    Secrets: it can never read, list, watch, change or delete one."""
     for name in VALUE_SETS:
         for role in by_kind(render(*VALUE_SETS[name]), "ClusterRole") + by_kind(
             render(*VALUE_SETS[name]), "Role"
         ):
-            resources = {res for _, res in _grants(role)}
-            assert not resources & {"secrets", "nodes", "clusterroles", "roles", "rolebindings"}
+            grants = _grants(role)
+            resources = {res for _, res in grants}
+            assert not resources & {"nodes", "clusterroles", "roles", "rolebindings"}
+            assert grants.get(("", "secrets"), {"create"}) == {"create"}
 
 
 @needs_helm

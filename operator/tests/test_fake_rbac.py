@@ -405,6 +405,11 @@ def test_the_chart_cluster_wide_grants_what_the_operator_does_and_no_more() -> N
             server, token, "PUT", f"/apis/{L.API_VERSION}/namespaces/team-a/{L.PLURAL}/x"
         )
         assert not _can(server, token, "GET", f"{team}/secrets")
+        # Secrets: it creates a deployment's PD secret, and can do nothing else with one.
+        assert _can(server, token, "POST", f"{team}/secrets", {"metadata": {"name": "s"}})
+        assert not _can(server, token, "GET", f"{team}/secrets/s")
+        assert not _can(server, token, "PATCH", f"{team}/secrets/s", {"data": {}})
+        assert not _can(server, token, "DELETE", f"{team}/secrets/s")
         assert not _can(server, token, "GET", "/api/v1/namespaces")
         assert not _can(
             server, token, "DELETE", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/x"

@@ -295,7 +295,7 @@ def test_a_cluster_without_pod_group_crds_is_reconciled(make_body: Callable[...,
     kinds = {(VOLCANO_API_VERSION, "PodGroup"), (COSCHEDULING_API_VERSION, "PodGroup")}
     kube = UnservedKube(make_body(), kinds)
     result = run(kube)
-    assert result.problem is None and len(result.applied) == 14
+    assert result.problem is None and len(result.applied) == 15  # 14 + the PD Secret
     # A built-in kind that is not served is an error, not something to skip.
     kube = UnservedKube(make_body(), {("apps/v1", "StatefulSet")})
     with pytest.raises(KubeError):

@@ -101,8 +101,13 @@ def test_create_applies_every_child_with_owner_references_and_writes_status(
         if r.method in ("POST", "PUT", "PATCH", "DELETE")
         and L.PLURAL not in r.path
         and "/events" not in r.path
+        and "/secrets" not in r.path
     ]
     assert len(child_writes) == sum(len(n) for n in CHILD_KINDS.values())
+    # The PD secret: created once (201), then left alone (409); never read or changed.
+    secret_calls = [r for r in live.server.requests if "/secrets" in r.path]
+    assert secret_calls and {r.method for r in secret_calls} == {"POST"}
+    assert secret_calls[0].code == 201 and {r.code for r in secret_calls[1:]} <= {409}
     for request in child_writes:
         assert request.method == "PATCH"
         assert request.content_type == "application/apply-patch+yaml"

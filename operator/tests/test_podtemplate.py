@@ -185,7 +185,7 @@ MERGED: list[tuple[str, Body, Callable[[Body], Any], Any]] = [
             container(t)["volumeMounts"][-1],
             [v["name"] for v in t["spec"]["volumes"]][:3],
         ),
-        ("cache", {"name": "cache", "mountPath": "/cache"}, ["config", "tmp", "dshm"]),
+        ("cache", {"name": "cache", "mountPath": "/cache"}, ["config", "pd-secret", "tmp"]),
     ),
     (
         "a mount of an operator volume at a new path",

@@ -34,6 +34,7 @@ def test_first_reconcile_applies_every_planned_object(cluster: tuple[Any, Any]) 
     kube, probe = cluster
     result = run(kube, probe)
     assert {k[1] for k in result.applied} == {
+        "Secret",  # the PD secret, created once
         "ServiceAccount",
         "ConfigMap",
         "NetworkPolicy",
@@ -42,7 +43,7 @@ def test_first_reconcile_applies_every_planned_object(cluster: tuple[Any, Any]) 
         "StatefulSet",
         "Deployment",
     }
-    assert len(result.applied) == 14 and result.status_written
+    assert len(result.applied) == 15 and result.status_written
     assert set(kube.of_kind("StatefulSet")) == {"tiny-prefill-0", "tiny-decode-0"}
     cond = conditions(kube)
     assert cond["PlanValid"]["status"] == "True" and cond["ContextFits"]["status"] == "True"

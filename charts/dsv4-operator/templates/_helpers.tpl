@@ -85,6 +85,11 @@ exactly the verbs its code uses (operator/tests/test_chart_verbs.py reads them f
 - apiGroups: [""]
   resources: [services, serviceaccounts]
   verbs: [list, create, patch, delete]
+# The deployment's PD secret: created once (an existing one is left alone); never read,
+# listed, changed or deleted (its ownerReference deletes it with the DSV4Deployment).
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [list, create, patch, delete]

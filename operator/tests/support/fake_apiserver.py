@@ -13,7 +13,7 @@ What it serves (HTTP, 127.0.0.1 only):
              (finalizers: deletionTimestamp first, gone when the last finalizer goes;
              owner-reference garbage collection, also of a dependent created after its owner
              is gone) and deletecollection.
-  kinds      v1 Namespace/Pod/Service/ConfigMap/ServiceAccount/Event, apps/v1 StatefulSet and
+  kinds      v1 Namespace/Pod/Service/ConfigMap/ServiceAccount/Secret/Event, apps/v1 StatefulSet and
              Deployment, policy/v1 PodDisruptionBudget, networking.k8s.io/v1 NetworkPolicy,
              apiextensions.k8s.io/v1 CustomResourceDefinition, rbac.authorization.k8s.io/v1
              Role/RoleBinding/ClusterRole/ClusterRoleBinding, plus every CRD created (served
@@ -63,6 +63,7 @@ requests until released; the object helpers
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import itertools
 import json
@@ -162,6 +163,7 @@ BUILTIN_TYPES: tuple[ResourceType, ...] = (
                  status_subresource=True),
     ResourceType("", "v1", "configmaps", "ConfigMap", True, short_names=("cm",)),
     ResourceType("", "v1", "serviceaccounts", "ServiceAccount", True, short_names=("sa",)),
+    ResourceType("", "v1", "secrets", "Secret", True),
     ResourceType("", "v1", "events", "Event", True, short_names=("ev",)),
     ResourceType("apps", "v1", "statefulsets", "StatefulSet", True, short_names=("sts",),
                  status_subresource=True),
@@ -618,6 +620,7 @@ class FakeApiServer:
         for rtype in BUILTIN_TYPES:
             self._types[(rtype.group, rtype.version, rtype.plural)] = rtype
         self._admission[("apiextensions.k8s.io", "customresourcedefinitions")] = _admit_crd
+        self._admission[("", "secrets")] = _admit_secret
         for crd in crds:
             self.add_crd(crd)
         for ns in namespaces:
@@ -1817,6 +1820,16 @@ class FakeApiServer:
         elif kind != "BOOKMARK" and not visible(event.obj):
             return None
         return (json.dumps({"type": kind, "object": event.obj}) + "\n").encode()
+
+
+def _admit_secret(secret: Obj) -> Obj:
+    """As the real server: `stringData` is write-only, merged into `data` (base64)."""
+    string_data = secret.pop("stringData", None) or {}
+    if string_data:
+        data = secret.setdefault("data", {})
+        for key, value in string_data.items():
+            data[key] = base64.b64encode(str(value).encode()).decode()
+    return secret
 
 
 def _admit_crd(crd: Obj) -> Obj:

@@ -54,6 +54,15 @@ class FakeKube:
         self.objects[key] = new
         self.writes.append(("apply", obj["kind"], meta["name"]))
 
+    def create(self, obj: Mapping[str, Any]) -> bool:
+        meta = obj["metadata"]
+        key = (obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+        if key in self.objects:
+            return False
+        self.apply(obj)
+        self.writes[-1] = ("create", obj["kind"], meta["name"])
+        return True
+
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         cr_meta = self.cr.get("metadata", {})
         if (api_version, kind, namespace, name) == (
