@@ -46,6 +46,7 @@ HOST: Final = "127.0.0.1"
 ROUTER: Final = "router"
 PORTS_PER_RANK: Final = 4  # http, status, pp, kv
 API_KEY_FILE_NAME: Final = "api-key"
+PD_SECRET_FILE: Final = "pd-secret"
 
 # (how many ports, ports it must not return) -> that many distinct free ports.
 PortAllocator = Callable[[int, frozenset[int]], tuple[int, ...]]
@@ -90,6 +91,16 @@ class LaunchPlan:
     def status_path(self) -> Path:
         """Every unit's state, restarts and pids, as `dsv4 up` supervises them (JSON)."""
         return self.workdir / "status.json"
+
+    @property
+    def secret_path(self) -> Path:
+        return pd_secret_path(self.workdir)
+
+
+def pd_secret_path(workdir: Path) -> Path:
+    """The run's PD secret (`write_workdir` makes a new one each run; every process's config
+    names it)."""
+    return workdir / PD_SECRET_FILE
 
 
 def build_launch_plan(
@@ -152,6 +163,7 @@ def build_launch_plan(
                 ports=ports,
                 torch_threads=threads,
                 api_key_file=key_file,
+                pd_secret_file=str(pd_secret_path(workdir)),
             )
             processes.append(process)
             path = process.config_dir / rank_config_key(role, pp_rank)
@@ -162,7 +174,12 @@ def build_launch_plan(
     (status_port,) = _take(free, 1)
     api_port = fixed_port or _take(free, 1)[0]
     router_config = build_router_config(
-        spec, deployment.meta, _endpoints(instances), status_port=status_port, api_key_file=key_file
+        spec,
+        deployment.meta,
+        _endpoints(instances),
+        status_port=status_port,
+        api_key_file=key_file,
+        pd_secret_file=str(pd_secret_path(workdir)),
     )
     router_config = dataclasses.replace(router_config, port=api_port)  # --port wins
     router = _router(workdir, python, status_port, api_port)

@@ -228,6 +228,21 @@ def test_write_workdir_writes_every_document_and_the_log_dir(tmp_path: Path) -> 
         assert json.loads(path.read_text()) == doc
 
 
+def test_each_run_gets_a_new_pd_secret_that_every_config_names(tmp_path: Path) -> None:
+    """The router, prefill and decode of one run share a secret no other run knows; only
+    this user can read it."""
+    plan = build_launch_plan(
+        deployment(), tmp_path, router_port=None, allocate_ports=FakePorts(), python=sys.executable
+    )
+    named = {doc["pd_secret_file"] for doc in plan.documents.values()}
+    assert named == {str(plan.secret_path)}
+    write_workdir(plan)
+    first = plan.secret_path.read_text().strip()
+    assert len(first) == 64 and plan.secret_path.stat().st_mode & 0o777 == 0o600
+    write_workdir(plan)  # the next run in the same workdir
+    assert plan.secret_path.read_text().strip() != first
+
+
 @pytest.mark.parametrize(("cpus", "expected"), [(None, None), (2, 1), (16, 4), (64, 20)])
 def test_every_rank_gets_the_threads_of_an_equal_share_of_the_cores(
     cpus: float | None, expected: int | None
