@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from serve_support import WAIT_S, Deployment, free_port, post, serve_argv, wait_until
+from serve_support import PD_SECRET, WAIT_S, Deployment, free_port, post, serve_argv, wait_until
+
+from dsv4_common.api.pd_secret import PREFILL_AUTH_HEADER, PREFILL_HEADER, sign_route
 
 pytestmark = pytest.mark.slow
 COMMON = ["--model", "tiny", "--gpu-memory-gib", "0.25", "--page-size", "16"]
@@ -124,6 +128,54 @@ def test_one_request_id_from_the_client_through_the_router_and_both_workers(
     for name in ("prefill", "decode"):
         p = deployment.procs[name]
         wait_until(lambda p=p: p.used_pages() == 0, f"{name} to free every page")
+
+
+def _post_to_decode(port: int, headers: dict[str, str]) -> tuple[int, Any]:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+    try:
+        body = json.dumps({"prompt": prompt(20, 3), "max_tokens": 2}).encode()
+        c.request("POST", "/v1/completions", body=body, headers=headers)
+        r = c.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        c.close()
+
+
+def test_a_client_cannot_make_a_decode_dial_a_prefill_of_its_choosing(
+    deployment: Deployment,
+) -> None:
+    """#37: a decode dialed whatever prefill a client named in X-DSV4-Prefill and sent it its
+    transfer descriptor. Now the header counts only with the router's signature over the
+    request id, that address and an expiry: without it, forged, for another request or
+    another address, or expired, the answer is a 403 naming the header and nothing is dialed.
+    The router's own requests (test_router_output_equals_colocated) pass."""
+    decode = deployment.procs["decode"]
+    kv = deployment.procs["prefill"]
+    key = PD_SECRET.encode()
+    with socket.socket() as trap:
+        trap.bind(("127.0.0.1", 0))
+        trap.listen()
+        trap.setblocking(False)
+        target = f"127.0.0.1:{trap.getsockname()[1]}"
+        now = time.time()
+        cases = {
+            "unsigned": {},
+            "forged": {PREFILL_AUTH_HEADER: f"{int(now) + 60}.{'0' * 64}"},
+            "another request": {PREFILL_AUTH_HEADER: sign_route(key, "other", target, now)},
+            "another address": {
+                PREFILL_AUTH_HEADER: sign_route(key, "mine", f"127.0.0.1:{kv.port}", now)
+            },
+            "expired": {PREFILL_AUTH_HEADER: sign_route(key, "mine", target, now - 3600)},
+        }
+        for name, extra in cases.items():
+            headers = {"X-Request-Id": "mine", PREFILL_HEADER: target, **extra}
+            status, body = _post_to_decode(decode.port, headers)
+            assert status == 403, (name, body)
+            assert body["error"]["param"] == PREFILL_HEADER, (name, body)
+            assert body["error"]["code"] == "unsigned_prefill", (name, body)
+        with pytest.raises(BlockingIOError):
+            trap.accept()  # nobody dialed it
+    wait_until(lambda: decode.used_pages() == 0, "decode to hold nothing")
 
 
 def test_disconnect_mid_stream_frees_both_sides(deployment: Deployment) -> None:

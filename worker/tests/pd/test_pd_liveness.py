@@ -7,13 +7,23 @@ decode it no longer hears from and frees what it held for it, but keeps one that
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import zmq
 from engine_helpers import engine
 from hypothesis import given
 from hypothesis import strategies as st
-from pd_support import _manifest, _regions, drained, on_engine, pd_pair, wait_drained, wait_until
+from pd_support import (
+    _manifest,
+    _regions,
+    drained,
+    keys,
+    on_engine,
+    pd_pair,
+    wait_drained,
+    wait_until,
+)
 from serve_support import free_port
 
 from dsv4_common.core.presets import tiny
@@ -21,11 +31,15 @@ from dsv4_worker.engine.loop import Engine
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.model.weights import init_weights
 from dsv4_worker.pd import control as C
+from dsv4_worker.pd.auth import TO_DECODE, TO_PREFILL, Opener, Sealer
 from dsv4_worker.pd.decode import FAULT_ENV
 from dsv4_worker.pd.liveness import (
     HEARTBEAT_TIMEOUT_S,
+    Echoes,
     Heartbeat,
     PongVerdict,
+    fresh,
+    gone,
     ping_due,
     pong_verdict,
     rooms_of,
@@ -89,6 +103,36 @@ def test_a_lost_peer_takes_exactly_its_own_rooms(flights: list[tuple[str, str]])
     assert sorted(lost) == sorted(room for room, peer in flights if peer == "p")
 
 
+@given(
+    sent=st.lists(st.floats(0, 100), min_size=1, max_size=20).map(sorted),
+    echoes=st.lists(st.integers(-2, 25), max_size=20),
+)
+def test_a_session_is_only_as_fresh_as_the_newest_pong_its_decode_echoed(
+    sent: list[float], echoes: list[int]
+) -> None:
+    """Whatever pings arrive, in whatever order (late, repeated, echoing unknown numbers),
+    `fresh_s` is the send time of the newest pong echoed, never a receive time."""
+    e = Echoes(welcome_s=0.0)
+    numbers = [e.pong(t) for t in sent]
+    assert numbers == list(range(1, len(sent) + 1))
+    for n in echoes:
+        e.echoed(n)
+    times = {0: 0.0, **dict(zip(numbers, sent, strict=True))}
+    want = max([times[n] for n in echoes if n in times], default=0.0)
+    assert e.fresh_s == want
+
+
+@given(fresh_s=st.floats(0, 1e6), dt=st.floats(0, 10))
+def test_a_prefill_writes_only_while_fresh_and_drops_a_session_one_interval_later(
+    fresh_s: float, dt: float
+) -> None:
+    hb = Heartbeat()
+    now = fresh_s + dt
+    assert fresh(fresh_s, now, hb) == (now - fresh_s <= hb.timeout_s)
+    assert gone(fresh_s, now, hb) == (now - fresh_s > hb.timeout_s + hb.interval_s)
+    assert not (fresh(fresh_s, now, hb) and gone(fresh_s, now, hb))
+
+
 # -- the agents on loopback ------------------------------------------------------------------------
 
 
@@ -103,7 +147,7 @@ def test_a_restarted_prefill_is_handshaken_again(backend: str) -> None:
         # A new process at the same address: a new agent, a new transfer initiator.
         initiator = make_initiator(backend, name=f"p2-{time.monotonic_ns()}")
         initiator.register(_regions(pair.prefill.mem))
-        new = PrefillAgent(initiator, _manifest(pair.prefill.mem), f"tcp://{pair.address}")
+        new = PrefillAgent(initiator, _manifest(pair.prefill.mem), f"tcp://{pair.address}", keys())
         new.attach(pair.prefill, pair.prefill_runner.call)
         pair.prefill_events.to = new
         pair.prefill_agent = new  # pd_pair stops this one
@@ -170,102 +214,154 @@ def test_a_dead_decode_control_thread_fails_everything(monkeypatch: pytest.Monke
         assert drained(pair.decode_runner)
 
 
+class FakeDecode:
+    """A hand-driven decode connection that knows the deployment's secret: the handshake,
+    then sealed messages both ways."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], address: str) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"tcp://{address}")
+        self.session = ""
+        self.sealer: Sealer | None = None
+        self.opener: Opener | None = None
+
+    def recv(self, timeout_ms: int = 30_000) -> C.Message | None:
+        if not self.sock.poll(timeout_ms):
+            return None
+        frames = self.sock.recv_multipart()
+        if len(frames) == 3:
+            assert self.opener is not None
+            frames = self.opener.open(frames)
+        return C.decode(frames)
+
+    def send(self, msg: C.Message) -> None:
+        frames = C.encode(msg)
+        self.sock.send_multipart(self.sealer.seal(frames) if self.sealer else frames)
+
+    def ask(self, msg: C.Message) -> C.Message:
+        self.send(msg)
+        got = self.recv()
+        assert got is not None, f"no answer to {type(msg).__name__}"
+        return got
+
+    def join(self, pair: Any, supersedes: tuple[str, ...] = ()) -> C.Welcome:
+        nonce = "f" * 32
+        challenge = self.ask(C.Hello(C.PROTOCOL, nonce))
+        assert isinstance(challenge, C.Challenge)
+        k = keys()
+        assert k.check_challenge(nonce, challenge.session, challenge.instance, challenge.proof)
+        self.session = challenge.session
+        key = k.key(challenge.session)
+        self.sealer, self.opener = Sealer(key, TO_PREFILL), Opener(key, TO_DECODE)
+        join = C.Join(
+            "zmq",
+            _manifest(pair.decode.mem),
+            C.b64(pair.decode_agent.target.descriptor()),
+            supersedes=supersedes,
+        )
+        welcome = self.ask(join)
+        assert isinstance(welcome, C.Welcome) and welcome.ok, welcome
+        return welcome
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
 def test_prefill_drops_a_decode_that_stops_pinging() -> None:
-    """A hand-driven decode connection: handshake, a request whose destination never comes
-    (prefill holds its pages), pings for a while (kept), then silence (dropped and freed)."""
+    """A hand-driven decode connection: a ping before any session is answered `known: false`;
+    then the handshake, a request whose destination never comes (prefill holds its pages),
+    pings echoing the last pong for a while (kept), then silence (dropped and freed within
+    the heartbeat timeout plus one interval, `failed` sent)."""
     with pd_pair("zmq", lambda: make(chunk=8), make) as pair:
         agent = pair.prefill_agent
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(f"tcp://{pair.address}")
+        fake = FakeDecode(ctx, pair.address)
         try:
-
-            def ask(msg: C.Message) -> C.Message:
-                sock.send_multipart(C.encode(msg))
-                assert sock.poll(30_000), f"no answer to {type(msg).__name__}"
-                return C.decode(sock.recv_multipart())
-
-            assert ask(C.Ping("fake")) == C.Pong(agent.instance, known=False)
-            hello = C.Hello(
-                "fake-decode",
-                "zmq",
-                _manifest(pair.decode.mem),
-                C.b64(pair.decode_agent.target.descriptor()),
-                protocol=C.PROTOCOL,
-            )
-            welcome = ask(hello)
-            assert isinstance(welcome, C.Welcome) and welcome.ok, welcome
+            assert fake.ask(C.Ping(0)) == C.Pong(agent.instance, known=False)
+            welcome = fake.join(pair)
             assert welcome.instance == agent.instance
-            assert ask(C.Ping("fake")) == C.Pong(agent.instance, known=True)
+            pong = fake.ask(C.Ping(0))
+            assert isinstance(pong, C.Pong) and pong.known and pong.number == 1
             sampling = C.sampling_of(SamplingParams(max_new_tokens=2))
-            sock.send_multipart(
-                C.encode(C.PrefillRequest("fake-decode:1", tuple(prompt(60)), sampling, (), 60.0))
-            )
+            fake.send(C.PrefillRequest("fake:1", tuple(prompt(60)), sampling, (), 60.0))
             held = lambda: not drained(pair.prefill_runner)  # noqa: E731
             wait_until(held, "prefill to hold the request's pages")
             until = time.monotonic() + 2 * HEARTBEAT_TIMEOUT_S
             while time.monotonic() < until:  # pinging: kept, pages held
-                assert isinstance(ask(C.Ping("fake")), C.Pong)
+                pong = fake.ask(C.Ping(pong.number))
+                assert isinstance(pong, C.Pong) and pong.known
                 assert held()
                 time.sleep(0.2)
             silent_from = time.monotonic()
             wait_until(lambda: drained(pair.prefill_runner), "prefill to drop the silent decode")
-            assert time.monotonic() - silent_from < HEARTBEAT_TIMEOUT_S + SLACK_S
-            failed = C.decode(sock.recv_multipart()) if sock.poll(5_000) else None
-            assert isinstance(failed, C.Failed) and "nothing heard" in failed.message, failed
-            # Forgotten: its pongs say so, so a live decode would handshake again.
-            assert ask(C.Ping("fake")) == C.Pong(agent.instance, known=False)
-            assert on_engine(pair.prefill_runner, lambda: "fake-decode" not in agent._peers)
+            assert time.monotonic() - silent_from < HEARTBEAT_TIMEOUT_S + 0.5 + SLACK_S
+            failed = fake.recv(5_000)
+            assert isinstance(failed, C.Failed) and "no fresh ping" in failed.message, failed
+            # Forgotten: a ping is answered `known: false`, so a live decode handshakes again.
+            fake.sealer = None
+            assert fake.ask(C.Ping(0)) == C.Pong(agent.instance, known=False)
+            assert on_engine(pair.prefill_runner, lambda: fake.session not in agent._peers)
         finally:
-            sock.close(linger=0)
+            fake.close()
+            ctx.term()
+
+
+def test_pings_that_echo_an_old_pong_do_not_keep_a_session() -> None:
+    """The bug this fixes (#37): a prefill resumed after SIGSTOP read the pings queued while
+    it was stopped and counted them as fresh, writing on for a decode that had given its
+    pages away. Pings that keep coming but echo only a pong older than the heartbeat timeout
+    (what a queue of stale pings looks like) neither let it write nor keep the session."""
+    with pd_pair("zmq", lambda: make(chunk=8), make) as pair:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        fake = FakeDecode(ctx, pair.address)
+        try:
+            fake.join(pair)
+            first = fake.ask(C.Ping(0))
+            assert isinstance(first, C.Pong)
+            sampling = C.sampling_of(SamplingParams(max_new_tokens=2))
+            fake.send(C.PrefillRequest("fake:1", tuple(prompt(60)), sampling, (), 60.0))
+            wait_until(lambda: not drained(pair.prefill_runner), "prefill to hold the pages")
+            start = time.monotonic()
+            while not drained(pair.prefill_runner):  # pinging all along, echoing pong 1
+                assert time.monotonic() - start < 2 * HEARTBEAT_TIMEOUT_S + SLACK_S
+                assert isinstance(fake.ask(C.Ping(first.number)), C.Pong)
+                time.sleep(0.1)
+            assert time.monotonic() - start > HEARTBEAT_TIMEOUT_S - 0.5  # not before it was due
+        finally:
+            fake.close()
             ctx.term()
 
 
 def test_a_second_handshake_ends_the_old_sessions_transfers() -> None:
-    """Decode handshakes again only on a new socket after it lost this prefill, having failed
-    every request of the old session: a transfer of that session still waiting for its
-    destination must not hold its pages until its deadline (nor write later)."""
+    """Decode handshakes again on a new socket after it lost this prefill, having failed every
+    request of the old session; naming that session in its join (`supersedes`) ends its
+    transfers at once (a transfer still waiting for its destination must not hold its pages
+    until its deadline, nor write later), `failed` goes out on the old session, and the
+    welcome confirms it closed. A session id of another process is never confirmed."""
     with pd_pair("zmq", lambda: make(chunk=8), make) as pair:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        socks = [ctx.socket(zmq.DEALER) for _ in range(2)]
+        old, new = FakeDecode(ctx, pair.address), FakeDecode(ctx, pair.address)
         try:
-            for sock in socks:
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.connect(f"tcp://{pair.address}")
-
-            def ask(sock: zmq.Socket[bytes], msg: C.Message) -> C.Message:
-                sock.send_multipart(C.encode(msg))
-                assert sock.poll(30_000), f"no answer to {type(msg).__name__}"
-                return C.decode(sock.recv_multipart())
-
-            hello = C.Hello(
-                "fake-decode",
-                "zmq",
-                _manifest(pair.decode.mem),
-                C.b64(pair.decode_agent.target.descriptor()),
-                protocol=C.PROTOCOL,
-            )
-            first = ask(socks[0], hello)
-            assert isinstance(first, C.Welcome) and first.ok, first
+            old.join(pair)
             sampling = C.sampling_of(SamplingParams(max_new_tokens=2))
-            request = C.PrefillRequest("fake-decode:1", tuple(prompt(60)), sampling, (), 600.0)
-            socks[0].send_multipart(C.encode(request))
+            old.send(C.PrefillRequest("fake:1", tuple(prompt(60)), sampling, (), 600.0))
             wait_until(
                 lambda: not drained(pair.prefill_runner), "prefill to hold the request's pages"
             )
-            again = ask(socks[1], hello)  # the same decode, a new session
-            assert isinstance(again, C.Welcome) and again.ok, again
-            # The new session pings on (so nothing is dropped as silent): only the handshake
-            # can end the old session's transfer, whose deadline is minutes away.
-            until = time.monotonic() + 2 * HEARTBEAT_TIMEOUT_S + SLACK_S
-            while not drained(pair.prefill_runner):
-                assert time.monotonic() < until, "the old session's transfer still holds pages"
-                assert isinstance(ask(socks[1], C.Ping("fake")), C.Pong)
-                time.sleep(0.1)
+            other = "0123456789ab.deadbeef"  # not this prefill's instance
+            welcome = new.join(pair, supersedes=(old.session, other))
+            assert welcome.closed == (old.session,)
+            # Only the handshake can end the old session's transfer now (the new session
+            # pings on; the old one's deadline is minutes away and it is not yet silent).
+            wait_until(lambda: drained(pair.prefill_runner), "the old session's pages to go")
+            failed = old.recv(5_000)
+            assert isinstance(failed, C.Failed) and "superseded" in failed.message, failed
             agent = pair.prefill_agent
             assert on_engine(pair.prefill_runner, lambda: not agent._txs)
+            peers = on_engine(pair.prefill_runner, lambda: set(agent._peers))
+            assert isinstance(peers, set) and new.session in peers and old.session not in peers
         finally:
-            for sock in socks:
-                sock.close(linger=0)
+            old.close()
+            new.close()
             ctx.term()
