@@ -11,14 +11,16 @@ from typing import Any
 
 import pytest
 from engine_helpers import engine
-from pd_support import on_engine, pd_pair, record_writes, wait_drained, wait_until
+from pd_support import keys, on_engine, pd_pair, record_writes, wait_drained, wait_until
 
 from dsv4_common.core.presets import tiny
 from dsv4_worker.engine.loop import Engine, Request
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.model.weights import init_weights
 from dsv4_worker.pd import control as C
-from dsv4_worker.pd.prefill import _Peer
+from dsv4_worker.pd.auth import TO_DECODE, TO_PREFILL, Opener, Sealer
+from dsv4_worker.pd.liveness import Echoes
+from dsv4_worker.pd.prefill import _Peer, _Session
 from dsv4_worker.server.runner import Done
 
 BACKENDS = ["zmq", "nixl"]
@@ -52,9 +54,9 @@ def test_the_callers_id_is_the_room_and_both_engines_request_id(backend: str) ->
         rooms: list[str] = []
         forward = pair.decode_agent._forward
 
-        def recording(address: str, msg: C.PrefillRequest | C.Destination) -> None:
+        def recording(address: str, msg: C.PrefillRequest | C.Destination, *grant: Any) -> None:
             rooms.append(msg.room)
-            forward(address, msg)
+            forward(address, msg, *grant)
 
         pair.decode_agent._forward = recording  # type: ignore[method-assign]
         tags = record_writes(pair)
@@ -76,14 +78,19 @@ def test_the_same_id_from_another_decode_is_refused_and_cannot_abort_the_first()
         kept: list[Request] = []
         release = pair.decode_agent.on_prealloc
         pair.decode_agent.on_prealloc = kept.append  # type: ignore[method-assign]
-        other, sent_to_other = b"decode-b", []
+        key = keys().key("b.session")
+        other = _Session(
+            "b.session", b"decode-b", Opener(key, TO_PREFILL), Sealer(key, TO_DECODE), 0.0
+        )
+        other.echoes = Echoes(time.monotonic())  # welcomed, and fresh
+        sent_to_other: list[C.Message] = []
         send = agent._send
 
-        def recording(identity: bytes, msg: C.Message) -> int:
-            if identity == other:
+        def recording(session: _Session, msg: C.Message, *, welcome: bool = False) -> int:
+            if session is other:
                 sent_to_other.append(msg)
                 return 0  # (a mailbox ticket that is always handled)
-            return send(identity, msg)
+            return send(session, msg, welcome=welcome)
 
         agent._send = recording  # type: ignore[method-assign]
         out: list[tuple[list[int], Done]] = []
@@ -102,17 +109,15 @@ def test_the_same_id_from_another_decode_is_refused_and_cannot_abort_the_first()
         )
 
         def as_decode_b() -> str:
-            # On the engine thread, at once: B handshook and was just heard from (else the
+            # On the engine thread, at once: B joined and its pings are fresh (else the
             # prefill's liveness rule drops it before its messages count).
-            agent._peers["B"] = _Peer(other, agent.manifest)
-            with agent._heard_lock:
-                agent._heard[other] = time.monotonic()
+            agent._peers[other.id] = _Peer(other, agent.manifest)
             agent._handle(other, msg)
             agent._handle(other, C.Abort("trace-8"))
             return agent._txs["trace-8"].peer
 
         owner = on_engine(pair.prefill_runner, as_decode_b)
-        assert owner != "B"  # the transfer of trace-8 is still decode A's
+        assert owner != other.id  # the transfer of trace-8 is still decode A's
         assert len(sent_to_other) == 2
         failed, aborted = sent_to_other
         assert isinstance(failed, C.Failed) and failed.room == "trace-8"
