@@ -38,6 +38,7 @@ PROMPT_TOKENS = 1500
 A_PROMPT = [((31 * i) % 250) + 3 for i in range(PROMPT_TOKENS)]
 B_PROMPT = [((17 * i + 5) % 240) + 7 for i in range(PROMPT_TOKENS)]
 B_MAX_TOKENS = 48
+A_PAGES = -(-PROMPT_TOKENS // 16)  # A's full pages (16-token pages)
 SETTLE_S = 90.0  # quarantine, re-handshake and frees after a trial, on a loaded machine
 
 
@@ -54,7 +55,6 @@ class Stand:
     p1_kv: int
     p2_kv: int
     clean_b: str = ""
-    a_prefill_s: float = 1.0  # how long P1 takes to prefill A (measured clean)
     lines: dict[str, list[str]] = field(default_factory=dict)
 
     def count(self, name: str, needle: str) -> int:
@@ -115,10 +115,6 @@ def start(backend: str, *, guard: bool = True) -> Stand:
     status, events = stream_b(stand, on_first=lambda: None)
     assert status == 200, events
     stand.clean_b = text_of(events)
-    start_s = time.monotonic()
-    status, body = post(stand.decode.port, {"prompt": A_PROMPT, "max_tokens": 2})
-    assert status == 200, body
-    stand.a_prefill_s = time.monotonic() - start_s
     settle(stand)
     return stand
 
@@ -193,7 +189,16 @@ def trial(stand: Stand, rng: random.Random, out: Outcome) -> None:
         client = threading.Thread(target=_post_a, args=(stand, result), daemon=True)
         client.start()
         wait_until(functools.partial(_in_flight, stand, result), "A to be preallocated")
-        time.sleep(rng.uniform(0.0, 0.8 * stand.a_prefill_s))
+        # Stop P1 at a random point of A's prompt, by the pages its chunks have taken so far
+        # (a page per 16-token chunk), then a random moment within that step: half the
+        # trials anywhere in the prompt, half at its end (its last step and write: the
+        # window tail and the request state).
+        end = rng.random() < 0.5
+        pages = A_PAGES if end else rng.randint(2, A_PAGES)
+        wait_until(
+            functools.partial(_past, stand, result, pages), "P1 to compute part of A", SETTLE_S
+        )
+        time.sleep(rng.uniform(0.0, 0.1 if end else 0.05))
         p1.send_signal(signal.SIGSTOP)
         client.join(120)
         assert result, "A got no answer"
@@ -231,6 +236,10 @@ def _post_a(stand: Stand, out: list[tuple[int, Any]]) -> None:
 
 def _in_flight(stand: Stand, result: list[tuple[int, Any]]) -> bool:
     return stand.decode.used_pages() > 0 or bool(result)
+
+
+def _past(stand: Stand, result: list[tuple[int, Any]], pages: int) -> bool:
+    return stand.p1.used_pages() >= pages or bool(result)
 
 
 def settle(stand: Stand) -> None:
