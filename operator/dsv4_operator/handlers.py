@@ -65,6 +65,8 @@ class Deps:
     gate: ReconcileGate
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
     clock: Callable[[], datetime] = utc_clock  # restart backoff runs on it
+    # The deployments whose PD Secret this process created or found (`reconcile`'s step 6).
+    pd_secrets: set[str] = field(default_factory=set)
 
     @classmethod
     def from_memo(cls, memo: kopf.Memo) -> Deps:
@@ -75,6 +77,7 @@ class Deps:
             memo["gate"],
             memo["metrics"],
             memo.get("clock", utc_clock),
+            memo.setdefault("pd_secrets", set()),
         )
 
 
@@ -116,7 +119,14 @@ def _reconcile_current(
         body = deps.kube.get(L.API_VERSION, L.KIND, namespace, name)
         if body is None or body.get("metadata", {}).get("deletionTimestamp"):
             return None
-        result = reconcile(body, deps.kube, deps.probe, config=deps.config, clock=deps.clock)
+        result = reconcile(
+            body,
+            deps.kube,
+            deps.probe,
+            config=deps.config,
+            clock=deps.clock,
+            pd_secrets=deps.pd_secrets,
+        )
     except KubeError as exc:
         if exc.namespace_terminating:
             # Its namespace is being deleted, the CR and its children with it: nothing to do,

@@ -8,7 +8,7 @@ call the same function. Writes happen only where the cluster differs from the pl
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableSet, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -59,6 +59,7 @@ def reconcile(
     *,
     config: OperatorConfig = DEFAULT_CONFIG,
     clock: Callable[[], datetime] = utc_clock,
+    pd_secrets: MutableSet[str] | None = None,
 ) -> ReconcileResult:
     """
     1. parse and validate the spec; an invalid spec -> PlanValid=False (InvalidSpec), stop
@@ -74,9 +75,10 @@ def reconcile(
        (rollout.py)
     6. create the deployment's PD Secret unless it exists (a random value, made once and
        never rewritten, so it does not change under running pods; the operator may create
-       Secrets but never read one); server-side apply each planned object the cluster does not
-       already hold (missing or drifted), surge groups included; prune owned children no
-       longer planned
+       Secrets but never read one; `pd_secrets` remembers the deployments it did this for, so
+       a converged deployment costs no write); server-side apply each planned object the
+       cluster does not already hold (missing or drifted), surge groups included; prune owned
+       children no longer planned
     7. delete the pods of the groups that restart or roll (their StatefulSets recreate them);
        observe again if anything was deleted or pruned
     8. summarize status; patch it only when it changed
@@ -166,8 +168,12 @@ def reconcile(
 
     # Step 6.
     applied = []
-    if kube.create(build_pd_secret(meta, secrets.token_hex(32))):
-        applied.append(("v1", "Secret", L.pd_secret_name(meta.name)))
+    made = f"{meta.namespace}/{meta.name}/{meta.uid}"
+    if pd_secrets is None or made not in pd_secrets:
+        if kube.create(build_pd_secret(meta, secrets.token_hex(32))):
+            applied.append(("v1", "Secret", L.pd_secret_name(meta.name)))
+        if pd_secrets is not None:
+            pd_secrets.add(made)
     for obj in planned.objects:
         key = (obj["apiVersion"], obj["kind"], obj["metadata"]["name"])
         if needs_apply(obj, live.get(key)):

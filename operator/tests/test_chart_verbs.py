@@ -7,8 +7,9 @@ by hand. Two sources, both the code's own:
 - Every call the reconcile and the admission webhook make through the `Kube` protocol, recorded
   over scenarios that reach each call site (create, converge, restart a group, prune, a
   configMapRef model, gang PodGroups, admission), as the API server authorizes them: an apply
-  that creates is `create`, one that updates `patch`; `delete_pods` is `deletecollection`;
-  `patch_status` is `patch` on `/status`.
+  that creates is `create`, one that updates `patch`; `create` (the PD Secret) is `create`
+  whether or not the object exists; `delete_pods` is `deletecollection`; `patch_status` is
+  `patch` on `/status`.
 
 Two grants are needed by the API server rather than called: `delete` on every managed kind
 (prune deletes any object of those kinds that carries our labels and is no longer planned, and
@@ -48,6 +49,7 @@ PLURALS = {
     "Deployment": "deployments",
     "PodGroup": "podgroups",
     "Pod": "pods",
+    "Secret": "secrets",
     L.KIND: L.PLURAL,
 }
 
@@ -71,6 +73,10 @@ class RecordingKube:
         exists = self.inner.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
         self._note(_grant(obj["apiVersion"], obj["kind"]), "patch" if exists else "create")
         self.inner.apply(obj)
+
+    def create(self, obj: Mapping[str, Any]) -> bool:
+        self._note(_grant(obj["apiVersion"], obj["kind"]), "create")  # (409 if it exists)
+        return self.inner.create(obj)
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> Any:
         self._note(_grant(api_version, kind), "get")
@@ -209,8 +215,10 @@ def test_the_chart_grants_exactly_what_the_code_calls(
 
 def test_the_code_reads_only_what_it_must(make_body: Callable[..., dict[str, Any]]) -> None:
     """What `get` is for: the CR itself (read afresh under its lock), a configMapRef's
-    ConfigMap and the router's Deployment; nothing reads a Secret or a namespace."""
+    ConfigMap and the router's Deployment; nothing reads a Secret or a namespace. The one
+    Secret verb is `create`: each deployment's PD secret, never read back."""
     needed = code_grants(make_body)
     reads = {k for k, v in needed.items() if "get" in v}
     assert reads == {(L.GROUP, L.PLURAL), ("", "configmaps"), ("apps", "deployments")}
-    assert not any(resource in ("secrets", "namespaces", "nodes") for _, resource in needed)
+    assert needed.get(("", "secrets")) == {"create"}
+    assert not any(resource in ("namespaces", "nodes") for _, resource in needed)

@@ -302,3 +302,22 @@ def test_default_image_comes_from_operator_config(cluster: tuple[Any, Any]) -> N
     reconcile(kube.cr, kube, probe, config=OperatorConfig(default_image="local/worker:dev"))
     sts = kube.of_kind("StatefulSet")["tiny-decode-0"]["spec"]["template"]["spec"]
     assert sts["containers"][0]["image"] == "local/worker:dev"
+
+
+def test_the_pd_secret_is_made_once_and_never_rewritten(cluster: tuple[Any, Any]) -> None:
+    """The first reconcile creates `<name>-pd-secret` (64 hex digits, owned by the CR); later
+    ones never change it (pods read it at start), and with the operator's memory of it they
+    do not even ask."""
+    kube, probe = cluster
+    made: set[str] = set()
+    reconcile(kube.cr, kube, probe, clock=lambda: NOW, pd_secrets=made)
+    (secret,) = kube.of_kind("Secret").values()
+    value = secret["stringData"]["secret"]
+    assert len(value) == 64 and int(value, 16) >= 0
+    assert secret["metadata"]["ownerReferences"][0]["kind"] == L.KIND
+    writes = len(kube.writes)
+    result = reconcile(kube.cr, kube, probe, clock=lambda: NOW, pd_secrets=made)
+    assert ("v1", "Secret", "tiny-pd-secret") not in result.applied
+    assert not [w for w in kube.writes[writes:] if w[1] == "Secret"]
+    run(kube, probe)  # another operator process (no memory): it asks, the Secret stays
+    assert kube.of_kind("Secret")["tiny-pd-secret"]["stringData"]["secret"] == value
