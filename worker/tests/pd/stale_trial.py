@@ -111,7 +111,12 @@ def start(backend: str, *, guard: bool = True) -> Stand:
     for name, proc in d.procs.items():  # read on: a full pipe would stall the process
         stand.lines[name] = []
         threading.Thread(target=_read, args=(proc, stand.lines[name]), daemon=True).start()
-    d.ready()
+    try:
+        d.ready()
+    except AssertionError as exc:  # its output went to `lines`
+        d.stop()
+        tails = {n: "".join(lines[-20:]) for n, lines in stand.lines.items()}
+        raise AssertionError(f"{exc}; output: {tails}") from exc
     status, events = stream_b(stand, on_first=lambda: None)
     assert status == 200, events
     stand.clean_b = text_of(events)
