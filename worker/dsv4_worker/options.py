@@ -21,18 +21,19 @@ from dsv4_common.api.api_key import NO_API_KEY, ApiKeyError, ApiKeyRule, resolve
 from dsv4_common.api.documents import DocumentError
 from dsv4_common.api.http_rules import HttpLimits, http_limits
 from dsv4_common.api.lifecycle import DRAIN_S
+from dsv4_common.api.names import DSV4_TRANSFERS
 from dsv4_common.api.rank_config import RankConfig, parse_rank_config
 from dsv4_common.core.layout import RequestState
 from dsv4_common.core.model import ModelConfig
 from dsv4_common.core.units import GIB
 from dsv4_common.plan.inputs import PlanInputs, Role
-from dsv4_worker.pp.group import PPSpec
+from dsv4_worker.pp.spec import PPSpec
 from dsv4_worker.server.api_options import ApiOptions
 
 CPU_MEMORY_GIB = 1.0  # what a CPU worker plans with when no device size is given
 QUICK_HOST = "127.0.0.1"
 DEPLOYED_HOST = "0.0.0.0"  # a pod listens on every address
-TRANSFERS = ("nixl", "zmq")  # the KV transfer backends this worker has
+TRANSFERS = DSV4_TRANSFERS  # the KV transfer backends this worker has
 
 
 class ServeError(Exception):

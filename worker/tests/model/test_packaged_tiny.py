@@ -11,7 +11,7 @@ from dsv4_common.core.presets import load_model_config, tiny
 from dsv4_worker.model.checkpoint import load_checkpoint
 from dsv4_worker.model.oracle import oracle_greedy
 from dsv4_worker.model.weights import init_weights, param_shapes
-from dsv4_worker.serve import PACKAGED_MODELS, packaged_weights
+from dsv4_worker.precheck import PACKAGED_MODELS, packaged_weights
 
 ROOT = PACKAGED_MODELS / "tiny"
 

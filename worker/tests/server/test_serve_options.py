@@ -31,7 +31,7 @@ from dsv4_worker.options import (
     load_options,
     served_names,
 )
-from dsv4_worker.pp.group import PPSpec
+from dsv4_worker.pp.spec import PPSpec
 
 
 def args(*argv: str) -> argparse.Namespace:
