@@ -123,7 +123,7 @@ class ServeOptions:
         """The quick form: every value from the flags."""
         return cls(
             role=args.role,
-            device=args.device,
+            device=args.device or "cpu",
             model_source=args.model,
             host=args.host or QUICK_HOST,
             listen=(Listen(args.port, "--port"),),
@@ -177,7 +177,7 @@ class ServeOptions:
             )
         return cls(
             role=config.role,
-            device=args.device,
+            device=args.device or ("cpu" if config.plan.cpu_mode else "cuda"),
             model_source=config.model.source,
             host=host,
             listen=(

@@ -226,6 +226,21 @@ def test_a_flag_the_config_holds_is_ignored(
     assert getattr(deployed(flag, value), option) == kept
 
 
+@pytest.mark.parametrize(
+    ("cpu_mode", "flags", "device"),
+    [(True, (), "cpu"), (False, (), "cuda"), (False, ("--device", "cpu"), "cpu")],
+)
+def test_a_deployed_worker_runs_where_its_rank_config_was_planned(
+    cpu_mode: bool, flags: tuple[str, ...], device: str
+) -> None:
+    """A GPU deployment's pods (and `dsv4 up` workers) run on CUDA, a CPU-mode one on the CPU;
+    `--device` given wins."""
+    config = rank_config("decode")
+    config = replace(config, plan=replace(config.plan, cpu_mode=cpu_mode))
+    opts = ServeOptions.from_rank_config(config, args("--role", "decode", *flags))
+    assert opts.device == device
+
+
 def test_a_deployed_pp_stage_meets_at_rank_zero_of_its_group() -> None:
     opts = deployed("--pp-timeout-s", "4", pp_size=2, pp_rank=1)
     host = HOST_TEMPLATE.format(group="g0", rank=0)
