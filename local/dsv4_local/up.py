@@ -198,7 +198,7 @@ def _supervise(
         return _send(supervisor, plan, request, out, err)
     print(summary, file=out, flush=True)
     print(f"{PREFIX} {policy_line(supervisor.policy)}", file=err, flush=True)
-    print(f"{PREFIX} Ctrl-C stops every process", file=err, flush=True)
+    print(f"{PREFIX} Ctrl-C stops every process (again: ends their drains)", file=err, flush=True)
     return _exit_code(supervisor.serve())
 
 
