@@ -58,7 +58,7 @@ def precheck(opts: ServeOptions, devices: Callable[[], CudaDevices] = cuda_devic
     """Every check that needs no torch, cheapest first; raises ServeError. `devices`: the CUDA
     probe (read only for `--device cuda`)."""
     model = _model(opts)
-    memory_bytes = _device(opts.device, devices)
+    memory_bytes = _device(opts, devices)
     weights_path = _weights(opts)
     _tokenizer(opts.tokenizer)
     _prefill(opts)
@@ -85,15 +85,16 @@ def _model(opts: ServeOptions) -> ModelConfig:
         raise ServeError(f"{_where(opts)}: {exc}") from exc
 
 
-def _device(device: str, devices: Callable[[], CudaDevices]) -> int | None:
+def _device(opts: ServeOptions, devices: Callable[[], CudaDevices]) -> int | None:
     """The memory of the device the worker will use (None: the CPU)."""
-    if device != "cuda":
+    if opts.device != "cuda":
         return None
+    where = "--device cuda" + (" (a GPU deployment's rank config)" if opts.deployed else "")
     found = devices()
     if not found.count:
-        raise ServeError(f"--device cuda: {found.missing}; --device cpu serves on the CPU")
+        raise ServeError(f"{where}: {found.missing}; --device cpu serves on the CPU")
     if problem := torch_cuda_problem():
-        raise ServeError(f"--device cuda: {problem}; install a CUDA build of torch")
+        raise ServeError(f"{where}: {problem}; install a CUDA build of torch")
     return found.memory_bytes[0]  # `cuda` is device 0, as torch takes it
 
 
