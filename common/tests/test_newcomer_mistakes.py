@@ -51,6 +51,7 @@ class Mistake:
     code: int = 2
     env: dict[str, str] = field(default_factory=dict)
     no_torch: bool = True  # checked before torch is imported
+    timed: bool = True  # within BOUND_S
 
 
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # the same answer on a GPU machine
@@ -159,7 +160,9 @@ MISTAKES: dict[str, Mistake] = {
     ),
     # scripts/run.sh passes flags to dsv4 up (it said "invalid choice: '9000'")
     "run.sh: --port reaches dsv4 up": Mistake(
-        ("scripts/run.sh", "--port", "{busy}"), ("dsv4 up: error: --port: {busy} is in use",)
+        ("scripts/run.sh", "--port", "{busy}"),
+        ("dsv4 up: error: --port: {busy} is in use",),
+        timed=False,  # its set-up first installs whatever pyproject.toml gained since the last
     ),
     "plan: --model a directory without config.json": Mistake(
         ("plan", "--model", "{empty}", "--gpu", "h200"),
@@ -217,4 +220,4 @@ def test_a_newcomer_mistake_is_named_fast(name: str, paths: dict[str, str]) -> N
             at = message.index(needle.format(**paths), at)  # ValueError: not said (in order)
     if mistake.no_torch and not argv[0].endswith(".sh"):
         assert TORCH_MARK not in done.stderr
-    assert took_s < BOUND_S, f"{name}: {took_s:.1f} s"
+    assert took_s < BOUND_S or not mistake.timed, f"{name}: {took_s:.1f} s"
