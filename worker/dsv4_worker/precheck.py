@@ -24,7 +24,7 @@ from dsv4_common.core.presets import PRESETS, load_model_config
 from dsv4_common.core.units import format_bytes
 from dsv4_common.plan.inputs import PlanError
 from dsv4_common.plan.planner import plan
-from dsv4_router.http_listen import ListenError, bind
+from dsv4_router.listen_sockets import ListenError, bind
 from dsv4_worker.devices import CudaDevices, cuda_devices, torch_cuda_problem
 from dsv4_worker.model.files import INDEX, SINGLE, is_model_dir, missing_shards
 from dsv4_worker.options import QuickSizing, ServeError, ServeOptions

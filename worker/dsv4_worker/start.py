@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 
-from dsv4_router.http_listen import raise_fd_limit
+from dsv4_router.listen_sockets import raise_fd_limit
 from dsv4_worker.options import ServeError, load_options
 from dsv4_worker.precheck import precheck
 
