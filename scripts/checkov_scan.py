@@ -53,8 +53,8 @@ CHART_VALUE_SETS: Final[dict[str, tuple[str, ...]]] = {
 
 
 def sample_input(path: Path) -> tuple[dict[str, Any], str | None]:
-    """A sample's CR body and the config.json text `dsv4 render --model-config` would get, with
-    a `configPath` pointed at the published file of its model."""
+    """A sample's CR body and the config.json text `dsv4 render --model-config` would get: the
+    published file of its model for a `configMapRef` or a `configPath` (a cluster path)."""
     body: dict[str, Any] = yaml.safe_load(path.read_text())
     model = body["spec"]["model"]
     if "configMapRef" in model:
@@ -63,7 +63,7 @@ def sample_input(path: Path) -> tuple[dict[str, Any], str | None]:
         published = MODEL_DATA / Path(model["configPath"]).parent.name.lower() / "config.json"
         if not published.is_file():
             raise FileNotFoundError(f"{path}: no published config.json for {model['configPath']}")
-        model["configPath"] = str(published)
+        return body, published.read_text()
     return body, None
 
 

@@ -431,7 +431,10 @@ The architecture is the `tiny` preset (dsv4_common.core.presets.tiny: 6 layers, 
 ratios 0/4/16, 4 routed experts + 1 shared, 2 residual streams), written in the published
 DeepSeek-V4 format (config.json, model.safetensors.index.json, float32 shards). There are no
 MTP weights. Tokens are bytes (id = byte value): serve it with the built-in byte tokenizer,
-`dsv4 serve --model <this directory>` without a tokenizer.json.
+`dsv4 serve --model <this directory>` without a tokenizer.json. config.json also carries
+transformers' `layer_types` and `compress_rates` (HCA 16): transformers (5.24) maps a
+release's compress_ratios by a fixed table of 0, 4 and 128 only, and with them loads this
+directory as it is (`AutoModelForCausalLM.from_pretrained`).
 
 {bullets}
 

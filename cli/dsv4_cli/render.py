@@ -24,7 +24,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--model-config",
         default=None,
         metavar="FILE",
-        help="the config.json that spec.model.configMapRef names (render reads no cluster)",
+        help="the config.json that spec.model.configMapRef or spec.model.configPath names "
+        "(render reads no cluster, and a configPath is a path on the operator's filesystem)",
     )
 
 

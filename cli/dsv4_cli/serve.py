@@ -29,8 +29,8 @@ def run(args: argparse.Namespace) -> int:
         except ImportError as exc:
             raise Usage(f"needs the router package ({exc}): pip install dsv4-serve") from exc
         return run_router(args)
-    try:
-        from dsv4_worker.serve import run as run_worker
+    try:  # checks the flags before it imports torch (`dsv4_worker.start`)
+        from dsv4_worker.start import run as run_worker
     except ImportError as exc:
         raise Usage(f"needs the worker package ({exc}): pip install 'dsv4-serve[worker]'") from exc
     return run_worker(args)

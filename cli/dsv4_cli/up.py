@@ -35,7 +35,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--workdir",
         default=None,
-        help="where configs and logs go (default: a fresh temporary directory)",
+        help="where configs and logs go, kept after the run (default: a fresh temporary "
+        "directory, removed at a clean exit)",
     )
     p.add_argument(
         "--request",
@@ -51,6 +52,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="the API key every process wants (clients send Authorization: Bearer KEY); "
         "required when the CR names spec.apiKey.secretRef (default: $DSV4_API_KEY)",
     )
+    p.add_argument(
+        "--keep-workdir",
+        action="store_true",
+        help="keep the temporary work directory (configs, logs, status.json) after a clean "
+        "exit; it is kept anyway after a failure, and --workdir always is",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,4 +65,12 @@ def run(args: argparse.Namespace) -> int:
         from dsv4_local.up import run as run_up
     except ImportError as exc:
         raise Usage(f"needs the local launcher package ({exc}): pip install dsv4-serve") from exc
-    return run_up(args)
+    return run_up(args, missing_gpu=_missing_gpu)
+
+
+def _missing_gpu() -> str:
+    """Why this machine has no CUDA device for a GPU deployment ("": it has one): the worker's
+    probe, which imports no torch."""
+    from dsv4_worker.devices import cuda_devices
+
+    return cuda_devices().missing

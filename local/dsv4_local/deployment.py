@@ -16,7 +16,7 @@ from dsv4_common.api.deployment import MemoryPlan, plan_memory
 from dsv4_common.api.names import API_VERSION, KIND
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec, SpecError, parse_meta, parse_spec
 
-__all__ = ["Deployment", "parse_deployment"]
+__all__ = ["Deployment", "device_problem", "parse_deployment"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,3 +56,15 @@ def parse_deployment(text: str, source: str) -> Deployment:
     if not memory.context_fits:
         raise SpecError([f"spec.maxContextTokens: {memory.context_message()}"])
     return Deployment(spec=spec, meta=meta, memory=memory)
+
+
+def device_problem(spec: DeploymentSpec, missing: str) -> str:
+    """The refusal of a GPU deployment (not CPU mode) on a machine without a CUDA device
+    (`missing` says why it has none), naming the field and the fix."""
+    gpu = spec.gpu
+    what = f"gpu.type {gpu.type}" if gpu.type else f"gpu.memoryGiB {gpu.memory_gib:g}"
+    return (
+        f"spec.gpu: this sample needs a GPU ({what}, {gpu.per_pod} per pod) and this machine "
+        f"has none ({missing}); on CPU use a CPU-mode sample, crds/samples/tiny-*.yaml "
+        "(e.g. dsv4 up crds/samples/tiny-pd.yaml)"
+    )

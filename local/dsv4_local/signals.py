@@ -21,10 +21,12 @@ _Handler = Callable[[int, types.FrameType | None], Any] | int | None
 
 
 class StopSignals:
-    """`with StopSignals() as stop:` ... `stop.requested`; restores the old handlers on exit."""
+    """`with StopSignals() as stop:` ... `stop.requested`, `stop.count`; restores the old
+    handlers on exit."""
 
     def __init__(self) -> None:
         self.received: int | None = None  # the first stop signal received
+        self.count = 0  # stop signals received (a second one hurries the stop)
         self._previous: dict[int, _Handler] = {}
 
     @property
@@ -42,5 +44,6 @@ class StopSignals:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: types.FrameType | None) -> None:
+        self.count += 1
         if self.received is None:
             self.received = signum

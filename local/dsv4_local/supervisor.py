@@ -6,10 +6,12 @@ Invariants: every child leads its own process group (`start_new_session`), so st
 also stops whatever it started, and a Ctrl-C in the terminal reaches only `dsv4 up`, which
 then stops the children. Leaving the `with Supervisor(...)` block always stops every process
 started so far (also when starting fails half-way, and processes a restart is replacing):
-SIGTERM to every group, up to `stop_grace_s` for the leaders to exit, then SIGKILL to every
-group. On Linux a child also gets SIGTERM if `dsv4 up` itself dies without stopping it. The
-supervisor never sleeps for more than `poll_interval_s` without checking `stop_requested()`
-and every child's exit (a readiness probe may take its own timeout, 1 s).
+SIGTERM to every group, up to `stop_grace_s` for the leaders to exit (saying which it waits
+for; a second stop signal sends each a second SIGTERM, which ends its drain at once, and
+leaves it `HURRY_GRACE_S`; a third kills at once), then SIGKILL to every group. On Linux a
+child also gets SIGTERM if `dsv4 up` itself dies without stopping it. The supervisor never
+sleeps for more than `poll_interval_s` without checking `stop_requested()` and every child's
+exit (a readiness probe may take its own timeout, 1 s).
 
 Until every process is ready, an exit fails the start-up (it is most likely a bad input, and
 the log's tail says which). While serving, an exit stops the rest of its unit (a PP group
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, TextIO
 
-from dsv4_common.api.lifecycle import STOP_GRACE_S
+from dsv4_common.api.lifecycle import ABORT_GRACE_S, STOP_GRACE_S
 from dsv4_local.plan import ProcessSpec
 from dsv4_local.probe import is_ready, status_of
 from dsv4_local.supervise import (
@@ -61,6 +63,10 @@ __all__ = ["STOP_GRACE_S", "Outcome", "Supervisor", "tail_lines"]
 PREFIX: Final = "dsv4 up:"
 # A restart stops what is left of a unit (a PP group whose stage died): it is broken anyway.
 RESTART_STOP_GRACE_S: Final = 5.0
+# After a second SIGTERM a server aborts what is in flight, gives the aborted requests
+# ABORT_GRACE_S to send their error and closes its connections within ABORT_GRACE_S more.
+HURRY_GRACE_S: Final = 2 * ABORT_GRACE_S + 1.0
+FIRST_NOTE_S: Final = 1.0  # a stop that takes longer says what it waits for
 LOG_TAIL_LINES: Final = 30
 _TAIL_BYTES: Final = 64 * 1024
 _PR_SET_PDEATHSIG: Final = 1
@@ -108,6 +114,7 @@ class Supervisor:
         *,
         out: TextIO = sys.stderr,
         stop_requested: Callable[[], bool] = lambda: False,
+        stop_signals: Callable[[], int] = lambda: 0,
         probe: Callable[[str], bool] = is_ready,
         poll_interval_s: float = 0.2,
         progress_interval_s: float = 5.0,
@@ -123,6 +130,7 @@ class Supervisor:
         self.log_dir = log_dir
         self._out = out
         self._stop_requested = stop_requested
+        self._stop_signals = stop_signals  # how many arrived: 2 hurries the stop, 3 kills
         self._probe = probe
         self._poll_interval_s = poll_interval_s
         self._progress_interval_s = progress_interval_s
@@ -321,15 +329,58 @@ class Supervisor:
     # ---- stopping ----------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """SIGTERM every group, wait up to `stop_grace_s` for the leaders, SIGKILL every group
-        (what is left of it), reap. Idempotent."""
+        """SIGTERM every group, wait up to `stop_grace_s` for the leaders (less after more
+        stop signals), SIGKILL every group (what is left of it), reap. Idempotent."""
         children = self._children()
         for unit in self._units:
             unit.children = []
         if self._prober is not None:
             self._prober.shutdown(wait=False, cancel_futures=True)
             self._prober = None
-        self._stop_children(children, self._stop_grace_s)
+        if not children:
+            return
+        for child in children:
+            _signal_group(child.popen.pid, signal.SIGTERM)
+        self._wait_drained(children)
+        for child in children:
+            _signal_group(child.popen.pid, signal.SIGKILL)
+        for child in children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.popen.wait(timeout=self._stop_grace_s)
+
+    def _wait_drained(self, children: Sequence[_Child]) -> None:
+        """Until every leader exited or the grace is over, saying which it waits for. A second
+        stop signal: each living group gets a second SIGTERM (its server ends the drain now)
+        and `HURRY_GRACE_S` more; a third: no more waiting."""
+        started_s = time.monotonic()
+        deadline_s = started_s + self._stop_grace_s
+        signals_seen = self._stop_signals()
+        next_note_s = started_s + FIRST_NOTE_S  # a quick exit says nothing
+        while (living := [c for c in children if c.popen.poll() is None]) and (
+            (now_s := time.monotonic()) < deadline_s
+        ):
+            names = ", ".join(c.spec.name for c in living)
+            if (count := self._stop_signals()) > signals_seen:
+                signals_seen = count
+                if count >= 3:
+                    self._say(f"another signal: killing {names} now")
+                    return
+                for child in living:
+                    _signal_group(child.popen.pid, signal.SIGTERM)
+                deadline_s = min(deadline_s, now_s + HURRY_GRACE_S)
+                self._say(
+                    f"second signal: {names} end their drains now (SIGKILL in "
+                    f"{deadline_s - now_s:.0f} s; again: at once)"
+                )
+                next_note_s = now_s + self._progress_interval_s
+            elif now_s >= next_note_s:
+                waited_s = now_s - started_s
+                self._say(
+                    f"waiting for {names} to drain and exit ({waited_s:.0f} s; SIGKILL at "
+                    f"{deadline_s - started_s:.0f} s; Ctrl-C again ends the drains now)"
+                )
+                next_note_s = now_s + self._progress_interval_s
+            time.sleep(0.05)
 
     def _stop_children(
         self,

@@ -1,14 +1,17 @@
 """`dsv4 up FILE`: a DSV4Deployment as local processes on 127.0.0.1.
 
 `run(args)` checks everything it can before any process starts (file, spec, memory plan,
-what `dsv4 up` supports, the router port, the work directory): each problem is one line
-`dsv4 up: error: ...` naming the field or flag, exit 2. Then `launch(plan)` starts the
-processes, waits until all are ready (a process that exits first, or the timeout, ends it:
-exit 1), prints every API and status URL and serves until SIGINT/SIGTERM (exit 0). While it
-serves, a process that exits is restarted with its PP group, with backoff and within a budget
-(`supervise`); once every one has given up, exit 1. With --request it sends one completion
-instead of serving (exit 0 when it succeeds). Every path stops every process. Progress,
-events and errors go to stderr; the ready summary (or the completion) to stdout.
+what `dsv4 up` supports, a GPU for a GPU deployment, the router port, the work directory):
+each problem is one line `dsv4 up: error: ...` naming the field or flag and the fix, exit 2.
+Then `launch(plan)` starts the processes, waits until all are ready (a process that exits
+first, or the timeout, ends it: exit 1), prints every API and status URL and serves until
+SIGINT/SIGTERM (exit 0). While it serves, a process that exits is restarted with its PP
+group, with backoff and within a budget (`supervise`); once every one has given up, exit 1.
+With --request it sends one completion instead of serving (exit 0 when it succeeds). Every
+path stops every process. Progress, events and errors go to stderr; the ready summary (or
+the completion) to stdout. The work directory (configs, logs, status) is a fresh temporary
+one, removed at a clean exit; it stays after a failure (its logs say why), with
+`--keep-workdir`, and when `--workdir` names it.
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, TextIO
@@ -32,7 +36,7 @@ from dsv4_common.api.api_key import API_KEY_ENV, ApiKeyError, parse_api_key, rea
 from dsv4_common.api.deployment import MemoryPlanError
 from dsv4_common.api.spec import SpecError
 from dsv4_local.completion import Completion, CompletionError, request_completion
-from dsv4_local.deployment import Deployment, parse_deployment
+from dsv4_local.deployment import Deployment, device_problem, parse_deployment
 from dsv4_local.plan import LaunchPlan, ProcessSpec, build_launch_plan
 from dsv4_local.ports import free_ports, port_is_free
 from dsv4_local.signals import StopSignals
@@ -59,9 +63,15 @@ class CompletionRequest:
     timeout_s: float = REQUEST_TIMEOUT_S
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, *, missing_gpu: Callable[[], str] = lambda: "") -> int:
+    """`missing_gpu`: why this machine has no CUDA device ("" when it has one), asked only
+    for a deployment that needs one (the worker's probe, which `dsv4_cli` hands in)."""
+    workdir: Path | None = None
+    temporary = args.workdir is None
     try:
         deployment = load_deployment(Path(args.file))
+        if not deployment.spec.gpu.cpu_mode and (why := missing_gpu()):
+            raise UpError(device_problem(deployment.spec, why))
         _check_router_port(deployment, args.port)
         api_key = local_api_key(deployment, getattr(args, "api_key_file", None), os.environ)
         workdir = _workdir(args.workdir)
@@ -74,16 +84,22 @@ def run(args: argparse.Namespace) -> int:
             api_key=api_key,
         )
         write_workdir(plan)
-    except UpError as exc:
-        print(f"{PREFIX} error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except OSError as exc:
-        print(f"{PREFIX} error: --workdir: {exc}", file=sys.stderr)
+    except (UpError, OSError) as exc:
+        what = f"--workdir: {exc}" if isinstance(exc, OSError) else str(exc)
+        print(f"{PREFIX} error: {what}", file=sys.stderr)
+        if workdir is not None and temporary:
+            shutil.rmtree(workdir, ignore_errors=True)
         return EXIT_USAGE
     request = None
     if args.request is not None:
         request = CompletionRequest(prompt=args.request, max_tokens=args.max_tokens)
-    return launch(plan, timeout_s=args.timeout_s, request=request)
+    code = launch(plan, timeout_s=args.timeout_s, request=request)
+    if temporary and not args.keep_workdir and code == EXIT_OK:
+        shutil.rmtree(workdir, ignore_errors=True)
+    else:
+        why = "--keep-workdir" if code == EXIT_OK else "a process failed: its log says why"
+        print(f"{PREFIX} configs and logs kept in {workdir} ({why})", file=sys.stderr)
+    return code
 
 
 def local_api_key(
@@ -139,6 +155,7 @@ def launch(
             plan.log_dir,
             out=err,
             stop_requested=lambda: signals.requested,
+            stop_signals=lambda: signals.count,
             stop_grace_s=stop_grace_s,
             policy=policy,
             status_path=plan.status_path,
@@ -181,7 +198,7 @@ def _supervise(
         return _send(supervisor, plan, request, out, err)
     print(summary, file=out, flush=True)
     print(f"{PREFIX} {policy_line(supervisor.policy)}", file=err, flush=True)
-    print(f"{PREFIX} Ctrl-C stops every process", file=err, flush=True)
+    print(f"{PREFIX} Ctrl-C stops every process (again: ends their drains)", file=err, flush=True)
     return _exit_code(supervisor.serve())
 
 
@@ -196,8 +213,8 @@ def format_ready(plan: LaunchPlan, ready_s: float) -> str:
     ordered = sorted(plan.processes, key=lambda p: p.role != "router")  # stable: plan order
     width = max(len(p.name) for p in plan.processes)
     for p in ordered:
-        if p.api_url:
-            lines.append(f"api:    {p.name:<{width}}  {p.api_url}  ({_serves(p)})")
+        if serves := _serves(p):  # only a port that takes completions is an `api:`
+            lines.append(f"api:    {p.name:<{width}}  {p.api_url}  ({serves})")
         lines.append(f"status: {p.name:<{width}}  {p.status_url}")
     if plan.api_key is not None:
         lines.append(f"api key: every API wants it ({plan.api_key_path}; probes need none)")
@@ -207,12 +224,15 @@ def format_ready(plan: LaunchPlan, ready_s: float) -> str:
 
 
 def _serves(process: ProcessSpec) -> str:
-    """What a process's API port is for."""
+    """What a process's API port takes ("": no completions: a prefill worker's and a later
+    PP stage's port answers the probes only, as its status URL does)."""
+    if not process.api_url:
+        return ""
     if process.role == "router":
-        return "POST /v1/completions, /v1/chat/completions"
+        return "POST /v1/completions, /v1/chat/completions: send requests here"
     if process.role == "decode" and process.pp_rank == 0:
-        return "this decode worker's OpenAI API; the router sends requests here"
-    return "probes only; the router and the other workers reach it directly"
+        return "this decode worker's own OpenAI API, past the router"
+    return ""
 
 
 def _send(

@@ -12,6 +12,8 @@ then:
             503 from that long after it first answered /ready on, and it keeps running (a
             worker whose engine thread died)
   stubborn  as ready, but ignores SIGTERM (only SIGKILL stops it)
+  drainer   as ready, but a SIGTERM only starts its "drain": a second one ends it (exit 0),
+            as a worker's or the router's second signal does
   fail      prints 50 numbered lines, waits for --wait-for (a file) if given, exits with 3
   never     sleeps, never ready
 """
@@ -92,6 +94,16 @@ class Handler(BaseHTTPRequestHandler):
         print(format % args, flush=True)
 
 
+TERMS: list[int] = []
+
+
+def drain_then_exit(signum: int, frame: object) -> None:
+    TERMS.append(signum)
+    print(f"SIGTERM {len(TERMS)}", flush=True)
+    if len(TERMS) >= 2:
+        os._exit(0)
+
+
 def serve(ports: list[int]) -> None:
     servers = [ThreadingHTTPServer(("127.0.0.1", port), Handler) for port in ports]
     for server in servers[1:]:
@@ -107,7 +119,8 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pid-dir", type=Path, required=True)
     parser.add_argument("--name", required=True)
-    parser.add_argument("--mode", choices=("ready", "fail", "never", "stubborn"), required=True)
+    modes = ("ready", "fail", "never", "stubborn", "drainer")
+    parser.add_argument("--mode", choices=modes, required=True)
     parser.add_argument("--port", type=int, action="append", default=[])
     parser.add_argument("--delay-s", type=float, default=0.0)
     parser.add_argument("--exit-after-s", type=float, default=None)
@@ -120,6 +133,8 @@ def main() -> int:
         UNLIVE_AFTER_S.append(args.unlive_after_s)
     if args.mode == "stubborn":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if args.mode == "drainer":
+        signal.signal(signal.SIGTERM, drain_then_exit)
     write_pid(args.pid_dir / f"{args.name}.pid", os.getpid())
     if args.grandchild:
         path = args.pid_dir / f"{args.name}.grandchild.pid"

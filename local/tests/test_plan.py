@@ -260,3 +260,18 @@ def test_every_rank_gets_the_threads_of_an_equal_share_of_the_cores(
     ]
     assert len(configs) == 3
     assert {c.torch_threads for c in configs} == {expected}
+
+
+def test_the_ready_summary_labels_api_only_what_takes_completions() -> None:
+    """The router and each decode group's serving rank take completions (`api:`); a prefill's
+    HTTP port and a later PP stage's answer the probes only, so they get a `status:` line and
+    no `api:` one (a prefill's `api:` URL used to answer completions with 404)."""
+    from dsv4_local.up import format_ready
+
+    pp = launch_plan(deployment(prefill={"pipelineParallel": 2}, decode={"pipelineParallel": 2}))
+    text = format_ready(pp, 1.0)
+    api = [line.split()[1] for line in text.splitlines() if line.startswith("api:")]
+    assert api == ["router", "decode-0-rank-0"]
+    assert "send requests here" in next(ln for ln in text.splitlines() if " router " in ln)
+    status = [line.split()[1] for line in text.splitlines() if line.startswith("status:")]
+    assert sorted(status) == sorted(p.name for p in pp.processes)

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ import pytest
 
 from dsv4_local.plan import LaunchPlan, ProcessSpec
 from dsv4_local.probe import is_ready
+from dsv4_local.signals import StopSignals
 from dsv4_local.supervise import LivenessPolicy, RestartPolicy
 from dsv4_local.supervisor import Outcome, Supervisor, tail_lines
 from dsv4_local.up import CompletionRequest, launch
@@ -243,6 +245,46 @@ def test_a_process_ignoring_sigterm_gets_sigkill_after_the_grace_period(
         stop_started_s = time.monotonic()
     assert time.monotonic() - stop_started_s >= 0.5  # it waited, then killed
     stand_ins.assert_all_gone()
+
+
+def test_a_second_stop_signal_ends_the_drains_and_the_wait_is_said(
+    stand_ins: StandIns, tmp_path: Path
+) -> None:
+    """A server drains after SIGTERM (here: until a second one). The stop says what it waits
+    for; a second Ctrl-C sends every living group a second SIGTERM, which ends its drain (the
+    stand-in logs it and exits), long before the grace runs out."""
+    out = io.StringIO()
+    signals = [1]  # the first stop signal already arrived
+    specs = [stand_ins.spec("router", "drainer"), stand_ins.spec("decode-0", "drainer")]
+    with supervisor(
+        specs, tmp_path, out, stop_grace_s=DEADLINE_S, stop_signals=lambda: signals[0]
+    ) as sup:
+        assert sup.start()
+        assert sup.wait_ready(DEADLINE_S) is Outcome.READY
+        stopper = threading.Thread(target=sup.stop)
+        stopper.start()
+        stand_ins.wait_until(lambda: "waiting for router, decode-0" in out.getvalue(), "a note")
+        signals[0] = 2  # the second Ctrl-C
+        stopper.join(timeout=DEADLINE_S)
+        assert not stopper.is_alive()
+        logs = [sup.log_path(spec.name).read_text() for spec in specs]
+    assert all("SIGTERM 1" in log and "SIGTERM 2" in log for log in logs), logs
+    text = out.getvalue()
+    waiting = r"dsv4 up: waiting for router, decode-0 to drain and exit \(\d+ s; SIGKILL at 60 s"
+    assert re.search(waiting, text), text
+    assert "dsv4 up: second signal: router, decode-0 end their drains now (SIGKILL in" in text
+    stand_ins.assert_all_gone()
+
+
+def test_stop_signals_are_counted() -> None:
+    with StopSignals() as signals:
+        assert (signals.count, signals.requested) == (0, False)
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline_s = time.monotonic() + DEADLINE_S
+        while signals.count < 2 and time.monotonic() < deadline_s:
+            time.sleep(0.01)  # the handlers run in this (the main) thread, between bytecodes
+        assert (signals.count, signals.received) == (2, signal.SIGINT)
 
 
 def test_a_stop_requested_while_starting_starts_nothing_more(

@@ -173,3 +173,83 @@ def test_the_default_workdir_is_fresh(tmp_path: Path, monkeypatch: pytest.Monkey
     ((plan, kwargs),) = launched.calls
     assert plan.workdir.parent == tmp_path and plan.workdir.name.startswith("dsv4-up-")
     assert kwargs["request"] is None
+
+
+def up_args(*argv: str) -> Any:
+    from dsv4_cli.main import build_parser
+
+    return build_parser().parse_args(["up", *argv])
+
+
+@pytest.mark.parametrize("sample", ["flash-gpu.yaml", "flash-h200-volcano.yaml"])
+def test_a_gpu_sample_on_a_machine_without_one_is_refused_naming_the_fix(
+    sample: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Refused before any process or directory exists (it used to start three processes and
+    fail 28 s later on fp8 pages), naming spec.gpu and the CPU samples."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    code = dsv4_local.up.run(
+        up_args(str(SAMPLES / sample), "--port", "0"),
+        missing_gpu=lambda: "no NVIDIA driver on this machine",
+    )
+    assert code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("dsv4 up: error: spec.gpu: this sample needs a GPU")
+    assert "(no NVIDIA driver on this machine)" in err[0]
+    assert "use a CPU-mode sample, crds/samples/tiny-*.yaml" in err[0]
+    assert not list(tmp_path.iterdir())  # no work directory was made
+
+
+def test_a_cpu_sample_never_asks_for_a_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dsv4_local.up, "launch", Launched())
+
+    def probe() -> str:
+        raise AssertionError("a CPU-mode deployment asked whether this machine has a GPU")
+
+    args = up_args(str(SAMPLES / "tiny-pd.yaml"), "--port", "0", "--workdir", str(tmp_path))
+    assert dsv4_local.up.run(args, missing_gpu=probe) == 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "launch_code", "kept"),
+    [
+        ((), 0, False),  # a clean exit removes the temporary directory
+        (("--keep-workdir",), 0, True),
+        ((), 1, True),  # a failure keeps it: its logs say why
+    ],
+)
+def test_the_temporary_workdir_is_removed_at_a_clean_exit_unless_kept(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    flags: tuple[str, ...],
+    launch_code: int,
+    kept: bool,
+) -> None:
+    launched: list[LaunchPlan] = []
+
+    def launch(plan: LaunchPlan, **kwargs: Any) -> int:
+        launched.append(plan)
+        return launch_code
+
+    monkeypatch.setattr(dsv4_local.up, "launch", launch)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    file = tmp_path / "cr.yaml"
+    file.write_text(yaml.safe_dump(cr()))
+    assert main(["up", str(file), "--port", "0", *flags]) == launch_code
+    (plan,) = launched
+    assert plan.workdir.exists() == kept
+    err = capsys.readouterr().err
+    assert (f"configs and logs kept in {plan.workdir}" in err) == kept
+
+
+def test_a_named_workdir_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dsv4_local.up, "launch", Launched())
+    file = tmp_path / "cr.yaml"
+    file.write_text(yaml.safe_dump(cr()))
+    workdir = tmp_path / "work"
+    assert main(["up", str(file), "--port", "0", "--workdir", str(workdir)]) == 0
+    assert (workdir / "logs").is_dir()

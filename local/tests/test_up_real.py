@@ -1,9 +1,12 @@
 """`dsv4 up` with the real workers and router: the README's main job end to end (plan, start
 router + prefill + decode from the rendered configs, one completion through the router, stop),
-and SIGTERM while serving stops every process (no orphans)."""
+SIGTERM while serving stops every process (no orphans), and a second Ctrl-C ends the
+drains of a stream in flight."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import re
 import signal
@@ -88,3 +91,45 @@ def test_sigterm_stops_every_process(tmp_path: Path) -> None:
         while _alive(pid):
             assert time.monotonic() < deadline, f"process {pid} outlived dsv4 up"
             time.sleep(0.05)
+
+
+def test_a_second_ctrl_c_with_a_stream_open_ends_the_drains(tmp_path: Path) -> None:
+    """Ctrl-C with a long stream open: the workers drain (up to 20 s) and `dsv4 up` says what
+    it waits for; a second Ctrl-C ends the drains: the stream gets its error event and
+    `[DONE]` (it was cut short, not finished) and everything exits."""
+    up = subprocess.Popen(
+        [*UP, "--workdir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert up.stdout is not None
+    seen = ""
+    deadline = time.monotonic() + 300
+    while "Ctrl-C stops every process" not in seen:
+        assert time.monotonic() < deadline and up.poll() is None, seen
+        seen += up.stdout.readline()
+    found = re.search(r"^api: +router +http://127\.0\.0\.1:(\d+)", seen, re.M)
+    assert found, seen
+    # Long: 8 choices of 2000 tokens each, EOS ignored (tiny's context is 2048).
+    body = json.dumps(
+        {"prompt": "Hello", "max_tokens": 2000, "n": 8, "stream": True, "ignore_eos": True}
+    )
+    stream = http.client.HTTPConnection("127.0.0.1", int(found.group(1)), timeout=120)
+    stream.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    response = stream.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: ")  # in flight
+    up.send_signal(signal.SIGINT)
+    while "to drain and exit" not in seen:  # the stop says what it waits for
+        line = up.stdout.readline()
+        assert line, seen
+        seen += line
+    assert "waiting for prefill-0, decode-0, router to drain and exit" in seen, seen
+    up.send_signal(signal.SIGINT)
+    events = response.read().decode()
+    assert up.wait(timeout=60) == 0
+    seen += up.stdout.read()
+    assert "second signal: " in seen and "end their drains now" in seen, seen
+    data = [line.removeprefix("data: ") for line in events.splitlines() if line.startswith("data:")]
+    assert data[-1] == "[DONE]" and '"error"' in data[-2], data[-3:]

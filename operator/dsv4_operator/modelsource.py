@@ -19,6 +19,7 @@ from dsv4_common.api.deployment import (
     MemoryPlanError,
     load_model,
     model_from_config_map,
+    model_from_config_path_text,
 )
 from dsv4_common.api.spec import ConfigMapRef, DeploymentSpec
 from dsv4_common.core.model import ModelConfig
@@ -44,9 +45,14 @@ def resolve_model(spec: DeploymentSpec, namespace: str, kube: Kube) -> ResolvedM
     return model_from_text(spec, _read_key(kube, namespace, ref))
 
 
-def model_from_text(spec: DeploymentSpec, text: str) -> ResolvedModel:
+def model_from_text(
+    spec: DeploymentSpec, text: str, where: str = "--model-config"
+) -> ResolvedModel:
     """The configMapRef's model from the config.json text its ConfigMap holds (or a file's:
-    `dsv4 render --model-config`)."""
+    `dsv4 render --model-config`); for a configPath (a path on the operator's filesystem), the
+    text of that file, as the operator would read it there (no hash: it reads the path)."""
+    if spec.model.config_path is not None:
+        return ResolvedModel(model_from_config_path_text(spec, text, where))
     return ResolvedModel(model_from_config_map(spec, text), config_text_hash(text))
 
 

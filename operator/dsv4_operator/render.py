@@ -30,7 +30,8 @@ def desired_state_for(
     model_config: str | None = None,
 ) -> DesiredState:
     """Parse, plan and build; raises SpecError / MemoryPlanError naming the field.
-    `model_config`: the config.json text a `spec.model.configMapRef` names (no cluster here)."""
+    `model_config`: the config.json text a `spec.model.configMapRef` or `configPath` names
+    (no cluster here: neither can be read)."""
     if body.get("apiVersion") != API_VERSION or body.get("kind") != KIND:
         raise SpecError(
             [
@@ -45,8 +46,10 @@ def desired_state_for(
         )
     spec = parse_spec(body)
     meta = parse_meta(body, default_namespace=namespace or "default")
-    if model_config is not None and spec.model.config_map is None:
-        raise SpecError(["--model-config: the spec names no model.configMapRef"])
+    if model_config is not None and spec.model.preset is not None:
+        raise SpecError(
+            ["--model-config: the spec names a preset (model.preset), not a config.json"]
+        )
     model = model_from_text(spec, model_config) if model_config is not None else None
     memory = plan_memory(spec, model.config if model else None)  # a configMapRef needs `model`
     if not memory.context_fits:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from support import crd_support as S
 
-from dsv4_common.api.names import GPU_RESOURCE, SGLANG_TRANSFERS
+from dsv4_common.api.names import DSV4_TRANSFERS, GPU_RESOURCE, SGLANG_TRANSFERS
 
 SCHEMA: dict[str, Any] = S.crd_schema()
 
@@ -105,6 +105,9 @@ PREDICATES: dict[tuple[str, str], Callable[[Any], bool]] = {
     },
     ("spec", "self.engine.name != 'sglang' || !has(self.image)"): lambda s: (
         not _sglang(s) or "image" not in s
+    ),
+    ("spec", "self.engine.name == 'sglang' || self.kv.transfer != 'mooncake'"): lambda s: (
+        _sglang(s) or s["kv"]["transfer"] in DSV4_TRANSFERS
     ),
     ("spec", "self.engine.name != 'sglang' || self.kv.transfer != 'zmq'"): lambda s: (
         not _sglang(s) or s["kv"]["transfer"] in SGLANG_TRANSFERS

@@ -362,6 +362,6 @@ def test_cli_render_takes_the_config_as_a_file(
     ]
     assert volumes and all(v["configMap"]["name"] == "dsv4-flash-config" for v in volumes)
     assert main(["render", str(SAMPLES / "tiny-cpu.yaml"), "--model-config", str(config)]) == 2
-    assert "--model-config: the spec names no model.configMapRef" in capsys.readouterr().err
+    assert "--model-config: the spec names a preset (model.preset)" in capsys.readouterr().err
     assert main(["render", sample, "--model-config", str(tmp_path / "absent.json")]) == 2
     assert "--model-config" in capsys.readouterr().err

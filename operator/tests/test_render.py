@@ -3,13 +3,14 @@ and exit 2."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from repo_paths import SAMPLES
+from repo_paths import MODEL_DATA, SAMPLES
 
 from dsv4_cli.main import main
 from dsv4_common.api.deployment import plan_memory
@@ -77,3 +78,47 @@ def test_render_writes_plain_yaml_without_anchors(sample: str) -> None:
     text = render_file(SAMPLES / sample, namespace="demo")
     assert not [line for line in text.splitlines() if "&id" in line or "*id" in line]
     assert list(yaml.safe_load_all(text))
+
+
+# The config.json a sample's configMapRef or configPath (a cluster path) names, as published.
+SAMPLE_MODEL_CONFIGS = {
+    "flash-configmap.yaml": MODEL_DATA / "deepseek-v4-flash" / "config.json",
+    "pro-pd-pp.yaml": MODEL_DATA / "deepseek-v4-pro" / "config.json",
+}
+
+
+@pytest.mark.parametrize("sample", sorted(p.name for p in SAMPLES.glob("*.yaml")))
+def test_every_sample_renders_locally_as_the_docs_say(
+    sample: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`dsv4 render SAMPLE` (with `--model-config FILE` where the sample's config.json lives in
+    the cluster) exits 0; without the file such a sample says to give it."""
+    path = str(SAMPLES / sample)
+    extra = []
+    if sample in SAMPLE_MODEL_CONFIGS:
+        assert main(["render", path]) == 2
+        assert "--model-config" in capsys.readouterr().err
+        extra = ["--model-config", str(SAMPLE_MODEL_CONFIGS[sample])]
+    assert main(["render", path, *extra]) == 0, capsys.readouterr().err
+    assert any(d["kind"] == "StatefulSet" for d in yaml.safe_load_all(capsys.readouterr().out))
+
+
+def test_model_config_for_a_config_path_renders_as_the_file_at_that_path(tmp_path: Path) -> None:
+    """`--model-config FILE` for `configPath: /models/DeepSeek-V4-Pro/config.json` renders what
+    the operator renders with that file at that path (here: a copy in a directory of the same
+    name), the path (and the hashes of what holds it) aside."""
+    text = (MODEL_DATA / "deepseek-v4-pro" / "config.json").read_text()
+    local = tmp_path / "DeepSeek-V4-Pro" / "config.json"
+    local.parent.mkdir()
+    local.write_text(text)
+    body = yaml.safe_load((SAMPLES / "pro-pd-pp.yaml").read_text())
+    cluster_path = body["spec"]["model"]["configPath"]
+    from_file = render(body, namespace="demo", model_config=text)
+    body["spec"]["model"]["configPath"] = str(local)
+    at_the_path = render(body, namespace="demo")
+    assert cluster_path in from_file and str(local) in at_the_path
+
+    def unhashed(text: str) -> list[str]:  # the config hashes cover the path too
+        return [line for line in text.splitlines() if not re.search(r"-hash: [0-9a-f]+$", line)]
+
+    assert unhashed(from_file) == unhashed(at_the_path.replace(str(local), cluster_path))

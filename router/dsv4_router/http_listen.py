@@ -1,8 +1,9 @@
 """Listening for the apps of `http_guard`: the port is taken before a process does its slow
-start-up (`bind`: a busy port or a bad host fails at once, naming the flag), and the listener
-admits at most the guard's `max_connections` (`serve_on`): past it the oldest connection
-without a whole request is closed to make room (a slow or half-sent client cannot starve
-/health or a completion), and a new one gets a fast 503 only when every open one is busy.
+start-up (`bind`, from `listen_sockets`: a busy port or a bad host fails at once, naming the
+flag), and the listener admits at most the guard's `max_connections` (`serve_on`): past it
+the oldest connection without a whole request is closed to make room (a slow or half-sent
+client cannot starve /health or a completion), and a new one gets a fast 503 only when every
+open one is busy.
 `serve_on(..., fast=factory)`: new connections start on the factory's protocol (the router's
 `fast_path`), counted by the bound as `Guard.fast`, and closed when the listener stops.
 """
@@ -10,9 +11,7 @@ without a whole request is closed to make room (a slow or half-sent client canno
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import resource
 import socket
 import time
 from collections.abc import Callable
@@ -23,8 +22,11 @@ from aiohttp.web_runner import BaseRunner
 
 from dsv4_common.api.http_rules import OpenConnection, admit, error_document
 from dsv4_router.http_guard import ACCEPT_BATCH, GUARD, Guard, Held, new_protocol
+from dsv4_router.listen_sockets import LISTEN_BACKLOG as LISTEN_BACKLOG
+from dsv4_router.listen_sockets import ListenError as ListenError
+from dsv4_router.listen_sockets import bind as bind
+from dsv4_router.listen_sockets import raise_fd_limit as raise_fd_limit
 
-LISTEN_BACKLOG: Final = 1024
 REFUSED: Final = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
     b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
@@ -34,55 +36,6 @@ REFUSED_BODY: Final = json.dumps(
         "too many open connections; retry later", "server_error", code="too_many_connections"
     )
 ).encode()
-
-
-class ListenError(OSError):
-    """A host or port that cannot be listened on; the message names the flag."""
-
-
-def raise_fd_limit() -> int:
-    """Raise the soft open-file limit to the hard one (no privilege needed); the new soft."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-
-
-def bind(
-    host: str, port: int, flag: str = "--port", *, reuse_port: bool = False
-) -> list[socket.socket]:
-    """Listening sockets on every address `host` resolves to, all on one port (`port` 0: a
-    free one). ListenError names `--host` or `flag`. `reuse_port`: SO_REUSEPORT, so that
-    more sockets can be bound to the same port (the kernel spreads connections over them)."""
-    try:
-        infos = socket.getaddrinfo(
-            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )
-    except (socket.gaierror, UnicodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-        raise ListenError(f"--host: cannot listen on {host!r}: {reason}") from exc
-    sockets: list[socket.socket] = []
-    try:
-        for family, kind, proto, _, address in dict.fromkeys(infos):
-            sock = socket.socket(family, kind, proto)
-            sockets.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if reuse_port:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            if port == 0 and len(sockets) > 1:  # the same free port on every address
-                address = (address[0], sockets[0].getsockname()[1], *address[2:])
-            sock.bind(address)
-            sock.listen(LISTEN_BACKLOG)
-            sock.setblocking(False)
-    except OSError as exc:
-        for sock in sockets:
-            sock.close()
-        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        raise ListenError(f"{flag}: cannot listen on {where}: {exc.strerror or exc}") from exc
-    return sockets
 
 
 class _Refused(asyncio.Protocol):

@@ -28,18 +28,19 @@ from dsv4_common.api.pd_secret import (
     load_pd_secret,
     require_pd_secret,
 )
+from dsv4_common.api.names import DSV4_TRANSFERS
 from dsv4_common.api.rank_config import RankConfig, parse_rank_config
 from dsv4_common.core.layout import RequestState
 from dsv4_common.core.model import ModelConfig
 from dsv4_common.core.units import GIB
 from dsv4_common.plan.inputs import PlanInputs, Role
-from dsv4_worker.pp.group import PPSpec
+from dsv4_worker.pp.spec import PPSpec
 from dsv4_worker.server.api_options import ApiOptions
 
 CPU_MEMORY_GIB = 1.0  # what a CPU worker plans with when no device size is given
 QUICK_HOST = "127.0.0.1"
 DEPLOYED_HOST = "0.0.0.0"  # a pod listens on every address
-TRANSFERS = ("nixl", "zmq")  # the KV transfer backends this worker has
+TRANSFERS = DSV4_TRANSFERS  # the KV transfer backends this worker has
 
 
 class ServeError(Exception):
@@ -130,7 +131,7 @@ class ServeOptions:
         """The quick form: every value from the flags."""
         return cls(
             role=args.role,
-            device=args.device,
+            device=args.device or "cpu",
             model_source=args.model,
             host=args.host or QUICK_HOST,
             listen=(Listen(args.port, "--port"),),
@@ -195,7 +196,7 @@ class ServeOptions:
             )
         return cls(
             role=config.role,
-            device=args.device,
+            device=args.device or ("cpu" if config.plan.cpu_mode else "cuda"),
             model_source=config.model.source,
             host=host,
             listen=(

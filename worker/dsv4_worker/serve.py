@@ -10,16 +10,17 @@ A prefill worker also binds its KV control socket (`ports.kv`); a decode worker 
 prefill instances there (the router names one per request). The router role is
 `dsv4_router` (no torch); the CLI dispatches it before this module is imported.
 
-The HTTP ports are bound before the tokenizer and the weights are read: a busy port or a bad
-`--host` exits 2 at once (`--port 0` takes a free port and prints it). The HTTP rules for
-clients (timeouts, body size, a connection bound) are `dsv4_router.http_guard`'s; with an API
-key (`--api-key-file`, the rank config's api_key_file) every path but the probes wants it
-(`dsv4_common.api.api_key`), and a worker listening beyond loopback without one says so once.
+Before torch is imported, `start` runs `precheck` (the model, the device, the files, the
+prefill address, the plan, the ports: a mistake exits 2 at once naming its flag) and binds the
+HTTP ports (`--port 0` takes a free port and prints it); `build` takes what it decided. The
+HTTP rules for clients (timeouts, body size, a connection bound) are `dsv4_router.http_guard`'s;
+with an API key (`--api-key-file`, the rank config's api_key_file) every path but the probes
+wants it (`dsv4_common.api.api_key`), and a worker listening beyond loopback without one says
+so once.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import logging
@@ -38,21 +39,22 @@ from safetensors import SafetensorError
 from dsv4_common.api.api_key import exposed_without_key
 from dsv4_common.api.lifecycle import ABORT_GRACE_S, DRAIN_S
 from dsv4_common.api.worker_status import Threads, WorkerStatus
-from dsv4_common.core.model import DSV4Config, ModelConfig, ModelConfigError
-from dsv4_common.core.presets import PRESETS, load_model_config
+from dsv4_common.core.model import DSV4Config, ModelConfig
 from dsv4_common.plan.inputs import PlanError
 from dsv4_router.http_auth import require_api_key
 from dsv4_router.http_guard import make_runner
-from dsv4_router.http_listen import ListenError, bind, raise_fd_limit, serve_on
+from dsv4_router.http_listen import serve_on
 from dsv4_worker.build import Agent, wire
 from dsv4_worker.engine.grammar import GrammarCompiler
 from dsv4_worker.engine.role import Place
 from dsv4_worker.model.checkpoint import is_model_dir, load_checkpoint
+from dsv4_worker.model.files import SINGLE
 from dsv4_worker.model.ops import COMPUTE
 from dsv4_worker.model.weights import WeightsError, init_weights, load_weights, stage_weights
-from dsv4_worker.options import Listen, ServeError, ServeOptions, load_options
+from dsv4_worker.options import ServeError, ServeOptions
 from dsv4_worker.pp.group import build_stage
 from dsv4_worker.pp.link import StageLost
+from dsv4_worker.precheck import Prechecked, precheck
 from dsv4_worker.server.admission import AdmissionPolicy, default_policy
 from dsv4_worker.server.app import ServeInfo, build_app, build_status_app
 from dsv4_worker.server.drain import Drain, drain, engine_busy
@@ -63,8 +65,7 @@ from dsv4_worker.threads import configure_threads
 
 log = logging.getLogger(__name__)
 
-PACKAGED_MODELS = Path(__file__).resolve().parent / "models"  # a preset's shipped weights
-WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_FILE = SINGLE  # what a --weights directory without an index holds
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,13 +139,6 @@ def _load_model_dir(
     return loaded.params
 
 
-def packaged_weights(preset: str) -> str | None:
-    """The model directory shipped for a preset (dsv4_worker/models/NAME: tiny's is trained by
-    scripts/train_tiny.py), or None (random weights)."""
-    root = PACKAGED_MODELS / preset
-    return str(root) if preset in PRESETS and is_model_dir(root) else None
-
-
 def _tokenizer(path: str | None, model_source: str, vocab_size: int) -> Tokenizer:
     """--tokenizer, else the model directory's tokenizer.json (the byte tokenizer for a
     directory without one, and for presets)."""
@@ -159,7 +153,9 @@ def _device_memory(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
 
 
-def build(opts: ServeOptions) -> Built:
+def build(opts: ServeOptions, checked: Prechecked | None = None) -> Built:
+    """The worker of `opts`; `checked`: what `precheck` decided (run here when not given)."""
+    checked = checked or precheck(opts)
     device = _device(opts.device)
     pp = opts.pp
     # Before anything parallel runs (torch sets its inter-op pool once, before first use).
@@ -167,23 +163,14 @@ def build(opts: ServeOptions) -> Built:
     role = opts.role
     backend = opts.transfer
     source = opts.model_source
-    try:
-        model = load_model_config(source)
-    except ModelConfigError as exc:
-        raise ServeError(f"model: {exc}") from exc
+    model = checked.model
     _check_model(model, source)
-    host = opts.host
-    listeners = _bind_ports(host, opts.listen)  # before anything slow: a busy port fails now
+    listeners = checked.listeners
     try:
         tok = _tokenizer(opts.tokenizer, source, model.weights.vocab_size)
     except (OSError, ValueError, RuntimeError) as exc:
         raise ServeError(f"--tokenizer: {exc}") from exc
-    weights_path = opts.weights_path
-    if weights_path is None and is_model_dir(source):
-        weights_path = source  # `--model DIR`: the checkpoint beside its config.json
-    if weights_path is None and opts.seed is None:
-        weights_path = packaged_weights(source)  # a preset's shipped weights (tiny's: trained)
-    load = _weights(model, weights_path, opts.seed or 0, device)
+    load = _weights(model, checked.weights_path, opts.seed or 0, device)
     try:
         inputs, memory_bytes = opts.sizing.plan(model, _device_memory(device))
         stage = build_stage(inputs, load, device, pp, device_memory_bytes=memory_bytes)
@@ -233,7 +220,7 @@ def build(opts: ServeOptions) -> Built:
     app = app or build_app(runner, tok, info, metrics, limits)
     # The quick form's one port is its status port too (`dsv4_common.api.api_key`).
     require_api_key(app, opts.auth, status_port=len(listeners) == 1)
-    if (warning := exposed_without_key(host, opts.auth)) is not None:
+    if (warning := exposed_without_key(opts.host, opts.auth)) is not None:
         log.warning("%s", warning)
     if len(listeners) == 1:  # the quick form: the probes are on the API port
         return Built(runner, ((app, listeners[0]),), agent, info.drain)
@@ -255,14 +242,6 @@ def _admission_policy(opts: ServeOptions, max_running_requests: int) -> Admissio
     """The queue's bound and deadline: the options' (flags, else the rank config's), else
     derived from the request slots."""
     return default_policy(max_running_requests, opts.max_queue_requests, opts.queue_timeout_s)
-
-
-def _bind_ports(host: str, listen: tuple[Listen, ...]) -> list[list[socket.socket]]:
-    """The listening sockets of the API (and, deployed, the status port)."""
-    try:
-        return [bind(host, port, name) for port, name in listen]
-    except ListenError as exc:
-        raise ServeError(str(exc)) from exc
 
 
 AGENT_WATCH_S = 0.2  # how often `_serve` looks whether the PD agent's thread died
@@ -337,12 +316,10 @@ def _drain_rule(built: Built, drain_timeout_s: float) -> tuple[float, Callable[[
     return drain_timeout_s, lambda: engine_busy(built.runner)
 
 
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    raise_fd_limit()  # before the apps size their connection bound from it
+def run(opts: ServeOptions, checked: Prechecked) -> int:
+    """Build the worker and serve (`start.run` checked what it could before torch)."""
     try:
-        opts = load_options(args, os.environ)
-        built = build(opts)
+        built = build(opts, checked)
     except ServeError as exc:
         print(f"dsv4 serve: error: {exc}", file=sys.stderr)
         return 2

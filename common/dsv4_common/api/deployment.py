@@ -8,12 +8,14 @@ spec field to change.
 
 from __future__ import annotations
 
+import posixpath
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import Final
 
 from dsv4_common.api.names import WORKER_ROLES, WorkerRole
 from dsv4_common.api.spec import DeploymentSpec
-from dsv4_common.core.hf import parse_hf_config
+from dsv4_common.core.hf import config_model_name, parse_hf_config
 from dsv4_common.core.model import ModelConfig, ModelConfigError
 from dsv4_common.core.presets import load_model_config
 from dsv4_common.core.units import GIB
@@ -120,7 +122,8 @@ def load_model(spec: DeploymentSpec) -> ModelConfig:
         if spec.model.preset is None:
             hint = (
                 " (configPath is read where the plan is made: mount the model's config.json "
-                "into the operator pod, or render locally with the file at that path)"
+                "into the operator pod; without a cluster give the file: dsv4 render "
+                "--model-config FILE)"
             )
         raise MemoryPlanError(f"{field}: {exc}{hint}") from exc
 
@@ -133,6 +136,20 @@ def model_from_config_map(spec: DeploymentSpec, text: str) -> ModelConfig:
         return parse_hf_config(text, name=ref.name, where=f"ConfigMap {ref.name!r} key {ref.key!r}")
     except ModelConfigError as exc:
         raise MemoryPlanError(f"{CONFIG_MAP_REF_FIELD}: {exc}") from exc
+
+
+def model_from_config_path_text(spec: DeploymentSpec, text: str, where: str) -> ModelConfig:
+    """The model of `spec.model.configPath` from that file's text, read elsewhere (`dsv4 render
+    --model-config FILE`: the path is the cluster's); named as if read at that path."""
+    path = spec.model.config_path
+    assert path is not None, "the spec names no configPath"
+    file = PurePosixPath(posixpath.normpath(path))
+    if file.suffix != ".json":  # a model directory (as `load_model_config` reads one)
+        file = file / "config.json"
+    try:
+        return parse_hf_config(text, name=config_model_name(file), where=where)
+    except ModelConfigError as exc:
+        raise MemoryPlanError(f"spec.model.configPath: {exc}") from exc
 
 
 # PlanInputs fields -> the spec field that sets them ({role} filled in).

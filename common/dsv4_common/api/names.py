@@ -32,7 +32,9 @@ DEFAULT_TRANSFER: Final[Transfer] = "nixl"
 Engine = Literal["dsv4", "sglang"]
 ENGINES: Final[tuple[Engine, ...]] = ("dsv4", "sglang")
 DEFAULT_ENGINE: Final[Engine] = "dsv4"
-# The transfer backends both engines have (SGLang's --disaggregation-transfer-backend).
+# The transfer backends each engine has: our worker's (`dsv4 serve --transfer`; no Mooncake)
+# and SGLang's (--disaggregation-transfer-backend; no zmq).
+DSV4_TRANSFERS: Final[tuple[Transfer, ...]] = ("nixl", "zmq")
 SGLANG_TRANSFERS: Final[tuple[Transfer, ...]] = ("nixl", "mooncake")
 MAX_ENGINE_ARGS: Final = 64  # entries of spec.<role>.engineArgs
 MAX_ENGINE_ARG_LENGTH: Final = 1024

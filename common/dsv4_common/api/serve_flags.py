@@ -136,7 +136,12 @@ SERVE_FLAGS: Final = (
         reader="both",
         operator="the worker's ports",
     ),
-    Flag("--device", choices=("cpu", "cuda"), default="cpu"),
+    Flag(
+        "--device",
+        "where the engine runs (default: cpu; with --config-dir, cuda unless the rank config is "
+        "CPU mode)",
+        choices=("cpu", "cuda"),
+    ),
     Flag(
         "--weights",
         "a .safetensors file or a model directory (default: --model's directory, else seeded "

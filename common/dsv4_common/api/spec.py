@@ -20,6 +20,7 @@ from dsv4_common.api.names import (
     CPU_PRESETS,
     DEFAULT_ENGINE,
     DEFAULT_TRANSFER,
+    DSV4_TRANSFERS,
     ENGINES,
     GANG_SCHEDULERS,
     GPU_RESOURCE,
@@ -424,6 +425,12 @@ def _engine_rules(
                     f"spec.{role}.engineArgs",
                     "are SGLang flags: they need engine.name sglang (our worker takes none)",
                 )
+        if kv.transfer not in DSV4_TRANSFERS:
+            r.fail(
+                "spec.kv.transfer",
+                f"must be one of {list(DSV4_TRANSFERS)} with engine.name dsv4 (our worker has "
+                f"no {kv.transfer} backend; {kv.transfer} needs engine.name sglang)",
+            )
         return
     why = "with engine.name sglang"
     if image is not None:

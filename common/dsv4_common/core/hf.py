@@ -5,8 +5,10 @@ ModelConfigError naming it."""
 from __future__ import annotations
 
 import json
+import os
+import re
 from collections.abc import Mapping
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 from dsv4_common.core.hf_dsv4 import dsv4_from_hf, is_dsv4
@@ -19,14 +21,32 @@ from dsv4_common.core.model import (
     WeightShape,
 )
 
+# A Hugging Face hub cache snapshot: .../models--ORG--NAME/snapshots/REVISION/config.json
+_HUB_SNAPSHOT = re.compile(r"^models--(?P<repo>.+)$")
+
 
 def load_hf_config(path: Path) -> ModelConfig:
-    """Read a HuggingFace `config.json` file."""
+    """Read a HuggingFace `config.json` file; the model's name is `config_model_name`'s."""
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise ModelConfigError(f"{path}: cannot read ({exc})") from exc
-    return parse_hf_config(text, name=path.parent.name or path.stem, where=str(path))
+    where = PurePath(os.path.normpath(path.absolute()))
+    return parse_hf_config(text, name=config_model_name(where), where=str(path))
+
+
+def config_model_name(config_file: PurePath) -> str:
+    """The name of the model whose config.json is `config_file` (an absolute, normalized path):
+    its directory's name, except in a Hugging Face hub cache, whose snapshot directories are
+    named by revision: there, the repository id (`models--deepseek-ai--X/snapshots/REV` ->
+    `deepseek-ai/X`). A config.json's own fields are not used: DeepSeek-V4's carry no name,
+    transformers >= 5 writes none, and the `_name_or_path` older versions wrote is the path or
+    id the weights were loaded from (a fine-tune's base model, a training machine's path)."""
+    directory = config_file.parent
+    snapshots = directory.parent
+    if snapshots.name == "snapshots" and (hub := _HUB_SNAPSHOT.match(snapshots.parent.name)):
+        return hub["repo"].replace("--", "/")
+    return directory.name or config_file.stem
 
 
 def parse_hf_config(text: str, name: str, where: str = "config.json") -> ModelConfig:

@@ -25,7 +25,9 @@ own: `kv_cache_dtype` (default: fp8_e4m3 for an FP8 checkpoint, as released; els
 dtype, fp32 or bf16), `window_size` (DeepSeek's inference config's name for
 sliding_window) and `first_k_dense_replace` with `intermediate_size` (dense layers; the release
 has none).
-`release_config` is the inverse: a DSV4Config -> the release's form, which parses back to it.
+`release_config` is the inverse: a DSV4Config -> the release's form, which parses back to it;
+for a model whose ratios transformers' fixed table (0, 4, 128) does not map (tiny's 16) it
+adds `layer_types` + `compress_rates`, so transformers loads the file too.
 """
 
 from __future__ import annotations
@@ -190,8 +192,12 @@ def release_config(model: DSV4Config) -> dict[str, Any]:
         "tie_word_embeddings": False,
         "torch_dtype": _TORCH_DTYPE_NAMES[model.weight_dtype],
     }
-    if model.sparse_ratio != DEFAULT_COMPRESS_RATES[CSA]:
+    if _needs_layer_types(model):  # for transformers (the release's own loader ignores them)
         raw["compress_rates"] = {CSA: model.sparse_ratio, HCA: _hca_ratio(model)}
+        raw["layer_types"] = [
+            SLIDING if r == 0 else CSA if r == model.sparse_ratio else HCA
+            for r in model.target_ratios
+        ]
     if w.num_dense_layers:
         raw["first_k_dense_replace"] = w.num_dense_layers
         raw["intermediate_size"] = w.intermediate_size
@@ -227,6 +233,20 @@ def _default_kv_dtype(quantization: Quantization | None, weight_dtype: WeightDty
     if quantization is not None:
         return "fp8_e4m3"
     return "fp32" if weight_dtype == "fp32" else "bf16"
+
+
+# How transformers (5.24) turns a release's compress_ratios into layer types: a fixed table,
+# whatever compress_rates says; any other ratio needs layer_types + compress_rates beside them.
+TRANSFORMERS_RATIO_TYPES: dict[int, str] = {0: SLIDING, 4: CSA, 128: HCA}
+
+
+def _needs_layer_types(model: DSV4Config) -> bool:
+    """Whether compress_ratios alone would not load in transformers (a ratio outside its
+    table, or a CSA ratio other than 4), and one HCA ratio can say it (transformers has one)."""
+    ratios = set(model.target_ratios)
+    hca = ratios - {0, model.sparse_ratio}
+    unmapped = bool(ratios - TRANSFORMERS_RATIO_TYPES.keys())
+    return len(hca) <= 1 and (unmapped or model.sparse_ratio != DEFAULT_COMPRESS_RATES[CSA])
 
 
 def _hca_ratio(model: DSV4Config) -> int:

@@ -195,9 +195,14 @@ def load_model_config(preset_or_path: str) -> ModelConfig:
     path = Path(preset_or_path)
     if path.is_dir():
         path = path / "config.json"
+        if not path.is_file():
+            raise ModelConfigError(
+                f"model directory '{preset_or_path}' has no config.json (a HuggingFace model "
+                "directory holds config.json beside its safetensors weights)"
+            )
     if not path.is_file():
         raise ModelConfigError(
             f"model '{preset_or_path}' is neither a preset ({', '.join(sorted(PRESETS))}) "
-            "nor an existing config.json path"
+            "nor an existing config.json or model directory"
         )
     return load_hf_config(path)

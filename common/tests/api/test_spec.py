@@ -60,7 +60,7 @@ def test_full_gpu_spec_round_trips_every_field() -> None:
                     "weights": {"persistentVolumeClaim": "w", "path": "/models/f"},
                 },
                 **GPU_BOTH,
-                "kv": {"pageSize": 256, "swaRatio": "0.25", "transfer": "mooncake"},
+                "kv": {"pageSize": 256, "swaRatio": "0.25", "transfer": "zmq"},
                 "prefill": {"tensorParallel": 8, "pipelineParallel": 2, "chunkedPrefillTokens": 8},
                 "decode": {"tensorParallel": 8, "replicas": 3, "maxRunningRequests": 64},
                 "router": {"replicas": 2, "port": 9000},
@@ -72,7 +72,7 @@ def test_full_gpu_spec_round_trips_every_field() -> None:
         )
     )
     assert spec.model.weights is not None and spec.model.weights.path == "/models/f"
-    assert spec.kv == KVSpec(page_size=256, swa_ratio=0.25, transfer="mooncake")
+    assert spec.kv == KVSpec(page_size=256, swa_ratio=0.25, transfer="zmq")
     assert spec.prefill == RoleSpec(1, 2, 8, 8, None)
     assert spec.decode == RoleSpec(3, 1, 8, None, 64)
     assert spec.router == RouterSpec(2, 9000)

@@ -169,3 +169,22 @@ def test_a_model_config_json_cannot_describe_is_refused_naming_the_field(
     model = dataclasses.replace(tiny(), **change)
     with pytest.raises(ModelConfigError, match=field):
         release_config(model)
+
+
+@settings(max_examples=100, deadline=None)
+@given(model=dsv4_models())
+def test_transformers_reads_the_ratios_of_a_release_config(model: DSV4Config) -> None:
+    """transformers (5.24) folds compress_ratios by a fixed table (0, 4, 128): a model with
+    another ratio (tiny's 16) or CSA ratio is written with layer_types + compress_rates too,
+    whenever one HCA rate can say it, and transformers' config reads back our ratios."""
+    transformers = pytest.importorskip("transformers")
+    raw = release_config(model)
+    hca = set(model.target_ratios) - {0, model.sparse_ratio}
+    if len(hca) > 1:  # transformers has one HCA rate: such a model is ours alone
+        return
+    config = transformers.DeepseekV4Config(**raw)
+    rates = {"sliding_attention": 0, **config.compress_rates}
+    assert [rates[t] for t in config.layer_types] == list(model.target_ratios)
+    assert ("layer_types" in raw) == (
+        bool(set(model.target_ratios) - {0, 4, 128}) or model.sparse_ratio != 4
+    )

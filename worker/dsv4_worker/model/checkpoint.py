@@ -37,14 +37,12 @@ from dsv4_worker.model.checkpoint_plan import (
     expected_shape,
     stored_format,
 )
+from dsv4_worker.model.files import CONFIG, INDEX, SINGLE, is_model_dir
 from dsv4_worker.model.quant import FP8_BLOCK, dequantize_fp4, dequantize_fp8_block
 from dsv4_worker.model.weights import check_weights, stage_param_names
 
 __all__ = ["Checkpoint", "CheckpointError", "is_model_dir", "load_checkpoint"]
 
-CONFIG = "config.json"
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 _MAX_LISTED = 8
 
 
@@ -62,13 +60,6 @@ class Checkpoint:
 
     params: dict[str, torch.Tensor]
     mtp: dict[str, torch.Tensor]
-
-
-def is_model_dir(path: str | os.PathLike[str]) -> bool:
-    """A directory with config.json and safetensors weights (an index or one file)."""
-    root = Path(path)
-    has_weights = (root / INDEX).is_file() or (root / SINGLE).is_file()
-    return root.is_dir() and (root / CONFIG).is_file() and has_weights
 
 
 def load_checkpoint(

@@ -28,25 +28,13 @@ from dsv4_worker.mem.alloc_config import AllocatorConfig
 from dsv4_worker.mem.memory import KVMemory
 from dsv4_worker.model.weights import stage_param_names
 from dsv4_worker.pp.link import PipeLink
+from dsv4_worker.pp.spec import PPSpec
 from dsv4_worker.pp.stage import Follower, Leader
 from dsv4_worker.sched.budget import PoolRoom
 from dsv4_worker.sched.scheduler import SchedulerConfig
 
 # names -> the stage's weights (a subset of the checkpoint, or of seeded random weights)
 LoadWeights = Callable[[set[str]], Mapping[str, torch.Tensor]]
-
-
-@dataclass(frozen=True, slots=True)
-class PPSpec:
-    """This process's place in its PP group and where the group meets (rank 0's PP port)."""
-
-    rank: int
-    size: int
-    host: str
-    port: int
-    start_timeout_s: float = 300.0
-    timeout_s: float = 30.0
-    listen_host: str | None = None  # rank 0 listens here (the worker's --host); None: `host`
 
 
 @dataclass(frozen=True, slots=True)

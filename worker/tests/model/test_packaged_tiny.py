@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+from hf_support import hf_greedy
+
 from dsv4_common.core.presets import load_model_config, tiny
 from dsv4_worker.model.checkpoint import load_checkpoint
 from dsv4_worker.model.oracle import oracle_greedy
 from dsv4_worker.model.weights import init_weights, param_shapes
-from dsv4_worker.serve import PACKAGED_MODELS, packaged_weights
+from dsv4_worker.precheck import PACKAGED_MODELS, packaged_weights
 
 ROOT = PACKAGED_MODELS / "tiny"
 
@@ -35,3 +38,25 @@ def test_the_shipped_weights_load_and_write_english_words() -> None:
     # Trained, the continuation is mostly lowercase ASCII words, not byte noise.
     assert text.isprintable(), text
     assert len(words) >= 4 and sum(w.islower() for w in words) >= 3, text
+
+
+def test_transformers_loads_the_shipped_directory_and_continues_as_we_do() -> None:
+    """`from_pretrained` on the shipped directory as it is: every tensor found under the
+    release's names, and the same greedy tokens as our oracle. transformers maps the release's
+    compress_ratios by a fixed table (0, 4, 128), so config.json also carries layer_types and
+    compress_rates (HCA 16), as release_config writes them for such a model."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(
+        ROOT,
+        output_loading_info=True,
+        attn_implementation="eager",
+        experts_implementation="eager",  # float64 below: grouped_mm takes fp32/bf16 only
+    )
+    assert not any(info.values()), info  # nothing missing, unexpected or mis-shaped
+    model = model.double().eval()  # float64, as the oracle runs: the same greedy choices
+    prompt = list(b"This License applies to")
+    theirs, _ = hf_greedy(model, prompt, 16)
+    params = load_checkpoint(ROOT, tiny()).params
+    assert theirs == oracle_greedy(tiny(), params, prompt, 16)

@@ -18,7 +18,8 @@ from dsv4_common.plan.inputs import PlanInputs
 from dsv4_worker.engine.role import Role
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.model.weights import init_weights, stage_weights
-from dsv4_worker.pp.group import PPSpec, build_stage, stage_engine
+from dsv4_worker.pp.group import build_stage, stage_engine
+from dsv4_worker.pp.spec import PPSpec
 
 HOST = "127.0.0.1"
 

@@ -64,7 +64,7 @@ def test_the_tiny_preset_serves_its_shipped_weights_unless_a_seed_is_given(
     from dsv4_worker.model.checkpoint import load_checkpoint
     from dsv4_worker.model.oracle import oracle_greedy
     from dsv4_worker.model.weights import init_weights
-    from dsv4_worker.serve import PACKAGED_MODELS
+    from dsv4_worker.precheck import PACKAGED_MODELS
 
     if seed is None:
         weights = load_checkpoint(PACKAGED_MODELS / "tiny", tiny()).params

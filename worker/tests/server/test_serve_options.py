@@ -32,7 +32,7 @@ from dsv4_worker.options import (
     load_options,
     served_names,
 )
-from dsv4_worker.pp.group import PPSpec
+from dsv4_worker.pp.spec import PPSpec
 
 
 def args(*argv: str) -> argparse.Namespace:
@@ -225,6 +225,21 @@ def test_a_flag_the_config_holds_is_ignored(
     flag: str, value: str, option: str, kept: object
 ) -> None:
     assert getattr(deployed(flag, value), option) == kept
+
+
+@pytest.mark.parametrize(
+    ("cpu_mode", "flags", "device"),
+    [(True, (), "cpu"), (False, (), "cuda"), (False, ("--device", "cpu"), "cpu")],
+)
+def test_a_deployed_worker_runs_where_its_rank_config_was_planned(
+    cpu_mode: bool, flags: tuple[str, ...], device: str
+) -> None:
+    """A GPU deployment's pods (and `dsv4 up` workers) run on CUDA, a CPU-mode one on the CPU;
+    `--device` given wins."""
+    config = rank_config("decode")
+    config = replace(config, plan=replace(config.plan, cpu_mode=cpu_mode))
+    opts = ServeOptions.from_rank_config(config, args("--role", "decode", *flags))
+    assert opts.device == device
 
 
 def test_a_deployed_pp_stage_meets_at_rank_zero_of_its_group() -> None:
