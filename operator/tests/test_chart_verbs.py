@@ -6,9 +6,9 @@ by hand. Two sources, both the code's own:
   (kopf's finalizer and progress annotations); logger warnings become Events (created).
 - Every call the reconcile and the admission webhook make through the `Kube` protocol, recorded
   over scenarios that reach each call site (create, converge, restart a group, prune, a
-  configMapRef model, gang PodGroups, admission), as the API server authorizes them: an apply
-  that creates is `create`, one that updates `patch`; `delete_pods` is `deletecollection`;
-  `patch_status` is `patch` on `/status`.
+  configMapRef model, gang PodGroups, the Inference Extension's objects, admission), as the
+  API server authorizes them: an apply that creates is `create`, one that updates `patch`;
+  `delete_pods` is `deletecollection`; `patch_status` is `patch` on `/status`.
 
 Two grants are needed by the API server rather than called: `delete` on every managed kind
 (prune deletes any object of those kinds that carries our labels and is no longer planned, and
@@ -47,6 +47,8 @@ PLURALS = {
     "StatefulSet": "statefulsets",
     "Deployment": "deployments",
     "PodGroup": "podgroups",
+    "InferencePool": "inferencepools",
+    "HTTPRoute": "httproutes",
     "Pod": "pods",
     L.KIND: L.PLURAL,
 }
@@ -137,6 +139,23 @@ def _scenarios(make_body: Callable[..., dict[str, Any]]) -> Iterator[RecordingKu
         kube.inner.cr = other
         run_reconcile(kube.inner.cr, deps, LOG)
         yield kube
+    # The Inference Extension's objects: applied, re-applied after an edit, pruned.
+    body = make_body()
+    body["spec"]["gateway"] = {
+        "endpointPicker": {"name": "epp"},
+        "parentRefs": [{"name": "gw"}],
+        "allowFromNamespaces": ["gateway-system"],
+    }
+    kube = RecordingKube(FakeKube(body))
+    deps = Deps(kube, FakeProbe(), OperatorConfig(), ReconcileGate())
+    run_reconcile(kube.inner.cr, deps, LOG)
+    _drift(kube.inner)
+    run_reconcile(kube.inner.cr, deps, LOG)
+    without = copy.deepcopy(kube.inner.cr)
+    del without["spec"]["gateway"]
+    kube.inner.cr = without
+    run_reconcile(kube.inner.cr, deps, LOG)
+    yield kube
     # A configMapRef model: read from the API, by the reconcile and by the webhook.
     body = make_body("flash-configmap.yaml")
     kube = RecordingKube(FakeKube(body))

@@ -33,6 +33,7 @@ from typing import Final, Literal
 
 from dsv4_common.api.autoscaling_spec import AutoscalingSpec, RatioBand, RoleAutoscaling
 from dsv4_common.api.names import WORKER_ROLES, WorkerRole
+from dsv4_common.api.spec import DeploymentSpec
 
 TOLERANCE: Final = 0.1  # a figure within 10% of its target asks for no change (as the HPA)
 MAX_HISTORY: Final = 64  # recommendation change points kept (the window's, at most)
@@ -334,3 +335,9 @@ def _decision(w: _Wanted, replicas: int, target: int, now_s: float) -> RoleDecis
         memory=memory,
         changed=replicas != w.current,
     )
+
+
+def with_replicas(spec: DeploymentSpec, role: WorkerRole, replicas: int) -> DeploymentSpec:
+    """`spec` with `role` running `replicas` groups (what a decision applies)."""
+    changed = replace(spec.role(role), replicas=replicas)
+    return replace(spec, prefill=changed) if role == "prefill" else replace(spec, decode=changed)

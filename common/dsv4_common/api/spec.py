@@ -22,6 +22,7 @@ from dsv4_common.api.autoscaling_spec import (
 )
 from dsv4_common.api.errors import SpecError
 from dsv4_common.api.fields import FieldReader
+from dsv4_common.api.gateway_spec import GatewaySpec, parse_gateway
 from dsv4_common.api.names import (
     CPU_PRESETS,
     DEFAULT_ENGINE,
@@ -243,6 +244,8 @@ class DeploymentSpec:
     api_key: SecretKeyRef | None = None
     # What couples the roles' autoscaling.
     autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
+    # The Gateway API Inference Extension's objects (None: none rendered).
+    gateway: GatewaySpec | None = None
 
     def role(self, role: WorkerRole) -> RoleSpec:
         return self.prefill if role == "prefill" else self.decode
@@ -289,7 +292,7 @@ def parse_spec(body: Mapping[str, Any]) -> DeploymentSpec:
         "spec",
         {"model", "maxContextTokens", "gpu", "kv", "prefill", "decode", "router"}
         | {"speculativeDraftTokens", "memFraction", "image", "resources", "scheduling"}
-        | {"groupRestarts", "engine", "apiKey", "autoscaling"},
+        | {"groupRestarts", "engine", "apiKey", "autoscaling", "gateway"},
     )
     model = _model(r, spec.get("model"))
     max_context = r.integer(spec, "maxContextTokens", "spec", None, 1, 16_777_216, required=True)
@@ -311,6 +314,7 @@ def parse_spec(body: Mapping[str, Any]) -> DeploymentSpec:
     group_restarts = _group_restarts(r, spec.get("groupRestarts"))
     engine = _engine(r, spec.get("engine"))
     api_key = _api_key(r, spec.get("apiKey"))
+    gateway = parse_gateway(r, spec.get("gateway"))
     autoscaling = parse_autoscaling(
         r, spec.get("autoscaling"), {k: (v.replicas, v.autoscaling) for k, v in roles.items()}
     )
@@ -362,6 +366,7 @@ def parse_spec(body: Mapping[str, Any]) -> DeploymentSpec:
         engine=engine,
         api_key=api_key,
         autoscaling=autoscaling,
+        gateway=gateway,
     )
 
 
