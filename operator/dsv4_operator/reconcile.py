@@ -34,6 +34,14 @@ from dsv4_operator.objects import (
 )
 from dsv4_operator.observe import Observed, WorkerProbe, pod_state
 from dsv4_operator.restarts import format_time, records_from_status
+from dsv4_operator.scalers import (
+    SCALER_API_VERSION,
+    SCALER_KIND,
+    external,
+    external_roles,
+    external_spec,
+    scaler_name,
+)
 from dsv4_operator.status import STATUS_KEYS, Problem, summarize
 
 
@@ -158,6 +166,14 @@ def reconcile(
         figures = _latency(spec, meta, probe, seen, latency, now)
         scaled = autoscale(spec, meta.name, seen, previous, now, figures)
         spec = scaled.spec
+    elif external(spec):  # an HPA or KEDA sets the groups through each role's scaler
+        live_scalers = {
+            role: kube.get(
+                SCALER_API_VERSION, SCALER_KIND, meta.namespace, scaler_name(meta.name, role)
+            )
+            for role in external_roles(spec)
+        }
+        spec = external_spec(spec, live_scalers)
     try:
         desired = build_desired_state(
             spec,

@@ -102,6 +102,17 @@ exactly the verbs its code uses (operator/tests/test_chart_verbs.py reads them f
 - apiGroups: [gateway.networking.k8s.io]
   resources: [httproutes]
   verbs: [list, create, patch, delete]
+# spec.autoscaling.engine hpa|keda: each role's DSV4RoleScaler (read for the replicas the HPA
+# set), its HorizontalPodAutoscaler or KEDA ScaledObject.
+- apiGroups: [serving.dsv4.io]
+  resources: [dsv4rolescalers]
+  verbs: [get, list, create, patch, delete]
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [list, create, patch, delete]
+- apiGroups: [keda.sh]
+  resources: [scaledobjects]
+  verbs: [list, create, patch, delete]
 # The router Deployment and the config ConfigMap are children too; kopf also watches both (the
 # router's readiness, a configMapRef's edits), and the reconcile reads the router (get) and a
 # configMapRef's ConfigMap (get).

@@ -10,6 +10,7 @@ recorded on the caller's `FieldReader`, each naming its field (the CRD's rules s
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final, Literal, cast
@@ -30,6 +31,7 @@ PREFILL_TO_ZERO: Final = (
     "must be >= 1: prefill cannot scale to zero (a decode worker takes requests only with "
     "their KV from a prefill, and there is no colocated worker to route them to meanwhile)"
 )
+_URL: Final = re.compile(r"^https?://[^\s/]+(/\S*)?$")
 TARGET_KEYS: Final = (
     "queueDepthPerReplica",
     "kvUtilization",
@@ -88,6 +90,8 @@ class AutoscalingSpec:
     engine: ScalingEngine = "operator"
     ratio: RatioBand | None = None  # None: the roles scale independently
     max_skew: int = DEFAULT_MAX_SKEW  # groups a role may run outside the band while scaling
+    # engine keda: the Prometheus its ScaledObjects' triggers query (the workers' metrics).
+    prometheus_address: str | None = None
 
 
 def parse_role_autoscaling(
@@ -145,8 +149,20 @@ def parse_autoscaling(
     """`roles`: each role's (replicas, autoscaling), for the band's feasibility."""
     path = "spec.autoscaling"
     m = r.obj(raw, path)
-    r.keys(m, path, {"engine", "prefillDecodeRatio", "maxSkew"})
+    r.keys(m, path, {"engine", "prefillDecodeRatio", "maxSkew", "prometheusAddress"})
     engine = r.string(m, "engine", path, enum=SCALING_ENGINES) or "operator"
+    prometheus = r.string(
+        m,
+        "prometheusAddress",
+        path,
+        max_length=1024,
+        pattern=_URL,
+        pattern_hint="must be an http(s) URL such as http://prometheus.monitoring.svc:9090",
+    )
+    if engine == "keda" and prometheus is None:
+        r.fail(f"{path}.prometheusAddress", "required with engine keda (its triggers query it)")
+    elif engine != "keda" and prometheus is not None:
+        r.fail(f"{path}.prometheusAddress", f"is for engine keda, not {engine}")
     max_skew = r.integer(m, "maxSkew", path, DEFAULT_MAX_SKEW, 0, MAX_ROLE_REPLICAS)
     ratio: RatioBand | None = None
     if m.get("prefillDecodeRatio") is not None:
@@ -176,6 +192,7 @@ def parse_autoscaling(
         engine=cast(ScalingEngine, engine),
         ratio=ratio,
         max_skew=DEFAULT_MAX_SKEW if max_skew is None else max_skew,
+        prometheus_address=prometheus,
     )
 
 

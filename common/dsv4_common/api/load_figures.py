@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from dsv4_common.api.scaling import RoleFigures
-from dsv4_common.api.worker_status import WorkerStatus
+from dsv4_common.api.worker_status import Load, WorkerStatus
 
 POOLS: Final = ("full", "swa", "req_slots")
 TTFT_HISTOGRAM: Final = "dsv4_time_to_first_token_seconds"
@@ -36,8 +36,17 @@ _LE: Final = re.compile(r'le="(?P<le>[^"]+)"')
 Buckets = tuple[tuple[float, float], ...]
 
 
+def reports_load(status: WorkerStatus) -> bool:
+    """Whether the rank reported its load (`Load()`, the defaults, is a rank that reports
+    none: an older worker, or one not started)."""
+    return status.load != Load()
+
+
 def pool_utilization(status: WorkerStatus) -> dict[str, float]:
-    """Each pool's used fraction on one rank (pools it does not have are left out)."""
+    """Each pool's used fraction on one rank (pools it does not have are left out; none for a
+    rank that reports no load)."""
+    if not reports_load(status):
+        return {}
     cap, load = status.capacity, status.load
     out: dict[str, float] = {}
     for pool, total, free in (
@@ -70,7 +79,7 @@ def role_figures(
     groups: Mapping[str, Sequence[WorkerStatus]], latency: Latency | None = None
 ) -> RoleFigures | None:
     """The figures of a role whose groups (by name) reported these ranks; None if none did."""
-    reporting = {g: s for g, s in groups.items() if s}
+    reporting = {g: s for g, s in groups.items() if any(reports_load(r) for r in s)}
     if not reporting:
         return None
     per_group = {g: binding(s) for g, s in reporting.items()}

@@ -132,6 +132,9 @@ def test_the_binding_pool_is_the_fullest_of_three_on_the_fullest_rank() -> None:
     assert figures.kv_utilization == pytest.approx((0.9 + 0.5) / 2)
     assert figures.binding_pool == "full"
     assert role_figures({"g0": []}) is None
+    # A rank that reports no load (the defaults: an older worker) gives no figures.
+    silent = WorkerStatus(role="decode", pp_rank=0, capacity=RankCapacity(1000, 200, 10, 1000))
+    assert role_figures({"g0": [silent]}) is None
 
 
 METRICS = """# HELP dsv4_time_to_first_token_seconds TTFT
