@@ -40,6 +40,7 @@ from dsv4_local.plan import (
     PORTS_PER_RANK,
     GroupPlan,
     LaunchPlan,
+    PortAllocator,
     ProcessSpec,
     build_group,
     router_document,
@@ -89,6 +90,7 @@ class LocalAutoscaler:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         fetch: Callable[[str], WorkerStatus | None] = fetch_status,
+        ports: PortAllocator = free_ports,
     ) -> None:
         self._deployment = deployment
         self._plan = plan
@@ -99,6 +101,7 @@ class LocalAutoscaler:
         self._clock = clock
         self._wall = wall
         self._fetch = fetch
+        self._ports = ports
         self._next_s = clock() + interval_s
         self._memory: dict[WorkerRole, RoleMemory | None] = {r: None for r in WORKER_ROLES}
         self._retiring: list[tuple[float, str]] = []  # (when, unit name)
@@ -115,6 +118,12 @@ class LocalAutoscaler:
                     raw["host"], raw["http_port"], raw["status_port"], raw["kv_port"]
                 )
                 self._groups[role].append(_Group(replica, members, instance))
+        self._taken: set[int] = {
+            port
+            for groups in self._groups.values()
+            for g in groups
+            for port in (g.instance.http_port, g.instance.status_port, g.instance.kv_port)
+        }
         self.decisions: list[dict[WorkerRole, RoleDecision]] = []
 
     # ---- the loop ---------------------------------------------------------------------
@@ -179,7 +188,10 @@ class LocalAutoscaler:
         spec = self._deployment.spec
         replica = self._free_replica(role)
         pp_size = spec.role(role).pipeline_parallel
-        ports = iter(free_ports(PORTS_PER_RANK * pp_size, frozenset()))
+        # Not a port handed out before: a group started this step has not bound its own yet.
+        taken = self._ports(PORTS_PER_RANK * pp_size, frozenset(self._taken))
+        self._taken.update(taken)
+        ports = iter(taken)
         prefills = self._groups["prefill"]
         group: GroupPlan = build_group(
             self._deployment,
