@@ -68,13 +68,17 @@ class LatencyTracker:
         if before is None:
             self._snapshots[key] = _Snapshot(now_s, now)
             return None
+        for series, buckets in now.items():
+            # A pod seen for the first time (a new group) starts its window now: what it
+            # observed before is not this window's.
+            before.buckets.setdefault(series, buckets)
         if now_s - before.at_s < self.window_s:
             return self._last.get(key)
         q = percentile / 100
 
         def figure(name: str) -> float | None:
             deltas = [
-                bucket_delta(b, before.buckets.get((pod, hist), ()))
+                bucket_delta(b, before.buckets[(pod, hist)])
                 for (pod, hist), b in now.items()
                 if hist == name
             ]

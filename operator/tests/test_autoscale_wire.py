@@ -6,6 +6,7 @@ included; every status it writes passes the CRD's schema (the fake validates it)
 
 from __future__ import annotations
 
+import copy
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from dsv4_common.api.rank_config import parse_rank_config
 from dsv4_common.api.worker_status import Load, WorkerStatus, build_worker_status
 from dsv4_operator import labels as L
 from dsv4_operator.kube_api import ApiKube
+from dsv4_operator.latency import LatencyTracker
 from dsv4_operator.metrics import OperatorMetrics
 from dsv4_operator.probe import HttpWorkerProbe
 from dsv4_operator.reconcile import ReconcileResult, reconcile
@@ -62,10 +64,12 @@ class Cluster:
     probe: HttpWorkerProbe
     live: Live  # its StatefulSet controller and kubelet (no operator runs here)
 
+    latency: LatencyTracker | None = None
+
     def reconcile(self, at: datetime) -> ReconcileResult:
         body = self.server.get(L.API_VERSION, L.KIND, NS, "auto")
         assert body is not None
-        return reconcile(body, self.kube, self.probe, clock=lambda: at)
+        return reconcile(body, self.kube, self.probe, clock=lambda: at, latency=self.latency)
 
     def play_controllers(self) -> None:
         """The StatefulSet controller and the garbage collector: pods for every StatefulSet,
@@ -179,3 +183,46 @@ def test_a_load_series_scales_decode_without_flapping(cluster: Cluster) -> None:
     # The roles' readiness counts follow: decode 2 groups planned.
     assert cluster.status()["roles"]["decode"]["replicas"] == 2
     assert cluster.groups("prefill") == 1  # 1 prefill is within [0.25, 1] x 2 decode
+
+
+def ttft_text(fast: int, slow: int) -> bytes:
+    """A worker's TTFT histogram: `fast` answers under 0.1 s, `slow` between 1 and 2.5 s."""
+    name = "dsv4_time_to_first_token_seconds"
+    lines = [
+        f'{name}_bucket{{le="0.1"}} {fast}',
+        f'{name}_bucket{{le="1.0"}} {fast}',
+        f'{name}_bucket{{le="2.5"}} {fast + slow}',
+        f'{name}_bucket{{le="+Inf"}} {fast + slow}',
+    ]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def test_a_ttft_target_scales_from_the_histograms_of_the_last_window(cluster: Cluster) -> None:
+    """TTFT p90 from the decode workers' /metrics (deltas over a 15 s window): 10 fast then
+    10 slow answers put p90 in the slow bucket (about 2.2 s against a 1 s target on 1 group:
+    3 groups); the first scrape only opens the window."""
+    cluster.latency = LatencyTracker(window_s=15.0)
+    cluster.server.delete(L.API_VERSION, L.KIND, NS, "auto")
+    body = copy.deepcopy(SPEC)
+    body["spec"]["decode"]["autoscaling"] = {"maxReplicas": 3, "ttftSeconds": 1.0}
+    body["spec"]["autoscaling"] = {"engine": "operator"}
+    cluster.server.create(body, keep_status=False)
+    cluster.reconcile(T0 - timedelta(seconds=10))
+    cluster.play_controllers()
+    cluster.load(0)
+
+    def serve_metrics(text: bytes) -> None:
+        for pod in cluster.server.list("v1", "Pod", NS, f"{L.ROLE_LABEL}=decode"):
+            cluster.live.workers.metrics[cluster.live.ips[pod["metadata"]["name"]]] = text
+
+    serve_metrics(ttft_text(100, 0))
+    cluster.reconcile(T0)  # the window opens: no latency figure yet
+    assert "ttftSeconds" not in cluster.status()["autoscaling"]["decode"]["figures"]
+    assert cluster.groups("decode") == 1
+    serve_metrics(ttft_text(110, 10))  # since then: 10 fast, 10 slow
+    result = cluster.reconcile(T0 + timedelta(seconds=20))
+    entry = cluster.status()["autoscaling"]["decode"]
+    assert entry["figures"]["ttftSeconds"] == pytest.approx(1.0 + 1.5 * (18 - 10) / 10)
+    assert cluster.groups("decode") == 3
+    (change,) = result.scale_changes
+    assert "TTFT p90" in change.message
