@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Final, Literal
 
 from dsv4_common.api.autoscaling_spec import AutoscalingSpec, RatioBand, RoleAutoscaling
@@ -100,11 +100,7 @@ class RoleDecision:
     reason: Reason
     message: str  # the figure that decided it, for the Event and status
     memory: RoleMemory
-    changed: bool = field(default=False)
-
-    @property
-    def direction(self) -> str:
-        return "up" if self.reason == "ScaledUp" else "down" if self.reason == "ScaledDown" else ""
+    changed: bool = False  # replicas differ from the groups the role ran before
 
 
 def recommend(
