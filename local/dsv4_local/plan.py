@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -31,6 +31,7 @@ from dsv4_common.api.rank_config import (
     rank_config_to_dict,
     router_config_to_dict,
 )
+from dsv4_common.api.spec import DeploymentSpec
 from dsv4_common.plan.threads import torch_threads
 from dsv4_local.deployment import Deployment
 
@@ -78,6 +79,16 @@ class LaunchPlan:
     # The API key every process wants (written to `api_key_path`, which every config names);
     # None: no key.
     api_key: bytes | None = None
+    # What a group added later needs (`dsv4_local.autoscaler`): the router's ports, the torch
+    # threads of a rank, the interpreter.
+    router_status_port: int = 0
+    router_api_port: int = 0
+    torch_threads: int | None = None
+    python: str = sys.executable
+
+    @property
+    def api_key_file(self) -> str | None:
+        return str(self.api_key_path) if self.api_key is not None else None
 
     @property
     def log_dir(self) -> Path:
@@ -124,10 +135,15 @@ def build_launch_plan(
     groups = [
         (role, replica, spec.role(role).pipeline_parallel)
         for role in WORKER_ROLES
-        for replica in range(spec.role(role).replicas)
+        for replica in range(first_groups(spec, role))
     ]
     rank_count = sum(pp_size for _, _, pp_size in groups)
-    threads = None if cpus is None else torch_threads(cpus / rank_count)
+    # Torch threads: an equal share of the CPUs for every rank the deployment may run (an
+    # autoscaled role at its maxReplicas).
+    most_ranks = sum(
+        spec.role(role).pipeline_parallel * most_groups(spec, role) for role in WORKER_ROLES
+    )
+    threads = None if cpus is None else torch_threads(cpus / most_ranks)
     free = _allocate(
         allocate_ports,
         PORTS_PER_RANK * rank_count + 1 + (1 if fixed_port == 0 else 0),
@@ -138,60 +154,135 @@ def build_launch_plan(
     documents: dict[Path, dict[str, Any]] = {}
     instances: dict[WorkerRole, list[Instance]] = {role: [] for role in WORKER_ROLES}
     for role, replica, pp_size in groups:
-        group_pp_port = 0
-        for pp_rank in range(pp_size):
-            ports = WorkerPorts(*_take(free, PORTS_PER_RANK))
-            if pp_rank == 0:
-                group_pp_port = ports.pp
-            else:  # the group meets on rank 0's PP port (as on the pods' shared port number)
-                ports = dataclasses.replace(ports, pp=group_pp_port)
-            process = _worker(deployment, workdir, python, role, replica, pp_rank, ports)
-            if role == "decode" and instances["prefill"]:
-                # The prefill it handshakes with at start (the router names one per request).
-                first = instances["prefill"][0]
-                process = dataclasses.replace(
-                    process, argv=(*process.argv, "--prefill", f"{first.host}:{first.kv_port}")
-                )
-            config = build_rank_config(
-                spec,
-                deployment.meta,
-                deployment.memory,
-                role,
-                pp_rank,
-                peers_host_template=HOST,
-                role_services={r: HOST for r in WORKER_ROLES},
-                ports=ports,
-                torch_threads=threads,
-                api_key_file=key_file,
-                pd_secret_file=str(pd_secret_path(workdir)),
-            )
-            processes.append(process)
-            path = process.config_dir / rank_config_key(role, pp_rank)
-            documents[path] = rank_config_to_dict(config)
-            if pp_rank == SERVING_RANK:
-                instances[role].append(Instance(HOST, ports.http, ports.status, ports.kv))
+        group = build_group(
+            deployment,
+            workdir,
+            role,
+            replica,
+            [WorkerPorts(*_take(free, PORTS_PER_RANK)) for _ in range(pp_size)],
+            first_prefill=instances["prefill"][0] if instances["prefill"] else None,
+            python=python,
+            torch_threads=threads,
+            api_key_file=key_file,
+        )
+        processes.extend(group.processes)
+        documents.update(group.documents)
+        instances[role].append(group.instance)
 
     (status_port,) = _take(free, 1)
     api_port = fixed_port or _take(free, 1)[0]
-    router_config = build_router_config(
-        spec,
-        deployment.meta,
-        _endpoints(instances),
+    router_config = router_document(
+                deployment,
+        instances,
         status_port=status_port,
+        api_port=api_port,
         api_key_file=key_file,
         pd_secret_file=str(pd_secret_path(workdir)),
     )
-    router_config = dataclasses.replace(router_config, port=api_port)  # --port wins
     router = _router(workdir, python, status_port, api_port)
     processes.append(router)
-    documents[router.config_dir / ROUTER_CONFIG_KEY] = router_config_to_dict(router_config)
+    documents[router.config_dir / ROUTER_CONFIG_KEY] = router_config
     return LaunchPlan(
         workdir=workdir,
         processes=tuple(processes),
         documents=documents,
         router_url=f"http://{HOST}:{api_port}",
         api_key=api_key,
+        router_status_port=status_port,
+        router_api_port=api_port,
+        torch_threads=threads,
+        python=python,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class GroupPlan:
+    """One PP group's processes and config documents, and the instance the router lists."""
+
+    processes: tuple[ProcessSpec, ...]
+    documents: dict[Path, dict[str, Any]]
+    instance: Instance  # its serving rank (PP rank 0)
+
+
+def first_groups(spec: DeploymentSpec, role: WorkerRole) -> int:
+    """The groups `role` starts with: its replicas (clamped to its autoscaling range)."""
+    auto = spec.role(role).autoscaling
+    return auto.clamp(spec.role(role).replicas) if auto is not None else spec.role(role).replicas
+
+
+def most_groups(spec: DeploymentSpec, role: WorkerRole) -> int:
+    """The most groups `role` may run: its autoscaling maxReplicas, else its replicas."""
+    auto = spec.role(role).autoscaling
+    return auto.max_replicas if auto is not None else spec.role(role).replicas
+
+
+def build_group(
+    deployment: Deployment,
+    workdir: Path,
+    role: WorkerRole,
+    replica: int,
+    ports: list[WorkerPorts],
+    *,
+    first_prefill: Instance | None,
+    python: str = sys.executable,
+    torch_threads: int | None = None,
+    api_key_file: str | None = None,
+) -> GroupPlan:
+    """The processes of one PP group, one rank per entry of `ports`; the ranks meet on rank
+    0's PP port. A decode group handshakes with `first_prefill` at start."""
+    spec = deployment.spec
+    processes: list[ProcessSpec] = []
+    documents: dict[Path, dict[str, Any]] = {}
+    instance: Instance | None = None
+    group_pp_port = ports[0].pp
+    for pp_rank, rank_ports in enumerate(ports):
+        # The group meets on rank 0's PP port (as on the pods' shared port number).
+        rank_ports = dataclasses.replace(rank_ports, pp=group_pp_port)
+        process = _worker(deployment, workdir, python, role, replica, pp_rank, rank_ports)
+        if role == "decode" and first_prefill is not None:
+            # The prefill it handshakes with at start (the router names one per request).
+            where = f"{first_prefill.host}:{first_prefill.kv_port}"
+            process = dataclasses.replace(process, argv=(*process.argv, "--prefill", where))
+        config = build_rank_config(
+            spec,
+            deployment.meta,
+            deployment.memory,
+            role,
+            pp_rank,
+            peers_host_template=HOST,
+            role_services={r: HOST for r in WORKER_ROLES},
+            ports=rank_ports,
+            torch_threads=torch_threads,
+            api_key_file=api_key_file,
+            pd_secret_file=str(pd_secret_path(workdir)),
+        )
+        processes.append(process)
+        documents[process.config_dir / rank_config_key(role, pp_rank)] = rank_config_to_dict(config)
+        if pp_rank == SERVING_RANK:
+            instance = Instance(HOST, rank_ports.http, rank_ports.status, rank_ports.kv)
+    assert instance is not None, "a group has a serving rank"
+    return GroupPlan(tuple(processes), documents, instance)
+
+
+def router_document(
+    deployment: Deployment,
+    instances: Mapping[WorkerRole, Sequence[Instance]],
+    *,
+    status_port: int,
+    api_port: int,
+    api_key_file: str | None,
+    pd_secret_file: str,
+) -> dict[str, Any]:
+    """router.json listing exactly `instances` (the serving rank of every group)."""
+    config = build_router_config(
+        deployment.spec,
+        deployment.meta,
+        _endpoints(instances),
+        status_port=status_port,
+        api_key_file=api_key_file,
+        pd_secret_file=pd_secret_file,
+    )
+    return router_config_to_dict(dataclasses.replace(config, port=api_port))  # --port wins
 
 
 def _worker(
@@ -242,7 +333,9 @@ def _router(workdir: Path, python: str, status_port: int, api_port: int) -> Proc
     )
 
 
-def _endpoints(instances: dict[WorkerRole, list[Instance]]) -> dict[WorkerRole, RoleEndpoint]:
+def _endpoints(
+    instances: Mapping[WorkerRole, Sequence[Instance]],
+) -> dict[WorkerRole, RoleEndpoint]:
     """Each role's serving ranks; `port`/`bootstrap_port` are its first instance's."""
     return {
         role: RoleEndpoint(

@@ -57,8 +57,9 @@ ROUTER: Final = "router"
 STATUS_VERSION: Final = 1
 
 # starting: launched, not every member ready yet; ready: every member answers its ready URL;
-# waiting: stopped, restarts when the backoff has passed; gave_up: the budget is spent.
-UnitState = Literal["starting", "ready", "waiting", "gave_up"]
+# waiting: stopped, restarts when the backoff has passed; gave_up: the budget is spent;
+# stopping: the autoscaler retired it, its members drain and exit (then it is gone).
+UnitState = Literal["starting", "ready", "waiting", "gave_up", "stopping"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -104,6 +104,8 @@ class _Unit:
     restart_at_s: float | None = None  # while waiting
     exited_at_s: float | None = None  # the last exit while serving
     last_exit: str | None = None
+    added_at_s: float | None = None  # started by `add_unit` (while serving)
+    retire_by_s: float | None = None  # while stopping: SIGKILL what is left then
 
 
 class Supervisor:
@@ -211,14 +213,18 @@ class Supervisor:
                 next_progress_s += self._progress_interval_s
             time.sleep(self._poll_interval_s)
 
-    def serve(self, until: Callable[[], bool] = lambda: False) -> Outcome:
+    def serve(
+        self, until: Callable[[], bool] = lambda: False, every: Callable[[], None] | None = None
+    ) -> Outcome:
         """Keep the deployment serving until `until()` holds (DONE), a stop is requested
         (STOPPED) or every unit gave up (FAILED, reported); a unit that exits meanwhile is
-        restarted as `supervise.decide` says."""
+        restarted as `supervise.decide` says. `every()` runs on each pass (the autoscaler)."""
         while True:
             if self._stop_requested():
                 return Outcome.STOPPED
             self._tend()
+            if every is not None:
+                every()
             if until():
                 return Outcome.DONE
             if all(u.state == "gave_up" for u in self._units):
@@ -232,12 +238,71 @@ class Supervisor:
         until_s = min(due, default=float("inf")) - self._clock()
         return max(0.0, min(self._poll_interval_s, until_s))
 
+    # ---- units the autoscaler adds and retires ---------------------------------------------
+
+    def add_unit(self, name: str, specs: Sequence[ProcessSpec]) -> None:
+        """Start a new unit while serving (a PP group the autoscaler added): `starting` until
+        every member answers its ready URL, then tended like the others."""
+        unit = _Unit(Unit(name, tuple(s.name for s in specs)), tuple(specs))
+        unit.added_at_s = self._clock()
+        self._units.append(unit)
+        for spec in specs:
+            self._unit_of[spec.name] = unit
+        try:
+            for spec in specs:
+                unit.children.append(self._launch(spec, restart=None, append=True))
+        except OSError as exc:
+            self._say(f"{name}: cannot start ({exc}); giving up on it")
+            self._stop_children(unit.children, self._restart_stop_grace_s)
+            unit.children = []
+            unit.state = "gave_up"
+        else:
+            pids = ", ".join(f"{c.spec.name} pid {c.popen.pid}" for c in unit.children)
+            self._say(f"{name} started: {pids}")
+        self._write_status()
+
+    def retire_unit(self, name: str) -> None:
+        """SIGTERM a unit's members: they drain (finish what they hold, take nothing new) and
+        exit; past `stop_grace_s` what is left is killed. The unit is gone once they exited."""
+        unit = next((u for u in self._units if u.unit.name == name), None)
+        if unit is None or unit.state == "stopping":
+            return
+        for child in unit.children:
+            _signal_group(child.popen.pid, signal.SIGTERM)
+        unit.state = "stopping"
+        unit.retire_by_s = self._clock() + self._stop_grace_s
+        self._say(f"{name} retired: draining")
+        self._write_status()
+
+    def unit_states(self) -> dict[str, UnitState]:
+        return {u.unit.name: u.state for u in self._units}
+
+    def _tend_stopping(self, unit: _Unit) -> None:
+        if any(c.popen.poll() is None for c in unit.children):
+            if self._clock() < (unit.retire_by_s or 0.0):
+                return
+            self._say(f"{unit.unit.name} still running {self._stop_grace_s:g} s after SIGTERM")
+        for child in unit.children:  # what is left of the groups (all of it, past the grace)
+            _signal_group(child.popen.pid, signal.SIGKILL)
+        for child in unit.children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.popen.wait(timeout=self._restart_stop_grace_s)
+        self._units.remove(unit)
+        for member in unit.unit.members:
+            if self._unit_of.get(member) is unit:
+                del self._unit_of[member]
+        self._say(f"{unit.unit.name} stopped")
+        self._write_status()
+
     # ---- restarting ----------------------------------------------------------------------
 
     def _tend(self) -> None:
         """One pass over the units: exits -> decisions, due restarts -> starts, restarted
         members -> ready."""
-        for unit in self._units:
+        for unit in list(self._units):
+            if unit.state == "stopping":
+                self._tend_stopping(unit)
+                continue
             if unit.state in ("starting", "ready"):
                 self._check_exit(unit)
             if unit.state == "ready":
@@ -322,8 +387,12 @@ class Supervisor:
                 child.ready_after_s = self._clock() - (unit.exited_at_s or 0.0)
         if all(c.ready_after_s is not None for c in unit.children):
             unit.state = "ready"
-            after_s = self._clock() - (unit.exited_at_s or 0.0)
-            self._say(f"{unit.unit.name} ready again ({after_s:.1f} s after the exit)")
+            if unit.exited_at_s is None and unit.added_at_s is not None:
+                after_s = self._clock() - unit.added_at_s
+                self._say(f"{unit.unit.name} ready ({after_s:.1f} s after its start)")
+            else:
+                after_s = self._clock() - (unit.exited_at_s or 0.0)
+                self._say(f"{unit.unit.name} ready again ({after_s:.1f} s after the exit)")
             self._write_status()
 
     # ---- stopping ----------------------------------------------------------------------------
@@ -406,10 +475,11 @@ class Supervisor:
 
     # ---- helpers -------------------------------------------------------------------------
 
-    def _launch(self, spec: ProcessSpec, *, restart: int | None) -> _Child:
-        """Start one process, its output appended to its log (a restart adds a marker)."""
+    def _launch(self, spec: ProcessSpec, *, restart: int | None, append: bool = False) -> _Child:
+        """Start one process, its output appended to its log (a restart adds a marker; so
+        does a unit added again under a name it had before)."""
         log_path = self.log_path(spec.name)
-        with log_path.open("wb" if restart is None else "ab") as log:
+        with log_path.open("wb" if restart is None and not append else "ab") as log:
             what = "" if restart is None else f" restart {restart}:"
             log.write(f"# dsv4 up:{what} {shlex.join(spec.argv)}\n".encode())
             log.flush()

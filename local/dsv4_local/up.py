@@ -35,6 +35,13 @@ import yaml
 from dsv4_common.api.api_key import API_KEY_ENV, ApiKeyError, parse_api_key, read_api_key_file
 from dsv4_common.api.deployment import MemoryPlanError
 from dsv4_common.api.spec import SpecError
+from dsv4_local.autoscaler import (
+    DECISIONS_FILE,
+    DEFAULT_INTERVAL_S,
+    LocalAutoscaler,
+    autoscale_every,
+    scales,
+)
 from dsv4_local.completion import Completion, CompletionError, request_completion
 from dsv4_local.deployment import Deployment, device_problem, parse_deployment
 from dsv4_local.plan import LaunchPlan, ProcessSpec, build_launch_plan
@@ -93,7 +100,7 @@ def run(args: argparse.Namespace, *, missing_gpu: Callable[[], str] = lambda: ""
     request = None
     if args.request is not None:
         request = CompletionRequest(prompt=args.request, max_tokens=args.max_tokens)
-    code = launch(plan, timeout_s=args.timeout_s, request=request)
+    code = launch(plan, timeout_s=args.timeout_s, request=request, deployment=deployment)
     if temporary and not args.keep_workdir and code == EXIT_OK:
         shutil.rmtree(workdir, ignore_errors=True)
     else:
@@ -147,8 +154,12 @@ def launch(
     err: TextIO = sys.stderr,
     stop_grace_s: float = STOP_GRACE_S,
     policy: RestartPolicy | None = None,
+    deployment: Deployment | None = None,
+    autoscale_interval_s: float = DEFAULT_INTERVAL_S,
 ) -> int:
-    """Run the plan's processes (see the module docstring); call from the main thread."""
+    """Run the plan's processes (see the module docstring); call from the main thread. With
+    the `deployment` and a role that autoscales, its groups scale while it serves
+    (`autoscaler`)."""
     with StopSignals() as signals:
         with Supervisor(
             plan.processes,
@@ -160,7 +171,12 @@ def launch(
             policy=policy,
             status_path=plan.status_path,
         ) as supervisor:
-            code = _supervise(supervisor, plan, timeout_s, request, out, err)
+            scaler = None
+            if deployment is not None and scales(deployment):
+                scaler = LocalAutoscaler(
+                    deployment, plan, supervisor, out=err, interval_s=autoscale_interval_s
+                )
+            code = _supervise(supervisor, plan, timeout_s, request, out, err, scaler)
             received = signals.received
             why = f" ({signal.Signals(received).name})" if received is not None else ""
             print(f"{PREFIX} stopping{why}", file=err, flush=True)
@@ -175,6 +191,7 @@ def _supervise(
     request: CompletionRequest | None,
     out: TextIO,
     err: TextIO,
+    scaler: LocalAutoscaler | None = None,
 ) -> int:
     """Start, wait until ready, then serve or send the request; the caller stops."""
     started_s = time.monotonic()
@@ -199,6 +216,14 @@ def _supervise(
     print(summary, file=out, flush=True)
     print(f"{PREFIX} {policy_line(supervisor.policy)}", file=err, flush=True)
     print(f"{PREFIX} Ctrl-C stops every process (again: ends their drains)", file=err, flush=True)
+    if scaler is not None:
+        print(
+            f"{PREFIX} autoscaling: decided every {autoscale_every(scaler):g} s from the "
+            f"workers' /status (decisions in {plan.workdir / DECISIONS_FILE})",
+            file=err,
+            flush=True,
+        )
+        return _exit_code(supervisor.serve(every=scaler.tick))
     return _exit_code(supervisor.serve())
 
 

@@ -377,3 +377,39 @@ def test_tail_lines(tmp_path: Path) -> None:
     log.write_text("".join(f"{i}\n" for i in range(100)))
     assert tail_lines(log, 3) == ["97", "98", "99"]
     assert tail_lines(tmp_path / "missing.log", 3) == []
+
+
+def test_a_unit_added_while_serving_gets_ready_and_a_retired_one_drains_and_goes(
+    stand_ins: StandIns, tmp_path: Path
+) -> None:
+    """What the autoscaler asks of the supervisor: start a group while serving (`add_unit`),
+    tended like the others until ready; SIGTERM a group (`retire_unit`), which is gone once its
+    processes exited, its grandchildren with them."""
+    out = io.StringIO()
+    specs = [
+        stand_ins.spec("decode-0", "ready", role="decode", replica=0),
+        stand_ins.spec("router", "ready"),
+    ]
+    with supervisor(specs, tmp_path, out) as sup:
+        assert sup.start()
+        assert sup.wait_ready(DEADLINE_S) is Outcome.READY
+        added = stand_ins.spec("decode-1", "ready", grandchild=True, role="decode", replica=1)
+        sup.add_unit("decode-1", [added])
+        assert sup.unit_states()["decode-1"] == "starting"
+        deadline = time.monotonic() + DEADLINE_S
+        outcome = sup.serve(
+            until=lambda: (
+                sup.unit_states().get("decode-1") == "ready" or time.monotonic() > deadline
+            )
+        )
+        assert outcome is Outcome.DONE and sup.unit_states()["decode-1"] == "ready"
+        stand_ins.wait_pid("decode-1", grandchild=True)
+        sup.retire_unit("decode-1")
+        assert sup.unit_states()["decode-1"] == "stopping"
+        sup.serve(until=lambda: "decode-1" not in sup.unit_states() or time.monotonic() > deadline)
+        assert set(sup.unit_states()) == {"decode-0", "router"}
+        assert set(sup.pids) == {"decode-0", "router"}
+    text = out.getvalue()
+    assert re.search(r"^dsv4 up: decode-1 ready \(\d+\.\d s after its start\)$", text, re.M)
+    assert "dsv4 up: decode-1 retired: draining" in text and "dsv4 up: decode-1 stopped" in text
+    stand_ins.assert_all_gone()

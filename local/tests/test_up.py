@@ -156,6 +156,8 @@ def test_good_input_reaches_launch_with_its_documents_written(
     flags = ["--port", "0", "--workdir", str(workdir), "--timeout-s", "7"]
     assert main(["up", str(file), *flags, "--request", "hi", "--max-tokens", "5"]) == 0
     ((plan, kwargs),) = launched.calls
+    deployment = kwargs.pop("deployment")  # what the autoscaler runs on (`autoscaler`)
+    assert deployment.spec.decode.replicas == 2
     assert kwargs == {"timeout_s": 7.0, "request": CompletionRequest("hi", 5)}
     assert plan.workdir == workdir and plan.log_dir.is_dir()
     assert [p.name for p in plan.processes] == ["prefill-0", "decode-0", "decode-1", "router"]

@@ -38,6 +38,7 @@ from dsv4_operator import labels as L
 from dsv4_operator.config import OperatorConfig
 from dsv4_operator.gate import ReconcileGate, deployment_key
 from dsv4_operator.kube import Kube, KubeError
+from dsv4_operator.latency import LatencyTracker
 from dsv4_operator.metrics import OperatorMetrics
 from dsv4_operator.modelsource import config_map_index
 from dsv4_operator.observe import WorkerProbe
@@ -53,6 +54,7 @@ GROUP_FAILED: Final = (
 T = TypeVar("T")
 AnyLogger = logging.Logger | logging.LoggerAdapter[Any]
 Warn = Callable[[Mapping[str, Any], str, str], None]  # (CR body, Event reason, message)
+Inform = Warn  # the same for a Normal Event
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +69,7 @@ class Deps:
     clock: Callable[[], datetime] = utc_clock  # restart backoff runs on it
     # The deployments whose PD Secret this process created or found (`reconcile`'s step 6).
     pd_secrets: set[str] = field(default_factory=set)
+    latency: LatencyTracker | None = None  # None: latency targets have no figures
 
     @classmethod
     def from_memo(cls, memo: kopf.Memo) -> Deps:
@@ -78,11 +81,16 @@ class Deps:
             memo["metrics"],
             memo.get("clock", utc_clock),
             memo.setdefault("pd_secrets", set()),
+            memo.get("latency"),
         )
 
 
 def run_reconcile(
-    body: Mapping[str, Any], deps: Deps, logger: AnyLogger, warn: Warn | None = None
+    body: Mapping[str, Any],
+    deps: Deps,
+    logger: AnyLogger,
+    warn: Warn | None = None,
+    inform: Inform | None = None,
 ) -> ReconcileResult | None:
     """Reconcile under the deployment's lock and translate the outcome for kopf
     (PermanentError / TemporaryError). The CR is read again inside the lock: kopf's `body` can
@@ -94,12 +102,21 @@ def run_reconcile(
     with deps.gate.lock(deployment_key(namespace, name)):
         done = _reconcile_current(namespace, name, deps, logger)
     if done is not None:
-        _announce(done[1], done[0], warn)
+        _announce(done[1], done[0], warn, inform)
     return done[1] if done is not None else None
 
 
-def _announce(result: ReconcileResult, body: Mapping[str, Any], warn: Warn | None) -> None:
-    """One Warning Event per group restarted or failed, whichever path reconciled."""
+def _announce(
+    result: ReconcileResult,
+    body: Mapping[str, Any],
+    warn: Warn | None,
+    inform: Inform | None = None,
+) -> None:
+    """One Warning Event per group restarted or failed, and one Normal Event per role the
+    autoscaler resized (reason ScaledUp or ScaledDown), whichever path reconciled."""
+    if inform is not None:
+        for change in result.scale_changes:
+            inform(body, change.reason, change.text)
     if warn is None:
         return
     for action in result.group_actions:
@@ -126,6 +143,7 @@ def _reconcile_current(
             config=deps.config,
             clock=deps.clock,
             pd_secrets=deps.pd_secrets,
+            latency=deps.latency,
         )
     except KubeError as exc:
         if exc.namespace_terminating:
@@ -152,6 +170,8 @@ def _reconcile_current(
         logger.info("group %s: %s (%s)", action.group, action.message, action.reason)
     for group in result.failed_groups:
         logger.info("group %s: GroupFailed: %s", group, GROUP_FAILED)
+    for change in result.scale_changes:
+        logger.info("autoscaling: %s (%s)", change.text, change.reason)
     if result.problem is not None:
         message = f"{result.problem.reason}: {result.problem.message}"
         if result.permanent:
@@ -173,12 +193,18 @@ async def in_thread(memo: kopf.Memo, fn: Callable[[], T]) -> T:
     )
 
 
+def _reconcile_posting(
+    body: Mapping[str, Any], deps: Deps, logger: AnyLogger
+) -> ReconcileResult | None:
+    return run_reconcile(body, deps, logger, warn=_post_warning, inform=_post_info)
+
+
 @kopf.on.create(L.GROUP, L.VERSION, L.PLURAL)
 @kopf.on.update(L.GROUP, L.VERSION, L.PLURAL)
 @kopf.on.resume(L.GROUP, L.VERSION, L.PLURAL)
 async def on_change(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     deps = Deps.from_memo(memo)
-    await in_thread(memo, lambda: run_reconcile(body, deps, logger, warn=_post_warning))
+    await in_thread(memo, lambda: _reconcile_posting(body, deps, logger))
 
 
 @kopf.timer(L.GROUP, L.VERSION, L.PLURAL, interval=RECONCILE_INTERVAL_S, initial_delay=5.0)
@@ -186,7 +212,7 @@ async def on_timer(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: A
     # A permanent problem is already in status and was raised by the change handler.
     deps = Deps.from_memo(memo)
     with contextlib.suppress(kopf.PermanentError):
-        await in_thread(memo, lambda: run_reconcile(body, deps, logger, warn=_post_warning))
+        await in_thread(memo, lambda: _reconcile_posting(body, deps, logger))
 
 
 def reconcile_owner(
@@ -195,6 +221,7 @@ def reconcile_owner(
     deps: Deps,
     logger: AnyLogger,
     warn: Warn | None = None,
+    inform: Inform | None = None,
 ) -> ReconcileResult | None:
     """Reconcile the DSV4Deployment `namespace/name` because a watched child (a worker pod, the
     router Deployment) changed; None when the event was coalesced into a reconcile already
@@ -210,7 +237,7 @@ def reconcile_owner(
             return None
     if done is None:
         return None
-    _announce(done[1], done[0], warn)
+    _announce(done[1], done[0], warn, inform)
     return done[1]
 
 
@@ -226,10 +253,19 @@ def forget_deployment(namespace: str, name: str, deps: Deps) -> None:
     """The CR is gone: drop its metric series, after any reconcile of it still in flight."""
     with deps.gate.lock(deployment_key(namespace, name)):
         deps.metrics.forget(namespace, name)
+        if deps.latency is not None:
+            deps.latency.forget((namespace, name))
 
 
 def _post_warning(body: Mapping[str, Any], reason: str, message: str) -> None:
     kopf.warn(kopf.Body(cast(kopf.RawBody, dict(body))), reason=reason, message=message)
+
+
+def _post_info(body: Mapping[str, Any], reason: str, message: str) -> None:
+    # kopf.event, not kopf.info: settings.posting.level (WARNING) filters only the loggers' and
+    # kopf.info's posts, and a scale change is worth an Event at any level.
+    body_ = kopf.Body(cast(kopf.RawBody, dict(body)))
+    kopf.event(body_, type="Normal", reason=reason, message=message)
 
 
 @kopf.on.event("", "v1", "pods", labels={L.DEPLOYMENT_LABEL: kopf.PRESENT})
@@ -249,7 +285,10 @@ async def on_child_event(
     if namespace:
         deps, owner = Deps.from_memo(memo), labels[L.DEPLOYMENT_LABEL]
         await in_thread(
-            memo, lambda: reconcile_owner(namespace, owner, deps, logger, warn=_post_warning)
+            memo,
+            lambda: reconcile_owner(
+                namespace, owner, deps, logger, warn=_post_warning, inform=_post_info
+            ),
         )
 
 
@@ -276,7 +315,7 @@ async def on_config_map_event(
 
     def reconcile_them() -> None:
         for deployment in sorted(set(index[key])):
-            reconcile_owner(key[0], deployment, deps, logger, warn=_post_warning)
+            reconcile_owner(key[0], deployment, deps, logger, warn=_post_warning, inform=_post_info)
 
     await in_thread(memo, reconcile_them)
 

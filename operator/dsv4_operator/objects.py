@@ -24,6 +24,7 @@ from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec, PodTemplate, Sp
 from dsv4_operator import labels as L
 from dsv4_operator.flavors import flavor_of
 from dsv4_operator.gang import POD_GROUP_KINDS, build_pod_group
+from dsv4_operator.gie import GIE_KINDS, build_gateway_objects
 from dsv4_operator.manifests import (
     DEFAULT_OPERATOR_NAMESPACE,
     Obj,
@@ -38,6 +39,7 @@ from dsv4_operator.manifests import (
 )
 from dsv4_operator.pod_security import DEFAULT_LEVEL, Level
 from dsv4_operator.podtemplate import merge_pod_template
+from dsv4_operator.scalers import OPTIONAL_SCALER_KINDS, SCALER_KINDS, build_scaling_objects
 from dsv4_operator.workerconfig import ROUTER_CONFIG_KEY, config_data, role_config_data
 from dsv4_operator.workloads import (
     DEFAULT_WORKER_IMAGE,
@@ -62,10 +64,14 @@ MANAGED_KINDS: tuple[tuple[str, str], ...] = (
     ("apps/v1", "StatefulSet"),
     ("apps/v1", "Deployment"),
     *POD_GROUP_KINDS,
+    *GIE_KINDS,
+    *SCALER_KINDS,
 )
 # Kinds served only where their add-on is installed: a cluster that does not serve one holds
 # none of ours (the pruner skips it).
-OPTIONAL_KINDS: frozenset[tuple[str, str]] = frozenset(POD_GROUP_KINDS)
+OPTIONAL_KINDS: frozenset[tuple[str, str]] = frozenset(
+    (*POD_GROUP_KINDS, *GIE_KINDS, *OPTIONAL_SCALER_KINDS)
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +235,8 @@ def build_desired_state(
     if errors:
         raise SpecError(errors)
     objects.append(build_router_service(meta, spec.router.port))
+    objects.extend(build_gateway_objects(meta, spec.gateway))  # the Inference Extension's
+    objects.extend(build_scaling_objects(meta, spec))  # an HPA's or KEDA's targets
     workloads.append(router)
     objects.extend(workloads)  # last: everything they mount or join exists first
     return DesiredState(

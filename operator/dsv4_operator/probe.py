@@ -61,6 +61,24 @@ class HttpWorkerProbe:
     def fetch(self, pods: Sequence[PodState]) -> dict[str, Mapping[str, Any]]:
         return self._fan_out([p for p in pods if _serving(p)], self.port, "/status")
 
+    def metrics(self, pods: Sequence[PodState]) -> dict[str, str]:
+        """Each serving pod's /metrics text (the autoscaler's latency histograms)."""
+        targets = [p for p in pods if _serving(p)]
+        if not targets:
+            return {}
+
+        def one(pod: PodState) -> tuple[str, str | None]:
+            url = f"http://{pod.ip}:{self.port}/metrics"
+            try:
+                with urllib.request.urlopen(url, timeout=self.timeout_s) as resp:
+                    return pod.name, resp.read().decode("utf-8", errors="replace")
+            except OSError:
+                return pod.name, None
+
+        with ThreadPoolExecutor(max_workers=min(PROBE_THREADS, len(targets))) as pool:
+            results = list(pool.map(one, targets))
+        return {name: text for name, text in results if text is not None}
+
     def server_info(self, pods: Sequence[PodState]) -> dict[str, Mapping[str, Any]]:
         # Only PP rank 0 of an SGLang group runs the HTTP server.
         targets = [p for p in pods if _serving(p) and p.pp_rank == 0]

@@ -14,14 +14,18 @@ from datetime import UTC, datetime
 from typing import Any
 
 from dsv4_common.api.deployment import MemoryPlan, MemoryPlanError, plan_memory
+from dsv4_common.api.load_figures import Latency
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec, SpecError, parse_meta, parse_spec
 from dsv4_operator import labels as L
+from dsv4_operator.autoscale import STATUS_KEY as AUTOSCALING_KEY
+from dsv4_operator.autoscale import Autoscaled, Change, autoscale, operator_scales
 from dsv4_operator.config import DEFAULT_CONFIG, OperatorConfig
 from dsv4_operator.diff import needs_apply, status_patch
 from dsv4_operator.flavors import flavor_of
 from dsv4_operator.groups import GroupAction, GroupPlan, GroupState, group_states, plan_groups
 from dsv4_operator.kube import Kube, KubeError
 from dsv4_operator.manifests import build_pd_secret
+from dsv4_operator.latency import LatencyTracker, MetricsProbe
 from dsv4_operator.modelsource import resolve_model
 from dsv4_operator.objects import (
     MANAGED_KINDS,
@@ -32,6 +36,14 @@ from dsv4_operator.objects import (
 )
 from dsv4_operator.observe import Observed, WorkerProbe, pod_state
 from dsv4_operator.restarts import format_time, records_from_status
+from dsv4_operator.scalers import (
+    SCALER_API_VERSION,
+    SCALER_KIND,
+    external,
+    external_roles,
+    external_spec,
+    scaler_name,
+)
 from dsv4_operator.status import STATUS_KEYS, Problem, summarize
 
 
@@ -46,6 +58,7 @@ class ReconcileResult:
     permanent: bool = False  # the problem needs a spec edit (SpecError)
     memory: MemoryPlan | None = None  # the plan, when there is one (the operator's metrics)
     failed_groups: tuple[str, ...] = ()  # groups whose restart budget ran out just now
+    scale_changes: tuple[Change, ...] = ()  # roles the autoscaler resized just now
 
 
 def utc_clock() -> datetime:
@@ -60,6 +73,7 @@ def reconcile(
     config: OperatorConfig = DEFAULT_CONFIG,
     clock: Callable[[], datetime] = utc_clock,
     pd_secrets: MutableSet[str] | None = None,
+    latency: LatencyTracker | None = None,
 ) -> ReconcileResult:
     """
     1. parse and validate the spec; an invalid spec -> PlanValid=False (InvalidSpec), stop
@@ -67,8 +81,10 @@ def reconcile(
        and PP rank; an error -> PlanValid=False (PlanFailed), stop
     3. a maxContextTokens that does not fit -> ContextFits=False with the largest fit, stop
        (steps 1-3 apply nothing: no worker pod is created; running workers are left alone)
-    4. build every desired child object (pure); a podTemplate setting a field the operator
-       owns -> PlanValid=False (InvalidSpec), stop, nothing applied
+    4. autoscaling (engine operator): observe the workers and decide the groups each
+       autoscaled role runs (`autoscale.py`); build every desired child object (pure) for
+       them; a podTemplate setting a field the operator owns -> PlanValid=False
+       (InvalidSpec), stop, nothing applied
     5. observe worker pods, the router and the workers' realized capacity, and plan the PP
        groups (groups.py): which broken groups restart now, with backoff and a budget
        (restarts.py), and which outdated groups roll and with how many surge groups
@@ -98,6 +114,7 @@ def reconcile(
         group_plan: GroupPlan | None = None,
         problem: Problem | None = None,
         permanent: bool = False,
+        scaled: Autoscaled | None = None,
     ) -> ReconcileResult:
         group_actions = group_plan.actions if group_plan is not None else ()
         status = summarize(
@@ -112,6 +129,10 @@ def reconcile(
             previous=previous,
             now=format_time(now),
         )
+        if scaled is not None and scaled.status:
+            status[AUTOSCALING_KEY] = scaled.status
+        elif AUTOSCALING_KEY in previous and (memory is None or problem is not None):
+            status[AUTOSCALING_KEY] = previous[AUTOSCALING_KEY]  # nothing planned: kept as is
         patch = status_patch(previous, status, STATUS_KEYS)
         if patch is not None:
             kube.patch_status(meta.namespace, meta.name, patch)
@@ -125,6 +146,7 @@ def reconcile(
             permanent=permanent,
             memory=memory,
             failed_groups=group_plan.failed if group_plan is not None else (),
+            scale_changes=scaled.changes if scaled is not None else (),
         )
 
     # Steps 1-3.
@@ -142,7 +164,23 @@ def reconcile(
         problem = Problem("ContextTooLong", memory.context_message())
         return finish(spec, memory, Observed(), problem=problem)
 
-    # Step 4. A podTemplate that sets what the operator owns is an invalid spec too.
+    # Step 4. Autoscaling first: the groups each role runs; then the children for them. A
+    # podTemplate that sets what the operator owns is an invalid spec too.
+    scaled: Autoscaled | None = None
+    seen: Observed | None = None
+    if operator_scales(spec):
+        seen = _observe(kube, probe, meta, spec)
+        figures = _latency(spec, meta, probe, seen, latency, now)
+        scaled = autoscale(spec, meta.name, seen, previous, now, figures)
+        spec = scaled.spec
+    elif external(spec):  # an HPA or KEDA sets the groups through each role's scaler
+        live_scalers = {
+            role: kube.get(
+                SCALER_API_VERSION, SCALER_KIND, meta.namespace, scaler_name(meta.name, role)
+            )
+            for role in external_roles(spec)
+        }
+        spec = external_spec(spec, live_scalers)
     try:
         desired = build_desired_state(
             spec,
@@ -160,7 +198,7 @@ def reconcile(
 
     # Step 5: what runs decides the restarts and the roll (which surge groups exist).
     live = _list_owned(kube, meta, desired.prune_selector)
-    observed = _observe(kube, probe, meta, spec)
+    observed = seen if seen is not None else _observe(kube, probe, meta, spec)
     surge_live = _live_surge(live, spec)
     groups = group_states(spec, meta.name, desired.template_hashes, observed.pods, surge_live)
     group_plan = plan_groups(spec, groups, records_from_status(previous), now)
@@ -202,7 +240,37 @@ def reconcile(
         applied=tuple(applied),
         pruned=tuple(pruned),
         group_plan=group_plan,
+        scaled=scaled,
     )
+
+
+def _latency(
+    spec: DeploymentSpec,
+    meta: DeploymentMeta,
+    probe: WorkerProbe,
+    observed: Observed,
+    tracker: LatencyTracker | None,
+    now: datetime,
+) -> dict[L.WorkerRole, Latency] | None:
+    """The latency of each role with a latency target, from its serving pods' /metrics."""
+    if tracker is None or not isinstance(probe, MetricsProbe):
+        return None
+    out: dict[L.WorkerRole, Latency] = {}
+    for role in L.WORKER_ROLES:
+        auto = spec.role(role).autoscaling
+        if auto is None or not auto.targets.latency:
+            continue
+        pods = [p for p in observed.pods if p.role == role and p.pp_rank == L.SERVING_RANK]
+        figure = tracker.update(
+            (meta.namespace, meta.name),
+            role,
+            probe.metrics(pods),
+            auto.targets.latency_percentile,
+            now.timestamp(),
+        )
+        if figure is not None:
+            out[role] = figure
+    return out
 
 
 def _meta(body: Mapping[str, Any]) -> DeploymentMeta:

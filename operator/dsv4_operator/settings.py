@@ -41,6 +41,7 @@ from dsv4_operator.config import OperatorConfig
 from dsv4_operator.gate import ReconcileGate
 from dsv4_operator.handler_threads import DaemonThreadExecutor
 from dsv4_operator.kube_api import ApiKube
+from dsv4_operator.latency import LatencyTracker
 from dsv4_operator.metrics import OperatorMetrics
 from dsv4_operator.probe import HttpWorkerProbe
 
@@ -136,6 +137,7 @@ def on_startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> No
     memo["probe"] = HttpWorkerProbe()
     memo["config"] = OperatorConfig.from_env(env)
     memo["gate"] = ReconcileGate()
+    memo["latency"] = LatencyTracker()  # the autoscaler's latency windows (latency.py)
     memo["metrics"] = metrics = OperatorMetrics()
     if (address := metrics_address(env)) is not None:
         host, port = address

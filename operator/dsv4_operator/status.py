@@ -41,6 +41,7 @@ STATUS_KEYS: Final = (
     "endpoint",
     "restartingGroups",
     "groupRestarts",
+    "autoscaling",  # written by the reconcile from autoscale.py's decision
 )
 Tri = Literal["True", "False", "Unknown"]
 

@@ -62,10 +62,11 @@ def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 
 
 def test_chart_crd_is_a_byte_identical_copy() -> None:
-    top = CRD_FILE.read_bytes()
-    assert (CHART / "crds" / "dsv4deployment.yaml").read_bytes() == top, (
-        "copy crds/dsv4deployment.yaml to charts/dsv4-operator/crds/"
-    )
+    for name in (CRD_FILE.name, "dsv4rolescaler.yaml"):
+        top = (CRD_FILE.parent / name).read_bytes()
+        assert (CHART / "crds" / name).read_bytes() == top, (
+            f"copy crds/{name} to charts/dsv4-operator/crds/"
+        )
 
 
 # Blocks whose content is a plain Kubernetes structure, documented by the block's comment.
@@ -273,6 +274,7 @@ def test_peering_crds_ship_with_the_chart() -> None:
     names = {c["metadata"]["name"] for c in crds}
     assert names == {
         "dsv4deployments.serving.dsv4.io",
+        "dsv4rolescalers.serving.dsv4.io",
         "clusterkopfpeerings.zalando.org",
         "kopfpeerings.zalando.org",
     }
@@ -293,8 +295,13 @@ EXPECTED_RULES = {
             ("networking.k8s.io", "networkpolicies"),
             ("scheduling.volcano.sh", "podgroups"),
             ("scheduling.x-k8s.io", "podgroups"),
+            ("inference.networking.k8s.io", "inferencepools"),
+            ("gateway.networking.k8s.io", "httproutes"),
+            ("autoscaling", "horizontalpodautoscalers"),
+            ("keda.sh", "scaledobjects"),
         ]
     },
+    ("serving.dsv4.io", "dsv4rolescalers"): {"get", "list", "create", "patch", "delete"},
     ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "configmaps"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "pods"): {"list", "watch", "deletecollection"},
@@ -463,6 +470,7 @@ def test_managed_crds_render_the_same_schema_and_survive_uninstall() -> None:
     crds = {c["metadata"]["name"]: c for c in by_kind(objects, "CustomResourceDefinition")}
     assert set(crds) == {
         "dsv4deployments.serving.dsv4.io",
+        "dsv4rolescalers.serving.dsv4.io",
         "clusterkopfpeerings.zalando.org",
         "kopfpeerings.zalando.org",
     }
@@ -475,7 +483,7 @@ def test_managed_crds_render_the_same_schema_and_survive_uninstall() -> None:
     without_peering = render("--set", "crds.manage=true", "--set", "crds.managePeering=false")
     assert [
         c["metadata"]["name"] for c in by_kind(without_peering, "CustomResourceDefinition")
-    ] == ["dsv4deployments.serving.dsv4.io"]
+    ] == ["dsv4deployments.serving.dsv4.io", "dsv4rolescalers.serving.dsv4.io"]
 
 
 @needs_helm

@@ -6,10 +6,10 @@ by hand. Two sources, both the code's own:
   (kopf's finalizer and progress annotations); logger warnings become Events (created).
 - Every call the reconcile and the admission webhook make through the `Kube` protocol, recorded
   over scenarios that reach each call site (create, converge, restart a group, prune, a
-  configMapRef model, gang PodGroups, admission), as the API server authorizes them: an apply
-  that creates is `create`, one that updates `patch`; `create` (the PD Secret) is `create`
-  whether or not the object exists; `delete_pods` is `deletecollection`; `patch_status` is
-  `patch` on `/status`.
+  configMapRef model, gang PodGroups, the Inference Extension's objects, HPA/KEDA scalers,
+  admission), as the API server authorizes them: an apply that creates is `create`, one that
+  updates `patch`; `create` (the PD Secret) is `create` whether or not the object exists;
+  `delete_pods` is `deletecollection`; `patch_status` is `patch` on `/status`.
 
 Two grants are needed by the API server rather than called: `delete` on every managed kind
 (prune deletes any object of those kinds that carries our labels and is no longer planned, and
@@ -48,6 +48,11 @@ PLURALS = {
     "StatefulSet": "statefulsets",
     "Deployment": "deployments",
     "PodGroup": "podgroups",
+    "InferencePool": "inferencepools",
+    "HTTPRoute": "httproutes",
+    "DSV4RoleScaler": "dsv4rolescalers",
+    "HorizontalPodAutoscaler": "horizontalpodautoscalers",
+    "ScaledObject": "scaledobjects",
     "Pod": "pods",
     "Secret": "secrets",
     L.KIND: L.PLURAL,
@@ -143,6 +148,41 @@ def _scenarios(make_body: Callable[..., dict[str, Any]]) -> Iterator[RecordingKu
         kube.inner.cr = other
         run_reconcile(kube.inner.cr, deps, LOG)
         yield kube
+    # The Inference Extension's objects: applied, re-applied after an edit, pruned.
+    body = make_body()
+    body["spec"]["gateway"] = {
+        "endpointPicker": {"name": "epp"},
+        "parentRefs": [{"name": "gw"}],
+        "allowFromNamespaces": ["gateway-system"],
+    }
+    kube = RecordingKube(FakeKube(body))
+    deps = Deps(kube, FakeProbe(), OperatorConfig(), ReconcileGate())
+    run_reconcile(kube.inner.cr, deps, LOG)
+    _drift(kube.inner)
+    run_reconcile(kube.inner.cr, deps, LOG)
+    without = copy.deepcopy(kube.inner.cr)
+    del without["spec"]["gateway"]
+    kube.inner.cr = without
+    run_reconcile(kube.inner.cr, deps, LOG)
+    yield kube
+    # An HPA's or KEDA's targets: each role's scaler read, applied with its HPA or
+    # ScaledObject, re-applied after an edit, pruned when the operator scales again.
+    for engine in ("hpa", "keda"):
+        body = make_body()
+        body["spec"]["decode"]["autoscaling"] = {"maxReplicas": 2, "queueDepthPerReplica": 4}
+        body["spec"]["autoscaling"] = {"engine": engine}
+        if engine == "keda":
+            body["spec"]["autoscaling"]["prometheusAddress"] = "http://prometheus:9090"
+        kube = RecordingKube(FakeKube(body))
+        deps = Deps(kube, FakeProbe(), OperatorConfig(), ReconcileGate())
+        run_reconcile(kube.inner.cr, deps, LOG)
+        _drift(kube.inner)
+        run_reconcile(kube.inner.cr, deps, LOG)
+        operator_engine = copy.deepcopy(kube.inner.cr)
+        operator_engine["spec"]["autoscaling"] = {"engine": "operator"}
+        kube.inner.cr = operator_engine
+        run_reconcile(kube.inner.cr, deps, LOG)
+        yield kube
     # A configMapRef model: read from the API, by the reconcile and by the webhook.
     body = make_body("flash-configmap.yaml")
     kube = RecordingKube(FakeKube(body))
@@ -215,10 +255,16 @@ def test_the_chart_grants_exactly_what_the_code_calls(
 
 def test_the_code_reads_only_what_it_must(make_body: Callable[..., dict[str, Any]]) -> None:
     """What `get` is for: the CR itself (read afresh under its lock), a configMapRef's
-    ConfigMap and the router's Deployment; nothing reads a Secret or a namespace. The one
-    Secret verb is `create`: each deployment's PD secret, never read back."""
+    ConfigMap, the router's Deployment and (engine hpa or keda) each role's DSV4RoleScaler,
+    for the replicas the HPA set; nothing reads a Secret or a namespace. The one Secret verb is
+    `create`: each deployment's PD secret, never read back."""
     needed = code_grants(make_body)
     reads = {k for k, v in needed.items() if "get" in v}
-    assert reads == {(L.GROUP, L.PLURAL), ("", "configmaps"), ("apps", "deployments")}
+    assert reads == {
+        (L.GROUP, L.PLURAL),
+        ("", "configmaps"),
+        ("apps", "deployments"),
+        (L.GROUP, "dsv4rolescalers"),
+    }
     assert needed.get(("", "secrets")) == {"create"}
     assert not any(resource in ("namespaces", "nodes") for _, resource in needed)

@@ -74,6 +74,26 @@ PREDICATES: dict[tuple[str, str], Callable[[Any], bool]] = {
         for role in ("spec.prefill", "spec.decode")
     },
     **{
+        (f"{role}.autoscaling", "self.maxReplicas >= self.minReplicas"): (
+            lambda a: a["maxReplicas"] >= a["minReplicas"]
+        )
+        for role in ("spec.prefill", "spec.decode")
+    },
+    **{
+        (
+            f"{role}.autoscaling",
+            "has(self.queueDepthPerReplica) || has(self.kvUtilization) || has(self.ttftSeconds) "
+            "|| has(self.interTokenLatencySeconds)",
+        ): (
+            lambda a: bool(
+                {"queueDepthPerReplica", "kvUtilization", "ttftSeconds", "interTokenLatencySeconds"}
+                & set(a)
+            )
+        )
+        for role in ("spec.prefill", "spec.decode")
+    },
+    ("spec.autoscaling.prefillDecodeRatio", "self.max >= self.min"): lambda b: b["max"] >= b["min"],
+    **{
         (f"{role}.rollout", "self.maxSurge > 0 || self.maxUnavailable > 0"): (
             lambda r: r["maxSurge"] > 0 or r["maxUnavailable"] > 0
         )

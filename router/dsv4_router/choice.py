@@ -13,9 +13,9 @@ exists; ties fall to the lowest address, so the choice never depends on record o
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 from dsv4_common.api.names import WORKER_ROLES, WorkerRole
 from dsv4_common.api.rank_config import Instance
@@ -159,15 +159,42 @@ def prefill_key(record: InstanceRecord) -> tuple[int, int, AddressKey]:
     return (load.waiting + record.pending, -load.free_full_tokens, address_key(record.instance))
 
 
-def decode_key(record: InstanceRecord) -> tuple[int, int, AddressKey]:
-    """Most free full tokens, less one average request share (full tokens / request slots)
-    per pending request, then fewest running."""
+def decode_key(record: InstanceRecord) -> tuple[int, float, int, AddressKey]:
+    """Fewest queued (its waiting, plus the router's pending requests beyond its free request
+    slots), then the most headroom in its BINDING pool, then fewest running. A DSV4 decode is
+    full when any of its three pools is: the headroom is the least, over the full pool, the
+    SWA pool and the request slots (request-scoped state), of the fraction still free once
+    each pending request took one average share (the pool / its request slots)."""
+    status = record.status
+    assert status is not None, "only records with a status are ranked"
+    capacity, load = status.capacity, status.load
+    slots = max(1, capacity.max_running_requests)
+    pending = record.pending
+    queued = load.waiting + max(0, pending - load.free_request_slots)
+    headroom = (load.free_request_slots - pending) / slots
+    for total, free in (
+        (capacity.full_tokens, load.free_full_tokens),
+        (capacity.swa_tokens, load.free_swa_tokens),
+    ):
+        if total > 0:
+            headroom = min(headroom, (free - pending * total / slots) / total)
+    return (queued, -headroom, load.running, address_key(record.instance))
+
+
+def full_pool_decode_key(record: InstanceRecord) -> tuple[int, int, AddressKey]:
+    """The choice before issue #41 (kept for bench/router_choice.py's comparison): most free
+    full tokens less one share per pending request, then fewest running; blind to the SWA
+    pool, the request slots and the queue."""
     status = record.status
     assert status is not None, "only records with a status are ranked"
     capacity = status.capacity
     share_tokens = capacity.full_tokens // max(1, capacity.max_running_requests)
     free_tokens = status.load.free_full_tokens - record.pending * share_tokens
     return (-free_tokens, status.load.running, address_key(record.instance))
+
+
+# A decode's rank: the lowest is chosen (tuples compared in order).
+DecodeRank = Callable[[InstanceRecord], Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,11 +237,14 @@ def choose_pair(
     now_s: float,
     rule: LivenessRule,
     excluded: frozenset[Instance] = frozenset(),
+    decode_rank: DecodeRank = decode_key,
 ) -> Pair | None:
     """The best eligible prefill and decode not in `excluded`, or None if a role has none.
-    (What `choose` picks for each role, in one pass: it runs for every request.)"""
+    (What `choose` picks for each role, in one pass: it runs for every request.)
+    `decode_rank`: how decodes are ordered (the bench compares the old rule)."""
     prefill = decode = None
-    prefill_best = decode_best = None
+    prefill_best: tuple[int, int, AddressKey] | None = None
+    decode_best: Any = None
     for record in records:
         if excluded and record.instance in excluded:
             continue
@@ -225,9 +255,9 @@ def choose_pair(
             if prefill_best is None or key < prefill_best:
                 prefill, prefill_best = record, key
         else:
-            key = decode_key(record)
-            if decode_best is None or key < decode_best:
-                decode, decode_best = record, key
+            rank = decode_rank(record)
+            if decode_best is None or rank < decode_best:
+                decode, decode_best = record, rank
     if prefill is None or decode is None:
         return None
     return Pair(prefill=prefill, decode=decode)

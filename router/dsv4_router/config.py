@@ -102,6 +102,8 @@ class RouterSettings:
     # unsigned, which real decode workers refuse; only tests against stubs build it so).
     route_key: bytes | None = field(default=None, repr=False)
     secret_file: str | None = None  # the router config's `pd_secret_file` (read by from_args)
+    # router.json when deployed: its roles are read again when it changes (`reload`).
+    config_path: str | None = None
 
     @property
     def liveness(self) -> LivenessRule:
@@ -161,7 +163,14 @@ def _settings(args: argparse.Namespace) -> RouterSettings:
             raise ConfigError("--instance: not with --config-dir (router.json lists the roles)")
         deployed, configured = _deployed(Path(config_dir), host or DEPLOYED_HOST)
         auth = _auth(key, key_file, configured, open_status=True)  # the status port: open
-        return replace(deployed, http=http, processes=processes, busy_poll_s=busy_poll_s, auth=auth)
+        return replace(
+            deployed,
+            http=http,
+            processes=processes,
+            busy_poll_s=busy_poll_s,
+            auth=auth,
+            config_path=str(Path(config_dir) / ROUTER_CONFIG_KEY),
+        )
     port = getattr(args, "port", 8000)
     if not isinstance(port, int) or not 0 <= port <= MAX_PORT:
         raise ConfigError(f"--port: must be in 0..{MAX_PORT}, got {port!r}")
@@ -262,6 +271,12 @@ def _deployed(config_dir: Path, host: str) -> tuple[RouterSettings, tuple[str, s
     return settings, (
         None if key_file is None else (key_file, f"{path}: router_config.api_key_file")
     )
+
+
+def read_roles(path: Path) -> dict[WorkerRole, RoleTargets]:
+    """The roles of the router.json at `path` (what changes while a router runs)."""
+    settings, _ = _deployed(path.parent, DEPLOYED_HOST)
+    return dict(settings.roles)
 
 
 def _role_targets(config: RouterConfig, role: WorkerRole) -> RoleTargets:

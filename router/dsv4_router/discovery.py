@@ -74,8 +74,11 @@ class Discovery:
         clock: Callable[[], float] = time.monotonic,
         resolve: Resolver = resolve_host,
         after_round: Callable[[], None] = lambda: None,
+        reload: Callable[[], Mapping[WorkerRole, RoleTargets] | None] | None = None,
     ) -> None:
-        """`after_round`: called after every round (on the event loop)."""
+        """`after_round`: called after every round (on the event loop); `reload`: the roles
+        when they changed (router.json rewritten), else None."""
+        self._reload = reload
         self._table = table
         self._after_round = after_round
         self._roles = roles
@@ -106,6 +109,8 @@ class Discovery:
         self._after_round()
 
     async def refresh(self) -> None:
+        if self._reload is not None and (roles := self._reload()) is not None:
+            self._roles = roles
         for role, targets in self._roles.items():
             if targets.instances or targets.service is None:
                 self._table.sync(role, targets.instances)

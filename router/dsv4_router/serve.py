@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Final
 
 import aiohttp
@@ -42,6 +43,7 @@ from dsv4_router.http_listen import ListenError, bind, raise_fd_limit, serve_on
 from dsv4_router.metrics import RouterMetrics, SharedCounts
 from dsv4_router.processes import STOP_SIGNAL, Prebound, run_processes
 from dsv4_router.proxy import Proxy
+from dsv4_router.reload import RolesFile
 from dsv4_router.runtime import loop_factory, settle_gc
 from dsv4_router.upstream import Upstream
 
@@ -107,6 +109,7 @@ async def start_router(
         after_round=lambda: metrics.note_ready(
             choose_pair(table.records(), clock(), settings.liveness) is not None
         ),
+        reload=RolesFile(Path(settings.config_path)).changed if settings.config_path else None,
     )
     polling = asyncio.create_task(discovery.run())
     runners: list[web.AppRunner] = []

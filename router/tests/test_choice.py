@@ -143,11 +143,22 @@ def test_the_pair_is_the_least_loaded(
         assert r.status is not None
         return r.status.load.waiting + r.pending
 
-    def decode_free(r: InstanceRecord) -> int:
+    def decode_order(r: InstanceRecord) -> tuple[int, float]:
+        """Fewest queued, then the most headroom in the pool that binds (issue #41 item 4)."""
         assert r.status is not None
-        capacity = r.status.capacity
-        share = capacity.full_tokens // max(1, capacity.max_running_requests)
-        return r.status.load.free_full_tokens - r.pending * share
+        cap, load = r.status.capacity, r.status.load
+        slots = max(1, cap.max_running_requests)
+        queued = load.waiting + max(0, r.pending - load.free_request_slots)
+        free = [(load.free_request_slots - r.pending) / slots]
+        if cap.full_tokens:
+            free.append(
+                (load.free_full_tokens - r.pending * cap.full_tokens / slots) / cap.full_tokens
+            )
+        if cap.swa_tokens:
+            free.append(
+                (load.free_swa_tokens - r.pending * cap.swa_tokens / slots) / cap.swa_tokens
+            )
+        return (queued, -min(free))
 
     assert pair.prefill.status is not None
     for other in eligible(table, "prefill", NOW_S, RULE, excluded):
@@ -156,7 +167,7 @@ def test_the_pair_is_the_least_loaded(
         if queued(other) == queued(pair.prefill):
             assert pair.prefill.status.load.free_full_tokens >= other.status.load.free_full_tokens
     for other in eligible(table, "decode", NOW_S, RULE, excluded):
-        assert decode_free(pair.decode) >= decode_free(other)
+        assert decode_order(pair.decode) <= decode_order(other)
 
 
 @PROPERTY
@@ -244,12 +255,37 @@ class TestLoadOrder:
         assert choose([a, b, c], "prefill", NOW_S, RULE) is b
 
     def test_decode_pending_requests_cost_a_share_each(self) -> None:
-        # share = 8192 full tokens / 16 slots = 512 tokens per pending request
-        a = record("decode", "10.0.0.1", load=Load(5000, 0, 8, 0, 0, True))
-        b = record("decode", "10.0.0.2", load=Load(4800, 0, 8, 0, 0, True))
+        # share = 8192 full tokens / 16 slots = 512 tokens per pending request; the full pool
+        # binds (SWA 1000/1024 free, 8/16 slots free)
+        a = record("decode", "10.0.0.1", load=Load(5000, 1000, 16, 0, 0, True))
+        b = record("decode", "10.0.0.2", load=Load(4800, 1000, 16, 0, 0, True))
         assert choose([a, b], "decode", NOW_S, RULE) is a
         a.sent()
         assert choose([a, b], "decode", NOW_S, RULE) is b
+
+    # (A's load, B's load, which is chosen, why): capacity 8192 full, 1024 SWA, 16 slots.
+    DECODE_TABLE = (
+        (Load(8000, 60, 12, 4, 0, True), Load(3000, 600, 12, 4, 0, True), "B", "A's SWA binds"),
+        (Load(8000, 1000, 0, 16, 0, True), Load(2000, 900, 4, 12, 0, True), "B", "A's slots bind"),
+        (Load(8000, 1000, 16, 0, 2, True), Load(1000, 200, 2, 14, 0, True), "B", "A has a queue"),
+        (Load(6000, 800, 10, 6, 0, True), Load(5000, 500, 10, 6, 0, True), "A", "both roomy"),
+    )
+
+    def test_decode_choice_weighs_every_pool_and_the_queue(self) -> None:
+        for load_a, load_b, chosen, why in self.DECODE_TABLE:
+            a = record("decode", "10.0.0.1", load=load_a)
+            b = record("decode", "10.0.0.2", load=load_b)
+            got = choose([a, b], "decode", NOW_S, RULE)
+            assert got is (a if chosen == "A" else b), why
+
+    def test_pending_requests_past_the_free_slots_count_as_queued(self) -> None:
+        a = record("decode", "10.0.0.1", load=Load(8000, 1000, 1, 15, 0, True))
+        b = record("decode", "10.0.0.2", load=Load(1000, 100, 2, 14, 0, True))
+        assert choose([a, b], "decode", NOW_S, RULE) is b  # a's one free slot binds first
+        b.sent()
+        b.sent()
+        b.sent()  # three pending on two free slots: one queued
+        assert choose([a, b], "decode", NOW_S, RULE) is a
 
     def test_decode_ties_by_running_then_address(self) -> None:
         a = record("decode", "10.0.0.2", load=Load(5000, 0, 8, 3, 0, True))

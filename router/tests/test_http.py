@@ -27,8 +27,9 @@ from dsv4_common.api.worker_status import Load
 
 BODY = {"model": "tiny", "prompt": "Hi", "max_tokens": 3}
 STREAM_BODY = {**BODY, "stream": True}
-# More free full tokens than a stub's default: the router tries this decode first.
-PREFERRED = Load(12000, 1000, 16, 0, 0, True)
+# More headroom than the stubs' default load in the pool that binds (full: 8100 of 8192;
+# SWA 1020 of 1024), so the router tries it first.
+PREFERRED = Load(8100, 1020, 16, 0, 0, True)
 
 
 @run_async

@@ -211,6 +211,8 @@ def build(opts: ServeOptions, checked: Prechecked | None = None) -> Built:
         runner.queue_view,
         runner.policy.max_queue_requests,
         health=lambda: _health(runner, agent),
+        model_name=(opts.served_model_names or (model.name,))[0],
+        page_size=rank.page_size,
     )
     limits = opts.http
     # A prefill worker takes requests from decode workers only, and a later PP stage from its

@@ -100,6 +100,24 @@ exactly the verbs its code uses (operator/tests/test_chart_verbs.py reads them f
 - apiGroups: [scheduling.volcano.sh, scheduling.x-k8s.io]
   resources: [podgroups]
   verbs: [list, create, patch, delete]
+# The Gateway API Inference Extension's objects (spec.gateway): an InferencePool, an HTTPRoute.
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [list, create, patch, delete]
+- apiGroups: [gateway.networking.k8s.io]
+  resources: [httproutes]
+  verbs: [list, create, patch, delete]
+# spec.autoscaling.engine hpa|keda: each role's DSV4RoleScaler (read for the replicas the HPA
+# set), its HorizontalPodAutoscaler or KEDA ScaledObject.
+- apiGroups: [serving.dsv4.io]
+  resources: [dsv4rolescalers]
+  verbs: [get, list, create, patch, delete]
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [list, create, patch, delete]
+- apiGroups: [keda.sh]
+  resources: [scaledobjects]
+  verbs: [list, create, patch, delete]
 # The router Deployment and the config ConfigMap are children too; kopf also watches both (the
 # router's readiness, a configMapRef's edits), and the reconcile reads the router (get) and a
 # configMapRef's ConfigMap (get).

@@ -11,11 +11,18 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
+from dsv4_common.api.autoscaling_spec import (
+    AutoscalingSpec,
+    RoleAutoscaling,
+    parse_autoscaling,
+    parse_role_autoscaling,
+)
 from dsv4_common.api.errors import SpecError
 from dsv4_common.api.fields import FieldReader
+from dsv4_common.api.gateway_spec import GatewaySpec, parse_gateway
 from dsv4_common.api.names import (
     CPU_PRESETS,
     DEFAULT_ENGINE,
@@ -188,6 +195,8 @@ class RoleSpec:
     # Extra engine flags (engine sglang only), appended after the operator's; the operator
     # checks them against SGLang's flags (dsv4_operator.flavors.sglang.engine_args).
     engine_args: tuple[str, ...] = ()
+    # None: `replicas` groups, always; else between its min and max (`autoscaling_spec`).
+    autoscaling: RoleAutoscaling | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +243,10 @@ class DeploymentSpec:
     engine: EngineSpec = EngineSpec()
     # The API key clients (and the router, to the workers) must send; None: no key.
     api_key: SecretKeyRef | None = None
+    # What couples the roles' autoscaling.
+    autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
+    # The Gateway API Inference Extension's objects (None: none rendered).
+    gateway: GatewaySpec | None = None
 
     def role(self, role: WorkerRole) -> RoleSpec:
         return self.prefill if role == "prefill" else self.decode
@@ -280,7 +293,7 @@ def parse_spec(body: Mapping[str, Any]) -> DeploymentSpec:
         "spec",
         {"model", "maxContextTokens", "gpu", "kv", "prefill", "decode", "router"}
         | {"speculativeDraftTokens", "memFraction", "image", "resources", "scheduling"}
-        | {"groupRestarts", "engine", "apiKey"},
+        | {"groupRestarts", "engine", "apiKey", "autoscaling", "gateway"},
     )
     model = _model(r, spec.get("model"))
     max_context = r.integer(spec, "maxContextTokens", "spec", None, 1, 16_777_216, required=True)
@@ -302,6 +315,10 @@ def parse_spec(body: Mapping[str, Any]) -> DeploymentSpec:
     group_restarts = _group_restarts(r, spec.get("groupRestarts"))
     engine = _engine(r, spec.get("engine"))
     api_key = _api_key(r, spec.get("apiKey"))
+    gateway = parse_gateway(r, spec.get("gateway"))
+    autoscaling = parse_autoscaling(
+        r, spec.get("autoscaling"), {k: (v.replicas, v.autoscaling) for k, v in roles.items()}
+    )
 
     # Cross-field rules (the CRD's CEL rules say the same).
     cpu_model = model is not None and (
@@ -325,6 +342,12 @@ def parse_spec(body: Mapping[str, Any]) -> DeploymentSpec:
     _engine_rules(r, engine, gpu, kv, roles, image, model, draft)
     if engine.sglang and api_key is not None:
         r.fail("spec.apiKey", "not supported with engine.name sglang (only our engine checks it)")
+    for role, role_spec in roles.items():
+        if engine.sglang and role_spec.autoscaling is not None:
+            r.fail(
+                f"spec.{role}.autoscaling",
+                "not supported with engine.name sglang (it decides from our workers' /status)",
+            )
     r.raise_if_any()
     assert model is not None and max_context is not None
     return DeploymentSpec(
@@ -343,6 +366,8 @@ def parse_spec(body: Mapping[str, Any]) -> DeploymentSpec:
         group_restarts=group_restarts,
         engine=engine,
         api_key=api_key,
+        autoscaling=autoscaling,
+        gateway=gateway,
     )
 
 
@@ -604,7 +629,7 @@ def _role(r: FieldReader, raw: object, path: str) -> RoleSpec:
         path,
         {"replicas", "pipelineParallel", "tensorParallel"}
         | {"chunkedPrefillTokens", "maxRunningRequests", "podTemplate", "layerSplit"}
-        | {"rollout", "engineArgs"},
+        | {"rollout", "engineArgs", "autoscaling"},
     )
     pipeline_parallel = r.integer(m, "pipelineParallel", path, 1, 1, MAX_PIPELINE_PARALLEL) or 1
     return RoleSpec(
@@ -617,6 +642,9 @@ def _role(r: FieldReader, raw: object, path: str) -> RoleSpec:
         layer_split=_layer_split(r, m.get("layerSplit"), f"{path}.layerSplit", pipeline_parallel),
         rollout=_rollout(r, m.get("rollout"), f"{path}.rollout"),
         engine_args=_engine_args(r, m.get("engineArgs"), f"{path}.engineArgs"),
+        autoscaling=parse_role_autoscaling(
+            r, m.get("autoscaling"), f"{path}.autoscaling", cast(WorkerRole, path.split(".")[-1])
+        ),
     )
 
 

@@ -1,6 +1,7 @@
 """Worker status endpoints for tests: one HTTP server per pod IP (127.0.0.x), all on one port,
-as pods share the status port. What `GET http://<ip>:<port>/status` answers is `docs[ip]`, and
-`GET .../server_info` (SGLang's, on its HTTP port: the same port here) `info[ip]`:
+as pods share the status port. What `GET http://<ip>:<port>/status` answers is `docs[ip]`,
+`GET .../server_info` (SGLang's, on its HTTP port: the same port here) `info[ip]`, and
+`GET .../metrics` `metrics[ip]`:
 
   a dict     200 with that JSON document
   bytes      200 with that body as it is (a malformed document)
@@ -23,6 +24,7 @@ class StatusServers:
     def __init__(self, ips: list[str]) -> None:
         self.docs: dict[str, Any] = {}  # /status
         self.info: dict[str, Any] = {}  # /server_info
+        self.metrics: dict[str, Any] = {}  # /metrics (bytes: Prometheus text)
         self.hits: list[str] = []  # "<ip><path>" of every request, in order
         self._release = threading.Event()
         self._servers: list[http.server.ThreadingHTTPServer] = []
@@ -47,7 +49,11 @@ class StatusServers:
             def do_GET(self) -> None:
                 ip = self.connection.getsockname()[0]
                 outer.hits.append(f"{ip}{self.path}")
-                served = {"/status": outer.docs, "/server_info": outer.info}.get(self.path, {})
+                served = {
+                    "/status": outer.docs,
+                    "/server_info": outer.info,
+                    "/metrics": outer.metrics,
+                }.get(self.path, {})
                 doc = served.get(ip)
                 if doc is HANG:
                     outer._release.wait(timeout=30)

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from dsv4_worker.server.admission import SHED_REASONS, QueueView
+from dsv4_worker.server.model_server_metrics import ModelServerCollector
 from dsv4_worker.server.runner import Health, Snapshot
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -92,10 +93,15 @@ class Metrics:
         queue: Callable[[], QueueView] | None = None,
         max_queue_requests: int = 0,
         health: Callable[[], Health] = Health,
+        *,
+        model_name: str = "",
+        page_size: int = 0,
     ) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_PoolCollector(snapshot, queue, max_queue_requests))
         self.registry.register(_HealthCollector(health))
+        # The Inference Extension's model-server protocol, under vLLM's names.
+        self.registry.register(ModelServerCollector(snapshot, queue, model_name, page_size))
         r = self.registry
         self.shed = Counter(
             "dsv4_requests_shed", "Requests shed with 503 + Retry-After", ["reason"], registry=r
