@@ -172,7 +172,7 @@ def build_launch_plan(
     (status_port,) = _take(free, 1)
     api_port = fixed_port or _take(free, 1)[0]
     router_config = router_document(
-                deployment,
+        deployment,
         instances,
         status_port=status_port,
         api_port=api_port,

@@ -24,8 +24,8 @@ from dsv4_operator.diff import needs_apply, status_patch
 from dsv4_operator.flavors import flavor_of
 from dsv4_operator.groups import GroupAction, GroupPlan, GroupState, group_states, plan_groups
 from dsv4_operator.kube import Kube, KubeError
-from dsv4_operator.manifests import build_pd_secret
 from dsv4_operator.latency import LatencyTracker, MetricsProbe
+from dsv4_operator.manifests import build_pd_secret
 from dsv4_operator.modelsource import resolve_model
 from dsv4_operator.objects import (
     MANAGED_KINDS,

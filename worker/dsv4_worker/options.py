@@ -21,6 +21,7 @@ from dsv4_common.api.api_key import NO_API_KEY, ApiKeyError, ApiKeyRule, resolve
 from dsv4_common.api.documents import DocumentError
 from dsv4_common.api.http_rules import HttpLimits, http_limits
 from dsv4_common.api.lifecycle import DRAIN_S
+from dsv4_common.api.names import DSV4_TRANSFERS
 from dsv4_common.api.pd_secret import (
     PD_SECRET_FLAG,
     PDSecret,
@@ -28,7 +29,6 @@ from dsv4_common.api.pd_secret import (
     load_pd_secret,
     require_pd_secret,
 )
-from dsv4_common.api.names import DSV4_TRANSFERS
 from dsv4_common.api.rank_config import RankConfig, parse_rank_config
 from dsv4_common.core.layout import RequestState
 from dsv4_common.core.model import ModelConfig
