@@ -50,7 +50,10 @@ def test_a_queue_on_decode_scales_it_up_with_an_event(live: Live) -> None:
         "status.autoscaling written",
         lambda: ((live.cr(name) or {}).get("status") or {}).get("autoscaling", {}).get("decode"),
     )
-    assert entry["replicas"] == 3 and entry["reason"] == "ScaledUp"
+    # The entry is the latest decision: ScaledUp, or Steady once a later reconcile sees the
+    # queue spread over the three groups (4 per group is on target); the change is recorded.
+    assert entry["replicas"] == 3 and entry["reason"] in ("ScaledUp", "Steady")
+    assert "lastScaleUpTime" in entry
     assert entry["figures"]["queueDepth"] == 12
     roles = live.cr(name)["status"]["roles"]  # type: ignore[index]
     assert roles["decode"]["replicas"] == 3 and roles["prefill"]["replicas"] == 1

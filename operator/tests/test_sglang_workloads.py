@@ -160,7 +160,9 @@ def test_the_router_runs_sglang_router_in_pd_mode(make_body: Callable[..., Body]
 
 
 def _as_our_engine(body: Body) -> Body:
-    ours = {**body, "spec": {**body["spec"], "engine": {"name": "dsv4"}}}
+    """The same deployment served by our engine (whose KV transfer is NIXL, not mooncake)."""
+    kv = {**body["spec"].get("kv", {}), "transfer": "nixl"}
+    ours = {**body, "spec": {**body["spec"], "engine": {"name": "dsv4"}, "kv": kv}}
     for role in ("prefill", "decode"):
         ours["spec"][role] = {k: v for k, v in body["spec"][role].items() if k != "engineArgs"}
     return ours
