@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import pytest
 from repo_paths import MODEL_DATA, ROOT, SAMPLES
 
+from dsv4_common.api.pd_secret import PD_SECRET_ENV
+
 TINY_DIR = ROOT / "worker" / "dsv4_worker" / "models" / "tiny"
 BOUND_S = 5.0  # coarse: the same mistakes took 17-35 s after torch and the model loaded
 TORCH_MARK = "newcomer-test: torch was imported"
@@ -55,6 +57,7 @@ class Mistake:
 
 
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # the same answer on a GPU machine
+PD_SECRET = {PD_SECRET_ENV: "7" * 64}  # a PD role's secret, so the mistake is the one named
 PRO_CONFIG = str(MODEL_DATA / "deepseek-v4-pro" / "config.json")
 
 MISTAKES: dict[str, Mistake] = {
@@ -125,16 +128,25 @@ MISTAKES: dict[str, Mistake] = {
         ("--device cuda: CUDA_VISIBLE_DEVICES='' hides every GPU",),
         env=NO_GPU,
     ),
+    "serve: a PD role without a PD secret": Mistake(
+        ("serve", "--role", "prefill"),
+        ("--role prefill: no PD secret", "--pd-secret-file FILE or DSV4_PD_SECRET"),
+        env={PD_SECRET_ENV: ""},
+    ),
     "serve: a decode without --prefill": Mistake(
-        ("serve", "--role", "decode"), ("--role decode needs --prefill HOST:PORT",)
+        ("serve", "--role", "decode"),
+        ("--role decode needs --prefill HOST:PORT",),
+        env=PD_SECRET,
     ),
     "serve: --prefill without a port": Mistake(
         ("serve", "--role", "decode", "--prefill", "prefill-host"),
         ("--prefill prefill-host: expected HOST:PORT",),
+        env=PD_SECRET,
     ),
     "serve: a prefill's --kv-port in use": Mistake(
         ("serve", "--role", "prefill", "--port", "0", "--kv-port", "{busy}"),
         ("--kv-port: cannot listen on 127.0.0.1:{busy}",),
+        env=PD_SECRET,
     ),
     "serve: rank 0's --pp-addr port in use": Mistake(
         ("serve", "--port", "0", "--pp-size", "2", "--pp-addr", "127.0.0.1:{busy}"),

@@ -75,7 +75,7 @@ def test_rank_config_wire_keys_are_the_v1_schema() -> None:
         "version", "deployment", "namespace", "role", "pp_rank", "pp_size", "tp_size",
         "serving_rank", "model", "max_context_tokens", "kv", "plan", "planned", "ports",
         "peers", "role_services", "torch_threads", "max_queue_requests", "queue_timeout_s",
-        "api_key_file",
+        "api_key_file", "pd_secret_file",
     }  # fmt: skip
     assert doc["version"] == 1 and doc["plan"]["layer_split"] == [3, 3]
     assert doc["ports"] == {"http": 8080, "status": 8081, "pp": 8082, "kv": 8083}

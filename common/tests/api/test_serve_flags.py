@@ -24,8 +24,9 @@ from dsv4_common.api.serve_flags import (
 )
 
 # What `podtemplate.OWNED_FLAGS` held when it was written out by hand: the table must give the
-# operator exactly these flags, each with where to set it instead (and the API key's, added
-# since: the operator mounts the key of spec.apiKey).
+# operator exactly these flags, each with where to set it instead (and the API key's and the PD
+# secret's, added since: the operator mounts the key of spec.apiKey and the deployment's PD
+# Secret).
 OWNED_BEFORE_THE_TABLE = {
     "--role": "the pod's role",
     "--config-dir": "the mounted config",
@@ -49,6 +50,7 @@ OWNED_BEFORE_THE_TABLE = {
     "--api-key": "spec.apiKey",
     "--api-key-file": "spec.apiKey",
     "--open-status": "spec.apiKey (a deployed status port is open, its API port wants the key)",
+    "--pd-secret-file": "the deployment's PD Secret",
 }
 
 

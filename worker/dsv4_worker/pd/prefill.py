@@ -576,6 +576,10 @@ class PrefillAgent(_StageWriter):
         except (ValueError, EngineFailed) as exc:  # failed: its PP group lost a stage
             self._send(session, C.Failed(msg.room, str(exc)))
             return
+        except Exception as exc:  # a defect: this request fails alone, the session lives on
+            log.exception("request %s: submitting it failed", msg.room)
+            self._send(session, C.Failed(msg.room, f"internal error: {type(exc).__name__}"))
+            return
         self._txs[msg.room] = F.start_tx(
             msg.room,
             session.id,
