@@ -21,7 +21,7 @@ from dsv4_common.api.api_key import NO_API_KEY, ApiKeyError, ApiKeyRule, resolve
 from dsv4_common.api.documents import DocumentError
 from dsv4_common.api.http_rules import HttpLimits, http_limits
 from dsv4_common.api.lifecycle import DRAIN_S
-from dsv4_common.api.names import DSV4_TRANSFERS
+from dsv4_common.api.names import DEFAULT_COMPUTE_DTYPE, DSV4_TRANSFERS
 from dsv4_common.api.pd_secret import (
     PD_SECRET_FLAG,
     PDSecret,
@@ -98,6 +98,7 @@ class DeployedSizing:
 class ServeOptions:
     role: Role
     device: str
+    dtype: str  # the compute dtype's name (`--dtype`, else the rank config's): auto, ...
     model_source: str  # what `load_model_config` takes
     host: str  # where the HTTP ports (and PP rank 0's rendezvous) listen
     listen: tuple[Listen, ...]  # the API port; deployed, then the status port
@@ -132,6 +133,7 @@ class ServeOptions:
         return cls(
             role=args.role,
             device=args.device or "cpu",
+            dtype=args.dtype or DEFAULT_COMPUTE_DTYPE,
             model_source=args.model,
             host=args.host or QUICK_HOST,
             listen=(Listen(args.port, "--port"),),
@@ -197,6 +199,7 @@ class ServeOptions:
         return cls(
             role=config.role,
             device=args.device or ("cpu" if config.plan.cpu_mode else "cuda"),
+            dtype=args.dtype or config.model.dtype,
             model_source=config.model.source,
             host=host,
             listen=(

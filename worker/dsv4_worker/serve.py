@@ -38,9 +38,10 @@ from safetensors import SafetensorError
 
 from dsv4_common.api.api_key import exposed_without_key
 from dsv4_common.api.lifecycle import ABORT_GRACE_S, DRAIN_S
-from dsv4_common.api.worker_status import Threads, WorkerStatus
+from dsv4_common.api.worker_status import Threads, WeightsHeld, WorkerStatus
 from dsv4_common.core.model import DSV4Config, ModelConfig
-from dsv4_common.plan.inputs import PlanError
+from dsv4_common.plan.inputs import PlanError, PlanInputs
+from dsv4_common.plan.weights import estimate_weight_bytes
 from dsv4_router.http_auth import require_api_key
 from dsv4_router.http_guard import make_runner
 from dsv4_router.http_listen import serve_on
@@ -48,11 +49,13 @@ from dsv4_worker.build import Agent, wire
 from dsv4_worker.engine.grammar import GrammarCompiler
 from dsv4_worker.engine.role import Place
 from dsv4_worker.model.checkpoint import is_model_dir, load_checkpoint
+from dsv4_worker.model.compute import compute_dtype, dtype_name
 from dsv4_worker.model.files import SINGLE
-from dsv4_worker.model.ops import COMPUTE
-from dsv4_worker.model.weights import WeightsError, init_weights, load_weights, stage_weights
+from dsv4_worker.model.random_stored import random_weights
+from dsv4_worker.model.stored import Stored
+from dsv4_worker.model.weights import WeightsError, load_weights
 from dsv4_worker.options import ServeError, ServeOptions
-from dsv4_worker.pp.group import build_stage
+from dsv4_worker.pp.group import BuiltStage, build_stage
 from dsv4_worker.pp.link import StageLost
 from dsv4_worker.precheck import Prechecked, precheck
 from dsv4_worker.server.admission import AdmissionPolicy, default_policy
@@ -94,13 +97,14 @@ def _check_model(model: ModelConfig, source: str) -> None:
 
 def _weights(
     model: ModelConfig, path: str | None, seed: int, device: torch.device
-) -> Callable[[set[str]], Mapping[str, torch.Tensor]]:
-    """Loads the named parameters (a PP stage's slice) from `path` (a HuggingFace model
-    directory, or a .safetensors file of our own), or seeded random ones."""
+) -> Callable[[set[str]], Mapping[str, Stored]]:
+    """Loads the named parameters (a PP stage's slice, with the MTP layers when the plan
+    counts them) as stored, from `path` (a HuggingFace model directory, or a .safetensors
+    file of our own), or seeded random ones in the planner's storage formats."""
 
-    def load(names: set[str]) -> Mapping[str, torch.Tensor]:
+    def load(names: set[str]) -> Mapping[str, Stored]:
         if path is None:
-            return stage_weights(init_weights(model, seed=seed, device=device), names)
+            return random_weights(model, seed, names, device)
         if isinstance(model, DSV4Config) and is_model_dir(path):
             return _load_model_dir(model, Path(path), names, device)
         file = Path(path)
@@ -116,27 +120,28 @@ def _weights(
 
 def _load_model_dir(
     model: DSV4Config, root: Path, names: set[str], device: torch.device
-) -> Mapping[str, torch.Tensor]:
-    """A stage's parameters from a model directory: its layers (read from `names`), the
-    embedding if it is the first stage, the head (and the MTP layer) if the last."""
+) -> Mapping[str, Stored]:
+    """A stage's parameters from a model directory, as stored: its layers (read from
+    `names`), the embedding if it is the first stage (or speculates), the head if the last,
+    and the MTP layers exactly when `names` holds them (the plan counts them)."""
     layer_ids = sorted({int(n.split(".")[1]) for n in names if n.startswith("layers.")})
     layers = range(layer_ids[0], layer_ids[-1] + 1) if layer_ids else range(0)
     first, last = "embed.weight" in names, "head.weight" in names
+    mtp = any(n.startswith("mtp.") for n in names)
     try:
         loaded = load_checkpoint(
-            root, model, layers=layers, first=first, last=last, dtype=COMPUTE, device=device
+            root, model, layers=layers, first=first, last=last, mtp=mtp, device=device
         )
     except (OSError, WeightsError, SafetensorError) as exc:
         raise ServeError(f"weights {root}: {exc}") from exc
-    if set(loaded.params) != names:
-        raise ServeError(f"weights {root}: the checkpoint does not hold this stage's tensors")
-    if loaded.mtp:
-        log.info(
-            "weights %s: MTP layer loaded (%d tensors, unused until speculation)",
-            root,
-            len(loaded.mtp),
+    held = {**loaded.params, **loaded.mtp}
+    if set(held) != names:
+        missing = sorted(names - set(held))[:5]
+        raise ServeError(
+            f"weights {root}: the checkpoint does not hold this stage's tensors {missing}"
+            + (" (the plan speculates: it needs the MTP layers)" if mtp else "")
         )
-    return loaded.params
+    return held
 
 
 def _tokenizer(path: str | None, model_source: str, vocab_size: int) -> Tokenizer:
@@ -171,15 +176,23 @@ def build(opts: ServeOptions, checked: Prechecked | None = None) -> Built:
     except (OSError, ValueError, RuntimeError) as exc:
         raise ServeError(f"--tokenizer: {exc}") from exc
     load = _weights(model, checked.weights_path, opts.seed or 0, device)
+    dtype = compute_dtype(opts.dtype, device)
     try:
         inputs, memory_bytes = opts.sizing.plan(model, _device_memory(device))
-        stage = build_stage(inputs, load, device, pp, device_memory_bytes=memory_bytes)
+        stage = build_stage(inputs, load, device, pp, device_memory_bytes=memory_bytes, dtype=dtype)
     except PlanError as exc:
         raise ServeError(f"plan: {exc}") from exc
     except StageLost as exc:
         raise ServeError(str(exc)) from exc
     pp_rank = pp.rank if pp else 0
     rank = stage.rank
+    weights = _weights_held(stage, inputs)
+    log.info(
+        "weights: %d bytes held (planned %d), computing in %s",
+        weights.held_bytes,
+        weights.planned_bytes,
+        weights.compute_dtype,
+    )
     grammar = GrammarCompiler(tok, model.weights.vocab_size)  # response_format
     grammar.warm_in_background()
     policy = _admission_policy(opts, rank.capacity.max_running_requests)
@@ -191,6 +204,7 @@ def build(opts: ServeOptions, checked: Prechecked | None = None) -> Built:
         capacity=rank.capacity,
         kv_backend=backend,  # type: ignore[arg-type]
         threads=Threads(threads.intra_op, threads.inter_op, threads.source, threads.cpus),
+        weights=weights,
     )
     info = ServeInfo(
         model_name=model.name,
@@ -238,6 +252,21 @@ def _health(runner: EngineRunner, agent: Agent | None) -> Health:
         return health
     died = ("pd_control", int(agent.failure is not None))
     return dataclasses.replace(health, deaths=(*health.deaths, died))
+
+
+def _weights_held(stage: BuiltStage, inputs: PlanInputs) -> WeightsHeld:
+    """The bytes this stage's weights hold, the planner's figure for them, the compute dtype."""
+    paged = stage.paged
+    s = paged.stage
+    planned = estimate_weight_bytes(
+        inputs.model,
+        s.layers,
+        first=s.first,
+        last=s.last,
+        with_draft=inputs.speculative_draft_tokens > 0,
+        tp_size=inputs.tp_size,
+    )
+    return WeightsHeld(paged.p.nbytes, planned, dtype_name(paged.dtype))
 
 
 def _admission_policy(opts: ServeOptions, max_running_requests: int) -> AdmissionPolicy:

@@ -42,6 +42,13 @@ MAX_ENGINE_ARG_LENGTH: Final = 1024
 MAX_SERVED_MODEL_NAMES: Final = 16
 MAX_SERVED_MODEL_NAME_LENGTH: Final = 256
 
+# The compute dtype of a worker's arithmetic (`spec.model.dtype`, `dsv4 serve --dtype`): auto is
+# bfloat16 on a GPU and float32 on CPU; float64 only when asked (oracle tests). It never decides
+# how weights or KV rows are stored (they follow the checkpoint and the plan).
+ComputeDtype = Literal["auto", "bfloat16", "float32", "float64"]
+COMPUTE_DTYPES: Final[tuple[ComputeDtype, ...]] = ("auto", "bfloat16", "float32", "float64")
+DEFAULT_COMPUTE_DTYPE: Final[ComputeDtype] = "auto"
+
 # Presets `spec.model.preset` may name: every built-in preset. CPU mode (no GPU) runs only
 # the CPU-sized ones.
 MODEL_PRESETS: Final[tuple[str, ...]] = tuple(PRESETS)

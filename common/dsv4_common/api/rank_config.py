@@ -23,7 +23,7 @@ from dsv4_common.api.documents import (
     from_document,
     to_document,
 )
-from dsv4_common.api.names import WORKER_ROLES, Transfer, WorkerRole
+from dsv4_common.api.names import WORKER_ROLES, ComputeDtype, Transfer, WorkerRole
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec
 from dsv4_common.core.capacity import RankCapacity
 from dsv4_common.core.model import ModelConfig
@@ -82,6 +82,9 @@ class ModelRef:
     # The names the API answers to (spec.model.servedModelNames; `dsv4 serve
     # --served-model-name` overrides them); empty: the model's own name.
     served_model_names: tuple[str, ...] = ()
+    # The compute dtype (spec.model.dtype; `dsv4 serve --dtype` overrides it): auto is bfloat16
+    # on a GPU, float32 on CPU.
+    dtype: ComputeDtype = "auto"
 
     @property
     def source(self) -> str:
@@ -264,6 +267,7 @@ def build_rank_config(
             ),
             weights_path=spec.model.weights.path if spec.model.weights else None,
             served_model_names=spec.model.served_model_names,
+            dtype=spec.model.dtype,
         ),
         max_context_tokens=spec.max_context_tokens,
         kv=KVSettings(

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final, Literal
 
+from dsv4_common.api.names import COMPUTE_DTYPES
 from dsv4_common.core.layout import REQUEST_STATES
 from dsv4_common.plan.inputs import ROLES
 
@@ -141,6 +142,14 @@ SERVE_FLAGS: Final = (
         "where the engine runs (default: cpu; with --config-dir, cuda unless the rank config is "
         "CPU mode)",
         choices=("cpu", "cuda"),
+    ),
+    Flag(
+        "--dtype",
+        "compute dtype: auto (bfloat16 on cuda, float32 on cpu), bfloat16, float32, or float64 "
+        "(the oracle tests'; slow). Weights stay as stored and KV rows as the plan's layout, "
+        "whatever it is (default: the rank config's model.dtype, else auto)",
+        choices=COMPUTE_DTYPES,
+        operator="spec.model.dtype",
     ),
     Flag(
         "--weights",

@@ -24,7 +24,9 @@ from dsv4_common.api.errors import SpecError
 from dsv4_common.api.fields import FieldReader
 from dsv4_common.api.gateway_spec import GatewaySpec, parse_gateway
 from dsv4_common.api.names import (
+    COMPUTE_DTYPES,
     CPU_PRESETS,
+    DEFAULT_COMPUTE_DTYPE,
     DEFAULT_ENGINE,
     DEFAULT_TRANSFER,
     DSV4_TRANSFERS,
@@ -45,6 +47,7 @@ from dsv4_common.api.names import (
     TOPOLOGY_POLICIES,
     TRANSFERS,
     WORKER_ROLES,
+    ComputeDtype,
     Engine,
     GangScheduler,
     TopologyPolicy,
@@ -110,6 +113,8 @@ class ModelSpec:
     # The names requests may give as `model` (unique; the first is what answers carry by
     # default); empty: the model's own name.
     served_model_names: tuple[str, ...] = ()
+    # The workers' compute dtype (engine dsv4): auto is bfloat16 on a GPU, float32 on CPU.
+    dtype: ComputeDtype = DEFAULT_COMPUTE_DTYPE
 
     @property
     def source(self) -> str:
@@ -469,6 +474,12 @@ def _engine_rules(
         r.fail("spec.gpu.type", f"required {why}: SGLang runs on GPUs only")
     if model is not None and model.weights is None:
         r.fail("spec.model.weights", f"required {why}: SGLang loads the model from it")
+    if model is not None and model.dtype != DEFAULT_COMPUTE_DTYPE:
+        r.fail(
+            "spec.model.dtype",
+            f"must be {DEFAULT_COMPUTE_DTYPE} {why}: it is our worker's compute dtype (give "
+            "SGLang its --dtype in engineArgs)",
+        )
     if model is not None and len(model.served_model_names) > 1:
         r.fail(
             "spec.model.servedModelNames",
@@ -493,7 +504,9 @@ def _engine_rules(
 def _model(r: FieldReader, raw: object) -> ModelSpec | None:
     path = "spec.model"
     m = r.obj(raw, path, required=True)
-    r.keys(m, path, {"preset", "configPath", "configMapRef", "weights", "servedModelNames"})
+    r.keys(
+        m, path, {"preset", "configPath", "configMapRef", "weights", "servedModelNames", "dtype"}
+    )
     preset = r.string(m, "preset", path, enum=MODEL_PRESETS)
     config_path = r.string(m, "configPath", path, min_length=2, max_length=1024, pattern=_ABS_PATH)
     config_map = _config_map_ref(r, m.get("configMapRef"), f"{path}.configMapRef")
@@ -518,6 +531,7 @@ def _model(r: FieldReader, raw: object) -> ModelSpec | None:
         if pvc is not None and wpath is not None:
             weights = WeightsSpec(persistent_volume_claim=pvc, path=wpath)
     served = _served_names(r, m.get("servedModelNames"), f"{path}.servedModelNames")
+    dtype = r.string(m, "dtype", path, enum=COMPUTE_DTYPES) or DEFAULT_COMPUTE_DTYPE
     if preset is None and config_path is None and config_map is None:
         return None
     return ModelSpec(
@@ -526,6 +540,7 @@ def _model(r: FieldReader, raw: object) -> ModelSpec | None:
         weights=weights,
         config_map=config_map,
         served_model_names=served,
+        dtype=dtype,  # type: ignore[arg-type]  # one of COMPUTE_DTYPES (the enum above)
     )
 
 

@@ -12,12 +12,16 @@ used by the operator and the router). Wire form, snake_case JSON:
               "running": int, "waiting": int, "accepting": bool, "draining": bool,
               "max_queue_requests": int},
      "threads": {"intra_op": int, "inter_op": int, "cpus": float,
-                 "source": "flag" | "rank_config" | "auto" | "unknown"}}
+                 "source": "flag" | "rank_config" | "auto" | "unknown"},
+     "weights": {"held_bytes": int, "planned_bytes": int, "compute_dtype": str}}
 
 `capacity` (a `RankCapacity`) is what the pools realize (fixed at start); `load` is what is
 free now (the router picks instances by it); `threads` is torch's thread counts, set once at
 start, where they came from and the CPUs the worker found it may use (all 0 / "unknown" from a
-worker that predates it). `kv_transfer.endpoint` is a prefill's KV control address (decode
+worker that predates it). `weights` is what the worker's parameters hold as stored (FP8 blocks
+and FP4 experts with their scales, floats in their stored dtype), beside the planner's figure
+for the rank, and the dtype it computes in (zeros / "unknown" from a worker that predates it).
+`kv_transfer.endpoint` is a prefill's KV control address (decode
 workers connect there); `ready` turns true once a manifest handshake with a peer succeeded.
 
 A document of another version, or one missing or mistyping a field, is refused with an error
@@ -78,6 +82,15 @@ class Threads:
 
 
 @dataclass(frozen=True, slots=True)
+class WeightsHeld:
+    """The worker's weights (`dsv4_worker.model.params`); zeros: not reported."""
+
+    held_bytes: int = 0  # as held in memory (what the realized plan subtracts)
+    planned_bytes: int = 0  # the planner's figure for this rank (tensor by tensor, as stored)
+    compute_dtype: str = "unknown"  # bfloat16 | float32 | float64
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerStatusDoc:
     """The wire schema (nested as on the wire)."""
 
@@ -88,6 +101,7 @@ class WorkerStatusDoc:
     kv_transfer: KVTransferState = KVTransferState()
     load: Load = Load()
     threads: Threads = Threads()
+    weights: WeightsHeld = WeightsHeld()
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +117,7 @@ class WorkerStatus:
     kv_endpoint: str | None = None
     load: Load = Load()
     threads: Threads = Threads()
+    weights: WeightsHeld = WeightsHeld()
 
 
 def build_worker_status(status: WorkerStatus) -> dict[str, Any]:
@@ -120,6 +135,7 @@ def build_worker_status(status: WorkerStatus) -> dict[str, Any]:
         ),
         load=status.load,
         threads=status.threads,
+        weights=status.weights,
     )
     result: dict[str, Any] = to_document(doc)
     return result
@@ -139,6 +155,8 @@ def parse_worker_status(doc: object) -> WorkerStatus:
         "threads.intra_op": parsed.threads.intra_op,
         "threads.inter_op": parsed.threads.inter_op,
         "threads.cpus": parsed.threads.cpus,
+        "weights.held_bytes": parsed.weights.held_bytes,
+        "weights.planned_bytes": parsed.weights.planned_bytes,
     }
     for name, value in counts.items():
         if value < 0:
@@ -154,4 +172,5 @@ def parse_worker_status(doc: object) -> WorkerStatus:
         kv_endpoint=kv.endpoint,
         load=parsed.load,
         threads=parsed.threads,
+        weights=parsed.weights,
     )

@@ -42,6 +42,11 @@ Storage of each kind, by the config's quantization:
   as `linear` for expert_dtype fp8;
 - keep: the checkpoint's torch_dtype (BF16 in the release); f32: F32; hash (tid2eid): I64.
 An unquantized config stores linear and expert weights in its torch_dtype too.
+These kinds are the release's: with them Flash's tensor list sums to its index's
+`total_size` to the byte (common/tests/data/README.md), which F32 norms or compressor weights
+or an I32 `tid2eid` would not (DeepSeek's reference code widens the BF16 norms and compressor
+weights to float32 and declares `tid2eid` int32 when it loads them; the files hold BF16 and
+I64, and so do transformers' notes on which projections ship in BF16).
 TP: a split tensor is divided over the TP ranks (attention heads, vocabulary, experts by TP or
 EP); the others are whole on every rank, as DeepSeek's reference code splits them.
 """

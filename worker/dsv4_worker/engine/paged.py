@@ -16,7 +16,7 @@ the compressed rows its block completes, then attention reads what the oracle wo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -33,8 +33,8 @@ from dsv4_worker.model import compressor as C
 from dsv4_worker.model import dsv4
 from dsv4_worker.model import indexer as I
 from dsv4_worker.model import layers as L
-from dsv4_worker.model.layers import Params
-from dsv4_worker.model.ops import COMPUTE, rms_norm, stored
+from dsv4_worker.model.ops import rms_norm, stored
+from dsv4_worker.model.params import Params
 from dsv4_worker.model.rope import compress_freq, layer_freq
 
 
@@ -77,10 +77,15 @@ class Stage:
 
 
 class PagedModel:
-    """The reference model over one PP stage's KV memory (the whole model by default)."""
+    """The reference model over one PP stage's KV memory (the whole model by default). It
+    computes in the compute dtype of `params` (a mapping of plain tensors: their dtype)."""
 
     def __init__(
-        self, model: ModelConfig, params: Params, memory: KVMemory, stage: Stage | None = None
+        self,
+        model: ModelConfig,
+        params: Params | Mapping[str, Tensor],
+        memory: KVMemory,
+        stage: Stage | None = None,
     ) -> None:
         if memory.pool is None:
             raise ValueError("the paged model needs KV memory with buffers")
@@ -89,12 +94,12 @@ class PagedModel:
         if missing:
             raise ValueError(f"the KV layout holds no state for stage layers {missing}")
         self.model = model
-        self.p = params
+        self.p = Params.of(params)
         self.memory = memory
         # Hidden states passed between PP stages, per token: DSV4's residual streams flattened.
         streams = model.arch.hc_mult if isinstance(model, DSV4Config) else 1
         self.hidden_size = streams * model.weights.hidden_size
-        self.dtype = COMPUTE
+        self.dtype = self.p.dtype  # the compute dtype (hidden states between PP stages too)
         self.pool = memory.pool
         self.page = memory.config.page_size
         self.device = memory.device
@@ -177,7 +182,7 @@ class PagedModel:
             assert hidden is not None, "a later PP stage continues from hidden states"
             h = hidden
         for layer in self.stage.layers:
-            x = rms_norm(h, self.p[f"model.layers.{layer}.input_layernorm.weight"])
+            x = rms_norm(h, self.p.vector(f"model.layers.{layer}.input_layernorm.weight"))
             h = h + self._hybrid_attention(self.model, layer, x, batch)
             h = L.ffn(h, self.p, layer)
         if not self.stage.last:
@@ -244,7 +249,7 @@ class PagedModel:
         key_pos = torch.where(mask, key_pos, pos[:, None])
         key_slot = slot[:, None].expand(n, span)
         swa = self._swa_pages(key_slot, key_pos) * self.page + key_pos % self.page
-        keys = self._rows("swa_kv", layer)[swa].to(COMPUTE)
+        keys = self._rows("swa_kv", layer)[swa].to(self.dtype)
         ratio = m.compress_ratios[layer]
         num_blocks = end // ratio if ratio else 0
         if num_blocks:
@@ -252,14 +257,14 @@ class PagedModel:
             available = blocks < ((pos + 1) // ratio)[:, None]
             blocks = torch.where(available, blocks, 0)
             index = self._compressed_index(slot[:, None].expand(n, num_blocks), blocks, ratio)
-            rows = self._rows(f"c{ratio}_kv", layer)[index].to(COMPUTE)
+            rows = self._rows(f"c{ratio}_kv", layer)[index].to(self.dtype)
             if ratio == m.sparse_ratio:
-                ikeys = self._rows(f"c{ratio}_indexer", layer)[index].to(COMPUTE)
+                ikeys = self._rows(f"c{ratio}_indexer", layer)[index].to(self.dtype)
                 iq, iw = I.query(m, self.p, layer, x[idx], latent[idx], pos, compress_freq(m, dev))
                 available = I.top_k_mask(I.row_scores(iq, iw, ikeys), available, m.index_topk)
             keys = torch.cat([keys, rows], dim=1)
             mask = torch.cat([mask, available], dim=1)
-        return A.attend_rows(q[idx], keys, mask, self.p[f"layers.{layer}.attn.attn_sink"])
+        return A.attend_rows(q[idx], keys, mask, self.p.vector(f"layers.{layer}.attn.attn_sink"))
 
     def _dsv4_segment_attention(
         self, m: DSV4Config, layer: int, seg: Segment, x: Tensor, q: Tensor, latent: Tensor
@@ -270,7 +275,7 @@ class PagedModel:
         key_pos = torch.arange(first, seg.end, device=dev)
         slot = torch.full_like(key_pos, seg.slot)
         swa = self._swa_pages(slot, key_pos) * self.page + key_pos % self.page
-        keys = self._rows("swa_kv", layer)[swa].to(COMPUTE)
+        keys = self._rows("swa_kv", layer)[swa].to(self.dtype)
         diff = pos[:, None] - key_pos[None, :]
         mask = (diff >= 0) & (diff < m.window_tokens)
         ratio = m.compress_ratios[layer]
@@ -279,15 +284,15 @@ class PagedModel:
             blocks = torch.arange(num_blocks, device=dev)
             bslot = torch.full_like(blocks, seg.slot)
             index = self._compressed_index(bslot, blocks, ratio)
-            rows = self._rows(f"c{ratio}_kv", layer)[index].to(COMPUTE)
+            rows = self._rows(f"c{ratio}_kv", layer)[index].to(self.dtype)
             available = (blocks[None, :] + 1) * ratio - 1 <= pos[:, None]
             if ratio == m.sparse_ratio:
-                ikeys = self._rows(f"c{ratio}_indexer", layer)[index].to(COMPUTE)
+                ikeys = self._rows(f"c{ratio}_indexer", layer)[index].to(self.dtype)
                 iq, iw = I.query(m, self.p, layer, x, latent, pos, compress_freq(m, dev))
                 available = I.top_k_mask(I.scores(iq, iw, ikeys), available, m.index_topk)
             keys = torch.cat([keys, rows])
             mask = torch.cat([mask, available], dim=1)
-        return A.attend(q, keys, mask, self.p[f"layers.{layer}.attn.attn_sink"])
+        return A.attend(q, keys, mask, self.p.vector(f"layers.{layer}.attn.attn_sink"))
 
     def _compress(
         self,
@@ -334,7 +339,7 @@ class PagedModel:
             pooled_rows,
             blocks,
             ratio,
-            self.p[f"{prefix}.norm.weight"],
+            self.p.vector(f"{prefix}.norm.weight", pooled_rows.dtype),
             m.arch.rms_norm_eps,
             compress_freq(m, self.device),
         )
@@ -367,7 +372,7 @@ class PagedModel:
         fresh = block_pos >= start[:, None]
         from_batch = torch.where(fresh, done[:, None] - (pos[:, None] - block_pos), done[:, None])
         stored_rows = ring[self._ring_index(name, slot[:, None].expand_as(block_pos), block_pos)]
-        rows = torch.where(fresh[..., None], states[from_batch], stored_rows.to(COMPUTE))
+        rows = torch.where(fresh[..., None], states[from_batch], stored_rows.to(states.dtype))
         return rows, valid
 
     def _write_ring(
@@ -411,7 +416,7 @@ class PagedModel:
         for i in range(len(positions)):  # in batch order == position order per request
             slot, pos = int(slots[i]), int(positions[i])
             rows = ring[slot * C.ONLINE_ROWS : (slot + 1) * C.ONLINE_ROWS]
-            prior = None if pos % ratio == 0 else rows.to(COMPUTE)
+            prior = None if pos % ratio == 0 else rows.to(states.dtype)
             state = stored(C.online_update(prior, states[i]), m.state_dtype)
             rows.copy_(state.to(ring.dtype))
             if pos % ratio == ratio - 1:
@@ -446,7 +451,7 @@ class PagedModel:
             first = max(0, seg.start - m.window_tokens + 1) if sliding else 0
             key_pos = torch.arange(first, seg.end, device=self.device)
             index = self._kv_index(sliding, torch.full_like(key_pos, seg.slot), key_pos)
-            keys, values = L.hybrid_split_kv(m, rows[index].to(COMPUTE))
+            keys, values = L.hybrid_split_kv(m, rows[index].to(self.dtype))
             diff = pos[:, None] - key_pos[None, :]
             mask = (diff >= 0) & ((diff < m.window_tokens) if sliding else True)
             out.append(L.masked_attention(q[lo:hi], keys[None], values[None], mask))

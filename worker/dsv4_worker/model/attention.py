@@ -11,16 +11,12 @@ wo_a, then wo_b mixes the groups to the hidden size.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
-import torch.nn.functional as F
 
 from dsv4_common.core.model import DSV4Config
 from dsv4_worker.model.ops import rms_norm, stored
+from dsv4_worker.model.params import Params
 from dsv4_worker.model.rope import rotate
-
-Params = Mapping[str, torch.Tensor]
 
 
 def query(
@@ -33,8 +29,8 @@ def query(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [T, heads, head_dim] rotated, q latent [T, q_lora_rank])."""
     a, eps = f"layers.{layer}.attn", m.arch.rms_norm_eps
-    latent = rms_norm(F.linear(x, p[f"{a}.wq_a.weight"]), p[f"{a}.q_norm.weight"], eps)
-    q = F.linear(latent, p[f"{a}.wq_b.weight"]).view(len(x), -1, m.head_dim)
+    latent = rms_norm(p.linear(x, f"{a}.wq_a.weight"), p.vector(f"{a}.q_norm.weight"), eps)
+    q = p.linear(latent, f"{a}.wq_b.weight").view(len(x), -1, m.head_dim)
     return rotate(rms_norm(q, None, eps), positions, freq), latent
 
 
@@ -48,7 +44,9 @@ def window_kv(
 ) -> torch.Tensor:
     """The window KV rows [T, head_dim] as the pool stores them."""
     a = f"layers.{layer}.attn"
-    kv = rms_norm(F.linear(x, p[f"{a}.wkv.weight"]), p[f"{a}.kv_norm.weight"], m.arch.rms_norm_eps)
+    kv = rms_norm(
+        p.linear(x, f"{a}.wkv.weight"), p.vector(f"{a}.kv_norm.weight"), m.arch.rms_norm_eps
+    )
     return stored(rotate(kv, positions, freq), m.kv_dtype)
 
 
@@ -88,7 +86,7 @@ def output(
     a, groups = f"layers.{layer}.attn", m.arch.o_groups
     t = len(out)
     grouped = rotate(out, positions, freq, inverse=True).reshape(t, groups, -1)
-    wo_a = p[f"{a}.wo_a.weight"]
+    wo_a = p.dense(f"{a}.wo_a.weight", out.dtype)
     per_group = wo_a.view(groups, -1, wo_a.shape[-1])  # [groups, o_lora_rank, in]
     mid = torch.einsum("tgi,goi->tgo", grouped, per_group).reshape(t, -1)
-    return F.linear(mid, p[f"{a}.wo_b.weight"])
+    return p.linear(mid, f"{a}.wo_b.weight")

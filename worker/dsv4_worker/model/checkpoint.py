@@ -1,13 +1,16 @@
 """Load a HuggingFace DeepSeek-V4 model directory (config.json, model.safetensors.index.json +
 shards, or one model.safetensors) into one PP stage's parameters under the published names,
-dequantized to the compute dtype. Side effects: reads files; never downloads.
+held as stored (`stored.py`: FP8 blocks with their scales, packed FP4 experts with theirs,
+floats and integer tables in their dtype), or dequantized to a float dtype when asked.
+Side effects: reads files; never downloads.
 
 Steps: (1) config.json against the model; (2) the index's names sorted out (renamed, weights
 paired with scales, missing/extra found: `checkpoint_plan.catalog`); (3) the shard headers of
 the stage's tensors checked (dtype, shape, scale); (4) tensors read one at a time.
 NOTE: a stage opens only the shards holding its tensors, reads only its tensors (and their
 scales), one at a time with `safe_open(...).get_tensor`, so besides its own weights it holds
-one stored tensor and its scale at a time, never a whole shard.
+one stored tensor and its scale at a time, never a whole shard. transformers' stacked experts
+are split into the published per-expert tensors (FP8 scales sliced by block rows).
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from dsv4_worker.model.checkpoint_plan import (
     stored_format,
 )
 from dsv4_worker.model.files import CONFIG, INDEX, SINGLE, is_model_dir
-from dsv4_worker.model.quant import FP8_BLOCK, dequantize_fp4, dequantize_fp8_block
+from dsv4_worker.model.quant import FP8_BLOCK
+from dsv4_worker.model.stored import FP4Packed, FP8Block, Stored, fp8_row_slice
 from dsv4_worker.model.weights import check_weights, stage_param_names
 
 __all__ = ["Checkpoint", "CheckpointError", "is_model_dir", "load_checkpoint"]
@@ -56,10 +60,15 @@ class _Read:
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
     """One stage's parameters (published names, exactly `stage_param_names`), and the MTP
-    layers' (`mtp.K.*`; the last stage only, empty when the checkpoint has none)."""
+    layers' (`mtp.K.*`; read when asked, by the last stage only; empty when the checkpoint
+    has none). Values are `Stored` as held, or plain tensors of the float dtype asked for."""
 
-    params: dict[str, torch.Tensor]
-    mtp: dict[str, torch.Tensor]
+    params: dict[str, Stored]
+    mtp: dict[str, Stored]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in (*self.params.values(), *self.mtp.values()))
 
 
 def load_checkpoint(
@@ -69,12 +78,15 @@ def load_checkpoint(
     layers: range | None = None,
     first: bool = True,
     last: bool = True,
-    dtype: torch.dtype = torch.float64,
+    mtp: bool = False,
+    dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
 ) -> Checkpoint:
     """The stage's tensors of `layers` (default: all), the embedding when `first`, the head
-    and MTP layers when `last`. Raises CheckpointError naming the tensor and file; the names
-    of the whole checkpoint are checked, the headers and data of the stage's tensors only."""
+    when `last`, and the MTP layers present when `last` and `mtp`; as stored, or dequantized
+    to `dtype` (integers stay as stored). Raises CheckpointError naming the tensor and file; the
+    names of the whole checkpoint are checked, the headers and data of the stage's tensors
+    only."""
     root = Path(path)
     layers = range(model.num_hidden_layers) if layers is None else layers
     if not (0 <= layers.start <= layers.stop <= model.num_hidden_layers and layers.step == 1):
@@ -86,7 +98,7 @@ def load_checkpoint(
     # 2. Every name in the index: renamed, paired, nothing missing or extra.
     weight_map = _weight_map(root)
     names = stage_param_names(model, layers, first=first, last=last)
-    found = catalog(weight_map, model, names, last)
+    found = catalog(weight_map, model, names, last and mtp)
     _raise_if(root, [*problems, *found.problems])
     # 3. The stage's headers: dtypes, shapes, scales.
     reads = _check_headers(root, weight_map, found.items, model, block)
@@ -94,8 +106,7 @@ def load_checkpoint(
     tensors = _read_items(root, weight_map, reads, dtype, device, block)
     params = {n: t for n, t in tensors.items() if not n.startswith("mtp.")}
     check_weights(model, params, names)
-    mtp = {n: t for n, t in tensors.items() if n.startswith("mtp.")}
-    return Checkpoint(params, mtp)
+    return Checkpoint(params, {n: t for n, t in tensors.items() if n.startswith("mtp.")})
 
 
 def _check_headers(
@@ -214,14 +225,14 @@ def _read_items(
     root: Path,
     weight_map: Mapping[str, str],
     reads: list[_Read],
-    dtype: torch.dtype,
+    dtype: torch.dtype | None,
     device: torch.device | str,
     block: tuple[int, int],
-) -> dict[str, torch.Tensor]:
+) -> dict[str, Stored]:
     """Every item, shard by shard; scales stored in another shard come from one more open
     shard (at most two open at once)."""
     by_source = {r.item.source: r for r in reads}
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Stored] = {}
     for shard, group in _by_shard(weight_map, list(by_source)).items():
         with _open(root, shard) as f, _OtherShard(root) as other:
             for name in group:
@@ -232,11 +243,10 @@ def _read_items(
                     scale_shard = weight_map[read.item.scale]
                     source = f if scale_shard == shard else other.get(scale_shard)
                     scale = _checked_scale(source.get_tensor(read.item.scale), read, weight_map)
-                value = _decode(stored, scale, read, dtype, block)
+                parts = _decode(stored, scale, read, block)
                 del stored, scale
-                target = read.item.target
-                parts = target.split(value) if isinstance(target, FusedExperts) else {target: value}
-                out |= {n: t.to(device) for n, t in parts.items()}
+                for n, value in parts.items():
+                    out[n] = _placed(value, dtype, device)
     return out
 
 
@@ -273,17 +283,67 @@ def _checked_scale(scale: torch.Tensor, read: _Read, weight_map: Mapping[str, st
 
 
 def _decode(
-    stored: torch.Tensor,
-    scale: torch.Tensor | None,
-    read: _Read,
-    dtype: torch.dtype,
-    block: tuple[int, int],
-) -> torch.Tensor:
+    stored: torch.Tensor, scale: torch.Tensor | None, read: _Read, block: tuple[int, int]
+) -> dict[str, Stored]:
+    """The item's parameters as held, each in storage of its own (never a view of the read
+    buffer): floats and integers as they are, FP8 with its block scale, FP4 packed with its
+    group scale; transformers' stacked experts split per expert."""
+    target = read.item.target
     if read.fmt == "int":
-        return stored.to(torch.long, copy=True)
+        return {_single(target): stored.clone()}
     if read.fmt == "float":
-        return stored.to(dtype, copy=True)
+        if isinstance(target, FusedExperts):
+            return dict(target.split(stored))
+        return {target: stored.clone()}
     assert scale is not None, read.item
+    if not isinstance(target, FusedExperts):
+        return {target: _quantized(stored, scale, read, block)}
+    out: dict[str, Stored] = {}
+    for e in range(stored.shape[0]):
+        whole = _quantized(stored[e], scale[e], read, block)
+        prefix = f"{target.scope}.ffn.experts.{e}"
+        if target.kind == "down":
+            out[f"{prefix}.w2.weight"] = whole
+            continue
+        inter = whole.shape[0] // 2
+        out[f"{prefix}.w1.weight"] = _rows(whole, 0, inter)
+        out[f"{prefix}.w3.weight"] = _rows(whole, inter, 2 * inter)
+    return out
+
+
+def _single(target: object) -> str:
+    assert isinstance(target, str), target
+    return target
+
+
+def _quantized(
+    values: torch.Tensor, scale: torch.Tensor, read: _Read, block: tuple[int, int]
+) -> FP8Block | FP4Packed:
     if read.fmt == "fp8":
-        return dequantize_fp8_block(stored, scale, dtype, block)
-    return dequantize_fp4(stored, scale, dtype, cols=read.cols)
+        return FP8Block(values.clone(), scale.clone(), block)
+    return FP4Packed(values.view(torch.int8).clone(), scale.clone(), read.cols)
+
+
+def _rows(w: FP8Block | FP4Packed, start: int, stop: int) -> FP8Block | FP4Packed:
+    """Rows [start, stop) of a quantized matrix, in storage of their own."""
+    if isinstance(w, FP8Block):
+        return fp8_row_slice(w, start, stop)
+    return FP4Packed(w.packed[start:stop].clone(), w.scale[start:stop].clone(), w.cols)
+
+
+def _placed(value: Stored, dtype: torch.dtype | None, device: torch.device | str) -> Stored:
+    """`value` on `device`, dequantized to `dtype` when one is asked for."""
+    if dtype is not None and not (
+        isinstance(value, torch.Tensor) and not value.is_floating_point()
+    ):
+        if isinstance(value, torch.Tensor):
+            return value.to(device=device, dtype=dtype)
+        out = torch.empty(value.shape, dtype=torch.float64)
+        return value.dequantize_into(out).to(device=device, dtype=dtype)
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, FP8Block):
+        return FP8Block(
+            value.values.to(device), value.scale.to(device), value.block, value.row_offset
+        )
+    return FP4Packed(value.packed.to(device), value.scale.to(device), value.cols)

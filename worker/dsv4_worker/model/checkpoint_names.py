@@ -25,9 +25,9 @@ from typing import Literal
 
 import torch
 
-from dsv4_common.core.model import DSV4Config
-from dsv4_common.core.tensors import mtp_params
-from dsv4_worker.model.weights import Shapes, dsv4_shapes
+from dsv4_worker.model.weights import Shapes, mtp_param_shapes
+
+__all__ = ["FusedExperts", "Target", "mtp_param_shapes", "published_name", "scale_owner"]
 
 _SCOPED = re.compile(r"^(layers|mtp)\.(\d+)\.(.+)$")
 _FUSED: dict[str, Literal["gate_up", "down"]] = {
@@ -148,13 +148,3 @@ def scale_owner(name: str) -> str | None:
     if name.endswith(".scale"):
         return name.removesuffix(".scale") + ".weight"
     return None
-
-
-def mtp_param_shapes(model: DSV4Config) -> Shapes:
-    """Every MTP (NextN) layer's parameters: `mtp.K.` + a block of compress ratio 0 (the
-    ratio list's tail) + its embedding/hidden projections, norms and head hyper-connection
-    (`dsv4_common.core.tensors.mtp_params`)."""
-    shapes: Shapes = {}
-    for k in range(model.num_nextn_predict_layers):
-        shapes |= dsv4_shapes(mtp_params(model, k))
-    return shapes

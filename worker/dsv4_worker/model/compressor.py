@@ -13,16 +13,18 @@ An overlapped row b mixes the `_prev` halves of block b-1's tokens with the `_cu
 block b's (block 0 has no previous block). The online form of a plain compressor keeps
 [running max | running sum | weighted kv] (3 rows of `dim`) instead of the block's tokens:
 exact, one row per request instead of `ratio`.
+
+NOTE: the compressors compute in float32 at least (float64 when the model does), whatever the
+activations' dtype, as DeepSeek's reference does ("compression need fp32").
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
-import torch.nn.functional as F
 
+from dsv4_worker.model.compute import at_least_float32
 from dsv4_worker.model.ops import rms_norm
+from dsv4_worker.model.params import Params
 from dsv4_worker.model.rope import rotate
 
 ONLINE_ROWS = 3  # running max, running sum, weighted kv
@@ -31,14 +33,16 @@ ONLINE_ROWS = 3  # running max, running sum, weighted kv
 def token_states(
     x: torch.Tensor,
     positions: torch.Tensor,
-    params: Mapping[str, torch.Tensor],
+    params: Params,
     prefix: str,
     ratio: int,
 ) -> torch.Tensor:
-    """State rows [T, 4*dim or 2*dim] for hidden states `x` [T, H] at `positions` [T]."""
-    kv = F.linear(x, params[f"{prefix}.wkv.weight"])
-    score = (
-        F.linear(x, params[f"{prefix}.wgate.weight"]) + params[f"{prefix}.ape"][positions % ratio]
+    """State rows [T, 4*dim or 2*dim] for hidden states `x` [T, H] at `positions` [T], in
+    float32 at least."""
+    x = x.to(at_least_float32(x.dtype))
+    kv = params.linear(x, f"{prefix}.wkv.weight")
+    score = params.linear(x, f"{prefix}.wgate.weight") + params.rows(
+        f"{prefix}.ape", positions % ratio, x.dtype
     )
     # Overlapped: [kv_prev | kv_curr] and [score_prev | score_curr] are the projections' two
     # halves (the first feeds the next block's row, the second this block's), so the row is

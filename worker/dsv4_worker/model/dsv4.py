@@ -6,23 +6,23 @@ pieces (attention.py, compressor.py, indexer.py) but keep its KV state different
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from dsv4_common.core.model import DSV4Config
 from dsv4_worker.model import hyper
 from dsv4_worker.model.moe import moe
 from dsv4_worker.model.ops import rms_norm
+from dsv4_worker.model.params import Params
 
-Params = Mapping[str, torch.Tensor]
 Attention = Callable[[torch.Tensor], torch.Tensor]  # normalized input [T, H] -> [T, H]
 
 
 def embed(m: DSV4Config, p: Params, ids: torch.Tensor) -> torch.Tensor:
-    """Token ids [T] -> residual streams [T, hc, H] (every stream starts as the embedding)."""
-    e = p["embed.weight"][ids]
+    """Token ids [T] -> residual streams [T, hc, H] (every stream starts as the embedding), in
+    the compute dtype."""
+    e = p.rows("embed.weight", ids)
     return e.unsqueeze(1).expand(-1, m.arch.hc_mult, -1).contiguous()
 
 
@@ -33,14 +33,14 @@ def block(
     a, pre = m.arch, f"layers.{layer}"
     eps = a.rms_norm_eps
     mix_in, post, comb = hyper.mixes(h, p, f"{pre}.hc_attn", a)
-    x = rms_norm(hyper.collapse(h, mix_in), p[f"{pre}.attn_norm.weight"], eps)
+    x = rms_norm(hyper.collapse(h, mix_in), p.vector(f"{pre}.attn_norm.weight"), eps)
     h = hyper.expand(attn(x), h, post, comb)
     mix_in, post, comb = hyper.mixes(h, p, f"{pre}.hc_ffn", a)
-    x = rms_norm(hyper.collapse(h, mix_in), p[f"{pre}.ffn_norm.weight"], eps)
+    x = rms_norm(hyper.collapse(h, mix_in), p.vector(f"{pre}.ffn_norm.weight"), eps)
     return hyper.expand(moe(m, p, layer, x, ids), h, post, comb)
 
 
 def logits(m: DSV4Config, p: Params, h: torch.Tensor) -> torch.Tensor:
     """Streams [T, hc, H] -> logits [T, vocab]."""
-    x = rms_norm(hyper.head(h, p, m.arch), p["norm.weight"], m.arch.rms_norm_eps)
-    return F.linear(x, p["head.weight"])
+    x = rms_norm(hyper.head(h, p, m.arch), p.vector("norm.weight"), m.arch.rms_norm_eps)
+    return p.linear(x, "head.weight")

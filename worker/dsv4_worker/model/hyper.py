@@ -6,28 +6,32 @@ by Sinkhorn iterations) mixes the old streams into the new:
 
     new[k] = post[k] * out + sum_j comb[j, k] * streams[j]
 
-The head collapses the streams once more (`pre` only) before the final norm.
+The head collapses the streams once more (`pre` only) before the final norm. The mixes are
+computed in float32 at least (as DeepSeek's reference and transformers do) and applied in the
+streams' dtype.
 """
 
 from __future__ import annotations
-
-from collections.abc import Mapping
 
 import torch
 
 from dsv4_common.core.model import DSV4Arch
 from dsv4_worker.mem.device import host_shortcuts
+from dsv4_worker.model.compute import at_least_float32
 from dsv4_worker.model.ops import rms_norm
+from dsv4_worker.model.params import Params
 
 Mixes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # pre [T, hc], post [T, hc], comb
 
 
-def mixes(streams: torch.Tensor, p: Mapping[str, torch.Tensor], prefix: str, a: DSV4Arch) -> Mixes:
-    """(pre, post, comb) of one sub-block from its `{prefix}_fn/_base/_scale` parameters."""
+def mixes(streams: torch.Tensor, p: Params, prefix: str, a: DSV4Arch) -> Mixes:
+    """(pre, post, comb) of one sub-block from its `{prefix}_fn/_base/_scale` parameters, in
+    float32 at least."""
     t, hc, _ = streams.shape
-    flat = rms_norm(streams.reshape(t, -1), None, a.rms_norm_eps)
-    raw = flat @ p[f"{prefix}_fn"].T
-    base, scale = p[f"{prefix}_base"], p[f"{prefix}_scale"]
+    hi = at_least_float32(streams.dtype)
+    flat = rms_norm(streams.reshape(t, -1).to(hi), None, a.rms_norm_eps)
+    raw = p.linear(flat, f"{prefix}_fn")
+    base, scale = p.vector(f"{prefix}_base", hi), p.vector(f"{prefix}_scale", hi)
     pre = torch.sigmoid(raw[:, :hc] * scale[0] + base[:hc]) + a.hc_eps
     post = 2 * torch.sigmoid(raw[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
     logits = raw[:, 2 * hc :] * scale[2] + base[2 * hc :]
@@ -58,21 +62,26 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 
 def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """[T, hc, H] -> [T, H], weighted by `pre`."""
-    return (pre.unsqueeze(-1) * streams).sum(dim=1)
+    """[T, hc, H] -> [T, H], weighted by `pre` (in its dtype; the result in the streams')."""
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 
 
 def expand(
     out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
 ) -> torch.Tensor:
     """The new streams [T, hc, H] from a sub-block's output [T, H] and the old streams."""
+    dtype = streams.dtype
+    if post.dtype != dtype:
+        post, comb = post.to(dtype), comb.to(dtype)
     return post.unsqueeze(-1) * out.unsqueeze(1) + torch.einsum("tjk,tjd->tkd", comb, streams)
 
 
-def head(streams: torch.Tensor, p: Mapping[str, torch.Tensor], a: DSV4Arch) -> torch.Tensor:
+def head(streams: torch.Tensor, p: Params, a: DSV4Arch) -> torch.Tensor:
     """The head's collapse of the streams [T, hc, H] -> [T, H]."""
     t = streams.shape[0]
-    flat = rms_norm(streams.reshape(t, -1), None, a.rms_norm_eps)
-    raw = flat @ p["hc_head_fn"].T
-    pre = torch.sigmoid(raw * p["hc_head_scale"] + p["hc_head_base"]) + a.hc_eps
+    hi = at_least_float32(streams.dtype)
+    flat = rms_norm(streams.reshape(t, -1).to(hi), None, a.rms_norm_eps)
+    raw = p.linear(flat, "hc_head_fn")
+    scale, base = p.vector("hc_head_scale", hi), p.vector("hc_head_base", hi)
+    pre = torch.sigmoid(raw * scale + base) + a.hc_eps
     return collapse(streams, pre)

@@ -10,18 +10,16 @@ ties unspecified; see docs/real-model.md.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
-import torch.nn.functional as F
 
 from dsv4_common.core.model import DSV4Config
+from dsv4_worker.model.params import Params
 from dsv4_worker.model.rope import rotate
 
 
 def query(
     m: DSV4Config,
-    p: Mapping[str, torch.Tensor],
+    p: Params,
     layer: int,
     x: torch.Tensor,
     latent: torch.Tensor,
@@ -30,8 +28,8 @@ def query(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries [T, n_heads, dim] (rotated) and head weights [T, n_heads]."""
     i = f"layers.{layer}.attn.indexer"
-    q = F.linear(latent, p[f"{i}.wq_b.weight"]).view(len(x), m.index_n_heads, m.index_head_dim)
-    w = F.linear(x, p[f"{i}.weights_proj.weight"]) * m.index_n_heads**-0.5
+    q = p.linear(latent, f"{i}.wq_b.weight").view(len(x), m.index_n_heads, m.index_head_dim)
+    w = p.linear(x, f"{i}.weights_proj.weight") * m.index_n_heads**-0.5
     return rotate(q, positions, freq), w
 
 

@@ -8,35 +8,28 @@ Pure tensor functions over a weight dict; no pools, no request state.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 
 from dsv4_common.core.model import HybridSWAConfig
 from dsv4_worker.model.ops import ROPE_THETA, rms_norm, rope, stored, swiglu
-
-Params = Mapping[str, torch.Tensor]
+from dsv4_worker.model.params import Params
 
 
 def ffn(h: torch.Tensor, p: Params, layer: int) -> torch.Tensor:
     """Post-attention half of a block: h + FFN(norm(h))."""
     pre = f"model.layers.{layer}"
-    x = rms_norm(h, p[f"{pre}.post_attention_layernorm.weight"])
-    return h + swiglu(
-        x,
-        p[f"{pre}.mlp.gate_proj.weight"],
-        p[f"{pre}.mlp.up_proj.weight"],
-        p[f"{pre}.mlp.down_proj.weight"],
-    )
+    x = rms_norm(h, p.vector(f"{pre}.post_attention_layernorm.weight"))
+    m = f"{pre}.mlp"
+    return h + swiglu(x, p, f"{m}.gate_proj.weight", f"{m}.up_proj.weight", f"{m}.down_proj.weight")
 
 
 def embed(p: Params, token_ids: torch.Tensor) -> torch.Tensor:
-    return p["model.embed_tokens.weight"][token_ids]
+    return p.rows("model.embed_tokens.weight", token_ids)
 
 
 def logits(p: Params, h: torch.Tensor) -> torch.Tensor:
-    return F.linear(rms_norm(h, p["model.norm.weight"]), p["lm_head.weight"])
+    return p.linear(rms_norm(h, p.vector("model.norm.weight")), "lm_head.weight")
 
 
 def masked_attention(
@@ -66,15 +59,15 @@ def hybrid_query_kv(
     stored (the layout's row: rotated keys, then values)."""
     a = f"model.layers.{layer}.self_attn"
     t, kvh = len(x), m.num_key_value_heads
-    q = F.linear(x, p[f"{a}.q_proj.weight"]).view(t, -1, m.head_dim)
+    q = p.linear(x, f"{a}.q_proj.weight").view(t, -1, m.head_dim)
     q = rope(q, positions, m.head_dim, ROPE_THETA)
     k = rope(
-        F.linear(x, p[f"{a}.k_proj.weight"]).view(t, kvh, m.head_dim),
+        p.linear(x, f"{a}.k_proj.weight").view(t, kvh, m.head_dim),
         positions,
         m.head_dim,
         ROPE_THETA,
     )
-    v = F.linear(x, p[f"{a}.v_proj.weight"]).view(t, kvh, m.v_head_dim)
+    v = p.linear(x, f"{a}.v_proj.weight").view(t, kvh, m.v_head_dim)
     row = torch.cat([k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
     return q, stored(row, m.kv_dtype)
 
@@ -87,4 +80,4 @@ def hybrid_split_kv(m: HybridSWAConfig, rows: torch.Tensor) -> tuple[torch.Tenso
 
 
 def hybrid_output(p: Params, layer: int, attn: torch.Tensor) -> torch.Tensor:
-    return F.linear(attn, p[f"model.layers.{layer}.self_attn.o_proj.weight"])
+    return p.linear(attn, f"model.layers.{layer}.self_attn.o_proj.weight")

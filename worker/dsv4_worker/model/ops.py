@@ -2,11 +2,13 @@
 (DSV4's is in rope.py), SwiGLU (with DSV4's optional clamp), and the rounding a value takes
 when it is stored in a KV pool. One code path for CPU and CUDA.
 
-NOTE: the models compute in float64 and round every value that is stored (window KV,
-compressed KV, indexer keys, compressor state) to its pool dtype the moment it is produced, in
-the paged engine and the naive oracle alike. float64 makes the forward batch-invariant in
-practice: different batch shapes change results far below the pools' float32/bf16 precision,
-so the paged engine reads back exactly the values the oracle computes.
+NOTE: the models compute in the engine's compute dtype (`compute.py`: bfloat16 on CUDA, float32
+on CPU, float64 for the oracle tests; it travels with the activations and `Params`, never as a
+global) and round every value that is stored (window KV, compressed KV, indexer keys,
+compressor state) to its pool dtype the moment it is produced, in the paged engine and the
+naive oracle alike. In float64 the forward is batch-invariant in practice: different batch
+shapes change results far below the pools' float32/bf16 precision, so the paged engine reads
+back exactly the values the oracle computes; in float32 they agree within float32 rounding.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Final
 import torch
 import torch.nn.functional as F
 
-COMPUTE: Final = torch.float64
+from dsv4_worker.model.params import Params
+
 EPS: Final = 1e-6
 ROPE_THETA: Final = 10_000.0  # the hybrid family's rope (DSV4's tables: rope.py)
 
@@ -28,7 +31,9 @@ STORAGE_DTYPES: Final[dict[str, torch.dtype]] = {
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = EPS) -> torch.Tensor:
-    """RMS norm over the last axis (no gain when `weight` is None)."""
+    """RMS norm over the last axis (no gain when `weight` is None), in x's dtype."""
+    if weight is not None and weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
@@ -49,18 +54,14 @@ def rope(x: torch.Tensor, positions: torch.Tensor, rope_dims: int, theta: float)
 
 
 def swiglu(
-    x: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    down: torch.Tensor,
-    limit: float = 0.0,
+    x: torch.Tensor, p: Params, gate: str, up: str, down: str, limit: float = 0.0
 ) -> torch.Tensor:
-    """down(silu(gate x) * up x); `limit` > 0 clamps gate x from above and up x to
-    [-limit, limit] first (DeepSeek-V4's SwiGLU clamp)."""
-    g, u = F.linear(x, gate), F.linear(x, up)
+    """down(silu(gate x) * up x) with the named weights; `limit` > 0 clamps gate x from above
+    and up x to [-limit, limit] first (DeepSeek-V4's SwiGLU clamp)."""
+    g, u = p.linear(x, gate), p.linear(x, up)
     if limit > 0:
         g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
-    return F.linear(F.silu(g) * u, down)
+    return p.linear(F.silu(g) * u, down)
 
 
 def stored(x: torch.Tensor, dtype_name: str) -> torch.Tensor:
@@ -71,4 +72,4 @@ def stored(x: torch.Tensor, dtype_name: str) -> torch.Tensor:
             f"the reference model stores {sorted(STORAGE_DTYPES)} rows, not {dtype_name!r} "
             "(fp8 packing needs the GPU kernels)"
         )
-    return x.to(dtype).to(COMPUTE)
+    return x.to(dtype).to(x.dtype)

@@ -25,15 +25,15 @@ from dsv4_worker.model import dsv4
 from dsv4_worker.model import indexer as I
 from dsv4_worker.model import layers as L
 from dsv4_worker.model.ops import rms_norm, stored
+from dsv4_worker.model.params import Params
 from dsv4_worker.model.rope import compress_freq, layer_freq
-from dsv4_worker.model.weights import global_names
 
 RequestState = Literal["ring", "online"]
 
 
 def compressed_rows(
     m: DSV4Config,
-    p: Mapping[str, torch.Tensor],
+    params: Params | Mapping[str, torch.Tensor],
     layer: int,
     x: torch.Tensor,
     positions: torch.Tensor,
@@ -41,9 +41,10 @@ def compressed_rows(
     indexer: bool = False,
     request_state: RequestState = "ring",
 ) -> torch.Tensor:
-    """Rows [T // r, dim] (as stored) of every complete block of layer `layer`'s compressor
-    (`indexer`: the indexer's compressor). `request_state` picks the ring or the online form
-    for a plain (HCA) compressor."""
+    """Rows [T // r, dim] (as stored, in x's dtype) of every complete block of layer `layer`'s
+    compressor (`indexer`: the indexer's compressor). `request_state` picks the ring or the
+    online form for a plain (HCA) compressor."""
+    p = Params.of(params)
     ratio = m.compress_ratios[layer]
     overlap = ratio == m.sparse_ratio
     prefix = f"layers.{layer}.attn" + (".indexer" if indexer else "") + ".compressor"
@@ -69,11 +70,11 @@ def compressed_rows(
         torch.stack(pooled),
         blocks,
         ratio,
-        p[f"{prefix}.norm.weight"],
+        p.vector(f"{prefix}.norm.weight", states.dtype),
         m.arch.rms_norm_eps,
         compress_freq(m, x.device),
     )
-    return stored(rows, m.indexer_dtype if indexer else m.kv_dtype)
+    return stored(rows, m.indexer_dtype if indexer else m.kv_dtype).to(x.dtype)
 
 
 def _window_mask(t: int, window: int, device: torch.device) -> torch.Tensor:
@@ -84,7 +85,7 @@ def _window_mask(t: int, window: int, device: torch.device) -> torch.Tensor:
 
 def _dsv4_attention(
     m: DSV4Config,
-    p: Mapping[str, torch.Tensor],
+    p: Params,
     layer: int,
     x: torch.Tensor,
     positions: torch.Tensor,
@@ -105,13 +106,13 @@ def _dsv4_attention(
             available = I.top_k_mask(I.scores(iq, iw, ikeys), available, m.index_topk)
         keys = torch.cat([keys, rows])
         mask = torch.cat([mask, available], dim=1)
-    out = A.attend(q, keys, mask, p[f"layers.{layer}.attn.attn_sink"])
+    out = A.attend(q, keys, mask, p.vector(f"layers.{layer}.attn.attn_sink"))
     return A.output(m, p, layer, out, positions, freq)
 
 
 def _hybrid_attention(
     m: HybridSWAConfig,
-    p: Mapping[str, torch.Tensor],
+    p: Params,
     layer: int,
     x: torch.Tensor,
     positions: torch.Tensor,
@@ -126,13 +127,15 @@ def _hybrid_attention(
 
 def oracle_logits(
     model: ModelConfig,
-    p: Mapping[str, torch.Tensor],
+    params: Params | Mapping[str, torch.Tensor],
     token_ids: Sequence[int],
     *,
     request_state: RequestState = "ring",
 ) -> torch.Tensor:
-    """Logits [T, vocab] of every position of `token_ids` (float64)."""
-    device = p[global_names(model)[2]].device
+    """Logits [T, vocab] of every position of `token_ids`, in the compute dtype of `params`
+    (a mapping of float64 tensors: float64, the oracle tests' dtype)."""
+    p = Params.of(params)
+    device = p.device
     ids = torch.tensor(list(token_ids), dtype=torch.long, device=device)
     positions = torch.arange(len(ids), device=device)
     if isinstance(model, DSV4Config):
@@ -147,7 +150,7 @@ def oracle_logits(
         return dsv4.logits(m, p, h)
     h = L.embed(p, ids)
     for layer in range(model.num_hidden_layers):
-        x = rms_norm(h, p[f"model.layers.{layer}.input_layernorm.weight"])
+        x = rms_norm(h, p.vector(f"model.layers.{layer}.input_layernorm.weight"))
         h = h + _hybrid_attention(model, p, layer, x, positions)
         h = L.ffn(h, p, layer)
     return L.logits(p, h)
@@ -155,7 +158,7 @@ def oracle_logits(
 
 def oracle_greedy(
     model: ModelConfig,
-    p: Mapping[str, torch.Tensor],
+    p: Params | Mapping[str, torch.Tensor],
     prompt: Sequence[int],
     max_new_tokens: int,
     *,

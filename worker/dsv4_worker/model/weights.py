@@ -19,9 +19,10 @@ import torch
 
 from dsv4_common.core import tensors as T
 from dsv4_common.core.model import DSV4Config, HybridSWAConfig, ModelConfig
-from dsv4_worker.model.ops import COMPUTE
+from dsv4_worker.model.stored import Stored
 
 Shapes = dict[str, tuple[int, ...]]
+ORACLE_DTYPE = torch.float64  # what `init_weights` holds by default: the oracle tests' dtype
 # Parameters initialized to 1 (norm gains) and those that stay exact integers.
 NORM_SUFFIXES = ("norm.weight", "layernorm.weight")
 INTEGER_SUFFIXES = ("gate.tid2eid",)
@@ -96,9 +97,31 @@ def param_shapes(model: ModelConfig) -> Shapes:
     return shapes
 
 
-def stage_param_names(model: ModelConfig, layers: range, *, first: bool, last: bool) -> set[str]:
+def mtp_param_shapes(model: DSV4Config) -> Shapes:
+    """Every MTP (NextN) layer's parameters: `mtp.K.` + a block of compress ratio 0 (the
+    ratio list's tail) + its embedding/hidden projections, norms and head hyper-connection
+    (`dsv4_common.core.tensors.mtp_params`)."""
+    shapes: Shapes = {}
+    for k in range(model.num_nextn_predict_layers):
+        shapes |= dsv4_shapes(T.mtp_params(model, k))
+    return shapes
+
+
+def all_param_shapes(model: ModelConfig) -> Shapes:
+    """Target layers' and (DeepSeek-V4) MTP layers' parameters."""
+    if isinstance(model, DSV4Config):
+        return param_shapes(model) | mtp_param_shapes(model)
+    return param_shapes(model)
+
+
+def stage_param_names(
+    model: ModelConfig, layers: range, *, first: bool, last: bool, draft: bool = False
+) -> set[str]:
     """The parameters one PP stage holds: its layers, the embedding on the first stage, the
-    final norm, LM head (and DSV4's head hyper-connection) on the last."""
+    final norm, LM head (and DSV4's head hyper-connection) on the last, and there, when the
+    plan speculates (`draft`), the MTP layers and the embedding they read. The planner counts
+    the same (`dsv4_common.plan.weights.rank_extra_bytes`): MTP is loaded exactly when it is
+    counted."""
     prefixes = tuple(f"{layer_prefix(model, i)}." for i in layers)
     embed, norm, head = global_names(model)
     names = {n for n in param_shapes(model) if n.startswith(prefixes)}
@@ -108,6 +131,8 @@ def stage_param_names(model: ModelConfig, layers: range, *, first: bool, last: b
         names |= {norm, head}
         if isinstance(model, DSV4Config):
             names |= {"hc_head_fn", "hc_head_base", "hc_head_scale"}
+            if draft and model.num_nextn_predict_layers:
+                names |= {embed, *mtp_param_shapes(model)}
     return names
 
 
@@ -117,11 +142,16 @@ def stage_weights(weights: Mapping[str, torch.Tensor], names: set[str]) -> dict[
 
 
 def init_weights(
-    model: ModelConfig, seed: int, device: torch.device | str = "cpu"
+    model: ModelConfig,
+    seed: int,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = ORACLE_DTYPE,
 ) -> dict[str, torch.Tensor]:
-    """Seeded random weights, float32 values held as float64 (the compute dtype), identical on
-    every device (drawn on the CPU). Every parameter is random, norm gains, biases, sinks and
-    hyper-connection scales included; a hash table draws distinct experts per token."""
+    """Seeded random weights of the target layers: float32 values held as `dtype` (default
+    float64, the oracle tests'), identical on every device (drawn on the CPU). Every parameter
+    is random, norm gains, biases, sinks and hyper-connection scales included; a hash table
+    draws distinct experts per token (int64). Serving draws them in their stored formats
+    (`random_stored.py`)."""
     gen = torch.Generator().manual_seed(seed)
     embed, _, head = global_names(model)
     out: dict[str, torch.Tensor] = {}
@@ -143,7 +173,7 @@ def init_weights(
             # The LM head gets a wide spread so greedy choices are never near-ties.
             gain = 4.0 if name == head else 1.0
             value = torch.randn(shape, generator=gen) * (gain / math.sqrt(shape[-1]))
-        out[name] = value.to(device=device, dtype=COMPUTE)
+        out[name] = value.to(device=device, dtype=dtype)
     return out
 
 
@@ -152,11 +182,13 @@ class WeightsError(ValueError):
 
 
 def check_weights(
-    model: ModelConfig, weights: Mapping[str, torch.Tensor], names: set[str] | None = None
+    model: ModelConfig,
+    weights: Mapping[str, torch.Tensor] | Mapping[str, Stored],
+    names: set[str] | None = None,
 ) -> None:
-    """`weights` hold exactly the model's parameters (or the subset `names`), each of its
-    shape."""
-    shapes = param_shapes(model)
+    """`weights` hold exactly the model's target parameters (or the subset `names`, MTP
+    layers allowed), each of its shape."""
+    shapes = param_shapes(model) if names is None else all_param_shapes(model)
     if names is not None:
         shapes = {n: s for n, s in shapes.items() if n in names}
     missing = sorted(set(shapes) - set(weights))
@@ -172,6 +204,7 @@ def check_weights(
 
 
 def save_weights(path: Path, weights: Mapping[str, torch.Tensor]) -> None:
+    """Floats as float32, integers as they are, in one safetensors file."""
     from safetensors.torch import save_file
 
     tensors = {
@@ -187,7 +220,8 @@ def load_weights(
     device: torch.device | str = "cpu",
     names: set[str] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors (only `names` when given: a PP stage reads its own slice)."""
+    """The file's tensors (only `names` when given: a PP stage reads its own slice) as
+    stored."""
     from safetensors import safe_open
 
     weights: dict[str, torch.Tensor] = {}
@@ -197,6 +231,6 @@ def load_weights(
             keys = [k for k in keys if k in names]
         for k in keys:
             t = f.get_tensor(k)
-            weights[k] = t.to(COMPUTE) if t.is_floating_point() else t.long()
+            weights[k] = t
     check_weights(model, weights, names)
     return weights

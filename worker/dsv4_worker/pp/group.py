@@ -26,6 +26,8 @@ from dsv4_worker.engine.role import EngineConfig, Place, Role
 from dsv4_worker.engine.steps import Planner, StepSource
 from dsv4_worker.mem.alloc_config import AllocatorConfig
 from dsv4_worker.mem.memory import KVMemory
+from dsv4_worker.model.params import Params
+from dsv4_worker.model.stored import Stored
 from dsv4_worker.model.weights import stage_param_names
 from dsv4_worker.pp.link import PipeLink
 from dsv4_worker.pp.spec import PPSpec
@@ -33,8 +35,8 @@ from dsv4_worker.pp.stage import Follower, Leader
 from dsv4_worker.sched.budget import PoolRoom
 from dsv4_worker.sched.scheduler import SchedulerConfig
 
-# names -> the stage's weights (a subset of the checkpoint, or of seeded random weights)
-LoadWeights = Callable[[set[str]], Mapping[str, torch.Tensor]]
+# names -> the stage's weights as held (a subset of the checkpoint, or seeded random weights)
+LoadWeights = Callable[[set[str]], Mapping[str, Stored]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,9 +119,12 @@ def build_stage(
     pp: PPSpec | None = None,
     *,
     device_memory_bytes: int | None = None,
+    dtype: torch.dtype | None = None,
 ) -> BuiltStage:
-    """Raises PlanError (bad inputs), StageLost (the group did not meet) or what
-    `load_weights` raises."""
+    """The stage computes in `dtype` (None: its weights' float dtype when they share one).
+    Its weights are the names the plan counts for it (the MTP layers only when speculating),
+    and the bytes they hold are what the realized plan subtracts. Raises PlanError (bad
+    inputs), StageLost (the group did not meet) or what `load_weights` raises."""
     pp = pp or PPSpec(0, 1, "", 0)
     if inputs.pp_size != pp.size:
         raise ValueError(f"plan inputs pp_size={inputs.pp_size}, this group has {pp.size}")
@@ -127,10 +132,10 @@ def build_stage(
     model = inputs.model
     layers = split_layers(model.num_hidden_layers, pp.size, inputs.layer_split)[pp.rank]
     stage = Stage(layers, first=pp.rank == 0, last=pp.rank == pp.size - 1)
-    params = load_weights(
-        stage_param_names(model, stage.layers, first=stage.first, last=stage.last)
-    )
-    weight_bytes = sum(t.numel() * t.element_size() for t in params.values())
+    draft = inputs.speculative_draft_tokens > 0
+    names = stage_param_names(model, stage.layers, first=stage.first, last=stage.last, draft=draft)
+    params = Params.of(load_weights(names), dtype)
+    weight_bytes = params.nbytes
     link = None
     if pp.size > 1:
         link = PipeLink(

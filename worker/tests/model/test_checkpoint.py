@@ -268,7 +268,7 @@ def test_published_checkpoint_loads_exactly_its_dequantized_values(
     write_checkpoint(
         tmp_path, weights, config, quant=quant, pow2=pow2, float_dtype=float_dtype, shards=3
     )
-    ckpt = load_checkpoint(tmp_path, MODEL)
+    ckpt = load_checkpoint(tmp_path, MODEL, mtp=True, dtype=torch.float64)
     want = decoded(weights, quant, pow2=pow2, float_dtype=float_dtype)
     _assert_equal(ckpt.params, {n: t for n, t in want.items() if not n.startswith("mtp.")})
     _assert_equal(ckpt.mtp, {n: t for n, t in want.items() if n.startswith("mtp.")})
@@ -303,7 +303,7 @@ def test_a_scale_in_another_shard_than_its_weight_is_found(
     save_sharded(tmp_path, stored, 3, published_config(MODEL, "fp4"), place=place)
     reads = _Reads()
     monkeypatch.setattr(C, "safe_open", _counting_open(reads))
-    ckpt = load_checkpoint(tmp_path, MODEL)
+    ckpt = load_checkpoint(tmp_path, MODEL, dtype=torch.float64)
     assert reads.max_open == 2 and reads.open_now == 0
     _assert_equal(ckpt.params, {n: t for n, t in decoded(weights, "fp4").items() if "mtp" not in n})
 
@@ -341,7 +341,7 @@ def test_transformers_named_checkpoint_loads_as_transformers_renamed_it(
     state, config = hf_named
     assert "model.layers.1.mlp.experts.gate_up_proj" in state
     write_checkpoint(tmp_path / "q", state, config, quant=quant, naming="transformers")
-    got = load_checkpoint(tmp_path / "q", MODEL)
+    got = load_checkpoint(tmp_path / "q", MODEL, mtp=True, dtype=torch.float64)
     assert got.mtp == {}
     if quant == "none":
         _assert_equal(got.params, init_weights(MODEL, seed=0))
@@ -351,7 +351,9 @@ def test_transformers_named_checkpoint_loads_as_transformers_renamed_it(
     assert "model.layers.1.self_attn.q_a_proj.weight_scale_inv" in names
     plain = decoded(state, quant)
     write_checkpoint(tmp_path / "plain", plain, config, float_dtype=torch.float64)
-    _assert_equal(got.params, load_checkpoint(tmp_path / "plain", MODEL).params)
+    _assert_equal(
+        got.params, load_checkpoint(tmp_path / "plain", MODEL, dtype=torch.float64).params
+    )
 
 
 def test_save_pretrained_output_resharded_loads_every_hf_parameter(tmp_path: Path) -> None:
@@ -371,7 +373,7 @@ def test_save_pretrained_output_resharded_loads_every_hf_parameter(tmp_path: Pat
         len(set(json.loads((tmp_path / "resharded" / C.INDEX).read_text())["weight_map"].values()))
         == 3
     )
-    ckpt = load_checkpoint(tmp_path / "resharded", MODEL)
+    ckpt = load_checkpoint(tmp_path / "resharded", MODEL, dtype=torch.float64)
     checked: set[str] = set()
     for name, t in hf.state_dict().items():
         target = published_name(name)
@@ -433,7 +435,7 @@ def test_each_stage_gets_exactly_its_parameters_and_the_last_the_mtp_layer(
     tmp_path: Path, weights: dict[str, torch.Tensor], layers: range, first: bool, last: bool
 ) -> None:
     write_checkpoint(tmp_path, weights, published_config(MODEL))
-    ckpt = load_checkpoint(tmp_path, MODEL, layers=layers, first=first, last=last)
+    ckpt = load_checkpoint(tmp_path, MODEL, layers=layers, first=first, last=last, mtp=True)
     assert set(ckpt.params) == stage_param_names(MODEL, layers, first=first, last=last)
     assert set(ckpt.mtp) == (set(mtp_param_shapes(MODEL)) if last else set())
 
@@ -443,7 +445,7 @@ def test_a_checkpoint_without_mtp_tensors_loads_with_none(
 ) -> None:
     plain = {n: t for n, t in weights.items() if not n.startswith("mtp.")}
     write_checkpoint(tmp_path, plain, published_config(MODEL))
-    assert load_checkpoint(tmp_path, MODEL).mtp == {}
+    assert load_checkpoint(tmp_path, MODEL, mtp=True).mtp == {}
 
 
 # ---- refusals ------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ def test_written_directory_loads_back_exactly(
     ]
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert index["weight_map"] == weight_map and set(weight_map) == set(params)
-    ckpt = load_checkpoint(tmp_path, MODEL)
+    ckpt = load_checkpoint(tmp_path, MODEL, dtype=torch.float64)
     assert ckpt.mtp == {}
     assert set(ckpt.params) == set(params)
     for name, t in params.items():
@@ -74,7 +74,7 @@ def test_floats_are_stored_as_the_dtype_and_hash_tables_as_int64(
     loaded = load_model_config(str(tmp_path))
     # torch_dtype names the stored dtype; the KV cache dtype is kept as it was.
     assert loaded == dataclasses.replace(MODEL, name=loaded.name, weight_dtype="bf16")
-    ckpt = load_checkpoint(tmp_path, MODEL)
+    ckpt = load_checkpoint(tmp_path, MODEL, dtype=torch.float64)
     want = params["layers.2.attn.wq_a.weight"].to(torch.bfloat16).to(torch.float64)
     assert torch.equal(ckpt.params["layers.2.attn.wq_a.weight"], want)
 
@@ -88,7 +88,7 @@ def test_mtp_layers_are_written_and_stale_shards_removed(
     shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
     assert shards == sorted(set(weight_map.values())) and len(shards) == 2
     assert {weight_map[n] for n in mtp} == {"model-00002-of-00002.safetensors"}  # MTP last
-    ckpt = load_checkpoint(tmp_path, MODEL)
+    ckpt = load_checkpoint(tmp_path, MODEL, mtp=True, dtype=torch.float64)
     assert set(ckpt.mtp) == set(mtp)
     assert all(torch.equal(ckpt.mtp[n], t) for n, t in mtp.items())
 

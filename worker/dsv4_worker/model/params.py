@@ -1,0 +1,153 @@
+"""`Params`: one stage's parameters held as they are stored (`stored.py`: FP8 blocks, packed FP4
+experts, BF16/F32 floats, integer tables) and the compute dtype the model uses them in. The model
+code reads parameters only through it:
+
+    linear(x, name)      x @ W.T in x's dtype (W dequantized or cast at use, or a scaled FP8
+                         matmul on a device that has one)
+    dense(name)          W in the compute dtype (grouped projections)
+    vector(name)         a float parameter (norm gain, bias, sink, ...) in the compute dtype
+    rows(name, index)    W[index] in the compute dtype (embeddings, per-slot biases)
+    table(name)          an integer table as held (hash routing)
+
+NOTE (scratch): a quantized or differently-typed weight is materialized into one of two flat
+buffers per dtype, reused by every layer (`linear`'s is consumed before it returns; `dense`'s
+result stays valid until the next `dense` call). So besides the stored weights the stage holds
+at most two of its largest matrices in the compute dtype, never a widened copy of the model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, KeysView, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dsv4_worker.model.fp8_matmul import scaled_linear
+from dsv4_worker.model.stored import FP4Packed, FP8Block, Stored
+
+
+class Params:
+    __slots__ = ("_held", "_scratch", "dtype")
+
+    def __init__(self, held: Mapping[str, Stored], dtype: torch.dtype) -> None:
+        if not dtype.is_floating_point:
+            raise ValueError(f"compute dtype {dtype} is not a float dtype")
+        self._held = dict(held)
+        self.dtype = dtype  # the compute dtype (embeddings and dense/vector/rows come in it)
+        # (dtype, slot) -> flat buffer; slot 0: linear's, 1: dense's
+        self._scratch: dict[tuple[torch.dtype, int], Tensor] = {}
+
+    @classmethod
+    def of(
+        cls,
+        p: Params | Mapping[str, Tensor] | Mapping[str, Stored],
+        dtype: torch.dtype | None = None,
+    ) -> Params:
+        """`p` as Params computing in `dtype`, else in its plain floats' dtype when they all
+        share one (float32 when they do not)."""
+        if isinstance(p, Params):
+            return p if dtype is None or dtype == p.dtype else Params(p._held, dtype)
+        return cls(p, dtype or _common_float_dtype(p.values()))
+
+    # -- what is held -----------------------------------------------------------------------------
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._held
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def names(self) -> KeysView[str]:
+        return self._held.keys()
+
+    def held(self, name: str) -> Stored:
+        return self._held[name]
+
+    def items(self) -> Iterable[tuple[str, Stored]]:
+        return self._held.items()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._held[name].shape)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the parameters are (all on one device)."""
+        return _device(next(iter(self._held.values())))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the parameters as held (weights and their scales; no scratch)."""
+        return sum(s.nbytes for s in self._held.values())
+
+    def subset(self, names: Iterable[str]) -> Params:
+        """The named parameters (sharing their tensors), in the same compute dtype."""
+        return Params({n: self._held[n] for n in names}, self.dtype)
+
+    # -- reads in the compute dtype ---------------------------------------------------------------
+
+    def linear(self, x: Tensor, name: str) -> Tensor:
+        """x [..., in] @ W.T [in, out], in x's dtype."""
+        s = self._held[name]
+        if isinstance(s, Tensor):
+            return F.linear(x, s if s.dtype == x.dtype else self._materialize(s, x.dtype, 0))
+        if isinstance(s, FP8Block):
+            out = scaled_linear(x, s)
+            if out is not None:
+                return out
+        return F.linear(x, self._materialize(s, x.dtype, 0))
+
+    def dense(self, name: str, dtype: torch.dtype | None = None) -> Tensor:
+        """W in `dtype` (default: the compute dtype); valid until the next `dense` call."""
+        s = self._held[name]
+        dtype = dtype or self.dtype
+        if isinstance(s, Tensor) and s.dtype == dtype:
+            return s
+        return self._materialize(s, dtype, 1)
+
+    def vector(self, name: str, dtype: torch.dtype | None = None) -> Tensor:
+        """A float parameter in `dtype` (default: the compute dtype), a fresh tensor when it
+        is stored in another dtype."""
+        s = self._held[name]
+        assert isinstance(s, Tensor), f"{name} is quantized; read it with linear or dense"
+        return s.to(dtype or self.dtype)
+
+    def rows(self, name: str, index: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """W[index] in `dtype` (default: the compute dtype)."""
+        s = self._held[name]
+        if isinstance(s, Tensor):
+            return s[index].to(dtype or self.dtype)
+        return self.dense(name, dtype)[index].clone()
+
+    def table(self, name: str) -> Tensor:
+        s = self._held[name]
+        assert isinstance(s, Tensor) and not s.is_floating_point(), f"{name} is not a table"
+        return s
+
+    # -- scratch ----------------------------------------------------------------------------------
+
+    def _materialize(self, s: Stored, dtype: torch.dtype, slot: int) -> Tensor:
+        shape = tuple(s.shape)
+        device = _device(s)
+        numel = math.prod(shape)
+        buf = self._scratch.get((dtype, slot))
+        if buf is None or buf.numel() < numel or buf.device != device:
+            buf = self._scratch[(dtype, slot)] = torch.empty(numel, dtype=dtype, device=device)
+        out = buf[:numel].view(shape)
+        if isinstance(s, Tensor):
+            return out.copy_(s)
+        return s.dequantize_into(out)
+
+
+def _device(s: Stored) -> torch.device:
+    if isinstance(s, FP4Packed):
+        return s.packed.device
+    if isinstance(s, FP8Block):
+        return s.values.device
+    return s.device
+
+
+def _common_float_dtype(tensors: Iterable[Stored]) -> torch.dtype:
+    dtypes = {t.dtype for t in tensors if isinstance(t, Tensor) and t.is_floating_point()}
+    return dtypes.pop() if len(dtypes) == 1 else torch.float32
