@@ -11,7 +11,8 @@ into w1 and w3 where the split is not block aligned): weight row r uses scale ro
 (r + row_offset) // block_rows.
 
 NOTE: dequantization is exact in float32/float64 (fp8 and e2m1 values times a power of two),
-and in bfloat16 for E8M0 scales; a float32 FP8 scale rounds once in bfloat16.
+and in bfloat16 for E8M0 scales; with a float32 FP8 scale the product rounds once to bfloat16,
+as quant.py's reference dequantizer rounds it.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ class FP8Block:
 
     def dequantize_into(self, out: Tensor) -> Tensor:
         """value = fp8 x its block's scale, written into `out` [out, in] (a float dtype)."""
+        if out.element_size() < 4 and self.scale.dtype != torch.float8_e8m0fnu:
+            # A float32 scale is not exact in bfloat16: multiply exactly, round once.
+            return out.copy_(self.dequantize_into(torch.empty_like(out, dtype=torch.float64)))
         rows, cols = self.values.shape
         br, bc = self.block
         out.copy_(self.values)

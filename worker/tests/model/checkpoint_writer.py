@@ -157,3 +157,33 @@ def published_config(model: DSV4Config, quant: Quant = "none") -> dict[str, Any]
         storage = Quantization(scale_fmt="ue8m0", expert_dtype=expert_dtype)
         model = dataclasses.replace(model, quantization=storage)
     return release_config(model)
+
+
+_RELEASE_FLOATS = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def release_encode(
+    model: DSV4Config, tensors: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """`tensors` (published names) stored tensor by tensor as the planner's table says the
+    release stores them (`dsv4_common.core.tensors.stored`): FP8 with E8M0 (or F32) block
+    scales, FP4 experts packed with E8M0 scales, floats in their kind's dtype, hash tables
+    I64."""
+    from dsv4_common.core import tensors as T
+
+    kinds = {n: p for p in T.checkpoint_params(model) for n in p.names()}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        weight, *scale = T.stored(model, kinds[name])
+        if weight.dtype == "I64":
+            out[name] = t.to(torch.int64)
+        elif weight.dtype in _RELEASE_FLOATS:
+            out[name] = t.to(_RELEASE_FLOATS[weight.dtype])
+        elif weight.dtype == "F8_E4M3":
+            pow2 = scale[0].dtype == "F8_E8M0"
+            out[name], out[name.removesuffix(".weight") + ".scale"] = quantize_fp8_block(
+                t, pow2=pow2
+            )
+        else:
+            out[name], out[name.removesuffix(".weight") + ".scale"] = quantize_fp4(t)
+    return out

@@ -1,0 +1,135 @@
+"""`Params`: weights held as stored, read in the compute dtype. A quantized linear equals
+F.linear with the dequantized weight (quant.py's reference dequantizers), for any shape: partial
+blocks, row slices of a block grid (transformers' stacked experts), odd FP4 widths, E8M0 and
+float32 scales; the scratch buffers are reused and never corrupt a result still in use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsv4_worker.model.compute import compute_dtype
+from dsv4_worker.model.params import Params
+from dsv4_worker.model.quant import (
+    dequantize_fp4,
+    dequantize_fp8_block,
+    quantize_fp4,
+    quantize_fp8_block,
+)
+from dsv4_worker.model.stored import FP4Packed, FP8Block, fp8_row_slice
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16]
+
+
+def _w(rows: int, cols: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, cols, generator=gen, dtype=torch.float64) * 0.3
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    rows=st.integers(1, 300),
+    cols=st.integers(1, 300),
+    pow2=st.booleans(),
+    dtype=st.sampled_from(DTYPES),
+)
+def test_an_fp8_linear_is_the_dequantized_linear(
+    rows: int, cols: int, pow2: bool, dtype: torch.dtype
+) -> None:
+    q, s = quantize_fp8_block(_w(rows, cols, rows * cols), pow2=pow2)
+    p = Params({"w": FP8Block(q, s, (128, 128))}, dtype)
+    x = torch.randn(5, cols, dtype=torch.float64).to(dtype)
+    dense = dequantize_fp8_block(q, s, dtype)
+    # Same weight values, same shapes, same kernel: bit for bit.
+    assert torch.equal(p.linear(x, "w"), F.linear(x, dense))
+    assert torch.equal(p.dense("w"), dense)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    rows=st.integers(2, 300),
+    cols=st.integers(1, 200),
+    cut=st.integers(1, 299),
+    dtype=st.sampled_from(DTYPES),
+)
+def test_row_slices_of_an_fp8_grid_dequantize_to_the_rows_of_the_whole(
+    rows: int, cols: int, cut: int, dtype: torch.dtype
+) -> None:
+    """transformers stacks w1 and w3 in one FP8 tensor whose blocks straddle the split."""
+    cut = min(cut, rows - 1)
+    q, s = quantize_fp8_block(_w(rows, cols, cut), pow2=True)
+    whole = FP8Block(q, s, (128, 128))
+    want = dequantize_fp8_block(q, s, torch.float64)
+    for lo, hi in ((0, cut), (cut, rows)):
+        part = fp8_row_slice(whole, lo, hi)
+        got = part.dequantize_into(torch.empty(hi - lo, cols, dtype=torch.float64))
+        assert torch.equal(got, want[lo:hi])
+        # A slice of a slice lands on the same scale rows.
+        if hi - lo > 1:
+            inner = fp8_row_slice(part, 1, hi - lo)
+            got = inner.dequantize_into(torch.empty(hi - lo - 1, cols, dtype=torch.float64))
+            assert torch.equal(got, want[lo + 1 : hi])
+    assert part.nbytes <= whole.nbytes
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(rows=st.integers(1, 64), cols=st.integers(1, 150), dtype=st.sampled_from(DTYPES))
+def test_an_fp4_linear_is_the_dequantized_linear(rows: int, cols: int, dtype: torch.dtype) -> None:
+    packed, s = quantize_fp4(_w(rows, cols, cols))
+    p = Params({"w": FP4Packed(packed, s, cols)}, dtype)
+    x = torch.randn(3, cols, dtype=torch.float64).to(dtype)
+    dense = dequantize_fp4(packed, s, dtype, cols=cols)
+    assert torch.equal(p.linear(x, "w"), F.linear(x, dense))
+
+
+def test_a_float_weight_of_another_dtype_is_cast_at_use_not_at_load() -> None:
+    w = _w(8, 16, 0).to(torch.bfloat16)
+    p = Params({"w": w, "v": torch.ones(16, dtype=torch.bfloat16)}, torch.float32)
+    x = torch.randn(2, 16)
+    assert torch.equal(p.linear(x, "w"), F.linear(x, w.float()))
+    assert p.held("w") is w and p.nbytes == w.nbytes + 32  # held as bf16
+    assert p.vector("v").dtype == torch.float32
+
+
+def test_dense_results_survive_linear_calls_until_the_next_dense() -> None:
+    a, b, c = (quantize_fp8_block(_w(16, 16, s)) for s in range(3))
+    p = Params(
+        {n: FP8Block(*qs, (128, 128)) for n, qs in zip("abc", (a, b, c), strict=True)},
+        torch.float32,
+    )
+    held = p.dense("a")
+    want = held.clone()
+    p.linear(torch.ones(1, 16), "b")  # linear's scratch is not dense's
+    assert torch.equal(held, want)
+    p.dense("c")  # the next dense reuses the buffer
+    assert torch.equal(p.dense("a"), want)
+
+
+def test_params_of_plain_tensors_computes_in_their_dtype() -> None:
+    assert Params.of({"w": torch.zeros(2, 2, dtype=torch.float64)}).dtype == torch.float64
+    mixed = {"w": torch.zeros(2, dtype=torch.bfloat16), "b": torch.zeros(2)}
+    assert Params.of(mixed).dtype == torch.float32
+    assert Params.of(mixed, torch.float64).dtype == torch.float64
+
+
+@pytest.mark.parametrize(
+    ("name", "device", "want"),
+    [
+        ("auto", "cpu", torch.float32),
+        ("auto", "cuda", torch.bfloat16),
+        ("float64", "cpu", torch.float64),
+        ("bfloat16", "cpu", torch.bfloat16),
+    ],
+)
+def test_auto_is_bfloat16_on_cuda_and_float32_on_cpu(
+    name: str, device: str, want: torch.dtype
+) -> None:
+    assert compute_dtype(name, device) == want
+
+
+def test_an_unknown_compute_dtype_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="float16"):
+        compute_dtype("float16", "cpu")
