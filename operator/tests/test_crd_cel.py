@@ -144,6 +144,10 @@ PREDICATES: dict[tuple[str, str], Callable[[Any], bool]] = {
         "self.engine.name != 'sglang' || !has(self.model.servedModelNames) || "
         "self.model.servedModelNames.size() == 1",
     ): lambda s: not _sglang(s) or len(s["model"].get("servedModelNames", [0])) == 1,
+    (
+        "spec",
+        "self.engine.name != 'sglang' || !has(self.model.dtype) || self.model.dtype == 'auto'",
+    ): lambda s: not _sglang(s) or s["model"].get("dtype", "auto") == "auto",
     ("spec", "self.engine.name != 'sglang' || self.speculativeDraftTokens == 0"): lambda s: (
         not _sglang(s) or s["speculativeDraftTokens"] == 0
     ),

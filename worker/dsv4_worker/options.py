@@ -199,7 +199,7 @@ class ServeOptions:
         return cls(
             role=config.role,
             device=args.device or ("cpu" if config.plan.cpu_mode else "cuda"),
-            dtype=args.dtype or config.model.dtype,
+            dtype=config.model.dtype,
             model_source=config.model.source,
             host=host,
             listen=(

@@ -147,7 +147,7 @@ SERVE_FLAGS: Final = (
         "--dtype",
         "compute dtype: auto (bfloat16 on cuda, float32 on cpu), bfloat16, float32, or float64 "
         "(the oracle tests'; slow). Weights stay as stored and KV rows as the plan's layout, "
-        "whatever it is (default: the rank config's model.dtype, else auto)",
+        "whatever it is (default: auto; with --config-dir, the rank config's model.dtype)",
         choices=COMPUTE_DTYPES,
         operator="spec.model.dtype",
     ),

@@ -52,10 +52,12 @@ OWNED_BEFORE_THE_TABLE = {
     "--open-status": "spec.apiKey (a deployed status port is open, its API port wants the key)",
     "--pd-secret-file": "the deployment's PD Secret",
 }
+# Owned since: the compute dtype (#38).
+OWNED_SINCE = {"--dtype": "spec.model.dtype"}
 
 
 def test_the_operator_owns_what_it_owned_before() -> None:
-    assert operator_owned() == OWNED_BEFORE_THE_TABLE
+    assert operator_owned() == OWNED_BEFORE_THE_TABLE | OWNED_SINCE
 
 
 def test_the_operator_refuses_exactly_the_table_s_owned_flags() -> None:

@@ -460,7 +460,23 @@ ENGINE_ERRORS: list[tuple[str, dict[str, Any], str]] = [
         sglang_with(speculativeDraftTokens=1),
         "spec.speculativeDraftTokens: must be 0 with engine.name sglang",
     ),
+    (
+        "sglang compute dtype",
+        sglang_with(model={"dtype": "float32"}),
+        "spec.model.dtype: must be auto with engine.name sglang",
+    ),
+    (
+        "unknown compute dtype",
+        body_with({"model": {"preset": "tiny", "dtype": "float16"}}),
+        "spec.model.dtype: must be one of",
+    ),
 ]
+
+
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16", "float32", "float64"])
+def test_the_compute_dtype_is_read_and_defaults_to_auto(dtype: str) -> None:
+    assert parse_spec(BASE).model.dtype == "auto"
+    assert parse_spec(body_with({"model": {"preset": "tiny", "dtype": dtype}})).model.dtype == dtype
 
 
 @pytest.mark.parametrize(

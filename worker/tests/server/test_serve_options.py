@@ -60,12 +60,14 @@ def test_the_quick_form_defaults() -> None:
     assert (opts.kv_port, opts.default_prefill, opts.transfer_timeout_s) == (0, None, 60.0)
     assert opts.http == HttpLimits()
     assert (opts.torch_threads, opts.configured_torch_threads) == (None, None)
+    assert opts.dtype == "auto"
 
 
 # (flags, option, value): one flag of the quick form and the option it sets.
 QUICK_CASES = [
     (("--model", "/m"), "model_source", "/m"),
     (("--device", "cuda"), "device", "cuda"),
+    (("--dtype", "float64"), "dtype", "float64"),
     (("--host", "0.0.0.0"), "host", "0.0.0.0"),
     (("--port", "0"), "listen", (Listen(0, "--port"),)),
     (("--role", "decode"), "transfer", "nixl"),
@@ -188,6 +190,13 @@ def test_a_flag_given_overrides_the_rank_config(
     assert getattr(deployed(*flags, **fields), option) == value
 
 
+def test_the_configs_compute_dtype_is_the_workers() -> None:
+    config = rank_config("decode")
+    assert config.model.dtype == "auto"
+    typed = replace(config, model=replace(config.model, dtype="float32"))
+    assert ServeOptions.from_rank_config(typed, args("--role", "decode")).dtype == "float32"
+
+
 def test_the_configs_served_names_are_kept_without_the_flag() -> None:
     config = rank_config("decode")
     named = replace(config, model=replace(config.model, served_model_names=("n",)))
@@ -217,6 +226,7 @@ IGNORED = [
                                Listen(PORTS.status, "rank config ports.status"))),
     ("--transfer", "nixl", "transfer", "zmq"),
     ("--kv-port", "1", "kv_port", PORTS.kv),
+    ("--dtype", "float64", "dtype", "auto"),
 ]  # fmt: skip
 
 
