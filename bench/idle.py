@@ -79,7 +79,7 @@ def main() -> None:
         print(f"{'process':<10} {'% of a core':>12}")
         for name, p in zip(names, procs, strict=True):
             used_s = (cpu_ticks(p.pid) - start[p.pid]) / TICKS_PER_S
-            print(f"{name:<10} {100 * used_s / elapsed_s:>11.2f}%")
+            print(f"{name:<10} {100 * used_s / elapsed_s:>11.2f}%   (pid {p.pid})")
             if args.threads:
                 now = thread_ticks(p.pid)
                 busy = sorted(((now[t] - threads[p.pid].get(t, 0), t) for t in now), reverse=True)[

@@ -425,6 +425,11 @@ class Engine:
             self._finish(req, "error")
             finished.append(req)
 
+    @property
+    def idle_check_pending(self) -> bool:
+        """A step left the engine idle and `check_if_idle` has not checked it since."""
+        return self._idle_since_s is not None
+
     def check_if_idle(self, settled_s: float = 0.0) -> None:
         """The whole-state check (`check_integrity`, milliseconds) once the engine has stayed
         idle `settled_s` since a step left it idle. The serving loop waits a while, so the

@@ -89,6 +89,9 @@ from dsv4_worker.sched.scheduler import RequestId
 log = logging.getLogger(__name__)
 
 POLL_MS = 50
+# ... and with nothing in flight: what is left then is the heartbeat (pings every
+# HEARTBEAT_INTERVAL_S, pongs wake the poll) and reconnecting a lost prefill.
+IDLE_POLL_MS = 250
 # The most the engine thread waits, at a step's first admission, for the control thread to
 # send the request to prefill: the rest of the step holds the GIL and a core meanwhile.
 ADMIT_HANDOFF_S = 0.002
@@ -385,15 +388,17 @@ class DecodeAgent(EngineEvents):
                 self.target.expect(due)
 
     def _poll_ms(self, now: float) -> int:
-        """How long the control loop may sleep: until the next ping is due, at most POLL_MS."""
+        """How long the control loop may sleep: until the next ping is due, at most POLL_MS
+        with transfers in flight, IDLE_POLL_MS without."""
+        bound_ms = POLL_MS if self._flights else IDLE_POLL_MS
         due = [
             (p.pinged_s or now) + self.heartbeat.interval_s
             for p in self._prefills.values()
             if p.state == "ready"
         ]
         if not due:
-            return POLL_MS
-        return max(1, min(POLL_MS, int((min(due) - now) * 1000) + 1))
+            return bound_ms
+        return max(1, min(bound_ms, int((min(due) - now) * 1000) + 1))
 
     def _peer(self, address: str) -> _Prefill:
         """The address's connection: a new one (hello sent) unless one is live."""

@@ -40,6 +40,7 @@ from dsv4_worker.engine.failures import INTERNAL_CODE
 from dsv4_worker.engine.logprobs import TokenLogprob
 from dsv4_worker.engine.loop import DuplicateRequest as DuplicateRequest
 from dsv4_worker.engine.loop import Engine, EngineFailed, Request
+from dsv4_worker.engine.role import Place
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.mem.usage import PoolUsage
 from dsv4_worker.sched.scheduler import Phase, RequestId
@@ -55,7 +56,7 @@ from dsv4_worker.server.admission import (
 
 log = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.05  # how long the idle runner blocks waiting for work
+IDLE_WAIT_S = 0.05  # how long the runner blocks waiting for work while time still matters
 IDLE_CHECK_S = 0.05  # the engine's integrity check waits for this much quiet (it is slow)
 # The most the engine thread waits, before its next step, for an event loop to take what was
 # published between steps (a PD decode's first token): the step would hold the GIL meanwhile.
@@ -332,12 +333,29 @@ class EngineRunner:
             if isinstance(item, _Submit):
                 _emit(item.loop, item.handle, _dead(exc))
 
+    def _wait_s(self) -> float | None:
+        """How long the engine thread may block on its inbox: until work arrives (None) when
+        nothing it holds depends on the clock (an idle single-stage engine, its integrity
+        check done, no queued request with a deadline), else IDLE_WAIT_S. An idle worker then
+        makes no wake-ups of its own (a PP leader's heartbeat steps keep the bound)."""
+        engine = self.engine
+        if (
+            engine.idle
+            and not engine.idle_check_pending
+            and not self._queued
+            and engine.config.place is Place.SINGLE
+        ):
+            return None
+        return IDLE_WAIT_S
+
     def _drain(self, *, block: bool) -> int | None:
         """Take every queued command; how many calls ran, or None on stop."""
         calls = 0
         while True:
             try:
-                item = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
+                item = (
+                    self._inbox.get(timeout=self._wait_s()) if block else self._inbox.get_nowait()
+                )
             except queue.Empty:
                 return calls
             block = False

@@ -78,7 +78,13 @@ BACKEND: Final = "nixl"
 NIXL_MODULES: Final = ("nixl_cu12", "nixl_cu13", "nixl")
 MEM_TYPES: Final = ("DRAM", "VRAM")
 PUMP_INTERVAL_S: Final = 0.0002  # the target's notification poll period while busy/expecting
-PUMP_IDLE_INTERVAL_S: Final = 0.002  # ... and at most, while idle
+PUMP_IDLE_INTERVAL_S: Final = 0.002  # ... right after the owner stopped expecting
+# ... and at most, while nothing is expected: it doubles up to this after the last tag (an
+# owner that calls `expect` is polled at once when it does; a PP follower's target, whose
+# owner does not, notices its first write after a quiet spell this late at worst, as its
+# landed thread polls: pd/decode.py LANDED_POLL_S). 2 ms kept an idle decode at ~1% of a core
+# in UCX progress calls (#38 item 6).
+PUMP_QUIET_INTERVAL_S: Final = 0.05
 # The initiator's poll period while a write is in flight. It sleeps rather than spins: the last
 # write is off a stream's first token's path (decode shows it from `done`, sent before that
 # write), and on a shared host a spinning prefill takes the core decode needs to send it on.
@@ -259,12 +265,12 @@ def pump_interval_s(
     PUMP_IDLE_INTERVAL_S at once when the owner stopped expecting since the last poll (what it
     waited for landed; faster polls would take the CPU its engine and HTTP threads need to
     answer); else PUMP_INTERVAL_S while busy (a tag just arrived: an owner that never calls
-    `expect` may get more), else twice the last, up to PUMP_IDLE_INTERVAL_S."""
+    `expect` may get more), else twice the last, up to PUMP_QUIET_INTERVAL_S."""
     if expecting:
         return PUMP_INTERVAL_S
     if told_idle:
         return PUMP_IDLE_INTERVAL_S
-    return PUMP_INTERVAL_S if busy else min(2 * previous_s, PUMP_IDLE_INTERVAL_S)
+    return PUMP_INTERVAL_S if busy else min(2 * previous_s, PUMP_QUIET_INTERVAL_S)
 
 
 @dataclass(frozen=True, slots=True)

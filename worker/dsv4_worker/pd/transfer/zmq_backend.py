@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 BACKEND: Final = "zmq"
 MESSAGE_NBYTES: Final = 16 << 20
-RECV_POLL_MS: Final = 50  # how often the receiver thread checks for `close`
+RECV_POLL_MS: Final = 250  # how often the receiver thread checks for `close` (its only timer)
 
 
 @dataclass(frozen=True, slots=True)
