@@ -12,7 +12,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dsv4_common.plan.threads import INTEROP_THREADS, RESERVED_CPUS, torch_threads
+from dsv4_common.plan.threads import INTEROP_THREADS, torch_threads
 from dsv4_worker.threads import (
     ThreadPlan,
     apply_threads,
@@ -28,19 +28,31 @@ COUNT = st.one_of(st.none(), st.integers(1, 256))
 
 
 @given(CPUS)
-def test_the_rule_leaves_a_core_to_the_worker_and_never_goes_below_one(cpus: float) -> None:
+def test_the_rule_gives_torch_every_usable_core_and_never_goes_below_one(cpus: float) -> None:
     n = torch_threads(cpus)
-    assert n >= 1
-    assert n == max(1, math.floor(cpus + 1e-9) - RESERVED_CPUS)
-    assert n <= max(1, math.floor(cpus + 1e-9))  # never more threads than cores
+    assert n == max(1, math.floor(cpus + 1e-9))  # whole cores only: a quota's fraction is not one
     assert torch_threads(cpus + 1) >= n  # monotone
 
 
-def test_the_measured_case_two_cores_one_thread() -> None:
-    assert torch_threads(2) == 1  # issue #26: ~2x the tokens/s of torch's 2 threads
-    assert [torch_threads(c) for c in (0.5, 1, 3, 16)] == [1, 1, 2, 15]
+def test_a_lone_worker_on_two_cores_takes_both() -> None:
+    assert torch_threads(2) == 2  # #38: it took 1 of 2
+    assert [torch_threads(c) for c in (0.5, 1, 3, 16)] == [1, 1, 3, 16]
     with pytest.raises(ValueError):
         torch_threads(0)
+
+
+def test_the_worker_makes_torch_s_openmp_workers_sleep_unless_told_otherwise() -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = "import dsv4_worker, os; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "PASSIVE"
+    env["OMP_WAIT_POLICY"] = "ACTIVE"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "ACTIVE"
 
 
 @given(COUNT, COUNT, CPUS)
