@@ -9,7 +9,7 @@
 # through .git/info/exclude; the run's `carry`) and are installed into GPU_CHECK_SITE. The nixl
 # wheel is too big to travel whole (59 MB of 64): scripts/slim_nixl_wheel.sh keeps its UCX
 # plugin and the libraries that plugin loads (12 MB).
-# At most 8 logs come back from $OUT: env.log (wheels, versions, per-step summary),
+# At most 9 logs come back from $OUT: env.log (wheels, versions, per-step summary),
 # gpu-tests.log and one log per bench.
 #
 # Switches (defaults are the device machine's):
@@ -115,6 +115,9 @@ if [[ $SCALE == 1 ]]; then
   PD=(--rounds 2 --requests 2 --ttft-requests 10 --max-tokens 32 --clients 1)
   PP=(--rounds 2 --requests 2 --max-tokens 32 --clients 1 32)
   PROFILE=(--steps 16)
+  # Flash-shaped layers (bench/flash_layers.py): real dimensions, 2 layers (CSA + HCA), random
+  # weights as stored (FP8/FP4), the default KV format; decode steps at 1/64/256 running.
+  FLASH=(--layers 2 --running 1 64 256 --steps 8 --prompt-tokens 256)
 else
   ALLOC=(--rounds 1 --repeats 2 --pages 16) ENGINE=(--rounds 1 --steps 2 --running 1 64)
   XFER=(--total-mib 8 --repeats 1) BIG_PAGE=(--page-kib 4096)
@@ -122,6 +125,7 @@ else
   PD=(--rounds 1 --requests 1 --ttft-requests 2 --max-tokens 4 --clients 1)
   PP=(--rounds 1 --requests 1 --max-tokens 4 --clients 1)
   PROFILE=(--steps 2)
+  FLASH=(--layers 2 --experts 8 --vocab 1024 --running 1 2 --steps 2 --prompt-tokens 130)
 fi
 D=(--device "$DEVICE")
 # The allocator per operation on the device (#38 item 7: target <= 30 us, 95-520 us before the
@@ -135,6 +139,9 @@ step transfer 60 "$OUT/transfer.log" "$PY" bench/transfer.py "${D[@]}" --backend
 step transfer-big 40 "$OUT/transfer.log" "$PY" bench/transfer.py "${D[@]}" --backends nixl \
   "${BIG_PAGE[@]}" "${XFER[@]}"
 step profile 40 "$OUT/serve.log" "$PY" bench/profile_step.py "${D[@]}" "${PROFILE[@]}"
+# Weights held as stored on the device, and which path block-FP8 linears take (a scaled FP8
+# matmul or dequantize-then-matmul): the script prints both before its step times.
+step flash-layers 120 "$OUT/flash.log" "$PY" bench/flash_layers.py "${D[@]}" "${FLASH[@]}"
 step serve 50 "$OUT/serve.log" "$PY" bench/serve.py "${D[@]}" "${SERVE[@]}"
 step pd 80 "$OUT/pd.log" "$PY" bench/pd.py "${D[@]}" --transfer nixl "${PD[@]}"
 # PP=2 puts both stages on the one GPU (NCCL may refuse that); last, so a failure costs least.

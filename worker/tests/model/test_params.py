@@ -133,3 +133,34 @@ def test_auto_is_bfloat16_on_cuda_and_float32_on_cpu(
 def test_an_unknown_compute_dtype_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="float16"):
         compute_dtype("float16", "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_quantized_linears_on_cuda_match_the_dequantized_ones() -> None:
+    """On the device, in bfloat16: an FP4 linear and a partial-block FP8 linear dequantize
+    exactly as on the CPU; a 128-aligned FP8 linear takes the scaled FP8 matmul where the
+    probe found one (activations quantized per 128 channels: within 3% of the output's
+    scale), else the same dequantization."""
+    from dsv4_worker.model import fp8_matmul
+
+    dev = torch.device("cuda")
+    x = torch.randn(7, 256, dtype=torch.float64)
+    q, s = quantize_fp8_block(_w(384, 256, 1))
+    packed, fs = quantize_fp4(_w(64, 256, 2))
+    q2, s2 = quantize_fp8_block(_w(100, 256, 3))
+    held = {
+        "fp8": FP8Block(q.to(dev), s.to(dev), (128, 128)),
+        "fp4": FP4Packed(packed.to(dev), fs.to(dev), 256),
+        "partial": FP8Block(q2.to(dev), s2.to(dev), (128, 128)),
+    }
+    p = Params(held, torch.bfloat16)
+    xb = x.to(dev, torch.bfloat16)
+    want_fp4 = F.linear(xb, dequantize_fp4(packed, fs, torch.bfloat16, cols=256).to(dev))
+    assert torch.equal(p.linear(xb, "fp4"), want_fp4)
+    want_partial = F.linear(xb, dequantize_fp8_block(q2, s2, torch.bfloat16).to(dev))
+    assert torch.equal(p.linear(xb, "partial"), want_partial)
+    want = F.linear(x, dequantize_fp8_block(q, s, torch.float64)).to(dev)
+    got = p.linear(xb, "fp8").double()
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 3e-2
+    print(fp8_matmul.probe_report)
