@@ -42,6 +42,8 @@ def rope(x: torch.Tensor, positions: torch.Tensor, rope_dims: int, theta: float)
     (rotate-half form). `x`'s second-to-last axis may be heads: positions broadcast over it."""
     if rope_dims == 0:
         return x
+    if x.dtype not in (torch.float32, torch.float64):  # positions past 256 are not bf16 integers
+        return rope(x.float(), positions, rope_dims, theta).to(x.dtype)
     half = rope_dims // 2
     inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=x.dtype) / half)
     angles = positions.to(x.dtype)[:, None] * inv_freq[None, :]  # [T, half]

@@ -65,26 +65,20 @@ def rotate(
     x: torch.Tensor, positions: torch.Tensor, freq: torch.Tensor, *, inverse: bool = False
 ) -> torch.Tensor:
     """Rotate the trailing 2 * len(freq) channels of `x` [T, ..., D] by `positions` [T]
-    (`inverse`: by -positions, undoing the rotation)."""
+    (`inverse`: by -positions, undoing the rotation). A bfloat16/float16 `x` is rotated in
+    float32 (as DeepSeek's reference does): a position past 256 is not even an integer in
+    bfloat16."""
     dims = 2 * freq.shape[0]
     if dims == 0:
         return x
+    if x.dtype not in (torch.float32, torch.float64):
+        return rotate(x.float(), positions, freq, inverse=inverse).to(x.dtype)
     head, rot = x[..., : x.shape[-1] - dims], x[..., x.shape[-1] - dims :]
-    if x.dtype in (torch.float32, torch.float64):
-        # A pair (2i, 2i+1) is the complex number 2i + 1j * (2i+1): one complex product.
-        turn = _turns(positions, freq, x.dtype, inverse)
-        turn = turn.view((len(x),) + (1,) * (x.dim() - 2) + (dims // 2,))
-        pairs = torch.view_as_complex(rot.reshape(*rot.shape[:-1], dims // 2, 2).contiguous())
-        return torch.cat([head, torch.view_as_real(pairs * turn).flatten(-2)], dim=-1)
-    angles = positions.to(x.dtype)[:, None] * freq.to(x.dtype)[None, :]  # [T, dims/2]
-    if inverse:
-        angles = -angles
-    while angles.dim() < x.dim():
-        angles = angles.unsqueeze(1)  # broadcast over the axes between T and D
-    cos, sin = angles.cos(), angles.sin()
-    even, odd = rot[..., 0::2], rot[..., 1::2]
-    out = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
-    return torch.cat([head, out], dim=-1)
+    # A pair (2i, 2i+1) is the complex number 2i + 1j * (2i+1): one complex product.
+    turn = _turns(positions, freq, x.dtype, inverse)
+    turn = turn.view((len(x),) + (1,) * (x.dim() - 2) + (dims // 2,))
+    pairs = torch.view_as_complex(rot.reshape(*rot.shape[:-1], dims // 2, 2).contiguous())
+    return torch.cat([head, torch.view_as_real(pairs * turn).flatten(-2)], dim=-1)
 
 
 _TurnKey = tuple[torch.Tensor, int, torch.Tensor, int, torch.dtype, bool]

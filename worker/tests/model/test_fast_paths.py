@@ -94,3 +94,15 @@ def test_pooling_many_blocks_equals_one_at_a_time(
         prev = rows[b, :ratio] if overlap and bool(valid[b, 0]) else None
         curr = rows[b, ratio:] if overlap else rows[b]
         torch.testing.assert_close(pooled[b], C.pool_block(prev, curr, overlap))
+
+
+def test_a_bfloat16_rotation_is_the_float32_one_rounded() -> None:
+    """bfloat16 activations (the CUDA compute dtype) rotate in float32: positions past 256 are
+    not bfloat16 integers (257 would turn by 256's angle)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 2, 16, generator=gen)
+    positions = torch.tensor([3, 257, 1001, 65_537])
+    freq = torch.rand(4, generator=gen, dtype=torch.float64)
+    got = rotate(x.bfloat16(), positions, freq)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, rotate(x.bfloat16().float(), positions, freq).bfloat16())
