@@ -18,7 +18,12 @@ from dsv4_common.api.deployment import plan_memory
 from dsv4_common.api.documents import DocumentError
 from dsv4_common.api.names import WORKER_ROLES
 from dsv4_common.api.spec import parse_meta, parse_spec
-from dsv4_common.api.worker_status import Threads, build_worker_status, parse_worker_status
+from dsv4_common.api.worker_status import (
+    Threads,
+    WeightsHeld,
+    build_worker_status,
+    parse_worker_status,
+)
 from dsv4_common.core.presets import load_model_config
 from dsv4_common.plan import report
 from dsv4_common.plan.planner import plan
@@ -119,6 +124,7 @@ def _with(doc: dict[str, Any], path: str, value: object) -> dict[str, Any]:
         ("model.served_model_names", ["a", "a"], "rank_config.model.served_model_names: must"),
         ("model.served_model_names", [" "], "rank_config.model.served_model_names: must"),
         ("model.served_model_names", "a", "rank_config.model.served_model_names"),
+        ("model.dtype", "float16", "rank_config.model.dtype: must be one of"),
     ],
 )
 def test_rank_config_errors_name_the_field(path: str, value: object, needle: str) -> None:
@@ -162,6 +168,20 @@ def test_rank_config_carries_the_specs_served_model_names() -> None:
     assert rc.parse_rank_config(wire(rc.rank_config_to_dict(config))) == config
     doc = _with(rc.rank_config_to_dict(config), "model.served_model_names", KeyError)
     assert rc.parse_rank_config(doc).model.served_model_names == ()  # an older operator's
+
+
+def test_rank_config_carries_the_specs_compute_dtype() -> None:
+    body = yaml.safe_load((SAMPLES / "tiny-cpu.yaml").read_text())
+    body["spec"]["model"]["dtype"] = "float32"
+    spec, meta = parse_spec(body), parse_meta(body)
+    memory, services = plan_memory(spec), {r: f"{r}.local" for r in WORKER_ROLES}
+    config = rc.build_rank_config(
+        spec, meta, memory, "prefill", 0, peers_host_template="h", role_services=services
+    )
+    assert config.model.dtype == "float32"
+    assert rc.parse_rank_config(wire(rc.rank_config_to_dict(config))) == config
+    doc = _with(rc.rank_config_to_dict(config), "model.dtype", KeyError)
+    assert rc.parse_rank_config(doc).model.dtype == "auto"  # an older operator's
 
 
 def test_router_config_round_trips_and_needs_both_roles() -> None:
@@ -217,3 +237,18 @@ def test_worker_status_reports_torch_threads_and_older_workers_report_none() -> 
     assert parse_worker_status(doc) == status
     del doc["threads"]
     assert parse_worker_status(doc).threads == Threads()  # zeros and "unknown"
+
+
+def test_worker_status_reports_its_weights_and_older_workers_report_none() -> None:
+    status = dataclasses.replace(STATUS, weights=WeightsHeld(1529612, 1529612, "float32"))
+    doc = wire(build_worker_status(status))
+    assert doc["weights"] == {
+        "held_bytes": 1529612,
+        "planned_bytes": 1529612,
+        "compute_dtype": "float32",
+    }
+    assert parse_worker_status(doc) == status
+    with pytest.raises(DocumentError, match=r"status\.weights\.held_bytes: must be >= 0"):
+        parse_worker_status(_with(doc, "weights.held_bytes", -1))
+    del doc["weights"]
+    assert parse_worker_status(doc).weights == WeightsHeld()  # zeros and "unknown"

@@ -88,6 +88,8 @@ def test_a_pp_group_serves_the_oracles_tokens(three: Deployment) -> None:
         code, text = three.procs[f"rank-{rank}"].get("/status")
         assert code == 200
         assert json.loads(text)["pp_rank"] == rank
+        held = json.loads(text)["weights"]  # each stage holds what the plan counts for it
+        assert held["held_bytes"] == held["planned_bytes"] > 0, (rank, held)
     # Later stages do not serve the API: their port answers the probes only.
     code, _ = _post_raw(three.procs["rank-1"].port, {"prompt": "hi"})
     assert code == 404

@@ -31,7 +31,6 @@ from dsv4_common.core.units import MIB
 from dsv4_common.plan.inputs import PlanInputs
 from dsv4_common.plan.planner import plan
 from dsv4_common.plan.threads import INTEROP_THREADS, torch_threads
-from dsv4_worker.model.weights import init_weights
 from dsv4_worker.pp.group import realized_plan
 
 CLI = [sys.executable, "-m", "dsv4_cli", "serve"]
@@ -106,9 +105,11 @@ def test_the_deployed_form_serves_on_the_config_ports(tmp_path: Path) -> None:
         c = http.client.HTTPConnection("127.0.0.1", status_port, timeout=5)
         c.request("GET", "/status")
         report = parse_worker_status(json.loads(c.getresponse().read()))
-        weights = init_weights(tiny(), seed=0)
-        measured = sum(t.numel() * t.element_size() for t in weights.values())
-        realized = realized_plan(inputs_of(config.plan), (measured,)).ranks[0]
+        # Weights held as stored (tiny's float32): exactly what the planner counts for it.
+        held = report.weights
+        assert held.held_bytes == held.planned_bytes > 0
+        assert held.compute_dtype == "float32"  # auto, on CPU
+        realized = realized_plan(inputs_of(config.plan), (held.held_bytes,)).ranks[0]
         assert (report.capacity.full_tokens, report.capacity.swa_tokens) == (
             realized.capacity.full_tokens,
             realized.capacity.swa_tokens,
