@@ -5,7 +5,8 @@ counts that bound an eager step on a GPU (kernel launches, host-device copies, s
 
     .venv/bin/python bench/profile_step.py [--device cpu|cuda] [--steps 16] [--running 1]
 
-ms/step comes from the same steps timed without the profiler (median).
+ms/step comes from the same steps timed without the profiler (median). `--json` adds a
+`@bench-json` line (ms/step; for bench/compare.py, e.g. float64 before #38 vs float32 after).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from benchjson import Figure, emit
 from serve import tiny_engine
 from torch.profiler import ProfilerActivity, profile
 
@@ -34,6 +36,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16, help="decode steps profiled and timed")
     parser.add_argument("--running", type=int, default=1, help="requests decoding together")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--json", action="store_true", help="also print a @bench-json line")
     args = parser.parse_args()
     if args.steps < 1 or args.running < 1:
         parser.error("--steps and --running must be >= 1")
@@ -97,6 +100,11 @@ def main() -> None:
     for e in rows:
         calls, self_us = e.count / args.steps, e.self_cpu_time_total / args.steps
         print(f"{e.key[:43]:<44}{calls:>11.1f}{self_us:>18.1f}")
+    if args.json:
+        step_ms = 1e3 * statistics.median(timed)
+        emit(
+            "profile_step", [Figure(f"decode step, {args.running} running", step_ms, "ms", "lower")]
+        )
 
 
 if __name__ == "__main__":

@@ -332,16 +332,14 @@ def _rows(w: FP8Block | FP4Packed, start: int, stop: int) -> FP8Block | FP4Packe
 
 
 def _placed(value: Stored, dtype: torch.dtype | None, device: torch.device | str) -> Stored:
-    """`value` on `device`, dequantized to `dtype` when one is asked for."""
-    if dtype is not None and not (
-        isinstance(value, torch.Tensor) and not value.is_floating_point()
-    ):
-        if isinstance(value, torch.Tensor):
-            return value.to(device=device, dtype=dtype)
+    """`value` on `device`; a float or quantized one dequantized to `dtype` when asked."""
+    if isinstance(value, torch.Tensor):
+        if dtype is None or not value.is_floating_point():
+            return value.to(device)
+        return value.to(device=device, dtype=dtype)
+    if dtype is not None:
         out = torch.empty(value.shape, dtype=torch.float64)
         return value.dequantize_into(out).to(device=device, dtype=dtype)
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
     if isinstance(value, FP8Block):
         return FP8Block(
             value.values.to(device), value.scale.to(device), value.block, value.row_offset
