@@ -9,8 +9,8 @@ identical on every Debian 12 install), each file once (the GPL/LGPL/GFDL aliases
 every paragraph reflowed to one line. The last 5% of the bytes are held out for a validation
 loss.
 
-Training: autograd through `oracle_logits` in the model's compute dtype (float64: float32 would
-mean patching ops.COMPUTE and gained ~15% in a measurement), AdamW, windows of bytes that begin
+Training: autograd through `oracle_logits` in the parameters' dtype (float64, the oracle's; a
+float32 run, a measurement found, gains ~15%), AdamW, windows of bytes that begin
 at a word, data-parallel over --workers processes of one CPU thread each (gloo on a file
 rendezvous; one thread per process beats two threads in one: the tensors are small). The hash
 routing table (`tid2eid`) keeps init_weights' values. The language-model loss gives no
@@ -49,6 +49,7 @@ from dsv4_worker.model import attention as A
 from dsv4_worker.model import indexer as I
 from dsv4_worker.model import moe, oracle
 from dsv4_worker.model.export import write_model_dir
+from dsv4_worker.model.params import Params as ModelParams
 from dsv4_worker.model.rope import compress_freq, layer_freq
 from dsv4_worker.model.weights import INTEGER_SUFFIXES, NORM_SUFFIXES, init_weights
 
@@ -220,8 +221,9 @@ def indexer_kl(m: DSV4Config, p: Params, layer: int, x: torch.Tensor) -> torch.T
     (its projections and compressor) only."""
     positions = torch.arange(len(x))
     ratio = m.compress_ratios[layer]
+    held = ModelParams.of(p)  # the same tensors (autograd flows through them)
     with torch.no_grad():
-        q, latent = A.query(m, p, layer, x, positions, layer_freq(m, layer, x.device))
+        q, latent = A.query(m, held, layer, x, positions, layer_freq(m, layer, x.device))
         rows = oracle.compressed_rows(m, p, layer, x, positions)
         blocks = torch.arange(len(rows))
         available = (blocks[None, :] + 1) * ratio - 1 <= positions[:, None]
@@ -231,7 +233,7 @@ def indexer_kl(m: DSV4Config, p: Params, layer: int, x: torch.Tensor) -> torch.T
         target = torch.softmax(logits[seen], dim=-1).sum(dim=1)
         target = target / target.sum(dim=-1, keepdim=True)
     keys = oracle.compressed_rows(m, p, layer, x, positions, indexer=True)
-    iq, iw = I.query(m, p, layer, x, latent, positions, compress_freq(m, x.device))
+    iq, iw = I.query(m, held, layer, x, latent, positions, compress_freq(m, x.device))
     scores = I.scores(iq, iw, keys).masked_fill(~available, float("-inf"))[seen]
     log_pred = torch.log_softmax(scores, dim=-1).masked_fill(~available[seen], 0.0)
     return (target * (target.clamp_min(1e-30).log() - log_pred)).sum(dim=-1).mean()
