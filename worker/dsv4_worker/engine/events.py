@@ -9,6 +9,7 @@ no-op (a colocated engine's events), and a PD agent overrides those its role hea
                on_transfer_end (its transfer ends: before its pages decode, are held or freed)
     follower   on_note (what the leader's component told, `Engine.note`, in order)
     every      after_step (after each turn of the serving loop, `EngineRunner`)
+               clocked (after_step has deadlines or heartbeats to check: the loop keeps turning)
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ class EngineEvents:
 
     def after_step(self, finished: list[Request]) -> None:
         """After every turn of the serving loop, with the requests that finished in it."""
+
+    @property
+    def clocked(self) -> bool:
+        """`after_step` has something that depends on the clock (a deadline, a heartbeat),
+        so the serving loop must turn even while the engine is idle."""
+        return False
 
 
 NO_EVENTS: Final = EngineEvents()

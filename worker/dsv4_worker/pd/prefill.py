@@ -642,6 +642,11 @@ class PrefillAgent(_StageWriter):
             # once a step: the writes' polls sleep, which lets the control thread send the rest).
             self._outbox.hand_over(ticket, DONE_HANDOFF_S, self.engine.steps)
 
+    @property
+    def clocked(self) -> bool:
+        """Sessions to watch for fresh pings, transfers with deadlines, messages to settle."""
+        return bool(self._peers or self._txs or self._unsettled)
+
     def after_step(self, finished: list[Request]) -> None:
         """Send what this step computed; finish transfers whose first token is out."""
         # A step ran since these were queued: every follower has applied the abort (its order)

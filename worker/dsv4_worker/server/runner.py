@@ -336,7 +336,8 @@ class EngineRunner:
     def _wait_s(self) -> float | None:
         """How long the engine thread may block on its inbox: until work arrives (None) when
         nothing it holds depends on the clock (an idle single-stage engine, its integrity
-        check done, no queued request with a deadline), else IDLE_WAIT_S. An idle worker then
+        check done, no queued request with a deadline, no PD session or transfer whose
+        heartbeat or deadline `after_step` checks), else IDLE_WAIT_S. An idle worker then
         makes no wake-ups of its own (a PP leader's heartbeat steps keep the bound)."""
         engine = self.engine
         if (
@@ -344,6 +345,7 @@ class EngineRunner:
             and not engine.idle_check_pending
             and not self._queued
             and engine.config.place is Place.SINGLE
+            and not engine.events.clocked
         ):
             return None
         return IDLE_WAIT_S

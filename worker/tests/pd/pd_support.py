@@ -132,6 +132,10 @@ class Relay(EngineEvents):
     def after_step(self, finished: list[Request]) -> None:
         self.to.after_step(finished)
 
+    @property
+    def clocked(self) -> bool:
+        return self.to.clocked
+
 
 @contextmanager
 def pd_pair(
