@@ -7,7 +7,7 @@ prefill steps, and the paged forward itself."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
@@ -24,6 +24,7 @@ from dsv4_worker.mem.memory import KVMemory
 from dsv4_worker.mem.sync_counter import SyncCounter
 from dsv4_worker.model import dsv4
 from dsv4_worker.model.ops import swiglu
+from dsv4_worker.model.params import Params
 from dsv4_worker.model.weights import init_weights
 from dsv4_worker.sched.scheduler import SchedulerConfig
 
@@ -94,22 +95,23 @@ def test_steps_with_page_crossings_and_evictions_each_read_back_once() -> None:
 
 
 def _dense_moe(
-    m: DSV4Config, p: Mapping[str, torch.Tensor], layer: int, x: torch.Tensor, ids: torch.Tensor
+    m: DSV4Config, p: Params, layer: int, x: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
     """`moe.moe` without its data-dependent dispatch: every expert over every token, weighted
     by the routing (0 where not chosen). Stands in for it below, which counts the rest."""
     from dsv4_worker.model.moe import route
 
     f = f"layers.{layer}.ffn"
+    limit = m.arch.swiglu_limit
     chosen, weights = route(m, p, layer, x, ids)
     out = torch.zeros_like(x)
     for e in range(m.weights.num_routed_experts):
-        coef = (weights * (chosen == e)).sum(-1, keepdim=True)
-        w = [p[f"{f}.experts.{e}.{n}.weight"] for n in ("w1", "w3", "w2")]
-        out = out + swiglu(x, *w, m.arch.swiglu_limit) * coef
+        coef = (weights * (chosen == e)).sum(-1, keepdim=True).to(x.dtype)
+        w = [f"{f}.experts.{e}.{n}.weight" for n in ("w1", "w3", "w2")]
+        out = out + swiglu(x, p, *w, limit) * coef
     if f"{f}.shared_experts.w1.weight" in p:
-        w = [p[f"{f}.shared_experts.{n}.weight"] for n in ("w1", "w3", "w2")]
-        out = out + swiglu(x, *w, m.arch.swiglu_limit)
+        w = [f"{f}.shared_experts.{n}.weight" for n in ("w1", "w3", "w2")]
+        out = out + swiglu(x, p, *w, limit)
     return out
 
 

@@ -23,7 +23,7 @@ from dsv4_worker.model.checkpoint import load_checkpoint
 from dsv4_worker.model.params import Params
 from dsv4_worker.model.stored import FP4Packed, FP8Block
 from dsv4_worker.model.weights import init_weights, mtp_param_shapes, stage_param_names
-from dsv4_worker.serve import PACKAGED_MODELS
+from dsv4_worker.precheck import PACKAGED_MODELS
 
 SPLITS = [(6,), (3, 3), (1, 5)]
 RELEASE = Quantization(scale_fmt="ue8m0", expert_dtype="fp4")
