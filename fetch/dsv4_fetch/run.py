@@ -97,6 +97,23 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_RETRY if retryable else EXIT_PERMANENT
 
 
+def fetch_for_serve(
+    source: HfSource, *, offline: bool, endpoint: str | None = None
+) -> tuple[Path | None, str]:
+    """`dsv4 serve --model hf://...`: the snapshot's directory in the local cache (token:
+    HF_TOKEN or the saved login; endpoint: HF_ENDPOINT), or None and why."""
+    options = FetchOptions(
+        cache_dir=default_cache_dir(),
+        endpoint=endpoint,
+        token=None if offline else get_token(),
+        offline=offline,
+    )
+    done, status = fetch_with_progress(source, options)
+    if done is None:
+        return None, f"{status.reason}: {status.message}"
+    return done.path, ""
+
+
 def fetch_with_progress(
     source: HfSource,
     options: FetchOptions,

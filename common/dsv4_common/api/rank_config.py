@@ -23,6 +23,7 @@ from dsv4_common.api.documents import (
     from_document,
     to_document,
 )
+from dsv4_common.api.model_files import ModelFiles
 from dsv4_common.api.names import WORKER_ROLES, Transfer, WorkerRole
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec
 from dsv4_common.core.capacity import RankCapacity
@@ -243,7 +244,10 @@ def build_rank_config(
     torch_threads: int | None = None,
     api_key_file: str | None = None,
     pd_secret_file: str | None = None,
+    files: ModelFiles | None = None,
 ) -> RankConfig:
+    """`files`: where the worker finds the model's files (None: the older `model.weights`
+    mount, or random weights)."""
     plan = memory.role(role)
     inputs = plan.inputs
     return RankConfig(
@@ -255,16 +259,7 @@ def build_rank_config(
         pp_size=inputs.pp_size,
         tp_size=inputs.tp_size,
         serving_rank=pp_rank == SERVING_RANK,
-        model=ModelRef(
-            preset=spec.model.preset,
-            config_path=(
-                model_config_path(spec.model.config_map.name)
-                if spec.model.config_map
-                else spec.model.config_path
-            ),
-            weights_path=spec.model.weights.path if spec.model.weights else None,
-            served_model_names=spec.model.served_model_names,
-        ),
+        model=_model_ref(spec, files),
         max_context_tokens=spec.max_context_tokens,
         kv=KVSettings(
             page_size=inputs.resolved_page_size,
@@ -288,6 +283,25 @@ def build_rank_config(
         torch_threads=torch_threads,
         api_key_file=api_key_file,
         pd_secret_file=pd_secret_file,
+    )
+
+
+def _model_ref(spec: DeploymentSpec, files: ModelFiles | None) -> ModelRef:
+    config_path = spec.model.config_path
+    if spec.model.config_map is not None:
+        config_path = model_config_path(spec.model.config_map.name)
+    elif files is not None and files.config_from_dir:
+        config_path = files.model_dir
+    if files is None and spec.model.weights is not None:
+        files = ModelFiles(spec.model.weights.path)
+    served = spec.model.served_model_names
+    if not served and files is not None and files.served_name is not None:
+        served = (files.served_name,)
+    return ModelRef(
+        preset=spec.model.preset,
+        config_path=config_path,
+        weights_path=files.model_dir if files is not None else None,
+        served_model_names=served,
     )
 
 

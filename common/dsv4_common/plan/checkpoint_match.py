@@ -45,6 +45,13 @@ class Mismatch:
     message: str  # names the tensor, what the plan counts and what the checkpoint holds
 
 
+def published_names(index: TensorIndex) -> bool:
+    """The index spells tensors as the release does (the planner's names). transformers' layouts
+    (`model.layers...`, stacked experts) are not compared here: the worker's loader renames and
+    checks them when it loads."""
+    return not any(name.startswith("model.") for name in index)
+
+
 def planned_tensors(model: DSV4Config, *, with_draft: bool) -> Iterator[tuple[str, TensorEntry]]:
     """The tensors the plan counts, in its order (expert copies expanded)."""
     params = embedding_params(model) + head_params(model)

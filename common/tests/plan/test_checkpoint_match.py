@@ -13,6 +13,7 @@ from dsv4_common.plan.checkpoint_match import (
     first_mismatch,
     has_draft_layers,
     planned_tensors,
+    published_names,
 )
 from dsv4_common.plan.weights import estimate_weight_bytes
 
@@ -75,3 +76,9 @@ def test_missing_mtp_layers_fail_only_a_speculating_plan() -> None:
 
 def test_the_generic_hybrid_family_is_not_checked() -> None:
     assert first_mismatch(load_model_config("hybrid-tiny"), {}, with_draft=False) is None
+
+
+def test_transformers_names_are_told_apart() -> None:
+    got = index(TINY, with_draft=False)
+    assert published_names(got)
+    assert not published_names({"model.layers.0.attn.wq_a.weight": TensorEntry("F32", (1,))})
