@@ -124,8 +124,9 @@ def _download(
                     expected_size=f.size,
                     displayed_filename=f.path,
                 )
+            # No fsync: the blob is renamed into place after the bytes were hashed as written
+            # (ext4 and XFS order a rename after its file's data; NFS flushes on close).
             raw.flush()
-            os.fsync(raw.fileno())
         digest = writer.hexdigest()
         if writer.length == f.size and digest == expected_digest(f):
             partial.replace(cache.blob(f))

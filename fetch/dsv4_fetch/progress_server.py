@@ -8,11 +8,8 @@ import json
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Final
 
-from dsv4_common.api.fetch_status import FetchStatus, fetch_status_to_dict
-
-PROGRESS_PATH: Final = "/progress"
+from dsv4_common.api.fetch_status import PROGRESS_PATH, FetchStatus, fetch_status_to_dict
 
 
 class ProgressServer:

@@ -25,7 +25,14 @@ from typing import Final, TextIO
 from huggingface_hub import constants, get_token
 from huggingface_hub.utils import disable_progress_bars
 
-from dsv4_common.api.fetch_status import FetchStatus, fetch_status_to_dict, termination_text
+from dsv4_common.api.fetch_status import (
+    EXIT_PERMANENT,
+    EXIT_RETRY,
+    EXIT_USAGE,
+    FetchStatus,
+    fetch_status_to_dict,
+    termination_text,
+)
 from dsv4_common.api.model_source import HfSource, SourceError, parse_model_source
 from dsv4_fetch.errors import FetchError
 from dsv4_fetch.fetch import Fetched, FetchOptions, fetch
@@ -33,9 +40,6 @@ from dsv4_fetch.progress import Progress
 from dsv4_fetch.progress_server import ProgressServer
 
 EXIT_OK: Final = 0
-EXIT_RETRY: Final = 1
-EXIT_USAGE: Final = 2
-EXIT_PERMANENT: Final = 3
 TICK_S: Final = 1.0
 LOG_EVERY_S: Final = 60.0
 GIB: Final = 1 << 30

@@ -83,8 +83,12 @@ def git_blob_id(data: bytes) -> str:
 class FakeHub:
     """Start with `start()` (or as a context manager); files live under `root`."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, host: str = "127.0.0.1", cdn_host: str = CDN_HOST) -> None:
+        """`host`, `cdn_host`: where the hub and its CDN listen (loopback in tests; the e2e suite
+        gives an address a cluster's pods reach)."""
         self.root = root
+        self.host = host
+        self.cdn_host = cdn_host
         self.repos: dict[str, Repo] = {}
         self.requests: list[Request] = []
         self._lock = threading.Lock()
@@ -188,7 +192,7 @@ class FakeHub:
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self) -> FakeHub:
         ready = threading.Event()
@@ -215,7 +219,7 @@ class FakeHub:
         hub.router.add_route("*", "/{org}/{name}/resolve/{rest:.+}", self._resolve)
         cdn = web.Application()
         cdn.router.add_route("*", "/cdn/{sha256}", self._cdn)
-        for app, host, attr in ((hub, "127.0.0.1", "port"), (cdn, CDN_HOST, "cdn_port")):
+        for app, host, attr in ((hub, self.host, "port"), (cdn, self.cdn_host, "cdn_port")):
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
             site = web.TCPSite(runner, host, 0)
@@ -236,6 +240,7 @@ class FakeHub:
         async def cleanup() -> None:
             for runner in self._runners:
                 await runner.cleanup()
+            await loop.shutdown_default_executor()  # the threads stalled downloads waited in
 
         asyncio.run_coroutine_threadsafe(cleanup(), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)
@@ -420,7 +425,7 @@ class FakeHub:
                     "X-Linked-Etag": f'"{f.sha256}"',
                     "X-Linked-Size": str(f.size),
                     "ETag": f'"{f.blob_id}"',
-                    "Location": f"http://{CDN_HOST}:{self.cdn_port}/cdn/{f.sha256}?"
+                    "Location": f"http://{self.cdn_host}:{self.cdn_port}/cdn/{f.sha256}?"
                     f"repo={quote(repo.repo_id, safe='')}&file={quote(path, safe='')}",
                     "Content-Length": "0",
                 }
@@ -453,6 +458,17 @@ class FakeHub:
     async def _send(
         self, request: web.Request, f: HubFile, repo_id: str, headers: dict[str, str]
     ) -> web.StreamResponse:
+        with self._lock:
+            corrupt = (repo_id, f.path) in self._corrupt
+            stall = self._stalls.get(f.sha256 or "")
+        if request.method == "GET" and not corrupt and stall is None and f.size:
+            raw = request.headers.get("Range")
+            if raw is not None and _parse_range(raw, f.size) is None:
+                return self._refuse(request, 400, None, f"malformed Range {raw!r}")
+            # The kernel's sendfile, as a CDN would serve it (Range and 416 by aiohttp).
+            response = web.FileResponse(f.data, headers={"Accept-Ranges": "bytes"})
+            self._log(request, 206 if raw is not None else 200)
+            return response
         start, end = 0, f.size - 1
         status = 200
         if (raw := request.headers.get("Range")) is not None:
@@ -474,9 +490,6 @@ class FakeHub:
         if request.method == "HEAD" or length == 0:
             await response.write_eof()
             return response
-        with self._lock:
-            corrupt = (repo_id, f.path) in self._corrupt
-            stall = self._stalls.get(f.sha256 or "")
         loop = asyncio.get_running_loop()
         with f.data.open("rb") as src:
             src.seek(start)

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from dsv4_common.api.deployment import MemoryPlan, plan_memory
-from dsv4_common.api.model_files import ModelFiles, pod_model_files
+from dsv4_common.api.model_files import ModelFiles, spec_model_files
 from dsv4_common.api.model_source import PvcSource
 from dsv4_common.api.names import API_VERSION, KIND
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec, SpecError, parse_meta, parse_spec
@@ -72,7 +72,7 @@ def parse_deployment(text: str, source: str, model_for: ModelFor | None = None) 
     memory = plan_memory(spec, model_for(spec) if model_for is not None else None)
     if not memory.context_fits:
         raise SpecError([f"spec.maxContextTokens: {memory.context_message()}"])
-    files = None if spec.model.hf is not None else pod_model_files(spec, None)
+    files = None if spec.model.hf is not None else spec_model_files(spec)
     return Deployment(spec=spec, meta=meta, memory=memory, files=files)
 
 

@@ -399,7 +399,9 @@ def test_the_chart_cluster_wide_grants_what_the_operator_does_and_no_more() -> N
         assert _can(server, token, "GET", f"{team}/pods?watch=true&timeoutSeconds=0")
         assert _can(server, token, "DELETE", f"{team}/pods?labelSelector=a%3Db")
         assert _can(server, token, "POST", f"{team}/events", {"metadata": {"name": "e"}})
-        # What it never does: create pods, update (PUT) its CRs, read Secrets or namespaces.
+        # One Secret by name (an hf:// source's token), never a list of them.
+        assert _can(server, token, "GET", f"{team}/secrets/hf-token")
+        # What it never does: create pods, update (PUT) its CRs, list Secrets, read namespaces.
         assert not _can(server, token, "POST", f"{team}/pods", {"metadata": {"name": "p"}})
         assert not _can(
             server, token, "PUT", f"/apis/{L.API_VERSION}/namespaces/team-a/{L.PLURAL}/x"

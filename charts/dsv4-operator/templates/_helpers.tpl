@@ -135,6 +135,17 @@ exactly the verbs its code uses (operator/tests/test_chart_verbs.py reads them f
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+# hf:// sources (spec.model.source): the shared download Job, the cache claim the operator
+# creates, and get (never list) on the Secret a DSV4Deployment names for its HF_TOKEN.
+- apiGroups: [batch]
+  resources: [jobs]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [persistentvolumeclaims]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
 {{- end -}}
 
 {{/* The admission webhook's Service, and the Secret holding its serving certificate. */}}

@@ -25,6 +25,12 @@ from dsv4_common.api.documents import DocumentError, check_version, from_documen
 
 FETCH_STATUS_VERSION: Final = 1
 TERMINATION_LIMIT_BYTES: Final = 4096
+# `dsv4 fetch`'s exit codes: 3 = a retry cannot help (the download Job's podFailurePolicy fails
+# the Job at once); 1 = it may (the Job's backoff tries again); 2 = a bad argument.
+EXIT_RETRY: Final = 1
+EXIT_USAGE: Final = 2
+EXIT_PERMANENT: Final = 3
+PROGRESS_PATH: Final = "/progress"
 Phase = Literal["resolving", "downloading", "checking", "complete", "failed"]
 
 # Why a fetch failed, and whether trying again can help (False: the Job fails at once).

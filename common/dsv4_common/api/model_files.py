@@ -1,22 +1,26 @@
-"""Where a worker finds the model's files, once its source is resolved: a directory (the
-snapshot of an hf:// source, a pvc:// claim's path, a local path, the older weights mount) and
-whether the model's config.json is read from it (an hf:// or local source without a preset,
-configPath or configMapRef). The operator computes it for the pods (a cache claim's mount), `dsv4
-up` for local processes (the local cache); the rank config carries it. Pure.
+"""Where a worker finds the model's files once its source is resolved, and whether config.json
+is read from there (an hf:// or local source without a preset, configPath or configMapRef).
+
+- In a cluster, worker pods mount a claim: `model.weights` (as written, or a pvc:// source's),
+  or an hf:// source's cache claim, which the operator fills in once it knows the commit
+  (`with_hf_weights`); the rank config's paths follow from `spec.model.weights`.
+- `dsv4 up` gives the rank configs a local directory instead (`ModelFiles`: a local source, or
+  the local Hugging Face cache's snapshot of an hf:// source).
+Pure.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Final
 
-from dsv4_common.api.model_source import HfSource, LocalSource, PvcSource, snapshot_path
-from dsv4_common.api.spec import DeploymentSpec
-
-# Where worker pods mount a pvc:// claim (its PATH as the mount's subPath) and an hf:// source's
-# cache claim (a Hugging Face cache: models--ORG--NAME/snapshots/COMMIT inside).
-PVC_MOUNT_PATH: Final = "/var/lib/dsv4/weights"
-HF_CACHE_MOUNT_PATH: Final = "/var/lib/dsv4/hf"
+from dsv4_common.api.model_source import (
+    HF_CACHE_MOUNT_PATH,
+    HfSource,
+    LocalSource,
+    snapshot_path,
+)
+from dsv4_common.api.spec import DeploymentSpec, WeightsSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,22 +30,29 @@ class ModelFiles:
     served_name: str | None = None  # the default served name (an hf:// repo id); None: the dir's
 
 
-def pod_model_files(spec: DeploymentSpec, commit: str | None) -> ModelFiles | None:
-    """What worker pods see: None without weights (random ones); an hf:// source needs its
-    resolved `commit`."""
+def with_hf_weights(spec: DeploymentSpec, claim: str, commit: str) -> DeploymentSpec:
+    """The spec whose worker pods mount the cache claim holding `commit` of its hf:// source."""
+    hf = spec.model.hf
+    assert hf is not None, "not an hf:// source"
+    weights = WeightsSpec(
+        claim,
+        HF_CACHE_MOUNT_PATH,
+        directory=snapshot_path(HF_CACHE_MOUNT_PATH, hf.repo_id, commit),
+    )
+    return dataclasses.replace(spec, model=dataclasses.replace(spec.model, weights=weights))
+
+
+def spec_model_files(spec: DeploymentSpec) -> ModelFiles | None:
+    """What the spec's weights mount (or local source) gives the workers; None: random weights
+    (or an hf:// source not resolved yet)."""
     model = spec.model
-    origin = model.origin
-    if isinstance(origin, HfSource):
-        assert commit is not None, "an hf:// source is resolved before its pods are rendered"
-        return ModelFiles(
-            snapshot_path(HF_CACHE_MOUNT_PATH, origin.repo_id, commit),
-            config_from_dir=model.config_from_origin,
-            served_name=origin.repo_id,
-        )
-    if isinstance(origin, PvcSource):
-        return ModelFiles(PVC_MOUNT_PATH)
-    if isinstance(origin, LocalSource):
-        return ModelFiles(origin.path, config_from_dir=model.config_from_origin)
-    if model.weights is not None:
-        return ModelFiles(model.weights.path)
-    return None
+    hf = model.hf
+    if isinstance(model.origin, LocalSource):
+        return ModelFiles(model.origin.path, config_from_dir=model.config_from_origin)
+    if model.weights is None:
+        return None
+    return ModelFiles(
+        model.weights.model_dir,
+        config_from_dir=model.config_from_origin,
+        served_name=hf.repo_id if isinstance(hf, HfSource) else None,
+    )

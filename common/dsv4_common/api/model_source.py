@@ -23,7 +23,9 @@ from typing import Final
 
 __all__ = [
     "DEFAULT_REVISION",
+    "HF_CACHE_MOUNT_PATH",
     "HF_SCHEME",
+    "PVC_MOUNT_PATH",
     "PVC_SCHEME",
     "SOURCE_PATTERN",
     "HfSource",
@@ -37,6 +39,10 @@ __all__ = [
     "snapshot_path",
 ]
 
+# Where worker pods mount a pvc:// claim (its PATH as the mount's subPath) and an hf:// source's
+# cache claim (a Hugging Face cache: models--ORG--NAME/snapshots/COMMIT inside).
+PVC_MOUNT_PATH: Final = "/var/lib/dsv4/weights"
+HF_CACHE_MOUNT_PATH: Final = "/var/lib/dsv4/hf"
 HF_SCHEME: Final = "hf://"
 PVC_SCHEME: Final = "pvc://"
 DEFAULT_REVISION: Final = "main"

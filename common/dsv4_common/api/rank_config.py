@@ -23,7 +23,7 @@ from dsv4_common.api.documents import (
     from_document,
     to_document,
 )
-from dsv4_common.api.model_files import ModelFiles
+from dsv4_common.api.model_files import ModelFiles, spec_model_files
 from dsv4_common.api.names import WORKER_ROLES, Transfer, WorkerRole
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec
 from dsv4_common.core.capacity import RankCapacity
@@ -246,8 +246,8 @@ def build_rank_config(
     pd_secret_file: str | None = None,
     files: ModelFiles | None = None,
 ) -> RankConfig:
-    """`files`: where the worker finds the model's files (None: the older `model.weights`
-    mount, or random weights)."""
+    """`files`: where the worker finds the model's files (None: the spec's weights mount, or
+    random weights)."""
     plan = memory.role(role)
     inputs = plan.inputs
     return RankConfig(
@@ -287,13 +287,12 @@ def build_rank_config(
 
 
 def _model_ref(spec: DeploymentSpec, files: ModelFiles | None) -> ModelRef:
+    files = files if files is not None else spec_model_files(spec)
     config_path = spec.model.config_path
     if spec.model.config_map is not None:
         config_path = model_config_path(spec.model.config_map.name)
     elif files is not None and files.config_from_dir:
         config_path = files.model_dir
-    if files is None and spec.model.weights is not None:
-        files = ModelFiles(spec.model.weights.path)
     served = spec.model.served_model_names
     if not served and files is not None and files.served_name is not None:
         served = (files.served_name,)

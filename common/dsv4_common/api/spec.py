@@ -24,6 +24,7 @@ from dsv4_common.api.errors import SpecError
 from dsv4_common.api.fields import FieldReader
 from dsv4_common.api.gateway_spec import GatewaySpec, parse_gateway
 from dsv4_common.api.model_source import (
+    PVC_MOUNT_PATH,
     SOURCE_PATTERN,
     HfSource,
     LocalSource,
@@ -97,8 +98,18 @@ PodTemplate = Mapping[str, Any]
 
 @dataclass(frozen=True, slots=True)
 class WeightsSpec:
+    """A claim mounted read-only at `path` in worker pods: `model.weights` as written, a pvc://
+    source (its PATH as the mount's `sub_path`), or an hf:// source's cache claim once the
+    operator resolved it (`directory`: its snapshot, below the mount)."""
+
     persistent_volume_claim: str
-    path: str
+    path: str  # the mount path
+    sub_path: str = ""  # inside the claim ("": its root)
+    directory: str | None = None  # the checkpoint directory below the mount; None: `path`
+
+    @property
+    def model_dir(self) -> str:
+        return self.directory if self.directory is not None else self.path
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +156,9 @@ class ModelSpec:
     # is an hf:// or local source (its config.json is the model's).
     preset: str | None
     config_path: str | None
-    weights: WeightsSpec | None = None  # the alias of a pvc:// origin (never both)
+    # As written, or filled from a pvc:// origin (never both written); an hf:// origin's is
+    # filled by the operator once resolved (`model_files.with_hf_weights`).
+    weights: WeightsSpec | None = None
     config_map: ConfigMapRef | None = None
     # The names requests may give as `model` (unique; the first is what answers carry by
     # default); empty: the model's own name.
@@ -589,6 +602,8 @@ def _model(r: FieldReader, raw: object) -> ModelSpec | None:
             weights = WeightsSpec(persistent_volume_claim=pvc, path=wpath)
     served = _served_names(r, m.get("servedModelNames"), f"{path}.servedModelNames")
     hub, cache = _hub(r, m), _cache(r, m)
+    if isinstance(origin, PvcSource):  # the alias: a claim mounted where the workers read it
+        weights = WeightsSpec(origin.claim, PVC_MOUNT_PATH, sub_path=origin.path)
     if preset is None and config_path is None and config_map is None and not from_origin:
         return None
     return ModelSpec(
