@@ -17,7 +17,6 @@ every call; it prints the writes per second of that CR (the bound is one per 2 s
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -32,6 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "fetch" / "tests"), str(ROOT / "operator" / "tests")]
 
+from benchjson import Figure, emit  # noqa: E402
 from fake_hub import FakeHub  # noqa: E402
 from hub_models import synthetic_checkpoint, tiny_config  # noqa: E402
 
@@ -147,7 +147,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gib", type=float, default=2.0)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="add the @bench-json line")
     args = p.parse_args()
     load = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="dsv4-bench-weights-") as tmp:
@@ -157,9 +157,6 @@ def main() -> None:
             "load_avg": [round(x, 1) for x in load],
             "cpus": os.cpu_count(),
         }
-    if args.json:
-        print(json.dumps(result, indent=1))
-        return
     d, s = result["download"], result["status"]
     print(f"machine: {result['cpus']} CPUs, load average {result['load_avg']} at the start")
     print(
@@ -172,6 +169,16 @@ def main() -> None:
         f"status: {s['status_writes']} writes in {s['seconds']:.0f} s of progress "
         f"({s['reconciles']} reconciles): {s['writes_per_s']}/s (bound {s['bound_per_s']}/s)"
     )
+    if args.json:
+        emit(
+            "weights",
+            [
+                Figure("fetch_MB_per_s", d["MB_per_s"]["dsv4 fetch"], "MB/s", "higher"),
+                Figure("hf_download_MB_per_s", d["MB_per_s"]["hf download"], "MB/s", "higher"),
+                Figure("fetch_vs_hf_ratio", d["ratio"], "x", "higher"),
+                Figure("status_writes_per_s", s["writes_per_s"], "1/s", "lower"),
+            ],
+        )
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from typing import Any, Final
 from urllib.parse import quote, unquote
 
 from aiohttp import web
+from aiohttp.client_exceptions import ClientConnectionResetError
 
 CHUNK_BYTES: Final = 1 << 20
 LFS_SUFFIXES: Final = (".safetensors", ".bin", ".pt", ".gguf")
@@ -491,6 +492,23 @@ class FakeHub:
             await response.write_eof()
             return response
         loop = asyncio.get_running_loop()
+        try:
+            await self._stream(response, f, start, end, corrupt, stall, loop)
+        except (ConnectionResetError, ClientConnectionResetError):
+            return response  # the client went away (killed mid-file, as a test does)
+        await response.write_eof()
+        return response
+
+    async def _stream(
+        self,
+        response: web.StreamResponse,
+        f: HubFile,
+        start: int,
+        end: int,
+        corrupt: bool,
+        stall: tuple[int, threading.Event] | None,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
         with f.data.open("rb") as src:
             src.seek(start)
             position = start
@@ -508,8 +526,6 @@ class FakeHub:
                 position += len(chunk)
                 if stall is not None and position == stall[0] and not stall[1].is_set():
                     await loop.run_in_executor(None, stall[1].wait)
-        await response.write_eof()
-        return response
 
 
 def _parse_range(raw: str, size: int) -> tuple[int, int] | str | None:

@@ -14,7 +14,7 @@ from typing import Any, Final
 from dsv4_common.api.fetch_status import PROGRESS_PATH
 from dsv4_operator.flavors.sglang.info import SERVER_INFO_PATH
 from dsv4_operator.observe import PodState
-from dsv4_operator.weights import PROGRESS_PORT
+from dsv4_operator.weights_objects import PROGRESS_PORT
 from dsv4_operator.workerconfig import HTTP_PORT, STATUS_PORT
 
 PROBE_TIMEOUT_S: Final = 2.0

@@ -172,6 +172,22 @@ def test_two_deployments_share_one_download_and_start_when_it_completes(
         ),
     )
     assert len(uids) >= 1
+    # The node goes away mid-file: the Job's next pod resumes from the partial file.
+    runner.kill(job_name)
+    live.wait("a second pod", polled(lambda: len(runner.started) == 2))
+    sha = hub.file(REPO, shard).sha256
+    resumed = live.wait(
+        "a Range request",
+        polled(
+            lambda: [
+                r
+                for r in hub.requests
+                if r.path == f"/cdn/{sha}" and (r.range or "").startswith("bytes=")
+            ]
+        ),
+    )
+    held = int(resumed[0].range.removeprefix("bytes=").rstrip("-"))
+    assert held >= CHUNK and resumed[0].status == 206
     # Complete: both start, their pods mounting the claim read-only.
     release.set()
     for name in ("model-a", "model-b"):
@@ -200,7 +216,7 @@ def test_two_deployments_share_one_download_and_start_when_it_completes(
                 <= {e["reason"] for e in live.events(name)}
             ),
         )
-    assert len(runner.started) == 1  # one download for both
+    assert len(runner.started) == 2  # one download for both (its second pod resumed)
     assert len(live.children("Job", "batch/v1")) == 1
     claims = live.children("PersistentVolumeClaim", "v1")
     assert list(claims) == [_weights(live, "model-a")["claim"]]
@@ -256,3 +272,25 @@ def test_a_gated_repo_without_a_token_fails_naming_the_401_and_a_token_fixes_it(
         return bool(c and c["status"] == "True")
 
     live.wait("the token lets it through", ready, timeout=90)
+
+
+def test_a_corrupted_file_fails_the_job_naming_it(
+    live: Live, runner: JobRunner, hub: FakeHub, tmp_path: Path
+) -> None:
+    files = synthetic_checkpoint(tmp_path / "model", tiny_config(), random=False)
+    hub.add_repo(REPO, files)
+    hub.corrupt(REPO, "model-00001-of-00002.safetensors")
+    _create(live, "corrupt", hub.endpoint)
+
+    def failed() -> Any:
+        runner.poll()
+        c = live.condition("corrupt", "WeightsReady")
+        return c if c and c["reason"] == "HashMismatch" else None
+
+    cond = live.wait("WeightsReady names the hash mismatch", failed, timeout=90)
+    assert "model-00001-of-00002.safetensors" in cond["message"]
+    assert "delete the Job to try again" in cond["message"]
+    assert len(runner.started) == 1  # exit 3: the Job failed at once, no retry
+    assert _weights(live, "corrupt")["phase"] == "Failed"
+    assert live.children("StatefulSet", "apps/v1") == {}
+    live.wait("a Warning Event", lambda: live.events("corrupt", reason="WeightsFailed"))
