@@ -357,10 +357,15 @@ def _weights(
     applied = []
     if decision.recreate_job:
         kube.delete("batch/v1", "Job", meta.namespace, target.job)
+    selector = L.selector_string({L.WEIGHTS_KEY_LABEL: target.key})
+    live = {
+        (api_version, kind, o["metadata"]["name"]): o
+        for api_version, kind in WEIGHTS_KINDS
+        for o in kube.list(api_version, kind, meta.namespace, selector)
+    }
     for obj in (stamped(o) for o in decision.objects):
         key = (obj["apiVersion"], obj["kind"], obj["metadata"]["name"])
-        live = kube.get(key[0], key[1], meta.namespace, key[2])
-        if needs_apply(obj, live):
+        if needs_apply(obj, live.get(key)):
             kube.apply(obj)
             applied.append(key)
     return decision, tuple(applied)

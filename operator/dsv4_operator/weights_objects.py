@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from dsv4_common.api.fetch_status import EXIT_PERMANENT, PROGRESS_PATH
+from dsv4_common.api.fetch_status import EXIT_PERMANENT
 from dsv4_common.api.model_source import HF_CACHE_MOUNT_PATH, HfSource
 from dsv4_common.api.spec import DeploymentSpec
 from dsv4_common.core.units import GIB
@@ -274,7 +274,3 @@ def template_hash(job: Mapping[str, Any]) -> str | None:
     template = (job.get("spec") or {}).get("template") or {}
     value = ((template.get("metadata") or {}).get("annotations") or {}).get(TEMPLATE_HASH)
     return value if isinstance(value, str) else None
-
-
-def progress_url(ip: str) -> str:
-    return f"http://{ip}:{PROGRESS_PORT}{PROGRESS_PATH}"

@@ -18,7 +18,6 @@ import binascii
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime
 from typing import Any, Protocol
 
 from dsv4_common.api.documents import DocumentError
@@ -35,7 +34,6 @@ from dsv4_operator.weights import (
     Seen,
     Target,
     fetch_pod_selector,
-    target_of,
 )
 
 
@@ -121,7 +119,8 @@ def owners(kube: Kube, meta: DeploymentMeta, key: str) -> list[Owner]:
 
 def observe(kube: Kube, probe: ProgressProbe, namespace: str, target: Target) -> Seen:
     """Step 4."""
-    job = kube.get("batch/v1", "Job", namespace, target.job)
+    jobs = kube.list("batch/v1", "Job", namespace, L.selector_string(_key_label(target)))
+    job = next((j for j in jobs if j["metadata"]["name"] == target.job), None)
     selector = L.selector_string(fetch_pod_selector(target.key))
     pods = tuple(kube.list("v1", "Pod", namespace, selector)) if job is not None else ()
     claim = None
@@ -143,8 +142,8 @@ def observe(kube: Kube, probe: ProgressProbe, namespace: str, target: Target) ->
     return Seen(job=job, pods=pods, claim=claim, progress=progress)
 
 
-def target_for(spec: DeploymentSpec, resolved: Resolved) -> Target:
-    return target_of(spec, resolved)
+def _key_label(target: Target) -> dict[str, str]:
+    return {L.WEIGHTS_KEY_LABEL: target.key}
 
 
 def stale_objects(
@@ -162,7 +161,3 @@ def stale_objects(
             if other and other != key and any(r.get("uid") == meta.uid for r in refs):
                 out.append(((api_version, kind, obj["metadata"]["name"]), obj))
     return out
-
-
-def now_text(now: datetime) -> str:
-    return now.strftime("%Y-%m-%dT%H:%M:%SZ")

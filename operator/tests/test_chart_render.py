@@ -311,8 +311,8 @@ EXPECTED_RULES = {
     ("", "secrets"): {"create", "get"},
     ("serving.dsv4.io", "dsv4deployments/finalizers"): {"update"},
     # hf:// sources: the shared download Job and the cache claim.
-    ("batch", "jobs"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("", "persistentvolumeclaims"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("batch", "jobs"): {"list", "watch", "create", "patch", "delete"},
+    ("", "persistentvolumeclaims"): {"get", "list", "create", "patch", "delete"},
 }
 
 
