@@ -13,6 +13,7 @@ import base64
 import itertools
 import re
 import socket
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import kubernetes
 import pytest
 from fake_hub import FakeHub
 from hub_models import synthetic_checkpoint, tiny_config
+from repo_paths import TOOLS_BIN
 from support.job_runner import JobRunner
 from support.live_operator import Live, running_operator
 
@@ -37,6 +39,7 @@ SPEC: dict[str, Any] = {
     "decode": {"replicas": 1, "pipelineParallel": 1, "tensorParallel": 1},
 }
 PROGRESS_IP = "127.0.0.9"
+KUBECTL = TOOLS_BIN / "kubectl"
 
 
 def _free_port(host: str) -> int:
@@ -107,6 +110,30 @@ def _status_writes(live: Live, name: str) -> list[float]:
     return [r.at for r in live.server.requests if r.method == "PATCH" and r.path == path]
 
 
+def _kubectl_get(live: Live, tmp_path: Path) -> dict[str, dict[str, str]]:
+    """`kubectl get dsv4 -o wide` (the real kubectl, as a user runs it): each row's cells by
+    column, cut at the header's column starts."""
+    kubeconfig = live.server.write_kubeconfig(tmp_path / "user-kubeconfig", live.namespace)
+    argv = [str(KUBECTL), "--kubeconfig", str(kubeconfig), "--cache-dir", str(tmp_path / "kc")]
+    done = subprocess.run(
+        [*argv, "get", "dsv4", "-o", "wide"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    header, *rows = done.stdout.splitlines()
+    starts = [m.start() for m in re.finditer(r"\S+", header)]
+    names = header.split()
+    bounds = list(itertools.pairwise([*starts, None]))
+    table = {}
+    for row in rows:
+        cells = {n: row[a:b].strip() for n, (a, b) in zip(names, bounds, strict=True)}
+        table[cells["NAME"]] = cells
+    return table
+
+
 def test_two_deployments_share_one_download_and_start_when_it_completes(
     live: Live, runner: JobRunner, hub: FakeHub, tmp_path: Path
 ) -> None:
@@ -151,6 +178,10 @@ def test_two_deployments_share_one_download_and_start_when_it_completes(
         )
     w = _weights(live, "model-a")
     assert w["phase"] == "Downloading" and 0 < w["bytesDone"] < w["bytesTotal"]
+    if KUBECTL.exists():  # the WEIGHTS printer column, as `kubectl get dsv4` shows it
+        shown = _kubectl_get(live, tmp_path)
+        assert re.fullmatch(r"[1-9][0-9]?%", shown["model-a"]["WEIGHTS"]), shown
+        assert shown["model-b"]["REASON"] == "WeightsNotReady", shown
     assert live.condition("model-a", "WeightsReady")["reason"] == "Downloading"
     assert live.condition("model-a", "Ready")["reason"] == "WeightsNotReady"
     assert live.children("StatefulSet", "apps/v1") == {}
@@ -216,6 +247,8 @@ def test_two_deployments_share_one_download_and_start_when_it_completes(
                 <= {e["reason"] for e in live.events(name)}
             ),
         )
+    if KUBECTL.exists():
+        assert {r["WEIGHTS"] for r in _kubectl_get(live, tmp_path).values()} == {"100%"}
     assert len(runner.started) == 2  # one download for both (its second pod resumed)
     assert len(live.children("Job", "batch/v1")) == 1
     claims = live.children("PersistentVolumeClaim", "v1")

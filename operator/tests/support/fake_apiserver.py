@@ -19,7 +19,8 @@ What it serves (HTTP, 127.0.0.1 only):
              NetworkPolicy, apiextensions.k8s.io/v1 CustomResourceDefinition,
              rbac.authorization.k8s.io/v1 Role/RoleBinding/ClusterRole/ClusterRoleBinding,
              plus every CRD created (served at once, then reported NamesAccepted and
-             Established).
+             Established; `kubectl get` of its kind answered as a Table of its printer
+             columns, support/printer_table.py).
 
 Refused as the real server refuses (support/object_meta.py): ObjectMeta on every write (names
 by the kind's rule: DNS-1123 subdomains, DNS-1035 labels for Services, DNS-1123 labels for
@@ -100,6 +101,7 @@ from support import (
 )
 from support import field_sets as fs
 from support import field_types as ft
+from support.printer_table import printer_columns, table, wants_table
 
 Obj = dict[str, Any]
 Admission = Callable[[Obj], Obj]  # returns the (defaulted) object or raises AdmissionError
@@ -1546,6 +1548,8 @@ class FakeApiServer:
         )
         if method == "GET" and name is None and query.get("watch") in ("true", "1"):
             return _WatchTarget(rtype, namespace)
+        if method == "GET" and rtype.custom and wants_table(request.headers.get("Accept", "")):
+            return web.json_response(self._table(rtype, namespace, name, query))
         if method == "GET":
             if name is None:
                 return web.json_response(self._list_response(rtype, namespace, query))
@@ -1670,6 +1674,24 @@ class FakeApiServer:
             "groupVersion": f"{group}/{version}" if group else version,
             "resources": [entry for t in types for entry in t.discovery()],
         }
+
+    def _table(
+        self, rtype: ResourceType, namespace: str | None, name: str | None, query: dict[str, str]
+    ) -> Obj:
+        """`kubectl get`'s answer: the custom resources as a Table of the CRD's printer
+        columns (support/printer_table.py)."""
+        crd_name = f"{rtype.plural}.{rtype.group}"
+        crd = self._objects.get(("apiextensions.k8s.io", "customresourcedefinitions", "", crd_name))
+        columns = printer_columns(crd.obj, rtype.version) if crd is not None else []
+        if name is not None:
+            items = [self._require(rtype, namespace or "", name)]
+            listed = {"metadata": {"resourceVersion": items[0]["metadata"]["resourceVersion"]}}
+        else:
+            listed = self._list_response(rtype, namespace, query)
+            items = listed["items"]
+        out = table(columns, items, include_object=query.get("includeObject", "Metadata"))
+        out["metadata"] = listed["metadata"]
+        return out
 
     def _as_list(self, rtype: ResourceType, items: list[Obj]) -> Obj:
         if not rtype.custom:  # the server omits type meta on items of built-in kinds
