@@ -25,8 +25,9 @@ is 400.
 
 Test controls: `corrupt(repo, path)` serves other bytes than the listing's hash; `hide(repo,
 path)` lists a file but 404s it; `stall(sha256, after_bytes)` holds a download after that many
-bytes until the returned event is set; `requests` records (method, path, Range, auth) of each
-request. A new commit on a branch moves it (`commit`), so `@main` resolves to it from then on.
+bytes until the returned event is set; `bytes_per_s` paces the CDN as a network link would;
+`requests` records (method, path, Range, auth) of each request. A new commit on a branch moves
+it (`commit`), so `@main` resolves to it from then on.
 """
 
 from __future__ import annotations
@@ -84,12 +85,23 @@ def git_blob_id(data: bytes) -> str:
 class FakeHub:
     """Start with `start()` (or as a context manager); files live under `root`."""
 
-    def __init__(self, root: Path, *, host: str = "127.0.0.1", cdn_host: str = CDN_HOST) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        host: str = "127.0.0.1",
+        cdn_host: str = CDN_HOST,
+        bytes_per_s: float | None = None,
+    ) -> None:
         """`host`, `cdn_host`: where the hub and its CDN listen (loopback in tests; the e2e suite
-        gives an address a cluster's pods reach)."""
+        gives an address a cluster's pods reach). `bytes_per_s`: the CDN's bytes are paced to
+        this rate over all its connections together (a network link; None: as fast as the
+        kernel's sendfile goes)."""
         self.root = root
         self.host = host
         self.cdn_host = cdn_host
+        self.bytes_per_s = bytes_per_s
+        self._paced_until = 0.0  # the event loop's clock: when the link is free again
         self.repos: dict[str, Repo] = {}
         self.requests: list[Request] = []
         self._lock = threading.Lock()
@@ -462,7 +474,8 @@ class FakeHub:
         with self._lock:
             corrupt = (repo_id, f.path) in self._corrupt
             stall = self._stalls.get(f.sha256 or "")
-        if request.method == "GET" and not corrupt and stall is None and f.size:
+        fast = self.bytes_per_s is None
+        if request.method == "GET" and fast and not corrupt and stall is None and f.size:
             raw = request.headers.get("Range")
             if raw is not None and _parse_range(raw, f.size) is None:
                 return self._refuse(request, 400, None, f"malformed Range {raw!r}")
@@ -523,9 +536,19 @@ class FakeHub:
                     i = f.size // 2 - position
                     chunk = chunk[:i] + bytes([chunk[i] ^ 0xFF]) + chunk[i + 1 :]
                 await response.write(chunk)
+                await self._pace(len(chunk), loop)
                 position += len(chunk)
                 if stall is not None and position == stall[0] and not stall[1].is_set():
                     await loop.run_in_executor(None, stall[1].wait)
+
+    async def _pace(self, n: int, loop: asyncio.AbstractEventLoop) -> None:
+        """Hold a sender until its `n` bytes fit the link's rate (one event loop: no lock)."""
+        if self.bytes_per_s is None:
+            return
+        now = loop.time()
+        self._paced_until = max(now, self._paced_until) + n / self.bytes_per_s
+        if self._paced_until > now:
+            await asyncio.sleep(self._paced_until - now)
 
 
 def _parse_range(raw: str, size: int) -> tuple[int, int] | str | None:

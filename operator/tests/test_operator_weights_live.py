@@ -4,7 +4,9 @@ the download Job's container as a real `dsv4 fetch` process (support/job_runner.
 DSV4Deployments of one model share one download Job; no worker object exists until it is
 complete; its progress reaches both statuses (at most one status write per 2 s each) and the
 WEIGHTS printer column; Events mark start, progress and completion; the pods then mount the
-claim read-only. A gated repo without a token fails with WeightsReady=False naming the 401.
+claim read-only. A gated repo without a token fails with WeightsReady=False naming the 401; a
+corrupted file and a checkpoint that is not the plan's fail the Job at once, naming the file or
+the first differing tensor.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from repo_paths import TOOLS_BIN
 from support.job_runner import JobRunner
 from support.live_operator import Live, running_operator
 
+from dsv4_common.plan.checkpoint_match import TensorEntry
 from dsv4_operator import labels as L
 
 pytestmark = pytest.mark.slow
@@ -327,3 +330,29 @@ def test_a_corrupted_file_fails_the_job_naming_it(
     assert _weights(live, "corrupt")["phase"] == "Failed"
     assert live.children("StatefulSet", "apps/v1") == {}
     live.wait("a Warning Event", lambda: live.events("corrupt", reason="WeightsFailed"))
+
+
+def test_a_checkpoint_that_is_not_the_plans_fails_naming_the_first_tensor(
+    live: Live, runner: JobRunner, hub: FakeHub, tmp_path: Path
+) -> None:
+    """The Job's `dsv4 fetch` reads the downloaded checkpoint's tensor index against the
+    planner's list: a shape the plan does not count is a condition naming that tensor (and no
+    worker pod that would crash-loop on it)."""
+    wrong = {"layers.2.attn.wkv.weight": TensorEntry("F32", (32, 65))}
+    files = synthetic_checkpoint(tmp_path / "model", tiny_config(), change=wrong, random=False)
+    hub.add_repo(REPO, files)
+    _create(live, "mismatch", hub.endpoint)
+
+    def failed() -> Any:
+        runner.poll()
+        c = live.condition("mismatch", "WeightsReady")
+        return c if c and c["reason"] == "TensorMismatch" else None
+
+    cond = live.wait("WeightsReady names the tensor", failed, timeout=90)
+    assert (
+        "layers.2.attn.wkv.weight: the checkpoint holds F32 [32, 65], the plan counts F32 [32, 64]"
+        in cond["message"]
+    )
+    assert len(runner.started) == 1  # exit 3: no retry
+    assert live.children("StatefulSet", "apps/v1") == {}
+    live.wait("a Warning Event", lambda: live.events("mismatch", reason="WeightsFailed"))
