@@ -112,7 +112,7 @@ def fetch_for_serve(
         token=None if offline else get_token(),
         offline=offline,
     )
-    done, status = fetch_with_progress(source, options)
+    done, status = fetch_with_progress(source, options, say_failure=False)
     if done is None:
         return None, f"{status.reason}: {status.message}"
     return done.path, ""
@@ -125,9 +125,11 @@ def fetch_with_progress(
     *,
     style: str = "auto",
     out: TextIO | None = None,
+    say_failure: bool = True,
 ) -> tuple[Fetched | None, FetchStatus]:
     """Fetch, showing progress on `out` (stderr); the snapshot (None on failure) and the final
-    document. Never raises FetchError: a failure is the document's reason and message."""
+    document. Never raises FetchError: a failure is the document's reason and message (printed
+    too unless `say_failure` is False: a caller that names its own flag or field says it)."""
     out = out or sys.stderr
     progress = progress or Progress(source.uri)
     disable_progress_bars()  # huggingface_hub's per-file bars; ours covers the whole fetch
@@ -140,7 +142,7 @@ def fetch_with_progress(
             status = replace(progress.snapshot(), phase="failed", reason=exc.reason)
             status = replace(status, message=exc.message, eta_seconds=None)
             progress.finish(status)
-            if style != "none":
+            if style != "none" and say_failure:
                 print(f"dsv4 fetch: {exc}", file=out, flush=True)
             return None, status
     status = replace(

@@ -89,7 +89,9 @@ class LocalWeights:
         snapshot = self._resolved.get(hf.uri)
         source = hf.at(snapshot.commit) if snapshot is not None else hf
         print(f"dsv4 up: fetching {hf.uri} into {self.options(spec).cache_dir}", file=self.out)
-        done, status = fetch_with_progress(source, self.options(spec), out=self.out)
+        done, status = fetch_with_progress(
+            source, self.options(spec), out=self.out, say_failure=False
+        )
         if done is None:
             raise WeightsError(f"{SOURCE_FIELD}: {status.reason}: {status.message}")
         # Fetched at the commit the plan was made for: the ref says which one `hf` named.

@@ -112,6 +112,9 @@ def test_serve_refuses_a_bad_or_unreadable_reference_before_loading(tmp_path: Pa
         )
     assert done.returncode == 2, done.stderr
     assert f"--model hf://{REPO}: Unauthorized:" in done.stderr and "401" in done.stderr
+    assert [line for line in done.stderr.splitlines() if "Unauthorized" in line] == [
+        next(line for line in done.stderr.splitlines() if "dsv4 serve: error:" in line)
+    ], done.stderr  # said once, naming the flag
 
 
 def _up(
@@ -152,4 +155,5 @@ def test_up_refuses_a_gated_repo_without_a_token_before_starting(tmp_path: Path)
         done = _up(tmp_path, cr, env=_env(tmp_path))
     assert done.returncode == 2, done.stderr
     assert "dsv4 up: error: spec.model.source: Unauthorized:" in done.stderr
+    assert sum("Unauthorized" in line for line in done.stderr.splitlines()) == 1, done.stderr
     assert "starting" not in done.stderr

@@ -6,7 +6,8 @@ complete; its progress reaches both statuses (at most one status write per 2 s e
 WEIGHTS printer column; Events mark start, progress and completion; the pods then mount the
 claim read-only. A gated repo without a token fails with WeightsReady=False naming the 401; a
 corrupted file and a checkpoint that is not the plan's fail the Job at once, naming the file or
-the first differing tensor.
+the first differing tensor; a claim the CR names that is smaller than the files is named before
+any Job; `@main` is resolved once and stays pinned when main moves.
 """
 
 from __future__ import annotations
@@ -356,3 +357,66 @@ def test_a_checkpoint_that_is_not_the_plans_fails_naming_the_first_tensor(
     assert len(runner.started) == 1  # exit 3: no retry
     assert live.children("StatefulSet", "apps/v1") == {}
     live.wait("a Warning Event", lambda: live.events("mismatch", reason="WeightsFailed"))
+
+
+def test_a_claim_smaller_than_the_files_is_named_before_any_download(
+    live: Live, runner: JobRunner, hub: FakeHub, tmp_path: Path
+) -> None:
+    """A claim the CR names is measured against the hub's file list before a Job exists."""
+    files = synthetic_checkpoint(tmp_path / "model", tiny_config(), random=False)
+    hub.add_repo(REPO, files)
+    live.server.create(
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "models", "namespace": live.namespace},
+            "spec": {
+                "accessModes": ["ReadWriteMany"],
+                "resources": {"requests": {"storage": "1Mi"}},
+            },
+            "status": {"phase": "Bound", "capacity": {"storage": "1Mi"}},
+        }
+    )
+    _create(live, "small", hub.endpoint, cache={"persistentVolumeClaim": "models"})
+    cond = live.wait(
+        "WeightsReady names the claim's size",
+        lambda: (
+            (c := live.condition("small", "WeightsReady")) and c["reason"] == "VolumeTooSmall" and c
+        ),
+    )
+    assert "claim models holds 1Mi" in cond["message"], cond
+    assert live.children("Job", "batch/v1") == {}
+    assert live.children("StatefulSet", "apps/v1") == {}
+
+
+def test_main_is_resolved_once_and_stays_pinned_when_it_moves(
+    live: Live, runner: JobRunner, hub: FakeHub, tmp_path: Path
+) -> None:
+    """`hf://ORG/NAME` (main) is resolved to a commit, recorded in status and downloaded at
+    that commit; a new commit on main later changes nothing for this CR (a spec edit
+    reconciles it again at the pinned commit)."""
+    files = synthetic_checkpoint(tmp_path / "model", tiny_config(), random=False)
+    first = hub.add_repo(REPO, files)
+    _create(live, "pinned", hub.endpoint)
+
+    def ready() -> bool:
+        runner.poll()
+        c = live.condition("pinned", "WeightsReady")
+        return bool(c and c["status"] == "True")
+
+    live.wait("downloaded", ready, timeout=90)
+    assert _weights(live, "pinned")["revision"] == first
+    (job,) = live.children("Job", "batch/v1").values()
+    assert job["spec"]["template"]["spec"]["containers"][0]["args"][0] == f"hf://{REPO}@{first}"
+    second = hub.commit(REPO, {**files, "README.md": b"a newer main\n"})
+    assert second != first
+    _patch_spec(tmp_path, live, "pinned", {"maxContextTokens": 512})
+    live.wait(
+        "the edit reconciled",
+        lambda: ((live.cr("pinned") or {}).get("status") or {}).get("observedGeneration") == 2,
+    )
+    assert _weights(live, "pinned")["revision"] == first
+    assert live.condition("pinned", "WeightsReady")["status"] == "True"
+    assert [j["metadata"]["name"] for j in live.children("Job", "batch/v1").values()] == [
+        job["metadata"]["name"]
+    ]
