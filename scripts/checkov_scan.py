@@ -42,6 +42,7 @@ ALLOWLIST: Final = ROOT / "scripts" / "checkov-allowlist.yaml"
 SAMPLE_NAMESPACE: Final = "dsv4-samples"
 CHART_NAMESPACE: Final = "dsv4-system"
 CONFIG_MAP_MODEL: Final = "deepseek-v4-flash"
+SAMPLE_COMMIT: Final = "0123456789abcdef0123456789abcdef01234567"  # an hf:// sample's, rendered
 # helm value sets scanned: the defaults, and the webhook's objects and readiness probe.
 CHART_VALUE_SETS: Final[dict[str, tuple[str, ...]]] = {
     "chart": (),
@@ -59,6 +60,13 @@ def sample_input(path: Path) -> tuple[dict[str, Any], str | None]:
     model = body["spec"]["model"]
     if "configMapRef" in model:
         return body, (MODEL_DATA / CONFIG_MAP_MODEL / "config.json").read_text()
+    if str(model.get("source", "")).startswith("hf://"):
+        # The operator resolves the revision and reads config.json from the hub: stand in a
+        # commit and the published config of the repo's model.
+        repo = model["source"].removeprefix("hf://").split("@")[0]
+        model["source"] = f"hf://{repo}@{SAMPLE_COMMIT}"
+        published = MODEL_DATA / repo.split("/")[-1].lower() / "config.json"
+        return body, published.read_text() if "preset" not in model else None
     if "configPath" in model:
         published = MODEL_DATA / Path(model["configPath"]).parent.name.lower() / "config.json"
         if not published.is_file():

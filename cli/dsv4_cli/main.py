@@ -8,13 +8,14 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from dsv4_cli import plan, render, serve, up
+from dsv4_cli import fetch, plan, render, serve, up
 from dsv4_cli.usage import Usage
 
 # Exit code of a process killed by SIGPIPE, as shells report it (`yes | head -1`).
 EXIT_BROKEN_PIPE = 128 + 13
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "fetch": fetch.run,
     "plan": plan.run,
     "render": render.run,
     "serve": serve.run,
@@ -25,7 +26,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv4", description="dsv4-serve command line")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (plan, render, serve, up):
+    for command in (plan, render, serve, up, fetch):
         command.add_parser(sub)
     return parser
 

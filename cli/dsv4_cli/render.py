@@ -24,8 +24,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--model-config",
         default=None,
         metavar="FILE",
-        help="the config.json that spec.model.configMapRef or spec.model.configPath names "
-        "(render reads no cluster, and a configPath is a path on the operator's filesystem)",
+        help="the config.json that spec.model.configMapRef or spec.model.configPath names, or "
+        "that an hf:// spec.model.source brings (render reads no cluster and no hub, and a "
+        "configPath is a path on the operator's filesystem)",
+    )
+    p.add_argument(
+        "--revision",
+        default=None,
+        metavar="COMMIT",
+        help="the commit an hf:// spec.model.source resolves to (default: the one it names); "
+        "the download's claim and Job are not rendered",
     )
 
 
@@ -48,7 +56,12 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, UnicodeDecodeError) as exc:
         raise Usage(f"--model-config {args.model_config}: {exc}") from exc
     try:
-        text = render_file(Path(args.file), namespace=args.namespace, model_config=model_config)
+        text = render_file(
+            Path(args.file),
+            namespace=args.namespace,
+            model_config=model_config,
+            revision=args.revision,
+        )
     except (SpecError, MemoryPlanError, yaml.YAMLError) as exc:
         raise Usage(str(exc)) from exc
     except OSError as exc:

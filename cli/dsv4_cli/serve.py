@@ -23,6 +23,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.role != "router" and args.config_dir is None:
+        _fetch_hf_model(args)  # before the worker (and torch) is imported
     if args.role == "router":  # the router never imports torch
         try:
             from dsv4_router.serve import run as run_router
@@ -34,3 +36,30 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise Usage(f"needs the worker package ({exc}): pip install 'dsv4-serve[worker]'") from exc
     return run_worker(args)
+
+
+def _fetch_hf_model(args: argparse.Namespace) -> None:
+    """`--model hf://ORG/NAME[@REV]`: a bad reference fails at once (exit 2); else the snapshot
+    is fetched into the local Hugging Face cache (`--offline`: only taken from it), with a
+    progress bar, and `--model` becomes its directory, served under the repo id unless
+    `--served-model-name` says otherwise."""
+    if not str(args.model).startswith("hf://"):
+        if args.offline:
+            raise Usage("--offline: applies to --model hf://ORG/NAME only")
+        return
+    from dsv4_common.api.model_source import SourceError
+
+    try:
+        from dsv4_fetch.run import fetch_for_serve, parse_hf
+    except ImportError as exc:
+        raise Usage(f"--model hf://: needs huggingface_hub ({exc})") from exc
+    try:
+        source = parse_hf(args.model)
+    except SourceError as exc:
+        raise Usage(f"--model: {exc}") from exc
+    path, problem = fetch_for_serve(source, offline=args.offline)
+    if path is None:
+        raise Usage(f"--model {args.model}: {problem}")
+    args.model = str(path)
+    if not args.served_model_name:
+        args.served_model_name = [source.repo_id]

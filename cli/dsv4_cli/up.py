@@ -58,6 +58,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="keep the temporary work directory (configs, logs, status.json) after a clean "
         "exit; it is kept anyway after a failure, and --workdir always is",
     )
+    p.add_argument(
+        "--offline",
+        action="store_true",
+        help="an hf:// spec.model.source comes from the local Hugging Face cache only (a "
+        "snapshot dsv4 fetch or an earlier dsv4 up completed), never the network",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

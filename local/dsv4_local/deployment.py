@@ -6,15 +6,22 @@ itself cannot run (engine sglang). Pure: YAML text in, `Deployment` out; every e
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
 from dsv4_common.api.deployment import MemoryPlan, plan_memory
+from dsv4_common.api.model_files import ModelFiles, spec_model_files
+from dsv4_common.api.model_source import PvcSource
 from dsv4_common.api.names import API_VERSION, KIND
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec, SpecError, parse_meta, parse_spec
+from dsv4_common.core.model import ModelConfig
+
+# The model an hf:// source brings (its config.json, fetched before any weight moves); None:
+# the spec's preset, configPath or local path.
+ModelFor = Callable[[DeploymentSpec], ModelConfig | None]
 
 __all__ = ["Deployment", "device_problem", "parse_deployment"]
 
@@ -26,10 +33,13 @@ class Deployment:
     spec: DeploymentSpec
     meta: DeploymentMeta
     memory: MemoryPlan
+    # Where the workers find the model's files (an hf:// source's: set once it is fetched).
+    files: ModelFiles | None = None
 
 
-def parse_deployment(text: str, source: str) -> Deployment:
+def parse_deployment(text: str, source: str, model_for: ModelFor | None = None) -> Deployment:
     """The single DSV4Deployment document of `text` (`source` names the file in errors).
+    `model_for(spec)`: the model of an hf:// source (`dsv4_local.weights`).
 
     Raises yaml.YAMLError, SpecError or MemoryPlanError; other kinds of document are skipped,
     as `dsv4 render` skips them.
@@ -51,11 +61,19 @@ def parse_deployment(text: str, source: str) -> Deployment:
                 "sglang CR in a cluster (dsv4 render shows what the operator applies)"
             ]
         )
+    if isinstance(spec.model.origin, PvcSource):
+        raise SpecError(
+            [
+                "spec.model.source: pvc:// names a cluster's claim; dsv4 up reads hf://ORG/NAME "
+                "(into the local Hugging Face cache) or a local path"
+            ]
+        )
     meta = parse_meta(body)
-    memory = plan_memory(spec)
+    memory = plan_memory(spec, model_for(spec) if model_for is not None else None)
     if not memory.context_fits:
         raise SpecError([f"spec.maxContextTokens: {memory.context_message()}"])
-    return Deployment(spec=spec, meta=meta, memory=memory)
+    files = None if spec.model.hf is not None else spec_model_files(spec)
+    return Deployment(spec=spec, meta=meta, memory=memory, files=files)
 
 
 def device_problem(spec: DeploymentSpec, missing: str) -> str:

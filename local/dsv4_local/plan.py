@@ -255,6 +255,7 @@ def build_group(
             torch_threads=torch_threads,
             api_key_file=api_key_file,
             pd_secret_file=str(pd_secret_path(workdir)),
+            files=deployment.files,
         )
         processes.append(process)
         documents[process.config_dir / rank_config_key(role, pp_rank)] = rank_config_to_dict(config)

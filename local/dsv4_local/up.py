@@ -17,6 +17,7 @@ one, removed at a clean exit; it stays after a failure (its logs say why), with
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -43,12 +44,13 @@ from dsv4_local.autoscaler import (
     scales,
 )
 from dsv4_local.completion import Completion, CompletionError, request_completion
-from dsv4_local.deployment import Deployment, device_problem, parse_deployment
+from dsv4_local.deployment import Deployment, ModelFor, device_problem, parse_deployment
 from dsv4_local.plan import LaunchPlan, ProcessSpec, build_launch_plan
 from dsv4_local.ports import free_ports, port_is_free
 from dsv4_local.signals import StopSignals
 from dsv4_local.supervise import RestartPolicy, policy_line
 from dsv4_local.supervisor import PREFIX, STOP_GRACE_S, Outcome, Supervisor
+from dsv4_local.weights import LocalWeights, WeightsError
 from dsv4_local.workdir import write_workdir
 
 __all__ = ["CompletionRequest", "UpError", "format_ready", "launch", "load_deployment", "run"]
@@ -75,12 +77,24 @@ def run(args: argparse.Namespace, *, missing_gpu: Callable[[], str] = lambda: ""
     for a deployment that needs one (the worker's probe, which `dsv4_cli` hands in)."""
     workdir: Path | None = None
     temporary = args.workdir is None
+    weights = LocalWeights(offline=bool(getattr(args, "offline", False)))
     try:
-        deployment = load_deployment(Path(args.file))
+        deployment = load_deployment(Path(args.file), model_for=weights.model_for)
         if not deployment.spec.gpu.cpu_mode and (why := missing_gpu()):
             raise UpError(device_problem(deployment.spec, why))
         _check_router_port(deployment, args.port)
         api_key = local_api_key(deployment, getattr(args, "api_key_file", None), os.environ)
+    except UpError as exc:
+        print(f"{PREFIX} error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:  # an hf:// source's files, after the plan: nothing moves for a spec that cannot run
+        files = weights.files(deployment.spec, deployment.memory.prefill.inputs.model)
+    except WeightsError as exc:
+        print(f"{PREFIX} error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    if files is not None:
+        deployment = dataclasses.replace(deployment, files=files)
+    try:
         workdir = _workdir(args.workdir)
         plan = build_launch_plan(
             deployment,
@@ -129,8 +143,9 @@ def local_api_key(
     return None
 
 
-def load_deployment(path: Path) -> Deployment:
-    """Read and check the file; every problem is an UpError naming the field."""
+def load_deployment(path: Path, model_for: ModelFor | None = None) -> Deployment:
+    """Read and check the file; every problem is an UpError naming the field. `model_for`: the
+    model of an hf:// source (`weights.LocalWeights.model_for`)."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
@@ -138,7 +153,7 @@ def load_deployment(path: Path) -> Deployment:
     except UnicodeDecodeError as exc:
         raise UpError(f"{path}: not UTF-8 text (byte {exc.start})") from exc
     try:
-        return parse_deployment(text, str(path))
+        return parse_deployment(text, str(path), model_for)
     except yaml.YAMLError as exc:
         raise UpError(f"{path}: not valid YAML: {_yaml_problem(exc)}") from exc
     except (SpecError, MemoryPlanError) as exc:

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from dsv4_common.api.deployment import MemoryPlanError, load_model, plan_memory
+from dsv4_common.api.model_files import with_hf_weights
 from dsv4_common.api.spec import DeploymentSpec, SpecError, parse_meta, parse_spec
 from dsv4_common.core.model import ModelConfig
 from dsv4_operator.config import DEFAULT_CONFIG, OperatorConfig
 from dsv4_operator.kube import Kube, KubeError
 from dsv4_operator.modelsource import resolve_model
-from dsv4_operator.objects import build_desired_state
+from dsv4_operator.objects import build_desired_state, source_errors
 
 # kopf serves a handler at /<handler id>. The chart's ValidatingWebhookConfiguration calls this
 # path, and a chart test checks that the two agree: at any other path, kopf runs no handler
@@ -46,6 +47,8 @@ MATCH_CONDITIONS: Final = (
 # The HTTP status of a refusal (the API server passes it on to the client): the object is invalid.
 REFUSAL_CODE: Final = 422
 CHECKED_OPERATIONS: Final = frozenset({"CREATE", "UPDATE"})
+# An hf:// source's pods are checked as if mounting this commit (the reconcile resolves it).
+ADMISSION_COMMIT: Final = "0" * 40
 
 # spec -> its model config. A MemoryPlanError or KubeError means that the model cannot be read.
 ModelResolver = Callable[[DeploymentSpec], ModelConfig]
@@ -112,6 +115,8 @@ def review(
     try:
         spec = parse_spec(body)
         meta = parse_meta(body)
+        if errors := source_errors(spec):
+            raise SpecError(errors)
     except SpecError as exc:
         return _refuse("InvalidSpec", exc)
     try:
@@ -125,6 +130,8 @@ def review(
         return _refuse("PlanFailed", exc)
     if not memory.context_fits:
         return Verdict(allowed=False, reason="ContextTooLong", message=memory.context_message())
+    if spec.model.hf is not None:  # the workers mount its snapshot, at a commit not known here
+        spec = with_hf_weights(spec, "admission", ADMISSION_COMMIT)
     try:
         build_desired_state(
             spec,

@@ -10,6 +10,8 @@ Environment (set by the Helm chart):
                       (default dsv4-system, the chart's documented one)
   DSV4_POD_SECURITY_LEVEL  the Pod Security Standard a podTemplate's containers and volumes
                       are held to: restricted (default), baseline or privileged
+  DSV4_HF_ENDPOINT    the hub (or mirror) hf:// sources use when a CR sets no
+                      spec.model.hub.endpoint; empty or unset = HF_ENDPOINT, else huggingface.co
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class OperatorConfig:
     metrics_scrape_namespace: str = ""  # "" = no scrape rule in the NetworkPolicy
     operator_namespace: str = DEFAULT_OPERATOR_NAMESPACE
     pod_security: Level = DEFAULT_LEVEL
+    hf_endpoint: str | None = None  # None: the hub (HF_ENDPOINT where set)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> OperatorConfig:
@@ -39,6 +42,7 @@ class OperatorConfig:
             metrics_scrape_namespace=env.get("DSV4_METRICS_SCRAPE_NAMESPACE", ""),
             operator_namespace=env.get("DSV4_OPERATOR_NAMESPACE") or DEFAULT_OPERATOR_NAMESPACE,
             pod_security=parse_level(level, "DSV4_POD_SECURITY_LEVEL"),
+            hf_endpoint=env.get("DSV4_HF_ENDPOINT") or env.get("HF_ENDPOINT") or None,
         )
 
 

@@ -43,8 +43,10 @@ from dsv4_operator.metrics import OperatorMetrics
 from dsv4_operator.modelsource import config_map_index
 from dsv4_operator.observe import WorkerProbe
 from dsv4_operator.reconcile import ReconcileResult, reconcile, utc_clock
+from dsv4_operator.weights import Hub
 
 RECONCILE_INTERVAL_S: Final = 15.0  # level-based safety net: pod failures, worker reports
+WEIGHTS_INTERVAL_S: Final = 5.0  # progress of an hf:// download into status
 RETRY_DELAY_S: Final = 10.0
 GROUP_FAILED: Final = (
     "restart budget spent (spec.groupRestarts.budget): the group is left failed until the "
@@ -70,6 +72,7 @@ class Deps:
     # The deployments whose PD Secret this process created or found (`reconcile`'s step 6).
     pd_secrets: set[str] = field(default_factory=set)
     latency: LatencyTracker | None = None  # None: latency targets have no figures
+    hub: Hub | None = None  # hf:// sources: the hub's answers (dsv4_operator.hub.HfHub)
 
     @classmethod
     def from_memo(cls, memo: kopf.Memo) -> Deps:
@@ -82,6 +85,7 @@ class Deps:
             memo.get("clock", utc_clock),
             memo.setdefault("pd_secrets", set()),
             memo.get("latency"),
+            memo.get("hub"),
         )
 
 
@@ -112,13 +116,20 @@ def _announce(
     warn: Warn | None,
     inform: Inform | None = None,
 ) -> None:
-    """One Warning Event per group restarted or failed, and one Normal Event per role the
-    autoscaler resized (reason ScaledUp or ScaledDown), whichever path reconciled."""
+    """One Warning Event per group restarted or failed, one Normal Event per role the
+    autoscaler resized (reason ScaledUp or ScaledDown), and the weights' download's Events
+    (start, each 10%, ready: Normal; failed: Warning), whichever path reconciled."""
     if inform is not None:
         for change in result.scale_changes:
             inform(body, change.reason, change.text)
+        for event in result.events:
+            if event.type != "Warning":
+                inform(body, event.reason, event.message)
     if warn is None:
         return
+    for event in result.events:
+        if event.type == "Warning":
+            warn(body, event.reason, event.message)
     for action in result.group_actions:
         if action.restart:
             warn(body, action.reason, f"{action.group} restarted as a unit: {action.message}")
@@ -144,6 +155,7 @@ def _reconcile_current(
             clock=deps.clock,
             pd_secrets=deps.pd_secrets,
             latency=deps.latency,
+            hub=deps.hub,
         )
     except KubeError as exc:
         if exc.namespace_terminating:
@@ -213,6 +225,37 @@ async def on_timer(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: A
     deps = Deps.from_memo(memo)
     with contextlib.suppress(kopf.PermanentError):
         await in_thread(memo, lambda: _reconcile_posting(body, deps, logger))
+
+
+@kopf.timer(
+    L.GROUP,
+    L.VERSION,
+    L.PLURAL,
+    id="weights_progress",
+    interval=WEIGHTS_INTERVAL_S,
+    initial_delay=WEIGHTS_INTERVAL_S,
+    when=lambda status, **_: downloading(status),
+)
+async def on_weights_timer(
+    namespace: str | None, name: str | None, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+) -> None:
+    """While an hf:// source downloads, its progress reaches status more often than the
+    safety-net timer (reconciles coalesce with other events'; status.weights is written at
+    most once per weights_progress.STATUS_MIN_INTERVAL_S)."""
+    if namespace and name:
+        deps = Deps.from_memo(memo)
+        await in_thread(
+            memo,
+            lambda: reconcile_owner(
+                namespace, name, deps, logger, warn=_post_warning, inform=_post_info
+            ),
+        )
+
+
+def downloading(status: Mapping[str, Any] | None) -> bool:
+    """status.weights says a download is under way."""
+    weights = (status or {}).get("weights") or {}
+    return weights.get("phase") in ("Pending", "Downloading", "Checking", "Resolving")
 
 
 def reconcile_owner(
@@ -309,6 +352,41 @@ async def on_config_map_event(
     namespaces; one not in the index costs a dict lookup.)"""
     index: kopf.Index[tuple[str, str], str] = kwargs["model_config_maps"]  # kopf passes it
     key = (namespace or "", name)
+    if key not in index:
+        return
+    deps = Deps.from_memo(memo)
+
+    def reconcile_them() -> None:
+        for deployment in sorted(set(index[key])):
+            reconcile_owner(key[0], deployment, deps, logger, warn=_post_warning, inform=_post_info)
+
+    await in_thread(memo, reconcile_them)
+
+
+@kopf.index(L.GROUP, L.VERSION, L.PLURAL)
+def weights_users(
+    namespace: str | None, name: str | None, status: kopf.Status, **_: Any
+) -> dict[tuple[str, str], str]:
+    """DSV4Deployments by the download their status.weights names (namespace, key)."""
+    weights: Mapping[str, Any] = dict(status or {}).get("weights") or {}
+    key = weights.get("key")
+    if not (namespace and name and isinstance(key, str)):
+        return {}
+    return {(namespace, key): name}
+
+
+@kopf.on.event("batch", "v1", "jobs", labels={L.WEIGHTS_KEY_LABEL: kopf.PRESENT})
+async def on_weights_job_event(
+    namespace: str | None,
+    labels: Mapping[str, str],
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    **kwargs: Any,
+) -> None:
+    """A download Job changed (started, completed, failed): reconcile every DSV4Deployment
+    that uses it now, rather than at its next timer tick."""
+    index: kopf.Index[tuple[str, str], str] = kwargs["weights_users"]  # kopf passes it
+    key = (namespace or "", labels[L.WEIGHTS_KEY_LABEL])
     if key not in index:
         return
     deps = Deps.from_memo(memo)

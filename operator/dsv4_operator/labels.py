@@ -58,6 +58,10 @@ POD_INDEX_LABEL: Final = "apps.kubernetes.io/pod-index"
 # change its hash and roll every existing deployment on an operator upgrade) nor on routers, and
 # never in a selector (selectors are immutable).
 ENGINE_LABEL: Final = f"{GROUP}/engine"
+# An hf:// source's shared download objects (Job, its pods, the operator's claim, their
+# NetworkPolicy): the download's key (dsv4_operator.weights.weights_key). They carry no
+# deployment label: every DSV4Deployment of that model and commit shares them.
+WEIGHTS_KEY_LABEL: Final = f"{GROUP}/weights-key"
 
 APP_NAME_VALUE: Final = "dsv4-serve"
 MANAGED_BY_VALUE: Final = "dsv4-operator"

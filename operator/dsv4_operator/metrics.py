@@ -40,6 +40,10 @@ CAPACITY_FIELDS: Final = {key: name for name, key in CAPACITY_KEYS.items()}
 PLANNED_PREFIX: Final = "dsv4_operator_planned_"
 OBSERVED_PREFIX: Final = "dsv4_operator_observed_"
 PLANNED_PAGES: Final = "dsv4_operator_planned_kv_pages"  # + label `pool`: full | swa | req_slots
+# An hf:// source's download, per CR (status.weights): bytes and files, `state` done | total.
+WEIGHTS_BYTES: Final = "dsv4_operator_weights_bytes"
+WEIGHTS_FILES: Final = "dsv4_operator_weights_files"
+WEIGHTS_LABELS: Final = ("namespace", "deployment", "state")
 
 # Every capacity gauge: name -> (help, label names).
 CAPACITY_GAUGES: Final[dict[str, tuple[str, tuple[str, ...]]]] = {
@@ -56,6 +60,8 @@ CAPACITY_GAUGES: Final[dict[str, tuple[str, tuple[str, ...]]]] = {
         )
         for suffix in CAPACITY_FIELDS.values()
     },
+    WEIGHTS_BYTES: ("Bytes of an hf:// source's download, done and total", WEIGHTS_LABELS),
+    WEIGHTS_FILES: ("Files of an hf:// source's download, done and total", WEIGHTS_LABELS),
 }
 
 
@@ -94,6 +100,20 @@ def capacity_series(
             for field, suffix in CAPACITY_FIELDS.items()
             if field in seen
         )
+    return tuple(out)
+
+
+def weights_series(namespace: str, name: str, status: Mapping[str, Any]) -> tuple[Series, ...]:
+    """The download gauges of one CR, from its status.weights (none without one). Pure."""
+    weights = status.get("weights") or {}
+    out = []
+    for gauge, done, total in (
+        (WEIGHTS_BYTES, "bytesDone", "bytesTotal"),
+        (WEIGHTS_FILES, "filesDone", "filesTotal"),
+    ):
+        for state, key in (("done", done), ("total", total)):
+            if isinstance(weights.get(key), int):
+                out.append(Series(gauge, (namespace, name, state), weights[key]))
     return tuple(out)
 
 
@@ -165,6 +185,7 @@ class OperatorMetrics:
             self.reconciles.labels("error").inc()
             self.errors.labels(result.problem.reason).inc()
         series = capacity_series(namespace, name, result.memory, result.status)
+        series += weights_series(namespace, name, result.status)
         self._capacity.set(namespace, name, series)
 
     def failed(self, exc: BaseException, seconds: float) -> None:

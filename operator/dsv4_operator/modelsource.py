@@ -20,6 +20,7 @@ from dsv4_common.api.deployment import (
     load_model,
     model_from_config_map,
     model_from_config_path_text,
+    model_from_config_text,
 )
 from dsv4_common.api.spec import ConfigMapRef, DeploymentSpec
 from dsv4_common.core.model import ModelConfig
@@ -36,10 +37,18 @@ class ResolvedModel:
     config_hash: str | None = None
 
 
-def resolve_model(spec: DeploymentSpec, namespace: str, kube: Kube) -> ResolvedModel:
-    """The model of `spec`, whose CR lives in `namespace`. Raises MemoryPlanError naming the
+def resolve_model(
+    spec: DeploymentSpec, namespace: str, kube: Kube, origin_config: str | None = None
+) -> ResolvedModel:
+    """The model of `spec`, whose CR lives in `namespace`. `origin_config`: the config.json text
+    an hf:// source brought (read from the hub by the caller). Raises MemoryPlanError naming the
     field; a retryable API error (KubeError) propagates for the caller to retry."""
     ref = spec.model.config_map
+    hf = spec.model.hf
+    if hf is not None and spec.model.config_from_origin and origin_config is not None:
+        return ResolvedModel(
+            model_from_config_text(spec, origin_config, name=hf.repo_id.rsplit("/", 1)[-1])
+        )
     if ref is None:
         return ResolvedModel(load_model(spec))
     return model_from_text(spec, _read_key(kube, namespace, ref))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dsv4_common.api.deployment import MemoryPlan
+from dsv4_common.api.model_source import LocalSource
 from dsv4_common.api.object_rules import MAX_OBJECT_BYTES
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec, PodTemplate, SpecError
 from dsv4_operator import labels as L
@@ -126,6 +127,21 @@ def _stamp_applied_hash(obj: Obj) -> Obj:
     return obj
 
 
+def source_errors(spec: DeploymentSpec) -> list[str]:
+    """What a cluster cannot run of `spec.model.source`: a local path."""
+    if isinstance(spec.model.origin, LocalSource):
+        return [
+            "spec.model.source: a local path is read by dsv4 up only; in a cluster use "
+            "hf://ORG/NAME[@REVISION] or pvc://CLAIM[/PATH]"
+        ]
+    return []
+
+
+def stamped(obj: Obj) -> Obj:
+    """`obj` with its applied-hash annotation (what `diff.needs_apply` compares)."""
+    return _stamp_applied_hash(obj)
+
+
 def build_desired_state(
     spec: DeploymentSpec,
     meta: DeploymentMeta,
@@ -158,7 +174,7 @@ def build_desired_state(
     hashes: dict[str, str] = {}
     workloads: list[Obj] = []
     surge_groups: list[SurgeGroup] = []
-    errors: list[str] = flavor.spec_errors(spec, meta, memory)
+    errors: list[str] = flavor.spec_errors(spec, meta, memory) + source_errors(spec)
 
     def merged(base: Obj, user: PodTemplate | None, role: str, **defaults: str) -> Obj:
         """The base template with the role's podTemplate merged in (errors collected)."""

@@ -56,6 +56,11 @@ class WorkerProbe(Protocol):
         not answer are left out."""
         ...
 
+    def progress(self, ip: str) -> Mapping[str, Any] | None:
+        """A download Job pod's GET /progress document (`dsv4_operator.weights`); None when it
+        does not answer."""
+        ...
+
 
 def _time(value: object) -> datetime | None:
     if not isinstance(value, str):

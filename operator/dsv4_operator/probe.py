@@ -1,6 +1,7 @@
 """`HttpWorkerProbe`: GETs each running worker's `/status` document (engine dsv4), or SGLang's
-`/server_info` from PP rank 0 of each group (engine sglang). The operator's only network calls
-besides the Kubernetes API."""
+`/server_info` from PP rank 0 of each group (engine sglang), and a download Job pod's
+`/progress`. With the hub's calls (`hub.py`), the operator's only network calls besides the
+Kubernetes API."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
+from dsv4_common.api.fetch_status import PROGRESS_PATH
 from dsv4_operator.flavors.sglang.info import SERVER_INFO_PATH
 from dsv4_operator.observe import PodState
+from dsv4_operator.weights_objects import PROGRESS_PORT
 from dsv4_operator.workerconfig import HTTP_PORT, STATUS_PORT
 
 PROBE_TIMEOUT_S: Final = 2.0
@@ -31,11 +34,13 @@ class HttpWorkerProbe:
         timeout_s: float = PROBE_TIMEOUT_S,
         port: int = STATUS_PORT,
         http_port: int = HTTP_PORT,
+        progress_port: int = PROGRESS_PORT,
     ) -> None:
         self.timeout_s = timeout_s
         # The rendered pods' ports; other values are for tests.
         self.port = port
         self.http_port = http_port
+        self.progress_port = progress_port
 
     def _get(self, url: str) -> Mapping[str, Any] | None:
         try:
@@ -78,6 +83,10 @@ class HttpWorkerProbe:
         with ThreadPoolExecutor(max_workers=min(PROBE_THREADS, len(targets))) as pool:
             results = list(pool.map(one, targets))
         return {name: text for name, text in results if text is not None}
+
+    def progress(self, ip: str) -> Mapping[str, Any] | None:
+        """A download Job's pod: its `dsv4 fetch` progress document (`GET :8081/progress`)."""
+        return self._get(f"http://{ip}:{self.progress_port}{PROGRESS_PATH}")
 
     def server_info(self, pods: Sequence[PodState]) -> dict[str, Mapping[str, Any]]:
         # Only PP rank 0 of an SGLang group runs the HTTP server.

@@ -13,10 +13,18 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from dsv4_common.api.deployment import MemoryPlan, MemoryPlanError, plan_memory
+from dsv4_common.api.deployment import (
+    MemoryPlan,
+    MemoryPlanError,
+    model_from_config_text,
+    plan_memory,
+)
 from dsv4_common.api.load_figures import Latency
+from dsv4_common.api.model_files import with_hf_weights
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec, SpecError, parse_meta, parse_spec
+from dsv4_common.core.model import ModelConfig
 from dsv4_operator import labels as L
+from dsv4_operator import weights as W
 from dsv4_operator.autoscale import STATUS_KEY as AUTOSCALING_KEY
 from dsv4_operator.autoscale import Autoscaled, Change, autoscale, operator_scales
 from dsv4_operator.config import DEFAULT_CONFIG, OperatorConfig
@@ -33,6 +41,8 @@ from dsv4_operator.objects import (
     DesiredState,
     ObjKey,
     build_desired_state,
+    source_errors,
+    stamped,
 )
 from dsv4_operator.observe import Observed, WorkerProbe, pod_state
 from dsv4_operator.restarts import format_time, records_from_status
@@ -45,6 +55,9 @@ from dsv4_operator.scalers import (
     scaler_name,
 )
 from dsv4_operator.status import STATUS_KEYS, Problem, summarize
+from dsv4_operator.weights import Event, Hub, WeightsDecision
+from dsv4_operator.weights_step import observe as observe_weights
+from dsv4_operator.weights_step import owners, resolve_source, stale_objects
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +72,7 @@ class ReconcileResult:
     memory: MemoryPlan | None = None  # the plan, when there is one (the operator's metrics)
     failed_groups: tuple[str, ...] = ()  # groups whose restart budget ran out just now
     scale_changes: tuple[Change, ...] = ()  # roles the autoscaler resized just now
+    events: tuple[Event, ...] = ()  # the weights' download: start, each 10%, ready, failed
 
 
 def utc_clock() -> datetime:
@@ -74,13 +88,18 @@ def reconcile(
     clock: Callable[[], datetime] = utc_clock,
     pd_secrets: MutableSet[str] | None = None,
     latency: LatencyTracker | None = None,
+    hub: Hub | None = None,
 ) -> ReconcileResult:
     """
     1. parse and validate the spec; an invalid spec -> PlanValid=False (InvalidSpec), stop
-    2. resolve the model (a configMapRef's ConfigMap is read here) and plan memory per role
-       and PP rank; an error -> PlanValid=False (PlanFailed), stop
+    2. resolve the model (a configMapRef's ConfigMap is read here; an hf:// source is resolved
+       through `hub` to a commit, pinned in status, and may bring config.json) and plan
+       memory per role and PP rank; an error -> PlanValid=False (PlanFailed), stop
     3. a maxContextTokens that does not fit -> ContextFits=False with the largest fit, stop
        (steps 1-3 apply nothing: no worker pod is created; running workers are left alone)
+    3b. an hf:// source: apply the shared download (claim, NetworkPolicy, Job) and observe
+       it (`weights_step`, `weights`); until it is complete and matches the plan ->
+       WeightsReady=False with its progress, stop (no worker object is built or changed)
     4. autoscaling (engine operator): observe the workers and decide the groups each
        autoscaled role runs (`autoscale.py`); build every desired child object (pure) for
        them; a podTemplate setting a field the operator owns -> PlanValid=False
@@ -90,9 +109,10 @@ def reconcile(
        (restarts.py), and which outdated groups roll and with how many surge groups
        (rollout.py)
     6. create the deployment's PD Secret unless it exists (a random value, made once and
-       never rewritten, so it does not change under running pods; the operator may create
-       Secrets but never read one; `pd_secrets` remembers the deployments it did this for, so
-       a converged deployment costs no write); server-side apply each planned object the
+       never rewritten, so it does not change under running pods; the operator never reads
+       it back: the only Secret it reads is an hf:// source's tokenSecretRef; `pd_secrets`
+       remembers the deployments it did this for, so a converged deployment costs no write);
+       server-side apply each planned object the
        cluster does not already hold (missing or drifted), surge groups included; prune owned
        children no longer planned
     7. delete the pods of the groups that restart or roll (their StatefulSets recreate them);
@@ -115,6 +135,7 @@ def reconcile(
         problem: Problem | None = None,
         permanent: bool = False,
         scaled: Autoscaled | None = None,
+        weights: WeightsDecision | None = None,
     ) -> ReconcileResult:
         group_actions = group_plan.actions if group_plan is not None else ()
         status = summarize(
@@ -128,10 +149,14 @@ def reconcile(
             problem=problem,
             previous=previous,
             now=format_time(now),
+            weights=weights.condition if weights is not None else None,
+            weights_status=weights.status if weights is not None else None,
         )
         if scaled is not None and scaled.status:
             status[AUTOSCALING_KEY] = scaled.status
-        elif AUTOSCALING_KEY in previous and (memory is None or problem is not None):
+        elif AUTOSCALING_KEY in previous and (
+            memory is None or problem is not None or (weights is not None and not weights.ready)
+        ):
             status[AUTOSCALING_KEY] = previous[AUTOSCALING_KEY]  # nothing planned: kept as is
         patch = status_patch(previous, status, STATUS_KEYS)
         if patch is not None:
@@ -147,22 +172,41 @@ def reconcile(
             memory=memory,
             failed_groups=group_plan.failed if group_plan is not None else (),
             scale_changes=scaled.changes if scaled is not None else (),
+            events=weights.events if weights is not None else (),
         )
 
     # Steps 1-3.
     try:
         spec = parse_spec(body)
+        if errors := source_errors(spec):  # what a cluster cannot read (a local path)
+            raise SpecError(errors)
     except SpecError as exc:
         problem = Problem("InvalidSpec", str(exc))
         return finish(None, None, Observed(), problem=problem, permanent=True)
+    source = resolve_source(spec, meta, previous, kube, hub, config.hf_endpoint)
+    failed = None
+    if source is not None and source.error is not None:
+        failed = W.unresolved(spec, source.error.reason, source.error.message, previous, now)
+    resolved = source.resolved if source is not None else None
     try:
-        model = resolve_model(spec, meta.namespace, kube)  # a configMapRef: read from the API
+        origin_config = resolved.config_text if resolved is not None else None
+        model = resolve_model(spec, meta.namespace, kube, origin_config)
         memory = plan_memory(spec, model.config)
     except MemoryPlanError as exc:  # not permanent: a missing ConfigMap may appear later
-        return finish(spec, None, Observed(), problem=Problem("PlanFailed", str(exc)))
+        problem = Problem("PlanFailed", str(exc))
+        return finish(spec, None, Observed(), problem=problem, weights=failed)
     if not memory.context_fits:
         problem = Problem("ContextTooLong", memory.context_message())
-        return finish(spec, memory, Observed(), problem=problem)
+        return finish(spec, memory, Observed(), problem=problem, weights=failed)
+
+    # Step 3b: an hf:// source's download, shared with the namespace's other users of it.
+    weights, weights_applied = _weights(
+        spec, meta, memory, resolved, failed, kube, probe, previous=previous, now=now, config=config
+    )
+    if not weights.ready:
+        return finish(spec, memory, Observed(), applied=weights_applied, weights=weights)
+    if resolved is not None and weights.target is not None:
+        spec = with_hf_weights(spec, weights.target.claim, resolved.commit)
 
     # Step 4. Autoscaling first: the groups each role runs; then the children for them. A
     # podTemplate that sets what the operator owns is an invalid spec too.
@@ -205,7 +249,7 @@ def reconcile(
     planned = desired.with_surge(group_plan.surge)
 
     # Step 6.
-    applied = []
+    applied = list(weights_applied)
     made = f"{meta.namespace}/{meta.name}/{meta.uid}"
     if pd_secrets is None or made not in pd_secrets:
         if kube.create(build_pd_secret(meta, secrets.token_hex(32))):
@@ -232,6 +276,8 @@ def reconcile(
     groups = group_states(spec, meta.name, desired.template_hashes, observed.pods, group_plan.surge)
 
     # Step 8.
+    if weights.target is not None:  # a revision this CR left: its download, when it was the last
+        pruned += _prune_stale_weights(kube, meta, weights.target.key)
     return finish(
         spec,
         memory,
@@ -241,6 +287,7 @@ def reconcile(
         pruned=tuple(pruned),
         group_plan=group_plan,
         scaled=scaled,
+        weights=weights,
     )
 
 
@@ -271,6 +318,88 @@ def _latency(
         if figure is not None:
             out[role] = figure
     return out
+
+
+def _weights(
+    spec: DeploymentSpec,
+    meta: DeploymentMeta,
+    memory: MemoryPlan,
+    resolved: W.Resolved | None,
+    failed: WeightsDecision | None,
+    kube: Kube,
+    probe: WorkerProbe,
+    *,
+    previous: Mapping[str, Any],
+    now: datetime,
+    config: OperatorConfig,
+) -> tuple[WeightsDecision, tuple[ObjKey, ...]]:
+    """The weights' decision, and the shared objects applied for it (a Job whose template
+    changed is deleted: the next reconcile creates it again, and it resumes)."""
+    if spec.model.hf is None:
+        return W.not_hf(spec), ()
+    if resolved is None:
+        assert failed is not None
+        return failed, ()
+    target = W.target_of(spec, resolved)
+    repo_model = _repo_model(spec, resolved)
+    decision = W.decide(
+        spec,
+        meta,
+        resolved,
+        observe_weights(kube, probe, meta.namespace, target),
+        owners=owners(kube, meta, target.key),
+        previous=previous,
+        now=now,
+        image=spec.image or config.default_image,
+        endpoint=spec.model.hub.endpoint or config.hf_endpoint,
+        tensor_mismatch=W.config_mismatch(spec, memory.prefill.inputs.model, repo_model),
+    )
+    applied = []
+    if decision.recreate_job:
+        kube.delete("batch/v1", "Job", meta.namespace, target.job)
+    selector = L.selector_string({L.WEIGHTS_KEY_LABEL: target.key})
+    live = {
+        (api_version, kind, o["metadata"]["name"]): o
+        for api_version, kind in WEIGHTS_KINDS
+        for o in kube.list(api_version, kind, meta.namespace, selector)
+    }
+    for obj in (stamped(o) for o in decision.objects):
+        key = (obj["apiVersion"], obj["kind"], obj["metadata"]["name"])
+        if needs_apply(obj, live.get(key)):
+            kube.apply(obj)
+            applied.append(key)
+    return decision, tuple(applied)
+
+
+def _repo_model(spec: DeploymentSpec, resolved: W.Resolved) -> ModelConfig | None:
+    """The repo's own config.json's model (None: none, or one the planner cannot read)."""
+    if resolved.config_text is None or spec.model.config_from_origin:
+        return None
+    try:
+        return model_from_config_text(spec, resolved.config_text, name="repo")
+    except MemoryPlanError:
+        return None
+
+
+# The shared download's kinds, in apply order.
+WEIGHTS_KINDS: tuple[tuple[str, str], ...] = (
+    ("v1", "PersistentVolumeClaim"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
+    ("batch/v1", "Job"),
+)
+
+
+def _prune_stale_weights(kube: Kube, meta: DeploymentMeta, key: str) -> list[ObjKey]:
+    """Downloads of other revisions whose only owner is this CR: deleted (a claim still
+    mounted by old pods goes once they are gone). Co-owned ones are left: their other owners'
+    applies drop this CR's reference (one field manager owns the list)."""
+    pruned = []
+    for obj_key, obj in stale_objects(kube, meta, key, WEIGHTS_KINDS):
+        refs = obj["metadata"].get("ownerReferences") or []
+        if all(r.get("uid") == meta.uid for r in refs):
+            kube.delete(obj_key[0], obj_key[1], meta.namespace, obj_key[2])
+            pruned.append(obj_key)
+    return pruned
 
 
 def _meta(body: Mapping[str, Any]) -> DeploymentMeta:

@@ -40,6 +40,7 @@ from dsv4_operator import labels as L
 from dsv4_operator.config import OperatorConfig
 from dsv4_operator.gate import ReconcileGate
 from dsv4_operator.handler_threads import DaemonThreadExecutor
+from dsv4_operator.hub import HfHub
 from dsv4_operator.kube_api import ApiKube
 from dsv4_operator.latency import LatencyTracker
 from dsv4_operator.metrics import OperatorMetrics
@@ -135,6 +136,7 @@ def on_startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> No
     memo["handler_threads"] = settings.execution.executor  # `handlers.in_thread` runs on it
     memo["kube"] = ApiKube.from_environment(REQUEST_TIMEOUT_S)
     memo["probe"] = HttpWorkerProbe()
+    memo["hub"] = HfHub()
     memo["config"] = OperatorConfig.from_env(env)
     memo["gate"] = ReconcileGate()
     memo["latency"] = LatencyTracker()  # the autoscaler's latency windows (latency.py)

@@ -28,6 +28,7 @@ CONDITION_TYPES: Final = (
     "Degraded",
     "PlanValid",
     "ContextFits",
+    "WeightsReady",
     "KVTransferReady",
     "CapacityMatchesPlan",
 )
@@ -42,6 +43,7 @@ STATUS_KEYS: Final = (
     "restartingGroups",
     "groupRestarts",
     "autoscaling",  # written by the reconcile from autoscale.py's decision
+    "weights",
 )
 Tri = Literal["True", "False", "Unknown"]
 
@@ -74,8 +76,15 @@ def summarize(
     problem: Problem | None = None,
     previous: Mapping[str, Any] | None = None,
     now: str,
+    weights: Cond | None = None,
+    weights_status: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """`weights`: the WeightsReady condition (None: not decided, e.g. an invalid spec); when it
+    is False, nothing is built yet and the status says the workers wait for the weights.
+    `weights_status`: status.weights (an hf:// source)."""
     status: dict[str, Any] = {"observedGeneration": generation}
+    if weights_status is not None:
+        status["weights"] = dict(weights_status)
     # Pods of an outdated template realized an older plan: not compared with this one.
     stale = {p.name for g in groups for p in g.pods if p.template_hash != g.desired_hash}
     seen = seen_capacity(spec, observed, stale) if spec is not None else ()
@@ -84,6 +93,10 @@ def summarize(
         conds = _rejected(problem)
     elif not plan.context_fits:
         conds = _rejected(Problem("ContextTooLong", plan.context_message()), plan=plan)
+        status["maxContextTokens"] = plan.max_context_tokens
+        status["plan"] = _plan_entries(plan, seen)
+    elif weights is not None and weights.status != "True":
+        conds = _waiting_for_weights(plan, weights)
         status["maxContextTokens"] = plan.max_context_tokens
         status["plan"] = _plan_entries(plan, seen)
     else:
@@ -109,10 +122,41 @@ def summarize(
             waiting=dict(group_plan.waiting) if group_plan is not None else {},
         )
         conds = _serving(spec, plan, groups, observed, seen, roles, health)
+    conds = _with_weights(conds, weights)
     status["conditions"] = merge_conditions(
         conds, (previous or {}).get("conditions") or [], generation, now
     )
     return status
+
+
+def _with_weights(conds: list[Cond], weights: Cond | None) -> list[Cond]:
+    """WeightsReady in its place (CONDITION_TYPES order)."""
+    cond = weights or Cond("WeightsReady", "Unknown", "NotPlanned", "no plan")
+    out = [c for c in conds if c.type != "WeightsReady"]
+    out.insert(CONDITION_TYPES.index("WeightsReady"), cond)
+    return out
+
+
+def _waiting_for_weights(plan: MemoryPlan, weights: Cond) -> list[Cond]:
+    """Planned and fitting, but an hf:// source is not complete (or failed): no worker object
+    is built or changed yet; running workers (an older revision) are left alone."""
+    failed = weights.reason not in ("Downloading", "Resolving", "HubUnavailable")
+    return [
+        Cond("Ready", "False", "WeightsNotReady", weights.message),
+        Cond("Progressing", "False", "WeightsFailed", weights.message)
+        if failed
+        else Cond("Progressing", "True", "DownloadingWeights", weights.message),
+        Cond("Degraded", "Unknown", "NotPlanned", "no workers until the weights are ready"),
+        Cond("PlanValid", "True", "Planned", _plan_summary(plan)),
+        Cond("ContextFits", "True", "Fits", plan.context_message())
+        if plan.context_fits
+        else Cond("ContextFits", "False", "ContextTooLong", plan.context_message()),
+        weights,
+        Cond("KVTransferReady", "Unknown", "NotStarted", "no workers until the weights are ready"),
+        Cond(
+            "CapacityMatchesPlan", "Unknown", "NotStarted", "no workers until the weights are ready"
+        ),
+    ]
 
 
 def merge_conditions(

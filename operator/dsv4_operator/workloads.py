@@ -172,7 +172,10 @@ def _volumes(
                 },
             }
         )
-        mounts.append({"name": "weights", "mountPath": weights.path, "readOnly": True})
+        mount: Obj = {"name": "weights", "mountPath": weights.path, "readOnly": True}
+        if weights.sub_path:  # a pvc:// source's PATH inside its claim
+            mount["subPath"] = weights.sub_path
+        mounts.append(mount)
     if (ref := spec.model.config_map) is not None:
         # Only the referenced key, at `model_config_path(ref.name)`: the pods read the model's
         # config from this mount, never from the API (no service account token is mounted).

@@ -306,8 +306,13 @@ EXPECTED_RULES = {
     ("", "configmaps"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "pods"): {"list", "watch", "deletecollection"},
     ("", "events"): {"create"},
-    ("", "secrets"): {"create"},  # the deployment's PD secret, never read back
+    # The deployment's PD secret (created, never read back) and the one Secret an hf://
+    # source's tokenSecretRef names (read by name).
+    ("", "secrets"): {"create", "get"},
     ("serving.dsv4.io", "dsv4deployments/finalizers"): {"update"},
+    # hf:// sources: the shared download Job and the cache claim.
+    ("batch", "jobs"): {"list", "watch", "create", "patch", "delete"},
+    ("", "persistentvolumeclaims"): {"get", "list", "create", "patch", "delete"},
 }
 
 
@@ -387,9 +392,10 @@ def test_every_statefulset_names_a_rendered_governing_service() -> None:
 
 
 @needs_helm
-def test_no_secret_is_readable_and_no_nodes_anywhere() -> None:
-    """The operator creates each deployment's PD Secret and can do nothing else with
-    Secrets: it can never read, list, watch, change or delete one."""
+def test_no_secret_is_listable_and_no_nodes_anywhere() -> None:
+    """Secrets: `create` (each deployment's PD Secret, never read back) and `get` (the one an
+    hf:// source's tokenSecretRef names, by name); never list, watch, change or delete one. No
+    nodes, no RBAC objects."""
     for name in VALUE_SETS:
         for role in by_kind(render(*VALUE_SETS[name]), "ClusterRole") + by_kind(
             render(*VALUE_SETS[name]), "Role"
@@ -397,7 +403,7 @@ def test_no_secret_is_readable_and_no_nodes_anywhere() -> None:
             grants = _grants(role)
             resources = {res for _, res in grants}
             assert not resources & {"nodes", "clusterroles", "roles", "rolebindings"}
-            assert grants.get(("", "secrets"), {"create"}) == {"create"}
+            assert grants.get(("", "secrets"), {"get"}) <= {"create", "get"}
 
 
 @needs_helm

@@ -29,6 +29,7 @@ from kopf._core.intents import registries
 from support.chart_support import needs_helm, render
 from support.fake_kube import FakeKube, FakeProbe
 
+from dsv4_common.api.model_source import HfSource
 from dsv4_operator import admission
 from dsv4_operator import labels as L
 from dsv4_operator import main as operator_main
@@ -36,6 +37,7 @@ from dsv4_operator.config import OperatorConfig
 from dsv4_operator.gate import ReconcileGate
 from dsv4_operator.handlers import Deps, reconcile_owner, run_reconcile
 from dsv4_operator.objects import MANAGED_KINDS
+from dsv4_operator.weights import Resolved
 
 Grant = tuple[str, str]  # (API group, resource[/subresource])
 LOG = __import__("logging").getLogger("test")
@@ -54,9 +56,15 @@ PLURALS = {
     "HorizontalPodAutoscaler": "horizontalpodautoscalers",
     "ScaledObject": "scaledobjects",
     "Pod": "pods",
+    "Job": "jobs",
+    "PersistentVolumeClaim": "persistentvolumeclaims",
     "Secret": "secrets",
     L.KIND: L.PLURAL,
 }
+TINY_CONFIG = (
+    __import__("pathlib").Path(__file__).resolve().parents[2]
+    / "worker/dsv4_worker/models/tiny/config.json"
+).read_text()
 
 
 def _grant(api_version: str, kind: str) -> Grant:
@@ -191,6 +199,58 @@ def _scenarios(make_body: Callable[..., dict[str, Any]]) -> Iterator[RecordingKu
     request = admission.AdmissionRequest("CREATE", body, None, None)
     admission.review(request, resolve=admission.cluster_resolver("ns", kube))
     yield kube
+    yield from _hf_scenarios(make_body)
+
+
+class _Hub:
+    """The hub port: every revision is the commit its table names (or itself)."""
+
+    def __init__(self) -> None:
+        self.refs = {"main": "a" * 40}
+
+    def resolve(self, source: HfSource, *, endpoint: str | None, token: str | None) -> Resolved:
+        commit = self.refs.get(source.revision, source.revision)
+        return Resolved(source, commit, 1 << 30, 5, TINY_CONFIG)
+
+
+def _hf_scenarios(make_body: Callable[..., dict[str, Any]]) -> Iterator[RecordingKube]:
+    """An hf:// source: its token Secret read, the shared download applied and observed, a
+    running Job whose template changed recreated, the workers built once it completes, and the
+    download of a revision left behind pruned; a claim a CR names read."""
+    body = make_body()
+    body["spec"]["model"] = {
+        "source": "hf://acme/tiny@main",
+        "hub": {"tokenSecretRef": {"name": "hf"}},
+    }
+    kube = RecordingKube(FakeKube(body))
+    secret = {"metadata": {"name": "hf", "namespace": "ns"}, "data": {"HF_TOKEN": "aGZfYWJj"}}
+    kube.inner.objects[("v1", "Secret", "ns", "hf")] = secret
+    hub = _Hub()
+    deps = Deps(kube, FakeProbe(), OperatorConfig(), ReconcileGate(), hub=hub)
+    run_reconcile(kube.inner.cr, deps, LOG)
+    _drift(kube.inner)
+    run_reconcile(kube.inner.cr, deps, LOG)
+    (job,) = kube.inner.of_kind("Job").values()
+    job["spec"]["template"]["metadata"]["annotations"][L.TEMPLATE_HASH_ANNOTATION] = "old"
+    run_reconcile(kube.inner.cr, deps, LOG)  # deleted, to be created again
+    run_reconcile(kube.inner.cr, deps, LOG)
+    (job,) = kube.inner.of_kind("Job").values()
+    job["status"] = {"conditions": [{"type": "Complete", "status": "True"}]}
+    run_reconcile(kube.inner.cr, deps, LOG)  # the workers
+    body = kube.inner.cr
+    body["spec"]["model"]["source"] = "hf://acme/tiny@v2"
+    body["metadata"]["generation"] += 1
+    run_reconcile(body, deps, LOG)
+    for job in kube.inner.of_kind("Job").values():
+        job["status"] = {"conditions": [{"type": "Complete", "status": "True"}]}
+    run_reconcile(body, deps, LOG)  # ready at v2: the download of main, its alone, pruned
+    yield kube
+    body = make_body()
+    body["spec"]["model"] = {"source": "hf://acme/tiny", "cache": {"persistentVolumeClaim": "m"}}
+    kube = RecordingKube(FakeKube(body))
+    deps = Deps(kube, FakeProbe(), OperatorConfig(), ReconcileGate(), hub=_Hub())
+    run_reconcile(kube.inner.cr, deps, LOG)
+    yield kube
 
 
 def _kopf_calls() -> set[tuple[str, str, str]]:
@@ -255,9 +315,10 @@ def test_the_chart_grants_exactly_what_the_code_calls(
 
 def test_the_code_reads_only_what_it_must(make_body: Callable[..., dict[str, Any]]) -> None:
     """What `get` is for: the CR itself (read afresh under its lock), a configMapRef's
-    ConfigMap, the router's Deployment and (engine hpa or keda) each role's DSV4RoleScaler,
-    for the replicas the HPA set; nothing reads a Secret or a namespace. The one Secret verb is
-    `create`: each deployment's PD secret, never read back."""
+    ConfigMap, the router's Deployment, (engine hpa or keda) each role's DSV4RoleScaler, for
+    the replicas the HPA set, and for an hf:// source a claim the CR names and the one Secret its
+    tokenSecretRef names (by name, never listed); nothing reads a namespace. The other Secret
+    verb is `create`: each deployment's PD secret, never read back."""
     needed = code_grants(make_body)
     reads = {k for k, v in needed.items() if "get" in v}
     assert reads == {
@@ -265,6 +326,8 @@ def test_the_code_reads_only_what_it_must(make_body: Callable[..., dict[str, Any
         ("", "configmaps"),
         ("apps", "deployments"),
         (L.GROUP, "dsv4rolescalers"),
+        ("", "persistentvolumeclaims"),
+        ("", "secrets"),
     }
-    assert needed.get(("", "secrets")) == {"create"}
+    assert needed.get(("", "secrets")) == {"create", "get"}
     assert not any(resource in ("namespaces", "nodes") for _, resource in needed)

@@ -47,12 +47,14 @@ PREDICATES: dict[tuple[str, str], Callable[[Any], bool]] = {
         "spec",
         "has(self.gpu.type) || self.gpu.memoryGiB > 0.0 || has(self.model.configPath) "
         "|| (has(self.model.preset) && (self.model.preset == 'tiny' || "
-        "self.model.preset == 'hybrid-tiny'))",
+        "self.model.preset == 'hybrid-tiny')) || (has(self.model.source) && "
+        "!has(self.model.preset) && !has(self.model.configMapRef))",
     ): lambda s: (
         "type" in s["gpu"]
         or s["gpu"]["memoryGiB"] > 0
         or "configPath" in s["model"]
         or s["model"].get("preset") in ("tiny", "hybrid-tiny")
+        or ("source" in s["model"] and not {"preset", "configMapRef"} & set(s["model"]))
     ),
     (
         "spec",
@@ -65,8 +67,38 @@ PREDICATES: dict[tuple[str, str], Callable[[Any], bool]] = {
     (
         "spec.model",
         "has(self.preset) ? !has(self.configPath) && !has(self.configMapRef) : "
-        "has(self.configPath) != has(self.configMapRef)",
-    ): lambda m: sum(k in m for k in ("preset", "configPath", "configMapRef")) == 1,
+        "(has(self.configPath) && has(self.configMapRef) ? false : "
+        "has(self.configPath) || has(self.configMapRef) || (has(self.source) && "
+        "!self.source.startsWith('pvc://')))",
+    ): lambda m: (
+        sum(k in m for k in ("preset", "configPath", "configMapRef")) == 1
+        or (
+            not {"preset", "configPath", "configMapRef"} & set(m)
+            and not m.get("source", "pvc://").startswith("pvc://")
+        )
+    ),
+    ("spec.model", "!has(self.source) || !has(self.weights)"): lambda m: (
+        not ("source" in m and "weights" in m)
+    ),
+    **{
+        (
+            "spec.model",
+            f"!has(self.{key}) || (has(self.source) && self.source.startsWith('hf://'))",
+        ): (lambda m, key=key: key not in m or m.get("source", "").startswith("hf://"))
+        for key in ("hub", "cache")
+    },
+    (
+        "spec.model",
+        "!has(self.source) || self.source.startsWith('/') || !self.source.contains('..')",
+    ): lambda m: m.get("source", "/").startswith("/") or ".." not in m["source"],
+    (
+        "spec.model",
+        "!has(self.source) || !self.source.startsWith('hf://') || !self.source.contains('--')",
+    ): lambda m: not m.get("source", "").startswith("hf://") or "--" not in m["source"],
+    (
+        "spec.model.cache",
+        "!has(self.persistentVolumeClaim) || (!has(self.storageClassName) && !has(self.size))",
+    ): lambda c: "persistentVolumeClaim" not in c or not {"storageClassName", "size"} & set(c),
     **{
         (role, f"!has(self.{_SPLIT}) || self.{_SPLIT}.size() == self.pipelineParallel"): (
             lambda r: _SPLIT not in r or len(r[_SPLIT]) == r["pipelineParallel"]
@@ -136,8 +168,14 @@ PREDICATES: dict[tuple[str, str], Callable[[Any], bool]] = {
         "spec",
         "self.engine.name != 'sglang' || has(self.gpu.type) || self.gpu.memoryGiB > 0.0",
     ): lambda s: not _sglang(s) or "type" in s["gpu"] or s["gpu"]["memoryGiB"] > 0,
-    ("spec", "self.engine.name != 'sglang' || has(self.model.weights)"): lambda s: (
-        not _sglang(s) or "weights" in s["model"]
+    (
+        "spec",
+        "self.engine.name != 'sglang' || has(self.model.weights) || (has(self.model.source) && "
+        "!self.model.source.startsWith('/'))",
+    ): lambda s: (
+        not _sglang(s)
+        or "weights" in s["model"]
+        or not s["model"].get("source", "/").startswith("/")
     ),
     (
         "spec",

@@ -230,6 +230,8 @@ SERVED = {
     ("apps/v1", "Deployment"): "deployments",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
+    ("batch/v1", "Job"): "jobs",  # an hf:// sample's download
+    ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
 }
 
 

@@ -399,15 +399,17 @@ def test_the_chart_cluster_wide_grants_what_the_operator_does_and_no_more() -> N
         assert _can(server, token, "GET", f"{team}/pods?watch=true&timeoutSeconds=0")
         assert _can(server, token, "DELETE", f"{team}/pods?labelSelector=a%3Db")
         assert _can(server, token, "POST", f"{team}/events", {"metadata": {"name": "e"}})
-        # What it never does: create pods, update (PUT) its CRs, read Secrets or namespaces.
+        # What it never does: create pods, update (PUT) its CRs, read namespaces.
         assert not _can(server, token, "POST", f"{team}/pods", {"metadata": {"name": "p"}})
         assert not _can(
             server, token, "PUT", f"/apis/{L.API_VERSION}/namespaces/team-a/{L.PLURAL}/x"
         )
-        assert not _can(server, token, "GET", f"{team}/secrets")
-        # Secrets: it creates a deployment's PD secret, and can do nothing else with one.
+        # Secrets: it creates a deployment's PD secret and reads one Secret by name (an hf://
+        # source's tokenSecretRef); it never lists or watches them, changes or deletes one.
         assert _can(server, token, "POST", f"{team}/secrets", {"metadata": {"name": "s"}})
-        assert not _can(server, token, "GET", f"{team}/secrets/s")
+        assert _can(server, token, "GET", f"{team}/secrets/hf-token")
+        assert not _can(server, token, "GET", f"{team}/secrets")
+        assert not _can(server, token, "GET", f"{team}/secrets?watch=true&timeoutSeconds=0")
         assert not _can(server, token, "PATCH", f"{team}/secrets/s", {"data": {}})
         assert not _can(server, token, "DELETE", f"{team}/secrets/s")
         assert not _can(server, token, "GET", "/api/v1/namespaces")

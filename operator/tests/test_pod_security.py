@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import subprocess
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,9 @@ from support import crd_support as S
 from support.chart_support import HELM, needs_helm, render
 
 from dsv4_common.api.deployment import plan_memory
+from dsv4_common.api.model_source import HfSource
 from dsv4_common.api.spec import SpecError, parse_meta, parse_spec
+from dsv4_operator import weights as W
 from dsv4_operator.config import OperatorConfig
 from dsv4_operator.objects import build_desired_state
 from dsv4_operator.pod_security import LEVELS, Level, container_errors
@@ -168,6 +171,34 @@ def _pods(objects: list[Body]) -> Iterator[Body]:
 
 
 PLAIN_SIDECAR = {"name": "metrics", "image": "ghcr.io/example/metrics:1.0"}
+
+
+def test_the_weights_download_pod_meets_restricted(make_body: Any) -> None:
+    """An hf:// source's shared download Job (built by the operator, not from a podTemplate)
+    runs as the workers do: no root, no escalation, no capabilities, RuntimeDefault seccomp,
+    only a claim and an emptyDir mounted, no service account token."""
+    body = make_body("tiny-cpu.yaml")
+    body["spec"]["model"] = {
+        "source": "hf://acme/tiny@main",
+        "hub": {"tokenSecretRef": {"name": "hf"}},
+    }
+    spec, meta = parse_spec(body), parse_meta(body)
+    resolved = W.Resolved(HfSource("acme/tiny"), "a" * 40, 1 << 30, 5, None)
+    decision = W.decide(
+        spec,
+        meta,
+        resolved,
+        W.Seen(),
+        owners=[W.Owner(meta.name, "uid")],
+        previous={},
+        now=datetime(2026, 1, 1, tzinfo=UTC),
+        image="ghcr.io/dsv4-serve/worker:test",
+        endpoint=None,
+    )
+    (job,) = [o for o in decision.objects if o["kind"] == "Job"]
+    pod = job["spec"]["template"]["spec"]
+    assert list(_restricted_violations(pod)) == []
+    assert pod["automountServiceAccountToken"] is False
 
 
 @pytest.mark.parametrize("sample", ["tiny-cpu.yaml", "flash-gpu.yaml", "sglang-flash-pd.yaml"])

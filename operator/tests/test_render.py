@@ -80,11 +80,15 @@ def test_render_writes_plain_yaml_without_anchors(sample: str) -> None:
     assert list(yaml.safe_load_all(text))
 
 
-# The config.json a sample's configMapRef or configPath (a cluster path) names, as published.
+# The config.json a sample's configMapRef or configPath (a cluster path) names, or its hf://
+# source brings from the hub, as published.
 SAMPLE_MODEL_CONFIGS = {
     "flash-configmap.yaml": MODEL_DATA / "deepseek-v4-flash" / "config.json",
     "pro-pd-pp.yaml": MODEL_DATA / "deepseek-v4-pro" / "config.json",
+    "flash-hf.yaml": MODEL_DATA / "deepseek-v4-flash" / "config.json",
 }
+# An hf:// source names a branch: render (no hub) is told the commit it resolves to.
+SAMPLE_REVISIONS = {"flash-hf.yaml": "0123456789abcdef0123456789abcdef01234567"}
 
 
 @pytest.mark.parametrize("sample", sorted(p.name for p in SAMPLES.glob("*.yaml")))
@@ -92,13 +96,16 @@ def test_every_sample_renders_locally_as_the_docs_say(
     sample: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`dsv4 render SAMPLE` (with `--model-config FILE` where the sample's config.json lives in
-    the cluster) exits 0; without the file such a sample says to give it."""
+    the cluster or on the hub, and `--revision COMMIT` for an hf:// branch) exits 0; without
+    the file such a sample says to give it."""
     path = str(SAMPLES / sample)
     extra = []
     if sample in SAMPLE_MODEL_CONFIGS:
         assert main(["render", path]) == 2
         assert "--model-config" in capsys.readouterr().err
         extra = ["--model-config", str(SAMPLE_MODEL_CONFIGS[sample])]
+    if sample in SAMPLE_REVISIONS:
+        extra += ["--revision", SAMPLE_REVISIONS[sample]]
     assert main(["render", path, *extra]) == 0, capsys.readouterr().err
     assert any(d["kind"] == "StatefulSet" for d in yaml.safe_load_all(capsys.readouterr().out))
 

@@ -53,6 +53,7 @@ def test_what_sglang_realized_is_reported_next_to_the_plan(
         "Degraded": "False",
         "PlanValid": "True",
         "ContextFits": "True",
+        "WeightsReady": "True",  # model.weights: on its claim
         "KVTransferReady": "Unknown",  # SGLang does not report its transfer engine
         "CapacityMatchesPlan": "True",
     }

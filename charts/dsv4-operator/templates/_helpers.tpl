@@ -85,11 +85,13 @@ exactly the verbs its code uses (operator/tests/test_chart_verbs.py reads them f
 - apiGroups: [""]
   resources: [services, serviceaccounts]
   verbs: [list, create, patch, delete]
-# The deployment's PD secret: created once (an existing one is left alone); never read,
-# listed, changed or deleted (its ownerReference deletes it with the DSV4Deployment).
+# The deployment's PD secret: created once (an existing one is left alone); never read back,
+# listed, changed or deleted (its ownerReference deletes it with the DSV4Deployment). get: by
+# name, only the Secret an hf:// source's spec.model.hub.tokenSecretRef names (its HF_TOKEN);
+# never list or watch.
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [create]
+  verbs: [create, get]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [list, create, patch, delete]
@@ -135,6 +137,15 @@ exactly the verbs its code uses (operator/tests/test_chart_verbs.py reads them f
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+# hf:// sources (spec.model.source): the shared download Job (listed by its key, applied,
+# deleted to recreate or prune; kopf watches its events) and the cache claim the operator
+# creates (and one a CR names, read).
+- apiGroups: [batch]
+  resources: [jobs]
+  verbs: [list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [persistentvolumeclaims]
+  verbs: [get, list, create, patch, delete]
 {{- end -}}
 
 {{/* The admission webhook's Service, and the Secret holding its serving certificate. */}}

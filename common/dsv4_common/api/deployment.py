@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Final
 
+from dsv4_common.api.model_source import LocalSource
 from dsv4_common.api.names import WORKER_ROLES, WorkerRole
 from dsv4_common.api.spec import DeploymentSpec
 from dsv4_common.core.hf import config_model_name, parse_hf_config
@@ -26,6 +27,7 @@ from dsv4_common.plan.planner import Plan, plan
 # it had a device of this size. Worker pods get a memory limit above it (see manifests).
 CPU_MODE_MEMORY_BYTES: Final = 1 * GIB
 CONFIG_MAP_REF_FIELD: Final = "spec.model.configMapRef"
+SOURCE_FIELD: Final = "spec.model.source"
 
 
 class MemoryPlanError(ValueError):
@@ -114,6 +116,8 @@ def load_model(spec: DeploymentSpec) -> ModelConfig:
             "operator; without a cluster (dsv4 render, dsv4 up) give its config.json as a file: "
             "dsv4 render --model-config FILE, or model.configPath for a local run"
         )
+    if spec.model.config_from_origin:
+        return _model_from_origin(spec)
     field = "spec.model.preset" if spec.model.preset is not None else "spec.model.configPath"
     try:
         return load_model_config(spec.model.source)
@@ -126,6 +130,30 @@ def load_model(spec: DeploymentSpec) -> ModelConfig:
                 "--model-config FILE)"
             )
         raise MemoryPlanError(f"{field}: {exc}{hint}") from exc
+
+
+def _model_from_origin(spec: DeploymentSpec) -> ModelConfig:
+    """The config.json that comes with an hf:// or local model.source."""
+    origin = spec.model.origin
+    if isinstance(origin, LocalSource):
+        try:
+            return load_model_config(origin.path)
+        except ModelConfigError as exc:
+            raise MemoryPlanError(f"{SOURCE_FIELD}: {exc}") from exc
+    uri = origin.uri if origin is not None else "?"
+    raise MemoryPlanError(
+        f"{SOURCE_FIELD}: {uri}: its config.json is fetched from the hub first (the operator, "
+        "dsv4 up and dsv4 render --model-config FILE plan from it)"
+    )
+
+
+def model_from_config_text(spec: DeploymentSpec, text: str, name: str) -> ModelConfig:
+    """The model of an hf:// source from its config.json text (`name`: what the model is called,
+    its repo's name)."""
+    try:
+        return parse_hf_config(text, name=name, where=f"{SOURCE_FIELD} config.json")
+    except ModelConfigError as exc:
+        raise MemoryPlanError(f"{SOURCE_FIELD}: {exc}") from exc
 
 
 def model_from_config_map(spec: DeploymentSpec, text: str) -> ModelConfig:

@@ -23,6 +23,7 @@ from dsv4_common.api.documents import (
     from_document,
     to_document,
 )
+from dsv4_common.api.model_files import ModelFiles, spec_model_files
 from dsv4_common.api.names import WORKER_ROLES, ComputeDtype, Transfer, WorkerRole
 from dsv4_common.api.spec import DeploymentMeta, DeploymentSpec
 from dsv4_common.core.capacity import RankCapacity
@@ -246,7 +247,10 @@ def build_rank_config(
     torch_threads: int | None = None,
     api_key_file: str | None = None,
     pd_secret_file: str | None = None,
+    files: ModelFiles | None = None,
 ) -> RankConfig:
+    """`files`: where the worker finds the model's files (None: the spec's weights mount, or
+    random weights)."""
     plan = memory.role(role)
     inputs = plan.inputs
     return RankConfig(
@@ -258,17 +262,7 @@ def build_rank_config(
         pp_size=inputs.pp_size,
         tp_size=inputs.tp_size,
         serving_rank=pp_rank == SERVING_RANK,
-        model=ModelRef(
-            preset=spec.model.preset,
-            config_path=(
-                model_config_path(spec.model.config_map.name)
-                if spec.model.config_map
-                else spec.model.config_path
-            ),
-            weights_path=spec.model.weights.path if spec.model.weights else None,
-            served_model_names=spec.model.served_model_names,
-            dtype=spec.model.dtype,
-        ),
+        model=_model_ref(spec, files),
         max_context_tokens=spec.max_context_tokens,
         kv=KVSettings(
             page_size=inputs.resolved_page_size,
@@ -292,6 +286,25 @@ def build_rank_config(
         torch_threads=torch_threads,
         api_key_file=api_key_file,
         pd_secret_file=pd_secret_file,
+    )
+
+
+def _model_ref(spec: DeploymentSpec, files: ModelFiles | None) -> ModelRef:
+    files = files if files is not None else spec_model_files(spec)
+    config_path = spec.model.config_path
+    if spec.model.config_map is not None:
+        config_path = model_config_path(spec.model.config_map.name)
+    elif files is not None and files.config_from_dir:
+        config_path = files.model_dir
+    served = spec.model.served_model_names
+    if not served and files is not None and files.served_name is not None:
+        served = (files.served_name,)
+    return ModelRef(
+        preset=spec.model.preset,
+        config_path=config_path,
+        weights_path=files.model_dir if files is not None else None,
+        served_model_names=served,
+        dtype=spec.model.dtype,
     )
 
 

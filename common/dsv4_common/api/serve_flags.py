@@ -105,10 +105,18 @@ SIZING_FLAGS: Final = (
 SERVE_FLAGS: Final = (
     Flag(
         "--model",
-        "a preset, a config.json, or a HuggingFace model directory (its config.json, "
-        "safetensors weights and tokenizer are used)",
+        "a preset, a config.json, a HuggingFace model directory (its config.json, "
+        "safetensors weights and tokenizer are used), or hf://ORG/NAME[@REVISION] (fetched "
+        "into the local Hugging Face cache first, verified; see dsv4 fetch)",
         default="tiny",
         operator="spec.model",
+    ),
+    Flag(
+        "--offline",
+        "with --model hf://...: take the model from the local Hugging Face cache only (a "
+        "verified snapshot), never the network",
+        switch=True,
+        default=False,
     ),
     Flag(
         "--role",

@@ -23,6 +23,16 @@ from dsv4_common.api.autoscaling_spec import (
 from dsv4_common.api.errors import SpecError
 from dsv4_common.api.fields import FieldReader
 from dsv4_common.api.gateway_spec import GatewaySpec, parse_gateway
+from dsv4_common.api.model_source import (
+    PVC_MOUNT_PATH,
+    SOURCE_PATTERN,
+    HfSource,
+    LocalSource,
+    ModelSource,
+    PvcSource,
+    SourceError,
+    parse_model_source,
+)
 from dsv4_common.api.names import (
     COMPUTE_DTYPES,
     CPU_PRESETS,
@@ -59,7 +69,16 @@ from dsv4_common.api.object_rules import MAX_IMAGE_CHARS, image_error
 from dsv4_common.core.gpus import GPU_TYPE_NAMES, gpu_type
 from dsv4_common.core.units import GIB
 
-__all__ = ["DeploymentMeta", "DeploymentSpec", "SpecError", "parse_meta", "parse_spec"]
+__all__ = [
+    "CacheSpec",
+    "DeploymentMeta",
+    "DeploymentSpec",
+    "HubSpec",
+    "SecretKeyRef",
+    "SpecError",
+    "parse_meta",
+    "parse_spec",
+]
 
 _ABS_PATH = re.compile(r"^/")
 _PVC_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
@@ -82,8 +101,18 @@ PodTemplate = Mapping[str, Any]
 
 @dataclass(frozen=True, slots=True)
 class WeightsSpec:
+    """A claim mounted read-only at `path` in worker pods: `model.weights` as written, a pvc://
+    source (its PATH as the mount's `sub_path`), or an hf:// source's cache claim once the
+    operator resolved it (`directory`: its snapshot, below the mount)."""
+
     persistent_volume_claim: str
-    path: str
+    path: str  # the mount path
+    sub_path: str = ""  # inside the claim ("": its root)
+    directory: str | None = None  # the checkpoint directory below the mount; None: `path`
+
+    @property
+    def model_dir(self) -> str:
+        return self.directory if self.directory is not None else self.path
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,18 +125,42 @@ class ConfigMapRef:
 
 @dataclass(frozen=True, slots=True)
 class SecretKeyRef:
-    """A key of a Secret in the CR's own namespace (the kubelet mounts it; the operator never
-    reads it)."""
+    """A key of a Secret in the CR's own namespace: an API key (the kubelet mounts it; the
+    operator never reads it) or an hf:// source's token (the operator reads it, `get` only,
+    and the kubelet gives it to the download Job)."""
 
     name: str
     key: str = DEFAULT_API_KEY_KEY
 
 
 @dataclass(frozen=True, slots=True)
+class HubSpec:
+    """How an hf:// source is reached: an endpoint override (a mirror, an air-gapped proxy;
+    None: the operator's default, else the hub) and the Secret key holding HF_TOKEN."""
+
+    endpoint: str | None = None
+    token_secret: SecretKeyRef | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSpec:
+    """Where an hf:// source is downloaded: a claim the user names (never created, changed or
+    deleted by the operator), else an RWX claim the operator creates per model revision
+    (`storage_class_name`, `size`: None = the cluster's default class, the files' size)."""
+
+    persistent_volume_claim: str | None = None
+    storage_class_name: str | None = None
+    size: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
-    # NOTE: exactly one of preset, config_path and config_map is set.
+    # NOTE: at most one of preset, config_path and config_map is set; none only when `origin`
+    # is an hf:// or local source (its config.json is the model's).
     preset: str | None
     config_path: str | None
+    # As written, or filled from a pvc:// origin (never both written); an hf:// origin's is
+    # filled by the operator once resolved (`model_files.with_hf_weights`).
     weights: WeightsSpec | None = None
     config_map: ConfigMapRef | None = None
     # The names requests may give as `model` (unique; the first is what answers carry by
@@ -115,6 +168,18 @@ class ModelSpec:
     served_model_names: tuple[str, ...] = ()
     # The workers' compute dtype (engine dsv4): auto is bfloat16 on a GPU, float32 on CPU.
     dtype: ComputeDtype = DEFAULT_COMPUTE_DTYPE
+    origin: ModelSource | None = None  # spec.model.source
+    hub: HubSpec = HubSpec()  # hf:// only
+    cache: CacheSpec = CacheSpec()  # hf:// only
+
+    @property
+    def hf(self) -> HfSource | None:
+        return self.origin if isinstance(self.origin, HfSource) else None
+
+    @property
+    def config_from_origin(self) -> bool:
+        """No preset, configPath or configMapRef: config.json comes with the files."""
+        return self.preset is None and self.config_path is None and self.config_map is None
 
     @property
     def source(self) -> str:
@@ -327,14 +392,17 @@ def parse_spec(body: Mapping[str, Any]) -> DeploymentSpec:
 
     # Cross-field rules (the CRD's CEL rules say the same).
     cpu_model = model is not None and (
-        model.preset in CPU_PRESETS or (model.preset is None and model.config_path is not None)
+        model.preset in CPU_PRESETS
+        or (model.preset is None and model.config_path is not None)
+        or (model.origin is not None and model.preset is None and model.config_map is None)
     )
     if model is not None and gpu.cpu_mode and not cpu_model:
         r.fail(
             "spec.gpu.type",
             f"required for this model: CPU mode (no gpu.type, gpu.memoryGiB 0) runs only "
-            f"model.preset {sorted(CPU_PRESETS)} or a model.configPath (a small model "
-            "directory): set gpu.type (or gpu.memoryGiB) and gpu.perPod for this model",
+            f"model.preset {sorted(CPU_PRESETS)}, a model.configPath or a model.source's own "
+            "config.json (a small model): set gpu.type (or gpu.memoryGiB) and gpu.perPod for "
+            "this model",
         )
     expected_tp = gpu.per_pod if gpu.per_pod > 0 else 1
     for role, role_spec in roles.items():
@@ -472,8 +540,15 @@ def _engine_rules(
         )
     if gpu.cpu_mode:
         r.fail("spec.gpu.type", f"required {why}: SGLang runs on GPUs only")
-    if model is not None and model.weights is None:
-        r.fail("spec.model.weights", f"required {why}: SGLang loads the model from it")
+    if (
+        model is not None
+        and model.weights is None
+        and not isinstance(model.origin, HfSource | PvcSource)
+    ):
+        r.fail(
+            "spec.model.weights",
+            f"required {why}: SGLang loads the model from it (or a model.source hf:// or pvc://)",
+        )
     if model is not None and model.dtype != DEFAULT_COMPUTE_DTYPE:
         r.fail(
             "spec.model.dtype",
@@ -505,18 +580,24 @@ def _model(r: FieldReader, raw: object) -> ModelSpec | None:
     path = "spec.model"
     m = r.obj(raw, path, required=True)
     r.keys(
-        m, path, {"preset", "configPath", "configMapRef", "weights", "servedModelNames", "dtype"}
+        m,
+        path,
+        {"preset", "configPath", "configMapRef", "weights", "servedModelNames", "dtype"}
+        | {"source", "hub", "cache"},
     )
     preset = r.string(m, "preset", path, enum=MODEL_PRESETS)
     config_path = r.string(m, "configPath", path, min_length=2, max_length=1024, pattern=_ABS_PATH)
     config_map = _config_map_ref(r, m.get("configMapRef"), f"{path}.configMapRef")
+    origin = _origin(r, m)
     # A key holding null counts as unset (as the API server prunes nulls).
     sources = [k for k in ("preset", "configPath", "configMapRef") if m.get(k) is not None]
-    if len(sources) != 1 and isinstance(raw, Mapping):
+    from_origin = isinstance(origin, HfSource | LocalSource)
+    if isinstance(raw, Mapping) and (len(sources) > 1 or (not sources and not from_origin)):
         r.fail(
             path,
             "exactly one of model.preset, model.configPath and model.configMapRef must be set"
-            + (f" (got {', '.join(sources)})" if sources else ""),
+            + (f" (got {', '.join(sources)})" if sources else "")
+            + " (none with an hf:// or local model.source: its config.json is the model's)",
         )
     weights: WeightsSpec | None = None
     if "weights" in m:
@@ -532,7 +613,10 @@ def _model(r: FieldReader, raw: object) -> ModelSpec | None:
             weights = WeightsSpec(persistent_volume_claim=pvc, path=wpath)
     served = _served_names(r, m.get("servedModelNames"), f"{path}.servedModelNames")
     dtype = r.string(m, "dtype", path, enum=COMPUTE_DTYPES) or DEFAULT_COMPUTE_DTYPE
-    if preset is None and config_path is None and config_map is None:
+    hub, cache = _hub(r, m), _cache(r, m)
+    if isinstance(origin, PvcSource):  # the alias: a claim mounted where the workers read it
+        weights = WeightsSpec(origin.claim, PVC_MOUNT_PATH, sub_path=origin.path)
+    if preset is None and config_path is None and config_map is None and not from_origin:
         return None
     return ModelSpec(
         preset=preset,
@@ -541,6 +625,9 @@ def _model(r: FieldReader, raw: object) -> ModelSpec | None:
         config_map=config_map,
         served_model_names=served,
         dtype=dtype,  # type: ignore[arg-type]  # one of COMPUTE_DTYPES (the enum above)
+        origin=origin,
+        hub=hub,
+        cache=cache,
     )
 
 
@@ -797,3 +884,92 @@ def _resources(r: FieldReader, raw: object) -> ResourcesSpec:
                 r.fail(where, f"must be a quantity such as 2, 500m or 4Gi, got {quantity!r}")
         parts[key] = tuple(pairs)
     return ResourcesSpec(requests=parts["requests"], limits=parts["limits"])
+
+
+# --- spec.model.source, .hub, .cache (the weights' origin; docs/operator.md "Weights") -------
+
+_SOURCE = re.compile(SOURCE_PATTERN)
+_ENDPOINT = re.compile(r"^https?://[^\s/?#]+(/[^\s?#]*)?$")
+_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+DEFAULT_TOKEN_KEY = "HF_TOKEN"
+
+
+def _origin(r: FieldReader, m: Mapping[str, Any]) -> ModelSource | None:
+    """spec.model.source (the CRD's pattern, then the parser's own rules); never with the
+    weights alias."""
+    path = "spec.model"
+    text = r.string(
+        m,
+        "source",
+        path,
+        max_length=1024,
+        pattern=_SOURCE,
+        pattern_hint="must be hf://ORG/NAME[@REVISION], pvc://CLAIM[/PATH] or an absolute path",
+    )
+    if text is None:
+        return None
+    if m.get("weights") is not None:
+        r.fail(
+            f"{path}.weights",
+            "is the older form of model.source pvc://CLAIM: set one of them, not both",
+        )
+    try:
+        return parse_model_source(text)
+    except SourceError as exc:
+        r.fail(f"{path}.source", str(exc))
+        return None
+
+
+def _hub(r: FieldReader, m: Mapping[str, Any]) -> HubSpec:
+    path = "spec.model.hub"
+    h = r.obj(m.get("hub"), path)
+    r.keys(h, path, {"endpoint", "tokenSecretRef"})
+    if h and not str(m.get("source") or "").startswith("hf://"):
+        r.fail(path, "applies to an hf:// model.source only")
+    endpoint = r.string(
+        h,
+        "endpoint",
+        path,
+        max_length=1024,
+        pattern=_ENDPOINT,
+        pattern_hint="must be an http(s) URL such as https://hf-mirror.example.com",
+    )
+    token: SecretKeyRef | None = None
+    if h.get("tokenSecretRef") is not None:
+        tp = f"{path}.tokenSecretRef"
+        t = r.obj(h["tokenSecretRef"], tp)
+        r.keys(t, tp, {"name", "key"})
+        if t.get("name") is None:
+            r.fail(f"{tp}.name", "required")
+        name = r.string(
+            t, "name", tp, max_length=253, pattern=_CONFIG_MAP_NAME,
+            pattern_hint="must be a Secret name (a DNS subdomain)",
+        )  # fmt: skip
+        key = r.string(
+            t, "key", tp, max_length=253, pattern=_SECRET_KEY,
+            pattern_hint="must be a Secret data key (letters, digits, '-', '_', '.')",
+        )  # fmt: skip
+        if name is not None:
+            token = SecretKeyRef(name, key or DEFAULT_TOKEN_KEY)
+    return HubSpec(endpoint=endpoint, token_secret=token)
+
+
+def _cache(r: FieldReader, m: Mapping[str, Any]) -> CacheSpec:
+    path = "spec.model.cache"
+    c = r.obj(m.get("cache"), path)
+    r.keys(c, path, {"persistentVolumeClaim", "storageClassName", "size"})
+    if c and not str(m.get("source") or "").startswith("hf://"):
+        r.fail(path, "applies to an hf:// model.source only")
+    claim = r.string(c, "persistentVolumeClaim", path, max_length=253, pattern=_PVC_NAME)
+    storage_class = r.string(c, "storageClassName", path, max_length=253, pattern=_PVC_NAME)
+    size = r.string(
+        c, "size", path, max_length=64, pattern=_QUANTITY,
+        pattern_hint="must be a quantity such as 500Gi",
+    )  # fmt: skip
+    if claim is not None and (c.get("storageClassName") is not None or c.get("size") is not None):
+        r.fail(
+            path,
+            "persistentVolumeClaim names your own claim; storageClassName and size are for the "
+            "claim the operator creates: set one or the other",
+        )
+    return CacheSpec(persistent_volume_claim=claim, storage_class_name=storage_class, size=size)

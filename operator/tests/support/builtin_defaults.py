@@ -27,7 +27,8 @@ Service IPs from pkg/registry/core/service/storage):
                outside; a ClusterIP allocated (kept across updates that omit it), clusterIPs,
                ipFamilies [IPv4], ipFamilyPolicy SingleStack
   NetworkPolicy policyTypes [Ingress] (+ Egress with egress rules); ports' protocol TCP
-ConfigMap, ServiceAccount and PodDisruptionBudget get no visible default.
+ConfigMap, ServiceAccount and PodDisruptionBudget get no visible default. Job,
+PersistentVolumeClaim and Secret: support/jobs_claims.py.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from support import field_types as T
+from support import jobs_claims as J
 from support import quantity_canon as Q
 
 Obj = dict[str, Any]
@@ -61,6 +63,13 @@ def decode(
     out: Obj = _encode(obj, T.builtin(api_version, kind))
     if kind in ("ConfigMap", "ServiceAccount", "PodDisruptionBudget"):
         return out
+    if (api_version, kind) == J.SECRET:
+        J.default_secret(out)
+        return out
+    if (api_version, kind) == J.CLAIM:
+        J.default_claim(out)
+        _claim_spec(out["spec"])
+        return out
     spec = out.setdefault("spec", {})
     if kind == "Pod":
         _pod(spec)
@@ -77,6 +86,9 @@ def decode(
         _service(spec, (old or {}).get("spec") or {}, ip)
     elif kind == "NetworkPolicy":
         _network_policy(spec)
+    elif (api_version, kind) == J.JOB:
+        J.default_job(out)
+        _template(spec)
     return out
 
 

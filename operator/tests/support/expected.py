@@ -12,6 +12,7 @@ SERVING_CONDITIONS: Final = {
     "Degraded": "False",
     "PlanValid": "True",
     "ContextFits": "True",
+    "WeightsReady": "True",
     "KVTransferReady": "True",
     "CapacityMatchesPlan": "True",
 }

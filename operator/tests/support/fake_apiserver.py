@@ -13,11 +13,14 @@ What it serves (HTTP, 127.0.0.1 only):
              (finalizers: deletionTimestamp first, gone when the last finalizer goes;
              owner-reference garbage collection, also of a dependent created after its owner
              is gone) and deletecollection.
-  kinds      v1 Namespace/Pod/Service/ConfigMap/ServiceAccount/Secret/Event, apps/v1 StatefulSet and
-             Deployment, policy/v1 PodDisruptionBudget, networking.k8s.io/v1 NetworkPolicy,
-             apiextensions.k8s.io/v1 CustomResourceDefinition, rbac.authorization.k8s.io/v1
-             Role/RoleBinding/ClusterRole/ClusterRoleBinding, plus every CRD created (served
-             at once, then reported NamesAccepted and Established).
+  kinds      v1 Namespace/Pod/Service/ConfigMap/ServiceAccount/Secret/Event/PersistentVolumeClaim,
+             batch/v1 Job (defaults, update refusals: support/jobs_claims.py), apps/v1
+             StatefulSet and Deployment, policy/v1 PodDisruptionBudget, networking.k8s.io/v1
+             NetworkPolicy, apiextensions.k8s.io/v1 CustomResourceDefinition,
+             rbac.authorization.k8s.io/v1 Role/RoleBinding/ClusterRole/ClusterRoleBinding,
+             plus every CRD created (served at once, then reported NamesAccepted and
+             Established; `kubectl get` of its kind answered as a Table of its printer
+             columns, support/printer_table.py).
 
 Refused as the real server refuses (support/object_meta.py): ObjectMeta on every write (names
 by the kind's rule: DNS-1123 subdomains, DNS-1035 labels for Services, DNS-1123 labels for
@@ -73,6 +76,7 @@ import socket
 import ssl
 import string
 import threading
+import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -86,6 +90,7 @@ from aiohttp import web
 from support import (
     builtin_defaults,
     crd_rules,
+    jobs_claims,
     object_meta,
     owner_refs_admission,
     quantity_canon,
@@ -96,6 +101,7 @@ from support import (
 )
 from support import field_sets as fs
 from support import field_types as ft
+from support.printer_table import printer_columns, table, wants_table
 
 Obj = dict[str, Any]
 Admission = Callable[[Obj], Obj]  # returns the (defaulted) object or raises AdmissionError
@@ -165,6 +171,9 @@ BUILTIN_TYPES: tuple[ResourceType, ...] = (
     ResourceType("", "v1", "serviceaccounts", "ServiceAccount", True, short_names=("sa",)),
     ResourceType("", "v1", "secrets", "Secret", True),
     ResourceType("", "v1", "events", "Event", True, short_names=("ev",)),
+    ResourceType("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim", True,
+                 short_names=("pvc",), status_subresource=True),
+    ResourceType("batch", "v1", "jobs", "Job", True, status_subresource=True),
     ResourceType("apps", "v1", "statefulsets", "StatefulSet", True, short_names=("sts",),
                  status_subresource=True),
     ResourceType("apps", "v1", "deployments", "Deployment", True, short_names=("deploy",),
@@ -518,6 +527,7 @@ class Request:
     warnings: list[str] = field(default_factory=list)  # sent as Warning headers (webhooks')
     user: str = ""  # who made it (rbac.ADMIN without credentials)
     cause: str = ""  # a refusal's first Status cause (e.g. NamespaceTerminating)
+    at: float = field(default_factory=time.monotonic)  # when it arrived
 
 
 @dataclass
@@ -1151,6 +1161,14 @@ class FakeApiServer:
             if not meta.get("finalizers"):
                 meta.pop("finalizers", None)
         out = self._admit(rtype, self._decode(rtype, out, live), live, "UPDATE", subresource)
+        if (
+            subresource is None
+            and (why := jobs_claims.update_refusal(rtype.api_version, rtype.kind, out, live))
+            is not None
+        ):
+            raise ApiError(
+                422, f'{rtype.kind}.{rtype.group or "core"} "{meta_live["name"]}" is invalid: {why}'
+            )
         out["metadata"]["resourceVersion"] = meta_live["resourceVersion"]
         before = ssa.decode(meta_live.get("managedFields") or []) or []
         if managed is None:
@@ -1530,6 +1548,8 @@ class FakeApiServer:
         )
         if method == "GET" and name is None and query.get("watch") in ("true", "1"):
             return _WatchTarget(rtype, namespace)
+        if method == "GET" and rtype.custom and wants_table(request.headers.get("Accept", "")):
+            return web.json_response(self._table(rtype, namespace, name, query))
         if method == "GET":
             if name is None:
                 return web.json_response(self._list_response(rtype, namespace, query))
@@ -1654,6 +1674,24 @@ class FakeApiServer:
             "groupVersion": f"{group}/{version}" if group else version,
             "resources": [entry for t in types for entry in t.discovery()],
         }
+
+    def _table(
+        self, rtype: ResourceType, namespace: str | None, name: str | None, query: dict[str, str]
+    ) -> Obj:
+        """`kubectl get`'s answer: the custom resources as a Table of the CRD's printer
+        columns (support/printer_table.py)."""
+        crd_name = f"{rtype.plural}.{rtype.group}"
+        crd = self._objects.get(("apiextensions.k8s.io", "customresourcedefinitions", "", crd_name))
+        columns = printer_columns(crd.obj, rtype.version) if crd is not None else []
+        if name is not None:
+            items = [self._require(rtype, namespace or "", name)]
+            listed = {"metadata": {"resourceVersion": items[0]["metadata"]["resourceVersion"]}}
+        else:
+            listed = self._list_response(rtype, namespace, query)
+            items = listed["items"]
+        out = table(columns, items, include_object=query.get("includeObject", "Metadata"))
+        out["metadata"] = listed["metadata"]
+        return out
 
     def _as_list(self, rtype: ResourceType, items: list[Obj]) -> Obj:
         if not rtype.custom:  # the server omits type meta on items of built-in kinds

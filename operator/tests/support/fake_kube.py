@@ -78,6 +78,9 @@ class FakeKube:
     def list(
         self, api_version: str, kind: str, namespace: str, selector: str
     ) -> list[dict[str, Any]]:
+        cr_meta = self.cr.get("metadata", {})
+        if (api_version, kind, namespace) == (L.API_VERSION, L.KIND, cr_meta.get("namespace")):
+            return [] if self.cr_deleted else [copy.deepcopy(self.cr)]
         return [
             copy.deepcopy(o)
             for (av, k, ns, _), o in sorted(self.objects.items())
@@ -168,6 +171,10 @@ class FakeProbe:
     def __init__(self) -> None:
         self.docs: dict[str, dict[str, Any]] = {}
         self.infos: dict[str, dict[str, Any]] = {}
+        self.progress_docs: dict[str, dict[str, Any]] = {}  # by pod IP: GET :8081/progress
+
+    def progress(self, ip: str) -> Mapping[str, Any] | None:
+        return self.progress_docs.get(ip)
 
     def fetch(self, pods: Sequence[PodState]) -> dict[str, Mapping[str, Any]]:
         return {p.name: self.docs[p.name] for p in pods if p.name in self.docs}

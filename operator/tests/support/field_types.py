@@ -200,6 +200,11 @@ BUILTIN: Final[Mapping[tuple[str, str], FieldType]] = MappingProxyType({
     ("networking.k8s.io/v1", "NetworkPolicy"): _struct(metadata=META, spec=_struct(
         podSelector=_SELECTOR,
     )),
+    ("batch/v1", "Job"): _struct(metadata=META, spec=_struct(
+        selector=_SELECTOR, template=_TEMPLATE, suspend=_OMIT_ZERO,
+    )),
+    ("v1", "PersistentVolumeClaim"): _PVC,
+    ("v1", "Secret"): _struct(metadata=META, data=_STRINGS, stringData=_STRINGS),
 })  # fmt: skip
 
 

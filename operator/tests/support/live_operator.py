@@ -285,6 +285,7 @@ def running_operator(
     *,
     worker_ips: list[str] = WORKER_IPS,
     chunk_size: int | None = None,
+    progress_port: int | None = None,
 ) -> Iterator[Live]:
     """The body of a test's `live` fixture: the fake API server with the chart installed
     (`install`'s mode), the workers' status servers on `worker_ips` and the operator (listing
@@ -322,7 +323,12 @@ def running_operator(
     monkeypatch.setattr(
         operator_settings,
         "HttpWorkerProbe",
-        lambda: HttpWorkerProbe(timeout_s=1.0, port=workers.port, http_port=workers.port),
+        lambda: HttpWorkerProbe(
+            timeout_s=1.0,
+            port=workers.port,
+            http_port=workers.port,
+            progress_port=progress_port or workers.port,
+        ),
     )
     metrics = OperatorMetrics()
     monkeypatch.setattr(operator_settings, "OperatorMetrics", lambda: metrics)

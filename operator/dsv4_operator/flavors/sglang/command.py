@@ -155,10 +155,10 @@ def server_args(
     role_spec = spec.role(role)
     figures = group_figures(memory.role(role))
     weights = spec.model.weights
-    assert weights is not None, "engine sglang requires model.weights (spec.py)"
+    assert weights is not None, "engine sglang: model.weights, or a resolved model.source"
     pp = role_spec.pipeline_parallel
     args = [
-        "--model-path", weights.path,
+        "--model-path", weights.model_dir,
         "--host", BIND_ALL,
         "--port", str(HTTP_PORT),
         "--tp-size", str(role_spec.tensor_parallel),
