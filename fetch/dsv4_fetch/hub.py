@@ -19,6 +19,7 @@ from typing import Final
 import httpx2
 from huggingface_hub import HfApi, hf_hub_download
 from huggingface_hub import errors as hf_errors
+from huggingface_hub.utils import disable_progress_bars
 
 from dsv4_common.api.model_source import HfSource
 from dsv4_fetch.errors import FetchError
@@ -89,9 +90,11 @@ def resolve(source: HfSource, *, endpoint: str | None, token: str | None) -> Sna
 
 
 def read_text(snapshot: Snapshot, path: str, *, endpoint: str | None, token: str | None) -> str:
-    """One (small) file of the snapshot as text, through a throwaway cache."""
+    """One (small) file of the snapshot as text, through a throwaway cache (without
+    huggingface_hub's per-file bar: the caller says what it reads)."""
     if snapshot.file(path) is None:
         raise FetchError("NotFound", f"{snapshot.source.uri}: the repo has no {path}")
+    disable_progress_bars()
     with tempfile.TemporaryDirectory(prefix="dsv4-hub-") as tmp, hub_errors(snapshot.source):
         local = hf_hub_download(
             snapshot.repo_id,

@@ -88,7 +88,12 @@ class LocalWeights:
             return None
         snapshot = self._resolved.get(hf.uri)
         source = hf.at(snapshot.commit) if snapshot is not None else hf
-        print(f"dsv4 up: fetching {hf.uri} into {self.options(spec).cache_dir}", file=self.out)
+        where = self.options(spec).cache_dir
+        if self.offline:
+            doing = f"taking {hf.uri} from {where} (--offline)"
+        else:
+            doing = f"fetching {hf.uri} into {where}"
+        print(f"dsv4 up: {doing}", file=self.out)
         done, status = fetch_with_progress(
             source, self.options(spec), out=self.out, say_failure=False
         )

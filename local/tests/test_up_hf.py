@@ -144,6 +144,7 @@ def test_up_plans_from_the_hubs_config_then_fetches_and_serves(tmp_path: Path) -
         served = len(hub.requests)
     done = _up(tmp_path, cr, "--offline", env=_env(tmp_path))
     assert done.returncode == 0, done.stderr
+    assert "(--offline)" in done.stderr and "fetching" not in done.stderr
     assert len(hub.requests) == served
 
 
