@@ -57,10 +57,11 @@ def test_every_rule_of_our_crd_and_the_add_on_crds_compiles() -> None:
                 for rule in rules:
                     assert compile_error(rule["rule"], node[0], node[1]) is None, rule
                     checked += 1
-    # All ours (the add-ons' CRDs have none today): 41 (5 of them autoscaling's, 1 the
-    # mooncake-needs-sglang rule, 6 the model source's), and 33 in each role's podTemplate (3 on
-    # the pod, 2 on a volume, 14 on a container and its init containers each).
-    assert checked == 41 + 3 * 33
+    # All ours (the add-ons' CRDs have none today): 42 (5 of them autoscaling's, 1 the
+    # mooncake-needs-sglang rule, 1 the sglang-dtype-is-auto rule, 6 the model source's), and 33
+    # in each role's podTemplate (3 on the pod, 2 on a volume, 14 on a container and its init
+    # containers each).
+    assert checked == 42 + 3 * 33
 
 
 def _rule_nodes(schema: dict[str, Any], root: bool) -> Iterator[tuple[Any, list[Any]]]:
