@@ -2,18 +2,25 @@
 streams (no second pass over the bytes). It keeps the hash right when the writer seeks back and
 truncates (huggingface_hub's `http_get` does when a server ignores a Range request) by hashing
 the kept prefix again, and reports each change of the file's length to a callback (progress).
+The hashing runs on one background thread, in order, while the caller receives the next chunk
+(hashlib releases the GIL on large updates): on a CPU-bound link the check costs no wall time.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, Final
 
 from dsv4_fetch.hub import RepoFile
 
 READ_CHUNK_BYTES: Final = 8 << 20
+MAX_PENDING_UPDATES: Final = 4  # chunks queued for the hash thread (~40 MB at hf's 10 MB)
+# One thread for every writer: a writer's updates run in the order it queued them (FIFO).
+_HASH_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv4-hash")
 
 
 def new_hasher(f: RepoFile) -> Any:
@@ -38,10 +45,17 @@ class HashingWriter:
         self._grew = grew
         self._hasher = new_hasher(f)
         self._hashed = 0
+        self._pending: deque[Future[None]] = deque()
         self._rehash(raw.tell())
+
+    def _drain(self) -> None:
+        """Wait until every queued update is in the hash."""
+        while self._pending:
+            self._pending.popleft().result()
 
     def _rehash(self, length: int) -> None:
         """Hash the file's first `length` bytes afresh."""
+        self._drain()
         self._raw.flush()
         self._hasher = new_hasher(self._file)
         left = length
@@ -56,7 +70,9 @@ class HashingWriter:
 
     def write(self, data: bytes) -> int:
         written = self._raw.write(data)
-        self._hasher.update(data)
+        self._pending.append(_HASH_THREAD.submit(self._hasher.update, bytes(data)))
+        while len(self._pending) > MAX_PENDING_UPDATES:
+            self._pending.popleft().result()
         self._hashed += len(data)
         self._grew(len(data))
         return written
@@ -88,4 +104,5 @@ class HashingWriter:
         return self._hashed
 
     def hexdigest(self) -> str:
+        self._drain()
         return str(self._hasher.hexdigest())
