@@ -21,8 +21,9 @@ NOTE: the `layer_types` form lists target layers only; the MTP layers keep a win
 `compress_ratios` gets one 0 per `num_nextn_predict_layers` appended (as the release lists).
 Settings the release always ships but that do not change a shape (routing, rotary bases, eps)
 default to transformers' defaults, which are the Flash release's. Three keys are this project's
-own: `kv_cache_dtype` (default: fp8_e4m3 for an FP8 checkpoint, as released; else the weights'
-dtype, fp32 or bf16), `window_size` (DeepSeek's inference config's name for
+own: `kv_cache_dtype` (fp8_e4m3 | bf16 | fp32, also spelled fp8 | bfloat16 | float32; absent
+or auto: fp8_e4m3 for an FP8 checkpoint, as released; else the weights' dtype, fp32 or bf16),
+`window_size` (DeepSeek's inference config's name for
 sliding_window) and `first_k_dense_replace` with `intermediate_size` (dense layers; the release
 has none).
 `release_config` is the inverse: a DSV4Config -> the release's form, which parses back to it;
@@ -35,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any, cast, get_args
+from typing import Any, Final, cast, get_args
 
 from dsv4_common.core.model import (
     ALLOWED_RATIOS,
@@ -109,7 +110,7 @@ def dsv4_from_hf(raw: Mapping[str, Any], name: str) -> DSV4Config:
     _expect(raw, "topk_method", "noaux_tc", "DeepSeek-V4 routes top-k with a correction bias")
     quantization, weight_dtype = _storage(raw)
     kv_default = "fp8_e4m3" if quantization else ("fp32" if weight_dtype == "fp32" else "bf16")
-    kv_dtype = _choice(raw, "kv_cache_dtype", get_args(KVDtype), kv_default)
+    kv_dtype = _kv_dtype(raw, kv_default)
     fp8_kv = kv_dtype == "fp8_e4m3"
     return DSV4Config(
         name=name,
@@ -748,6 +749,24 @@ def _finite(value: float) -> bool:
         return math.isfinite(value)
     except OverflowError:  # an integer too large for a float
         return False
+
+
+# kv_cache_dtype spellings beside ours (SGLang's and torch's names); "auto" is the default.
+KV_DTYPE_ALIASES: Final = {"bfloat16": "bf16", "float32": "fp32", "fp8": "fp8_e4m3"}
+
+
+def _kv_dtype(raw: Mapping[str, Any], default: str) -> str:
+    """`kv_cache_dtype`: fp8_e4m3 | bf16 | fp32 (or bfloat16 | float32 | fp8 | auto); absent
+    or auto: `default` (fp8_e4m3 with quantization_config, else the weights' float type)."""
+    value = raw.get("kv_cache_dtype")
+    if value is None or value == "auto":
+        return default
+    choices = (*get_args(KVDtype), *KV_DTYPE_ALIASES, "auto")
+    if not isinstance(value, str) or value not in choices:
+        raise _error(
+            "kv_cache_dtype", f"has unknown value {value!r}: expected {', '.join(choices)}"
+        )
+    return KV_DTYPE_ALIASES.get(value, value)
 
 
 def _choice(

@@ -113,6 +113,31 @@ def test_storage_variants_are_read() -> None:
     assert (unquantized.quantization, unquantized.weight_dtype) == (None, "fp32")
 
 
+@pytest.mark.parametrize(
+    ("value", "kv", "indexer"),
+    [
+        (None, "fp8_e4m3", "fp8"),  # as released: the FP8 checkpoint's default
+        ("auto", "fp8_e4m3", "fp8"),
+        ("fp8", "fp8_e4m3", "fp8"),
+        ("bfloat16", "bf16", "bf16"),
+        ("bf16", "bf16", "bf16"),
+        ("float32", "fp32", "fp32"),
+    ],
+)
+def test_kv_cache_dtype_picks_the_rows(value: str | None, kv: str, indexer: str) -> None:
+    flash = release("deepseek-v4-flash")
+    assert "kv_cache_dtype" not in flash
+    model = parse(flash if value is None else {**flash, "kv_cache_dtype": value})
+    assert isinstance(model, DSV4Config)
+    assert (model.kv_dtype, model.indexer_dtype) == (kv, indexer)
+    assert model.kv_page_align_bytes == (576 if kv == "fp8_e4m3" else 1)
+
+
+def test_an_unknown_kv_cache_dtype_is_refused_naming_the_key() -> None:
+    with pytest.raises(ModelConfigError, match="'kv_cache_dtype' has unknown value 'fp16'"):
+        parse({**release("deepseek-v4-flash"), "kv_cache_dtype": "fp16"})
+
+
 def test_cli_plans_the_published_configs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
