@@ -51,6 +51,7 @@ from dsv4_worker.engine.role import Place
 from dsv4_worker.model.checkpoint import is_model_dir, load_checkpoint
 from dsv4_worker.model.compute import compute_dtype, dtype_name
 from dsv4_worker.model.files import SINGLE
+from dsv4_worker.model.kv_quant import check_kv_formats
 from dsv4_worker.model.random_stored import random_weights
 from dsv4_worker.model.stored import Stored
 from dsv4_worker.model.weights import WeightsError, load_weights
@@ -88,11 +89,10 @@ def _device(name: str) -> torch.device:
 
 
 def _check_model(model: ModelConfig, source: str) -> None:
-    if isinstance(model, DSV4Config) and model.kv_dtype not in ("bf16", "fp32", "fp16"):
-        raise ServeError(
-            f"model {source}: the reference engine stores bf16/fp32 KV rows, this model uses "
-            f"{model.kv_dtype} (fp8 pages need the GPU kernels)"
-        )
+    try:
+        check_kv_formats(model)
+    except ValueError as exc:
+        raise ServeError(f"model {source}: {exc}") from exc
 
 
 def _weights(

@@ -11,7 +11,10 @@ Where each component lives (P = page size, r = compression ratio, R = ring rows)
 
 The caller has already grown the requests' page tables by this batch's tokens (`extend` /
 `decode`); this module only moves bytes. Per layer, every token's state is written first, then
-the compressed rows its block completes, then attention reads what the oracle would see.
+the compressed rows its block completes, then attention reads what the oracle would see. KV
+rows (window, compressed, indexer keys) go through engine/kv_rows.py in the pool's format
+(the release's fp8 rows are quantized on write, dequantized on gather); compressor states are
+plain float rows.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dsv4_common.core.layout import IndexSpace
+from dsv4_common.core.layout import ComponentKind, IndexSpace
 from dsv4_common.core.model import DSV4Config, HybridSWAConfig, ModelConfig
+from dsv4_worker.engine.kv_rows import ComponentRows
 from dsv4_worker.mem.device import upload
 from dsv4_worker.mem.memory import KVMemory
 from dsv4_worker.model import attention as A
@@ -33,6 +37,7 @@ from dsv4_worker.model import compressor as C
 from dsv4_worker.model import dsv4
 from dsv4_worker.model import indexer as I
 from dsv4_worker.model import layers as L
+from dsv4_worker.model.kv_quant import check_kv_formats, row_format
 from dsv4_worker.model.ops import rms_norm, stored
 from dsv4_worker.model.params import Params
 from dsv4_worker.model.rope import compress_freq, layer_freq
@@ -103,6 +108,7 @@ class PagedModel:
         self.pool = memory.pool
         self.page = memory.config.page_size
         self.device = memory.device
+        self._kv = _kv_rows(model, memory)
         if isinstance(model, DSV4Config):
             sparse = model.sparse_ratio
             if sparse in model.nonzero_ratios and model.window_tokens < 2 * sparse:
@@ -123,7 +129,8 @@ class PagedModel:
         return pages
 
     def _rows(self, name: str, layer: int) -> Tensor:
-        """One layer of a component as [units * rows_per_unit, row_elems] (a view)."""
+        """One layer of a plain (float) component as [units * rows_per_unit, row_elems] (a
+        view): the compressor states. KV rows go through `self._kv` (their stored format)."""
         view = self.pool.layer(name, layer)
         return view.view(-1, view.shape[-1])
 
@@ -202,9 +209,8 @@ class PagedModel:
         freq = layer_freq(m, layer, self.device)
         q, latent = A.query(m, self.p, layer, x, positions, freq)
         kv = A.window_kv(m, self.p, layer, x, positions, freq)
-        window = self._rows("swa_kv", layer)
         swa_slots = self._swa_pages(slots, positions) * self.page + positions % self.page
-        window[swa_slots] = kv.to(window.dtype)
+        self._kv["swa_kv"].write(layer, swa_slots, kv)
         ratio = m.compress_ratios[layer]
         if ratio:
             self._compress(m, layer, x, batch, ratio, indexer=False)
@@ -249,7 +255,7 @@ class PagedModel:
         key_pos = torch.where(mask, key_pos, pos[:, None])
         key_slot = slot[:, None].expand(n, span)
         swa = self._swa_pages(key_slot, key_pos) * self.page + key_pos % self.page
-        keys = self._rows("swa_kv", layer)[swa].to(self.dtype)
+        keys = self._kv["swa_kv"].read(layer, swa, self.dtype)
         ratio = m.compress_ratios[layer]
         num_blocks = end // ratio if ratio else 0
         if num_blocks:
@@ -257,9 +263,9 @@ class PagedModel:
             available = blocks < ((pos + 1) // ratio)[:, None]
             blocks = torch.where(available, blocks, 0)
             index = self._compressed_index(slot[:, None].expand(n, num_blocks), blocks, ratio)
-            rows = self._rows(f"c{ratio}_kv", layer)[index].to(self.dtype)
+            rows = self._kv[f"c{ratio}_kv"].read(layer, index, self.dtype)
             if ratio == m.sparse_ratio:
-                ikeys = self._rows(f"c{ratio}_indexer", layer)[index].to(self.dtype)
+                ikeys = self._kv[f"c{ratio}_indexer"].read(layer, index, self.dtype)
                 iq, iw = I.query(m, self.p, layer, x[idx], latent[idx], pos, compress_freq(m, dev))
                 available = I.top_k_mask(I.row_scores(iq, iw, ikeys), available, m.index_topk)
             keys = torch.cat([keys, rows], dim=1)
@@ -275,7 +281,7 @@ class PagedModel:
         key_pos = torch.arange(first, seg.end, device=dev)
         slot = torch.full_like(key_pos, seg.slot)
         swa = self._swa_pages(slot, key_pos) * self.page + key_pos % self.page
-        keys = self._rows("swa_kv", layer)[swa].to(self.dtype)
+        keys = self._kv["swa_kv"].read(layer, swa, self.dtype)
         diff = pos[:, None] - key_pos[None, :]
         mask = (diff >= 0) & (diff < m.window_tokens)
         ratio = m.compress_ratios[layer]
@@ -284,10 +290,10 @@ class PagedModel:
             blocks = torch.arange(num_blocks, device=dev)
             bslot = torch.full_like(blocks, seg.slot)
             index = self._compressed_index(bslot, blocks, ratio)
-            rows = self._rows(f"c{ratio}_kv", layer)[index].to(self.dtype)
+            rows = self._kv[f"c{ratio}_kv"].read(layer, index, self.dtype)
             available = (blocks[None, :] + 1) * ratio - 1 <= pos[:, None]
             if ratio == m.sparse_ratio:
-                ikeys = self._rows(f"c{ratio}_indexer", layer)[index].to(self.dtype)
+                ikeys = self._kv[f"c{ratio}_indexer"].read(layer, index, self.dtype)
                 iq, iw = I.query(m, self.p, layer, x, latent, pos, compress_freq(m, dev))
                 available = I.top_k_mask(I.scores(iq, iw, ikeys), available, m.index_topk)
             keys = torch.cat([keys, rows])
@@ -343,10 +349,10 @@ class PagedModel:
             m.arch.rms_norm_eps,
             compress_freq(m, self.device),
         )
-        target_name = f"c{ratio}_indexer" if indexer else f"c{ratio}_kv"
-        target = self._rows(target_name, layer)
-        index = self._compressed_index(block_slots, blocks, ratio)
-        target[index] = rows.to(target.dtype)
+        if indexer:
+            rows = I.rotate(m, rows)
+        target = self._kv[f"c{ratio}_indexer" if indexer else f"c{ratio}_kv"]
+        target.write(layer, self._compressed_index(block_slots, blocks, ratio), rows)
 
     def _block_rows(
         self,
@@ -442,16 +448,15 @@ class PagedModel:
         )
         q, kv = L.hybrid_query_kv(m, self.p, layer, x, positions)
         sliding = m.layer_types[layer] == "sliding"
-        name = "swa_kv" if sliding else "full_kv"
-        rows = self._rows(name, layer)
-        rows[self._kv_index(sliding, slots, positions)] = kv.to(rows.dtype)
+        rows = self._kv["swa_kv" if sliding else "full_kv"]
+        rows.write(layer, self._kv_index(sliding, slots, positions), kv)
         out = []
         for seg, (lo, hi) in zip(segments, bounds, strict=True):
             pos = torch.arange(seg.start, seg.end, device=self.device)
             first = max(0, seg.start - m.window_tokens + 1) if sliding else 0
             key_pos = torch.arange(first, seg.end, device=self.device)
             index = self._kv_index(sliding, torch.full_like(key_pos, seg.slot), key_pos)
-            keys, values = L.hybrid_split_kv(m, rows[index].to(self.dtype))
+            keys, values = L.hybrid_split_kv(m, rows.read(layer, index, self.dtype))
             diff = pos[:, None] - key_pos[None, :]
             mask = (diff >= 0) & ((diff < m.window_tokens) if sliding else True)
             out.append(L.masked_attention(q[lo:hi], keys[None], values[None], mask))
@@ -460,6 +465,27 @@ class PagedModel:
     def _kv_index(self, sliding: bool, slots: Tensor, positions: Tensor) -> Tensor:
         pages = self._swa_pages(slots, positions) if sliding else self._full_pages(slots, positions)
         return pages * self.page + positions % self.page
+
+
+_KV_KINDS = (
+    ComponentKind.WINDOW_KV,
+    ComponentKind.FULL_KV,
+    ComponentKind.COMPRESSED_KV,
+    ComponentKind.INDEXER_KEYS,
+)
+
+
+def _kv_rows(model: ModelConfig, memory: KVMemory) -> dict[str, ComponentRows]:
+    """Row access to every KV component (not the compressor states), in its stored format."""
+    assert memory.pool is not None
+    check_kv_formats(model)
+    out = {}
+    for c in memory.layout.components:
+        if c.kind not in _KV_KINDS:
+            continue
+        fmt = row_format(model, c.kind) if isinstance(model, DSV4Config) else None
+        out[c.name] = ComponentRows(memory.pool, c, fmt)
+    return out
 
 
 def _logit_rows(bounds: Sequence[tuple[int, int]], every: Sequence[bool]) -> list[int]:

@@ -77,6 +77,12 @@ class KVPool:
         """The contiguous view of one global layer id of one component."""
         return self._buffers[name][self._layer_index[name][layer_id]]
 
+    def layer_bytes(self, name: str, layer_id: int) -> Tensor:
+        """One global layer id of one component as raw bytes: [num_units, unit_bytes] uint8
+        (a view, whatever the buffer's dtype)."""
+        b = self.layer(name, layer_id)
+        return b.view(torch.uint8).reshape(b.shape[0], -1)
+
     def unit_bytes_view(self, name: str) -> Tensor:
         """The component as raw bytes: [num_layers, num_units, unit_bytes] uint8."""
         b = self._buffers[name]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from dsv4_common.core.model import DSV4Config
-from dsv4_worker.model.ops import rms_norm, stored
+from dsv4_worker.model.ops import rms_norm
 from dsv4_worker.model.params import Params
 from dsv4_worker.model.rope import rotate
 
@@ -42,12 +42,13 @@ def window_kv(
     positions: torch.Tensor,
     freq: torch.Tensor,
 ) -> torch.Tensor:
-    """The window KV rows [T, head_dim] as the pool stores them."""
+    """The window KV rows [T, head_dim] before they are stored (the pool's write rounds
+    them to `kv_cache_dtype`; the oracle rounds them the same way: kv_quant.stored_kv)."""
     a = f"layers.{layer}.attn"
     kv = rms_norm(
         p.linear(x, f"{a}.wkv.weight"), p.vector(f"{a}.kv_norm.weight"), m.arch.rms_norm_eps
     )
-    return stored(rotate(kv, positions, freq), m.kv_dtype)
+    return rotate(kv, positions, freq)
 
 
 def attend(

@@ -2,6 +2,9 @@
 scores every complete compressed block with sum_h w_h relu(q_h . k) / sqrt(dim) (w = the
 head weights from the token, scaled by 1/sqrt(n_heads); q from the query latent, rotated by
 the compress rope like the indexer's own compressed keys) and attends to the top index_topk.
+Where the keys are stored quantized (fp8), queries and keys are first rotated by the same
+orthonormal Hadamard matrix, as DeepSeek's reference does before its quantization: scores are
+unchanged in exact arithmetic, and the rotation spreads outliers before the keys are rounded.
 
 NOTE (tie rule): equal scores go to the lower block index (a stable sort, whatever the number
 of blocks), so colocated, PD and PP select the same blocks. transformers' torch.topk leaves
@@ -13,8 +16,9 @@ from __future__ import annotations
 import torch
 
 from dsv4_common.core.model import DSV4Config
+from dsv4_worker.model.kv_quant import hadamard, quantized_index_keys
 from dsv4_worker.model.params import Params
-from dsv4_worker.model.rope import rotate
+from dsv4_worker.model.rope import rotate as rope_rotate
 
 
 def query(
@@ -30,7 +34,13 @@ def query(
     i = f"layers.{layer}.attn.indexer"
     q = p.linear(latent, f"{i}.wq_b.weight").view(len(x), m.index_n_heads, m.index_head_dim)
     w = p.linear(x, f"{i}.weights_proj.weight") * m.index_n_heads**-0.5
-    return rotate(q, positions, freq), w
+    return rotate(m, rope_rotate(q, positions, freq)), w
+
+
+def rotate(m: DSV4Config, x: torch.Tensor) -> torch.Tensor:
+    """Indexer queries or keys [..., index_head_dim] as scored: Hadamard-rotated where the
+    keys are stored quantized, unchanged otherwise (float keys need no rotation)."""
+    return hadamard(x) if quantized_index_keys(m) else x
 
 
 def scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

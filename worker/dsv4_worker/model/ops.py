@@ -67,11 +67,11 @@ def swiglu(
 
 
 def stored(x: torch.Tensor, dtype_name: str) -> torch.Tensor:
-    """`x` as it reads back from a pool of `dtype_name`."""
+    """`x` as it reads back from a float pool of `dtype_name` (fp8 rows: kv_quant)."""
     dtype = STORAGE_DTYPES.get(dtype_name)
     if dtype is None:
         raise NotImplementedError(
-            f"the reference model stores {sorted(STORAGE_DTYPES)} rows, not {dtype_name!r} "
-            "(fp8 packing needs the GPU kernels)"
+            f"stored() rounds to the float pool dtypes {sorted(STORAGE_DTYPES)}, not "
+            f"{dtype_name!r}; quantized rows round through model/kv_quant.py"
         )
     return x.to(dtype).to(x.dtype)

@@ -24,6 +24,7 @@ from dsv4_worker.model import compressor as C
 from dsv4_worker.model import dsv4
 from dsv4_worker.model import indexer as I
 from dsv4_worker.model import layers as L
+from dsv4_worker.model.kv_quant import stored_index_keys, stored_kv
 from dsv4_worker.model.ops import rms_norm, stored
 from dsv4_worker.model.params import Params
 from dsv4_worker.model.rope import compress_freq, layer_freq
@@ -74,7 +75,8 @@ def compressed_rows(
         m.arch.rms_norm_eps,
         compress_freq(m, x.device),
     )
-    return stored(rows, m.indexer_dtype if indexer else m.kv_dtype).to(x.dtype)
+    rows = stored_index_keys(m, I.rotate(m, rows)) if indexer else stored_kv(m, rows)
+    return rows.to(x.dtype)
 
 
 def _window_mask(t: int, window: int, device: torch.device) -> torch.Tensor:
@@ -94,7 +96,8 @@ def _dsv4_attention(
     t, dev = len(x), x.device
     freq = layer_freq(m, layer, dev)
     q, latent = A.query(m, p, layer, x, positions, freq)
-    keys, mask = A.window_kv(m, p, layer, x, positions, freq), _window_mask(t, m.window_tokens, dev)
+    keys = stored_kv(m, A.window_kv(m, p, layer, x, positions, freq))
+    mask = _window_mask(t, m.window_tokens, dev)
     ratio = m.compress_ratios[layer]
     if ratio:
         rows = compressed_rows(m, p, layer, x, positions, request_state=request_state)

@@ -25,7 +25,7 @@ def engine(
 ) -> Engine:
     """`weights` must be on `device` (the pools' device)."""
     memory = small_memory(
-        model.name,
+        model,
         page_size=page,
         full_pages=full_pages,
         swa_pages=swa_pages,

@@ -1,13 +1,17 @@
 """The paged forward equals the naive oracle, token for token: prompts shorter and longer than
 the window and than several c16 blocks, across chunk and page sizes, alone and batched, for
-tiny (DSV4) and hybrid-tiny; the online c16 state too. Pools are empty afterwards."""
+tiny (DSV4) and hybrid-tiny; the online c16 state and fp8 KV rows (tiny-fp8) too. Pools are
+empty afterwards."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 from model_helpers import tiny_moe
 from paged_helpers import generate, make
+from release_support import fp8_kv
 
 from dsv4_common.core.model import ModelConfig
 from dsv4_common.core.presets import hybrid_tiny, tiny
@@ -18,6 +22,8 @@ from dsv4_worker.engine.paged import PagedModel
 from dsv4_worker.mem.memory import KVMemory
 from dsv4_worker.model.oracle import oracle_greedy
 from dsv4_worker.model.weights import init_weights
+
+TINY_FP8 = fp8_kv(dataclasses.replace(tiny(), name="tiny-fp8"))
 
 
 def prompt(n: int, salt: int = 0) -> list[int]:
@@ -40,7 +46,7 @@ def test_paged_greedy_equals_the_oracle(
     assert got == oracle_greedy(model, pm.p, p, 12)
 
 
-@pytest.mark.parametrize("model", [tiny(), hybrid_tiny()], ids=lambda m: m.name)
+@pytest.mark.parametrize("model", [tiny(), hybrid_tiny(), TINY_FP8], ids=lambda m: m.name)
 def test_batched_requests_equal_the_oracle_one_by_one(model: ModelConfig) -> None:
     pm = make(model, 16)
     prompts = [prompt(3, 1), prompt(29, 2), prompt(66, 3), prompt(17, 4)]
@@ -64,8 +70,10 @@ def test_moe_model_paged_equals_the_oracle() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("model", [tiny(), hybrid_tiny()], ids=lambda m: m.name)
+@pytest.mark.parametrize("model", [tiny(), hybrid_tiny(), TINY_FP8], ids=lambda m: m.name)
 def test_cuda_paged_equals_the_cpu_oracle(model: ModelConfig) -> None:
+    """On CUDA too (tiny-fp8: the release's fp8 rows, quantized and dequantized by the same
+    torch code on the device)."""
     rank = plan(
         PlanInputs(
             model=model,

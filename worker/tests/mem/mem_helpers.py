@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from dsv4_common.core.layout import IndexSpace, build_layout
+from dsv4_common.core.model import ModelConfig
 from dsv4_common.core.presets import load_model_config
 from dsv4_worker.mem.alloc_config import AllocatorConfig
 from dsv4_worker.mem.device import EMULATE_ENV
@@ -19,7 +20,7 @@ from dsv4_worker.mem.memory import KVMemory
 
 
 def small_memory(
-    preset: str = "tiny",
+    preset: str | ModelConfig = "tiny",
     *,
     page_size: int = 16,
     full_pages: int = 24,
@@ -32,7 +33,8 @@ def small_memory(
     emulate: bool = False,
 ) -> KVMemory:
     """`emulate`: built under DSV4_EMULATE_DEVICE=1 (device tables apart from the host's)."""
-    layout = build_layout(load_model_config(preset), page_size, draft_tokens)
+    model = load_model_config(preset) if isinstance(preset, str) else preset
+    layout = build_layout(model, page_size, draft_tokens)
     config = AllocatorConfig(
         page_size=page_size,
         num_full_pages=full_pages,

@@ -1,11 +1,13 @@
 """Disaggregated == colocated, token for token, on both transfer backends (nixl also with
 every write cut into shares by its poster threads): prompts shorter and longer than the window
 and than several compression blocks, chunked prefill, many requests at once, seeded sampling,
-the hybrid family; a prefill SWA pool smaller than one prompt; a decode SWA pool that only
+the hybrid family, fp8 KV rows (the release's 584-byte pages move as opaque bytes); a prefill
+SWA pool smaller than one prompt; a decode SWA pool that only
 window tails fit. Every pool on both sides is back to zero afterwards."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from functools import cache
 from typing import Any
@@ -14,6 +16,7 @@ import pytest
 from engine_helpers import engine
 from hf_support import hf_reference, hf_tokens
 from pd_support import pd_pair, wait_drained
+from release_support import fp8_kv
 
 from dsv4_common.core.model import ModelConfig
 from dsv4_common.core.presets import hybrid_tiny, tiny
@@ -23,7 +26,8 @@ from dsv4_worker.model.weights import init_weights
 from dsv4_worker.pd.transfer import nixl_backend
 
 BACKENDS = ["zmq", "nixl"]
-WEIGHTS = {m.name: init_weights(m, seed=33) for m in (tiny(), hybrid_tiny())}
+TINY_FP8 = fp8_kv(dataclasses.replace(tiny(), name="tiny-fp8"))
+WEIGHTS = {m.name: init_weights(m, seed=33) for m in (tiny(), hybrid_tiny(), TINY_FP8)}
 
 
 def prompt(n: int, salt: int) -> list[int]:
@@ -48,7 +52,7 @@ def _check(pair_outputs, want: list[list[int]]) -> None:  # type: ignore[no-unty
 
 
 @pytest.mark.parametrize("backend", [*BACKENDS, "nixl-shares"])
-@pytest.mark.parametrize("model", [tiny(), hybrid_tiny()], ids=lambda m: m.name)
+@pytest.mark.parametrize("model", [tiny(), hybrid_tiny(), TINY_FP8], ids=lambda m: m.name)
 def test_greedy_disaggregated_equals_colocated(
     backend: str, model: ModelConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -6,11 +6,13 @@ stage ends with empty pools."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from functools import cache
 from typing import Any
 
 import pytest
 from hf_support import hf_reference, hf_tokens
+from model_samples import tiny_hf_config
 from pp_support import GroupRun, run_group
 
 from dsv4_common.core.presets import tiny
@@ -93,6 +95,21 @@ def test_tiny_pp_equals_one_process(pp_size: int) -> None:
     for i in (0, 2):
         assert one[i] == hf_tokens(reference, list(PROMPTS[i]), PARAMS[i].max_new_tokens)
     _check_stages(results, GroupRun(pp_size=pp_size, gpu_memory_bytes=96 * MIB, chunk_tokens=24))
+
+
+def test_fp8_kv_pp2_equals_one_process(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """tiny with the release's fp8 KV rows (584-byte-style pages, fp8 indexer keys): each
+    stage quantizes its own layers' rows, so PP=2 gives what one process gives."""
+    doc = json.loads(tiny_hf_config())
+    doc["kv_cache_dtype"] = "fp8_e4m3"
+    path = tmp_path_factory.mktemp("fp8") / "config.json"
+    path.write_text(json.dumps(doc))
+    model = str(path)
+    results = _run(model, 2)
+    assert results[0]["outputs"] == _run(model, 1)[0]["outputs"]
+    run = GroupRun(model=model, pp_size=2, gpu_memory_bytes=96 * MIB, chunk_tokens=24)
+    assert run.inputs().model.kv_dtype == "fp8_e4m3"
+    _check_stages(results, run)
 
 
 def test_hybrid_tiny_pp2_equals_one_process() -> None:
