@@ -88,11 +88,11 @@ class KVFp8:
 
     def decode(self, data: Tensor, side: Tensor, dtype: torch.dtype) -> Tensor:
         scale = _pow2(side[:, : self.num_scales].to(torch.int32) - 127)
-        nope = _dequantize(data[:, : self.nope], scale, KV_BLOCK).to(dtype)
-        if not self.rope:
-            return nope
-        rope = data[:, self.nope :].contiguous().view(torch.bfloat16)
-        return torch.cat([nope, rope.to(dtype)], dim=1)
+        out = torch.empty(len(data), self.nope + self.rope, dtype=dtype, device=data.device)
+        out[:, : self.nope] = _dequantize(data[:, : self.nope], scale, KV_BLOCK)
+        if self.rope:
+            out[:, self.nope :] = data[:, self.nope :].contiguous().view(torch.bfloat16)
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,10 +221,19 @@ def _e4m3(scaled: Tensor, n: int) -> Tensor:
 
 
 def _dequantize(codes: Tensor, scale: Tensor, block: int) -> Tensor:
-    """e4m3 codes [N, n] uint8 times their block's scale [N, nb] float32 -> [N, n] float32."""
+    """e4m3 codes [N, n] uint8 times their block's scale [N, nb] float32 -> [N, n] float32.
+    The codes' values come from a 256-entry table (exact, as torch converts them): on CPU a
+    gather is ~10x faster than torch's float8 -> float32 conversion."""
     n = codes.shape[-1]
-    values = codes.contiguous().view(torch.float8_e4m3fn).float()
+    values = torch.take(_e4m3_table(codes.device), codes.to(torch.int64))
     return (_blocks(values, block) * scale[..., None]).flatten(1)[:, :n]
+
+
+@lru_cache(maxsize=8)
+def _e4m3_table(device: torch.device) -> Tensor:
+    """The float32 value of every e4m3 byte (0x7f and 0xff are NaN)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    return codes.view(torch.float8_e4m3fn).float().to(device)
 
 
 def _ceil_log2(x: Tensor) -> Tensor:
