@@ -25,11 +25,9 @@ from pathlib import Path
 import torch
 from benchjson import Figure, emit
 
-from dsv4_worker.model.ops import COMPUTE
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "worker" / "tests" / "engine"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "worker" / "tests" / "model"))
-from kv_accuracy_support import CASES, Figures, float32_kv, measure
+from kv_accuracy_support import CASES, DEFAULT_DTYPE, Figures, float32_kv, measure
 
 
 def _row(f: Figures, f32: Figures) -> str:
@@ -46,6 +44,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated")
     parser.add_argument("--raw", action="store_true", help="random branches without GPT-2 scale")
     parser.add_argument("--json", action="store_true", help="add a @bench-json line")
+    parser.add_argument(
+        "--dtype",
+        default=str(DEFAULT_DTYPE).removeprefix("torch."),
+        choices=("bfloat16", "float32", "float64"),
+        help="our compute dtype (default: a CPU worker's)",
+    )
     args = parser.parse_args(argv)
     names = args.cases.split(",")
     unknown = sorted(set(names) - set(CASES))
@@ -53,7 +57,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--cases: unknown {unknown}; choose from {sorted(CASES)}")
     torch.set_grad_enabled(False)
     scale = 1.0 if args.raw else None
-    print(f"compute dtype {COMPUTE}, torch threads {torch.get_num_threads()}")
+    dtype = getattr(torch, args.dtype)
+    print(f"compute dtype {args.dtype}, torch threads {torch.get_num_threads()}")
     print(
         "| config | positions | top-1 agreement (fp8) | mean abs dlogprob | max abs dlogprob "
         "| median top-2 margin | agreement (fp32 rows) | max abs dlogprob (fp32 rows) |"
@@ -63,8 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     for name in names:
         case = CASES[name]
-        fp8 = measure(case, args.positions, branch_scale=scale)
-        f32 = measure(case, args.positions, kv=float32_kv, branch_scale=scale)
+        fp8 = measure(case, args.positions, branch_scale=scale, dtype=dtype)
+        f32 = measure(case, args.positions, kv=float32_kv, branch_scale=scale, dtype=dtype)
         rows.append((fp8, f32))
         print(_row(fp8, f32), flush=True)
     positions = sum(f.positions for f, _ in rows)

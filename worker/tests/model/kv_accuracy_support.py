@@ -2,7 +2,8 @@
 test_fp8_kv_accuracy.py and bench/kv_accuracy.py (`import kv_accuracy_support`).
 
 Teacher-forced: one fixed token sequence per config; at every position, our paged engine
-(chunked prefill, pools in the model's `kv_cache_dtype`, the default compute dtype) and
+(chunked prefill, pools in the model's `kv_cache_dtype`, the default CPU compute dtype,
+float32) and
 transformers 5.24's DeepseekV4ForCausalLM (float64, float KV: it keeps no quantized cache) on
 the same dequantized weights each give the next-token distribution. Figures: top-1 agreement,
 |logprob difference| of the sequence's next token, and how peaked the reference is (the
@@ -39,8 +40,11 @@ from dsv4_common.plan.planner import plan
 from dsv4_worker.engine.paged import PagedModel, Segment
 from dsv4_worker.mem.memory import KVMemory
 from dsv4_worker.model.checkpoint import load_checkpoint
+from dsv4_worker.model.compute import compute_dtype
+from dsv4_worker.model.params import Params
 
 ROOT = Path(__file__).resolve().parents[3]
+DEFAULT_DTYPE = compute_dtype("auto", "cpu")  # what a CPU worker computes in (float32)
 # English in the register of the licenses the tiny model was trained on (written here, 700 B).
 TEXT = (
     b"Permission is hereby granted to any person obtaining a copy of this software and the "
@@ -193,9 +197,11 @@ def measure(
     chunk: int = 128,
     kv: Callable[[DSV4Config], DSV4Config] | None = None,
     branch_scale: float | None = None,
+    dtype: torch.dtype = DEFAULT_DTYPE,
 ) -> Figures:
-    """`case` at `length` positions; `kv` may change the model's KV storage (e.g. float32
-    rows, to separate what fp8 costs from what the engines differ by otherwise)."""
+    """`case` at `length` positions, ours computing in `dtype`; `kv` may change the model's
+    KV storage (e.g. float32 rows, to separate what fp8 costs from what the engines differ by
+    otherwise)."""
     model = kv(case.model) if kv is not None else case.model
     hf, params, ids = weights_and_tokens(case, length, branch_scale)
     with torch.no_grad():
@@ -209,7 +215,7 @@ def measure(
             max_running_requests=1,
         )
     ).ranks[0]
-    pm = PagedModel(model, params, KVMemory.from_rank_plan(rank))
+    pm = PagedModel(model, Params.of(params, dtype), KVMemory.from_rank_plan(rank))
     return compare(case.name, paged_logits(pm, ids, chunk), ref, ids)
 
 
