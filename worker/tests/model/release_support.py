@@ -11,13 +11,15 @@ import math
 from pathlib import Path
 
 import torch
-from checkpoint_writer import published_config, write_checkpoint
+from checkpoint_writer import release_encode, save_sharded
 
-from dsv4_common.core.model import DSV4Config, WeightShape
+from dsv4_common.core.hf_dsv4 import release_config
+from dsv4_common.core.model import DSV4Config, Quantization, WeightShape
 from dsv4_common.core.presets import deepseek_v4_flash, deepseek_v4_pro, tiny
 from dsv4_worker.model.checkpoint_names import mtp_param_shapes
 from dsv4_worker.model.weights import init_weights
 
+RELEASE = Quantization(scale_fmt="ue8m0", expert_dtype="fp4")  # the release's storage
 SMALL = WeightShape(
     hidden_size=64,
     vocab_size=256,
@@ -61,10 +63,13 @@ def release_model() -> DSV4Config:
 
 
 def write_release_dir(root: Path, model: DSV4Config, seed: int) -> dict[str, torch.Tensor]:
-    """A model directory in the release's form (FP8 matrices, FP4 routed experts, sharded with
-    an index, config.json with quantization_config and no kv_cache_dtype). Returns the
-    float64 weights it was made from."""
-    config = published_config(model, "fp4")
+    """A model directory in the release's form: every tensor stored as the planner's table
+    says DeepSeek stores it (FP8 block matrices with E8M0 scales, FP4 routed experts, BF16
+    floats, F32 where the release keeps F32, I64 hash table), sharded with an index, and
+    config.json with quantization_config and no kv_cache_dtype. Returns the float64 weights
+    it was made from."""
+    stored = dataclasses.replace(model, quantization=RELEASE, weight_dtype="bf16")
+    config = release_config(stored)
     assert "kv_cache_dtype" not in config and "quantization_config" in config
     gen = torch.Generator().manual_seed(seed + 1)
     mtp = {
@@ -72,5 +77,5 @@ def write_release_dir(root: Path, model: DSV4Config, seed: int) -> dict[str, tor
         for n, s in sorted(mtp_param_shapes(model).items())
     }
     weights = init_weights(model, seed=seed)
-    write_checkpoint(root, weights | mtp, config, quant="fp4", shards=2)
+    save_sharded(root, release_encode(stored, weights | mtp), 2, config)
     return weights

@@ -5,6 +5,7 @@ generation, token for token."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -90,27 +91,39 @@ def test_the_tiny_preset_serves_its_shipped_weights_unless_a_seed_is_given(
 def test_a_released_directory_serves_on_cpu_with_its_fp8_kv_rows(tmp_path: Path) -> None:
     """A directory as DeepSeek releases one (FP8/FP4 weights, `quantization_config`, no
     `kv_cache_dtype` key of ours) serves on CPU as it is: its KV rows are the release's fp8
-    pages, and the greedy tokens equal the naive oracle reading rows of the same format."""
+    pages, the greedy tokens equal the naive oracle reading rows of the same format (both in
+    float32, a CPU worker's compute dtype), and /status reports the weight bytes held equal to
+    the plan's."""
+    import torch
     from release_support import release_model, write_release_dir
 
     from dsv4_common.core.presets import load_model_config
     from dsv4_worker.model.checkpoint import load_checkpoint
     from dsv4_worker.model.oracle import oracle_greedy
+    from dsv4_worker.model.params import Params
 
     root = tmp_path / "released"
     write_release_dir(root, release_model(), seed=6)
     model = load_model_config(str(root))
     assert model.kv_dtype == "fp8_e4m3"
     assert isinstance(model, type(release_model()))
-    want = oracle_greedy(model, load_checkpoint(root, model).params, PROMPT, NEW_TOKENS)
+    held = Params.of(load_checkpoint(root, model).params, torch.float32)
+    want = oracle_greedy(model, held, PROMPT, NEW_TOKENS)
     port = free_port()
     deployment = Deployment()
     try:
-        deployment.start("serve", serve_argv("--model", str(root), "--port", str(port)), port)
+        served = deployment.start(
+            "serve", serve_argv("--model", str(root), "--port", str(port)), port
+        )
         deployment.ready()
         body = {"prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0}
         status, doc = post(port, {**body, "return_token_ids": True})
         assert status == 200, doc
         assert doc["choices"][0]["token_ids"] == want
+        code, text = served.get("/status")
+        assert code == 200, text
+        weights = json.loads(text)["weights"]
+        assert weights["held_bytes"] == weights["planned_bytes"] > 0, weights
+        assert weights["compute_dtype"] == "float32"
     finally:
         deployment.stop()
