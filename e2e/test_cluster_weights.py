@@ -76,7 +76,8 @@ def test_two_deployments_share_one_download_then_serve(
         secret = {
             "apiVersion": "v1",
             "kind": "Secret",
-            "metadata": {"name": "hf-token"},
+            # Its owner opts it in as a hub token (the operator refuses it otherwise).
+            "metadata": {"name": "hf-token", "labels": {"serving.dsv4.io/hub-token": "true"}},
             "data": {"HF_TOKEN": base64.b64encode(token.encode()).decode()},
         }
         kubectl("apply", "-n", namespace, "-f", "-", stdin=json.dumps(secret))

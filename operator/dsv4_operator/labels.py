@@ -63,6 +63,13 @@ ENGINE_LABEL: Final = f"{GROUP}/engine"
 # deployment label: every DSV4Deployment of that model and commit shares them.
 WEIGHTS_KEY_LABEL: Final = f"{GROUP}/weights-key"
 
+# A Secret's owner opts it in as an hf:// source's hub token with this label, value "true": the
+# operator reads the key of a Secret a CR names in spec.model.hub.tokenSecretRef (and renders the
+# download Job's secretKeyRef to it) only when the Secret carries it. The label is consent to send
+# that key to whatever endpoint the CR names (spec.model.hub.endpoint).
+HUB_TOKEN_LABEL: Final = f"{GROUP}/hub-token"
+HUB_TOKEN_LABEL_VALUE: Final = "true"
+
 APP_NAME_VALUE: Final = "dsv4-serve"
 MANAGED_BY_VALUE: Final = "dsv4-operator"
 # Labels the operator's own pods carry (the chart must set them): the NetworkPolicy lets only

@@ -110,7 +110,8 @@ def reconcile(
        (rollout.py)
     6. create the deployment's PD Secret unless it exists (a random value, made once and
        never rewritten, so it does not change under running pods; the operator never reads
-       it back: the only Secret it reads is an hf:// source's tokenSecretRef; `pd_secrets`
+       it back: the only Secret it reads is an hf:// source's tokenSecretRef, used only when
+       labelled as a hub token; `pd_secrets`
        remembers the deployments it did this for, so a converged deployment costs no write);
        server-side apply each planned object the
        cluster does not already hold (missing or drifted), surge groups included; prune owned

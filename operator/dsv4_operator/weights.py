@@ -80,7 +80,7 @@ __all__ = [
 
 class HubError(Exception):
     """The hub refused or could not be asked; `reason` is CamelCase (Unauthorized, NotFound,
-    HubUnavailable, SecretNotFound...), the message names the source."""
+    HubUnavailable, SecretNotFound, TokenSecretNotAllowed...), the message names the source."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)

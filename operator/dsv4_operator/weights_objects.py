@@ -161,6 +161,8 @@ def build_job(
     ]
     if endpoint is not None:
         env.append({"name": "HF_ENDPOINT", "value": endpoint})
+    # `resolved` exists only when weights_step.read_token found this Secret opted in (labelled
+    # labels.HUB_TOKEN_LABEL): no Job ever refers to a Secret its owner did not offer.
     if (secret := spec.model.hub.token_secret) is not None:
         ref = {"name": secret.name, "key": secret.key}
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})

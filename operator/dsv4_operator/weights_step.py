@@ -3,7 +3,9 @@ revision pinned in status is not resolved again), read the token Secret, observe
 download objects through the `Kube` and probe ports, and let `weights.decide` choose. No
 decisions here beyond which calls to make.
 
-    1. the token: the Secret `spec.model.hub.tokenSecretRef` names (get, this namespace only)
+    1. the token: the Secret `spec.model.hub.tokenSecretRef` names (get, this namespace only),
+       used only when its owner opted it in (labels.HUB_TOKEN_LABEL): otherwise neither a hub
+       request nor the download Job carries it
     2. the commit: status.weights.revision when status.weights.source is the spec's source
        (`@main` resolved once, then pinned), else the hub's answer for the revision
     3. the owners: every DSV4Deployment of the namespace whose status names this download
@@ -96,6 +98,17 @@ def read_token(kube: Kube, namespace: str, ref: SecretKeyRef | None) -> str | No
         ) from exc
     if secret is None:
         raise HubError("SecretNotFound", f"{where} not found")
+    # Checked before the value is read: whoever may create a DSV4Deployment could otherwise name
+    # any Secret of the namespace and have the operator send its key to an endpoint of theirs.
+    labels = (secret.get("metadata") or {}).get("labels") or {}
+    if labels.get(L.HUB_TOKEN_LABEL) != L.HUB_TOKEN_LABEL_VALUE:
+        raise HubError(
+            "TokenSecretNotAllowed",
+            f"{where} is not opted in as a hub token: its owner must label it "
+            f"{L.HUB_TOKEN_LABEL}={L.HUB_TOKEN_LABEL_VALUE} (kubectl -n {namespace} label secret "
+            f"{ref.name} {L.HUB_TOKEN_LABEL}={L.HUB_TOKEN_LABEL_VALUE}); the label lets its key "
+            "go to the endpoint the CR names",
+        )
     raw = (secret.get("data") or {}).get(ref.key)
     if not isinstance(raw, str):
         raise HubError("SecretNotFound", f"{where} has no key {ref.key!r}")

@@ -223,7 +223,10 @@ def _hf_scenarios(make_body: Callable[..., dict[str, Any]]) -> Iterator[Recordin
         "hub": {"tokenSecretRef": {"name": "hf"}},
     }
     kube = RecordingKube(FakeKube(body))
-    secret = {"metadata": {"name": "hf", "namespace": "ns"}, "data": {"HF_TOKEN": "aGZfYWJj"}}
+    secret = {
+        "metadata": {"name": "hf", "namespace": "ns", "labels": {L.HUB_TOKEN_LABEL: "true"}},
+        "data": {"HF_TOKEN": "aGZfYWJj"},
+    }
     kube.inner.objects[("v1", "Secret", "ns", "hf")] = secret
     hub = _Hub()
     deps = Deps(kube, FakeProbe(), OperatorConfig(), ReconcileGate(), hub=hub)

@@ -5,6 +5,7 @@ DSV4Deployments of one model share one download Job; no worker object exists unt
 complete; its progress reaches both statuses (at most one status write per 2 s each) and the
 WEIGHTS printer column; Events mark start, progress and completion; the pods then mount the
 claim read-only. A gated repo without a token fails with WeightsReady=False naming the 401; a
+token Secret its owner did not label as one is refused before any hub request carries it; a
 corrupted file and a checkpoint that is not the plan's fail the Job at once, naming the file or
 the first differing tensor; a claim the CR names that is smaller than the files is named before
 any Job; `@main` is resolved once and stays pinned when main moves.
@@ -291,15 +292,7 @@ def test_a_gated_repo_without_a_token_fails_naming_the_401_and_a_token_fixes_it(
     assert "401" in cond["message"] and "tokenSecretRef" in cond["message"]
     assert live.condition("gated", "PlanValid")["status"] == "False"  # config.json is gated too
     assert live.children("Job", "batch/v1") == {}
-    token = base64.b64encode(b"hf_granted").decode()
-    live.server.create(
-        {
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "metadata": {"name": "hf", "namespace": live.namespace},
-            "data": {"HF_TOKEN": token},
-        }
-    )
+    _token_secret(live, "hf_granted", opted_in=True)
     hub_spec = {"endpoint": hub.endpoint, "tokenSecretRef": {"name": "hf"}}
     _patch_spec(tmp_path, live, "gated", {"model": {"hub": hub_spec}})
 
@@ -309,6 +302,70 @@ def test_a_gated_repo_without_a_token_fails_naming_the_401_and_a_token_fixes_it(
         return bool(c and c["status"] == "True")
 
     live.wait("the token lets it through", ready, timeout=90)
+
+
+def _token_secret(live: Live, token: str, *, opted_in: bool) -> None:
+    labels = {L.HUB_TOKEN_LABEL: L.HUB_TOKEN_LABEL_VALUE} if opted_in else {}
+    live.server.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "hf", "namespace": live.namespace, "labels": labels},
+            "data": {"HF_TOKEN": base64.b64encode(token.encode()).decode()},
+        }
+    )
+
+
+def test_a_secret_not_opted_in_is_refused_and_its_key_reaches_no_hub(
+    live: Live, runner: JobRunner, hub: FakeHub, tmp_path: Path
+) -> None:
+    """Whoever may create a DSV4Deployment may name any Secret of the namespace: without its
+    owner's label the operator sends its key nowhere and renders no Job that mounts it. The
+    owner's label (`kubectl label secret`) lets it through at the next reconcile."""
+    files = synthetic_checkpoint(tmp_path / "model", tiny_config(), random=False)
+    hub.add_repo(REPO, files, gated=True, tokens=("hf_granted",))
+    _token_secret(live, "hf_granted", opted_in=False)
+    _create(
+        live,
+        "taker",
+        hub.endpoint,
+        hub={"endpoint": hub.endpoint, "tokenSecretRef": {"name": "hf"}},
+    )
+    cond = live.wait(
+        "WeightsReady refuses the Secret",
+        lambda: (
+            (c := live.condition("taker", "WeightsReady"))
+            and c["reason"] == "TokenSecretNotAllowed"
+            and c
+        ),
+    )
+    message = cond["message"]
+    assert "spec.model.hub.tokenSecretRef" in message and f"{live.namespace}/hf" in message
+    assert f"{L.HUB_TOKEN_LABEL}={L.HUB_TOKEN_LABEL_VALUE}" in message
+    assert _weights(live, "taker")["phase"] == "Failed"
+    assert live.children("Job", "batch/v1") == {}
+    # Nothing asked the hub: the token never left, not even to resolve the revision.
+    assert not any("hf_granted" in (r.auth or "") for r in hub.requests), hub.requests
+    assert hub.requests == []
+
+    # The Secret's owner opts it in, as the condition's message says (the real kubectl, with
+    # the admin's credentials: the operator itself may not change a Secret).
+    kubeconfig = live.server.write_kubeconfig(tmp_path / "owner-kubeconfig", live.namespace)
+    label = f"{L.HUB_TOKEN_LABEL}={L.HUB_TOKEN_LABEL_VALUE}"
+    argv = [str(KUBECTL), "--kubeconfig", str(kubeconfig), "--cache-dir", str(tmp_path / "kc")]
+    subprocess.run([*argv, "label", "secret", "hf", label], check=True, capture_output=True)
+
+    def ready() -> bool:
+        runner.poll()
+        c = live.condition("taker", "WeightsReady")
+        return bool(c and c["status"] == "True")
+
+    live.wait("the owner's label lets it through", ready, timeout=90)
+    assert any(r.auth == "Bearer hf_granted" for r in hub.requests)
+    (job,) = live.children("Job", "batch/v1").values()
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "HF_TOKEN"}
 
 
 def test_a_corrupted_file_fails_the_job_naming_it(

@@ -396,7 +396,7 @@ def test_no_worker_object_until_the_weights_are_complete(tmp_path: Path) -> None
     assert rank.model.served_model_names == ("acme/tiny",)
 
 
-def test_a_token_is_read_from_the_secret_and_a_refusal_is_named() -> None:
+def test_a_token_is_read_from_an_opted_in_secret_and_a_refusal_is_named() -> None:
     kube, probe, hub = (
         FakeKube(cr(hub={"tokenSecretRef": {"name": "hf", "key": "token"}})),
         FakeProbe(),
@@ -413,9 +413,21 @@ def test_a_token_is_read_from_the_secret_and_a_refusal_is_named() -> None:
         and "spec.model.source" in cond["PlanValid"]["message"]
     )
     assert hub.calls == []
-    kube.objects[("v1", "Secret", "ns", "hf")] = {
-        "data": {"token": base64.b64encode(b"hf_abc\n").decode()}
+    secret: dict[str, Any] = {
+        "metadata": {"name": "hf", "labels": {L.HUB_TOKEN_LABEL: "false"}},
+        "data": {"token": base64.b64encode(b"hf_abc\n").decode()},
     }
+    kube.objects[("v1", "Secret", "ns", "hf")] = secret
+    run(kube, probe, hub, T0 + timedelta(seconds=2))
+    # Not opted in (no label, or another value): the key goes to no hub and into no Job.
+    cond = conditions(kube)
+    assert cond["WeightsReady"]["reason"] == "TokenSecretNotAllowed"
+    message = cond["WeightsReady"]["message"]
+    assert "spec.model.hub.tokenSecretRef" in message and "Secret ns/hf" in message
+    assert f"{L.HUB_TOKEN_LABEL}=true" in message
+    assert hub.calls == [] and kube.of_kind("Job") == {}
+    assert kube.cr["status"]["weights"]["phase"] == "Failed"
+    secret["metadata"]["labels"] = {L.HUB_TOKEN_LABEL: L.HUB_TOKEN_LABEL_VALUE}
     hub.error = HubError("Unauthorized", "hf://acme/tiny@main: 401 Unauthorized: the repo is gated")
     run(kube, probe, hub, T0 + timedelta(seconds=5))
     assert hub.calls[-1] == ("acme/tiny", "main", "hf_abc")
