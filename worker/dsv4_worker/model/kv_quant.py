@@ -188,10 +188,11 @@ def hadamard(x: Tensor) -> Tensor:
 
 @lru_cache(maxsize=16)
 def _hadamard_matrix(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    h = torch.ones(1, 1, dtype=torch.float64)
+    """Built on `device` (no host-to-device copy: its first use may be inside a step)."""
+    h = torch.ones(1, 1, dtype=torch.float64, device=device)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)])
-    return (h / math.sqrt(n)).to(dtype=dtype, device=device)
+    return (h / math.sqrt(n)).to(dtype)
 
 
 # -- fp8 block arithmetic ----------------------------------------------------------------------
@@ -231,9 +232,10 @@ def _dequantize(codes: Tensor, scale: Tensor, block: int) -> Tensor:
 
 @lru_cache(maxsize=8)
 def _e4m3_table(device: torch.device) -> Tensor:
-    """The float32 value of every e4m3 byte (0x7f and 0xff are NaN)."""
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    return codes.view(torch.float8_e4m3fn).float().to(device)
+    """The float32 value of every e4m3 byte (0x7f and 0xff are NaN), built on `device` (no
+    host-to-device copy: its first use may be inside a step)."""
+    codes = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8)
+    return codes.view(torch.float8_e4m3fn).float()
 
 
 def _ceil_log2(x: Tensor) -> Tensor:

@@ -7,6 +7,17 @@ outputs (clamped at swiglu_limit); the shared experts add to every token.
 
 NOTE: ties in the top-k go to the lower expert index (a stable sort), so the choice never
 depends on the batch. The router scores in float32 at least (DeepSeek's reference does).
+
+Two dispatches compute the same sum (within the rounding of matmuls over different row counts):
+`by_expert` runs each chosen expert over the tokens that chose it, reading the choice back to
+the host (a `unique`, then a `nonzero` per expert); on a CPU that read is free, on a device
+each one is a sync. `every_expert` runs every routed expert over every token, weighted by a
+[T, E] matrix scattered from the choice (0 where not chosen): fixed shapes, nothing read back
+(no device sync; the shapes a captured CUDA graph needs), at E / k times the expert FLOPs,
+which a decode-sized batch on a GPU hardly notices (reading each expert's weights dominates)
+and a large prefill chunk does (a grouped GEMM over expert-sorted rows would remove that).
+`moe` takes `by_expert` where the host may read the device's tensors (`host_shortcuts`: a CPU
+without DSV4_EMULATE_DEVICE=1), `every_expert` elsewhere.
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4_common.core.model import DSV4Config
+from dsv4_worker.mem.device import host_shortcuts
 from dsv4_worker.model.compute import at_least_float32
 from dsv4_worker.model.ops import swiglu
 from dsv4_worker.model.params import Params
@@ -51,15 +63,59 @@ def moe(m: DSV4Config, p: Params, layer: int, x: torch.Tensor, ids: torch.Tensor
     """The FFN of layer `layer` on its normalized input `x` [T, H]; `ids` [T] are the tokens'
     ids (hash routing)."""
     f = f"layers.{layer}.ffn"
-    limit = m.arch.swiglu_limit
     chosen, weights = route(m, p, layer, x, ids)
+    dispatch = by_expert if host_shortcuts(x.device) else every_expert
+    out = dispatch(m, p, layer, x, chosen, weights)
+    if f"{f}.shared_experts.w1.weight" in p:
+        s = f"{f}.shared_experts"
+        limit = m.arch.swiglu_limit
+        out = out + swiglu(x, p, f"{s}.w1.weight", f"{s}.w3.weight", f"{s}.w2.weight", limit)
+    return out
+
+
+def by_expert(
+    m: DSV4Config,
+    p: Params,
+    layer: int,
+    x: torch.Tensor,
+    chosen: torch.Tensor,
+    weights: torch.Tensor,
+) -> torch.Tensor:
+    """The routed experts' weighted sum [T, H], each chosen expert over the rows that chose
+    it, in ascending expert order (reads the choice on the host: a sync per read on a
+    device)."""
+    e_ = f"layers.{layer}.ffn.experts"
+    limit = m.arch.swiglu_limit
     out = torch.zeros_like(x)
     for e in torch.unique(chosen).tolist():
         rows, slot = torch.nonzero(chosen == e, as_tuple=True)
-        e_ = f"{f}.experts.{e}"
-        y = swiglu(x[rows], p, f"{e_}.w1.weight", f"{e_}.w3.weight", f"{e_}.w2.weight", limit)
+        w = (f"{e_}.{e}.w1.weight", f"{e_}.{e}.w3.weight", f"{e_}.{e}.w2.weight")
+        y = swiglu(x[rows], p, *w, limit)
         out.index_add_(0, rows, y * weights[rows, slot, None].to(y.dtype))
-    if f"{f}.shared_experts.w1.weight" in p:
-        s = f"{f}.shared_experts"
-        out = out + swiglu(x, p, f"{s}.w1.weight", f"{s}.w3.weight", f"{s}.w2.weight", limit)
+    return out
+
+
+def every_expert(
+    m: DSV4Config,
+    p: Params,
+    layer: int,
+    x: torch.Tensor,
+    chosen: torch.Tensor,
+    weights: torch.Tensor,
+) -> torch.Tensor:
+    """The same sum at fixed shapes: every routed expert over every row, times the row's
+    routing weight for it (a token listing an expert twice gets both weights), in ascending
+    expert order; where a row did not choose an expert its output is dropped, not multiplied
+    by 0 (an inf there would make a NaN). Reads nothing back."""
+    e_ = f"layers.{layer}.ffn.experts"
+    limit = m.arch.swiglu_limit
+    shape = (x.shape[0], m.weights.num_routed_experts)
+    coef = torch.zeros(shape, dtype=weights.dtype, device=x.device)
+    coef = coef.scatter_add_(1, chosen, weights).to(x.dtype)
+    picked = torch.zeros(shape, dtype=torch.bool, device=x.device).scatter_(1, chosen, True)
+    out = torch.zeros_like(x)
+    for e in range(shape[1]):
+        w = (f"{e_}.{e}.w1.weight", f"{e_}.{e}.w3.weight", f"{e_}.{e}.w2.weight")
+        y = swiglu(x, p, *w, limit)
+        out += torch.where(picked[:, e, None], y * coef[:, e, None], 0.0)
     return out

@@ -6,6 +6,7 @@ prefill steps, and the paged forward itself."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 
@@ -22,10 +23,10 @@ from dsv4_worker.engine.role import EngineConfig
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.mem.memory import KVMemory
 from dsv4_worker.mem.sync_counter import SyncCounter
-from dsv4_worker.model import dsv4
-from dsv4_worker.model.ops import swiglu
+from dsv4_worker.model.checkpoint import load_checkpoint
 from dsv4_worker.model.params import Params
 from dsv4_worker.model.weights import init_weights
+from dsv4_worker.precheck import PACKAGED_MODELS
 from dsv4_worker.sched.scheduler import SchedulerConfig
 
 RUNNING = 64
@@ -94,36 +95,18 @@ def test_steps_with_page_crossings_and_evictions_each_read_back_once() -> None:
     eng.mem.check_integrity()
 
 
-def _dense_moe(
-    m: DSV4Config, p: Params, layer: int, x: torch.Tensor, ids: torch.Tensor
-) -> torch.Tensor:
-    """`moe.moe` without its data-dependent dispatch: every expert over every token, weighted
-    by the routing (0 where not chosen). Stands in for it below, which counts the rest."""
-    from dsv4_worker.model.moe import route
-
-    f = f"layers.{layer}.ffn"
-    limit = m.arch.swiglu_limit
-    chosen, weights = route(m, p, layer, x, ids)
-    out = torch.zeros_like(x)
-    for e in range(m.weights.num_routed_experts):
-        coef = (weights * (chosen == e)).sum(-1, keepdim=True).to(x.dtype)
-        w = [f"{f}.experts.{e}.{n}.weight" for n in ("w1", "w3", "w2")]
-        out = out + swiglu(x, p, *w, limit) * coef
-    if f"{f}.shared_experts.w1.weight" in p:
-        w = [f"{f}.shared_experts.{n}.weight" for n in ("w1", "w3", "w2")]
-        out = out + swiglu(x, p, *w, limit)
-    return out
+def _tiny_fp8() -> DSV4Config:
+    """tiny with the release's fp8 KV rows and indexer keys (quantized on write, on gather)."""
+    return dataclasses.replace(
+        tiny(), name="tiny-fp8", kv_dtype="fp8_e4m3", indexer_dtype="fp8", kv_page_align_bytes=576
+    )
 
 
-@pytest.mark.parametrize("model", [hybrid_tiny(), tiny()], ids=lambda m: m.name)
-def test_the_paged_forward_adds_no_sync(
-    model: ModelConfig, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Prefill chunks and decode steps through the real paged forward: one sync per step (the
-    read-back). For DeepSeek-V4 the MoE's per-expert dispatch (`moe.moe`: unique experts, rows
-    per expert) is replaced by a dense form: that dispatch is the model's, and still syncs."""
-    if isinstance(model, DSV4Config):
-        monkeypatch.setattr(dsv4, "moe", _dense_moe)
+@pytest.mark.parametrize("model", [hybrid_tiny(), tiny(), _tiny_fp8()], ids=lambda m: m.name)
+def test_the_paged_forward_adds_no_sync(model: ModelConfig) -> None:
+    """Prefill chunks and decode steps through the real paged forward (DeepSeek-V4's MoE
+    takes its fixed-shape dispatch on a device; fp8 rows quantize and dequantize on the
+    device): one sync per step, the read-back."""
     with emulating_device():
         eng = make_engine(
             model, init_weights(model, seed=5), full_pages=96, swa_pages=64, slots=6, chunk=48
@@ -133,4 +116,32 @@ def test_the_paged_forward_adds_no_sync(
     steps = list(_counted_steps(eng, 10))
     assert all(sum(c.values()) <= 1 for c in steps), steps
     assert sum(sum(c.values()) for c in steps) >= 8  # the steps sampled
+    eng.mem.check_integrity()
+
+
+def test_the_served_tiny_at_64_running_syncs_once_per_step() -> None:
+    """The whole engine step of the shipped tiny model as `dsv4 serve` runs it (its trained
+    weights as stored, float32 compute), 64 requests prefilled in one chunk then decoding
+    together (page crossings, requests finishing): each step reads the sampled tokens back
+    and nothing else."""
+    model = tiny()
+    held = load_checkpoint(PACKAGED_MODELS / "tiny", model).params
+    with emulating_device():
+        eng = make_engine(
+            model,
+            Params.of(held, torch.float32),
+            full_pages=RUNNING * 6,
+            swa_pages=RUNNING * 3,
+            slots=RUNNING,
+            chunk=RUNNING * 40,
+        )
+    for i in range(RUNNING):  # prompts of 9-40 tokens, 20-34 new tokens each
+        prompt = [(7 * i + j) % 200 + 3 for j in range(9 + i % 32)]
+        eng.submit(prompt, SamplingParams(max_new_tokens=20 + i % 15))
+    running = []
+    for counts in _counted_steps(eng, 24):
+        assert counts == {"tolist": 1}, counts
+        running.append(len(eng.requests))
+    assert running[0] == RUNNING and running[-1] < RUNNING  # all ran together; some finished
+    eng.run_until_idle()
     eng.mem.check_integrity()
