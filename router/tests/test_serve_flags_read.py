@@ -27,5 +27,5 @@ def test_the_router_reads_its_flags() -> None:
     instances = ["--instance", "prefill=h:1:2:3", "--instance", "decode=h:4:5:6"]
     reads = Reads(build_parser().parse_args(["serve", "--role", "router", *instances]))
     settings_from_args(reads)
-    router_dests = {f.dest for f in SERVE_FLAGS if f.reader != "worker"} - {"role"}
+    router_dests = {f.dest for f in SERVE_FLAGS if f.reader in ("router", "both")} - {"role"}
     assert reads.names >= router_dests  # --role is read by the command's dispatch

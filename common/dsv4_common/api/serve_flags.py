@@ -39,7 +39,9 @@ FRACTION: Final = Bounds("float", 0, False, 1)
 GPU_MEMORY_GIB: Final = Bounds("float", 0, False, MAX_GPU_MEMORY_GIB)
 PORT: Final = Bounds("int", 0, True, MAX_PORT)
 
-Reader = Literal["worker", "router", "both"]
+# Who reads a flag: the worker's options, the router's, both, or `dsv4 serve` itself before it
+# starts either (a model source to fetch).
+Reader = Literal["worker", "router", "both", "cli"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +119,7 @@ SERVE_FLAGS: Final = (
         "verified snapshot), never the network",
         switch=True,
         default=False,
+        reader="cli",
     ),
     Flag(
         "--role",

@@ -351,7 +351,7 @@ class Reads:
         return self.values[name]
 
 
-WORKER_DESTS = {f.dest for f in SERVE_FLAGS if f.reader != "router"} - {"config_dir"}
+WORKER_DESTS = {f.dest for f in SERVE_FLAGS if f.reader in ("worker", "both")} - {"config_dir"}
 
 
 def test_the_quick_form_reads_every_worker_flag_of_the_table() -> None:
@@ -363,5 +363,7 @@ def test_the_quick_form_reads_every_worker_flag_of_the_table() -> None:
 def test_the_deployed_form_reads_the_flags_the_operator_leaves_to_users() -> None:
     reads = Reads(args("--role", "decode"))
     ServeOptions.from_rank_config(rank_config("decode", pp_size=2), reads)  # type: ignore[arg-type]
-    user_flags = {f.dest for f in SERVE_FLAGS if f.reader != "router" and f.operator is None}
+    user_flags = {
+        f.dest for f in SERVE_FLAGS if f.reader in ("worker", "both") and f.operator is None
+    }
     assert reads.names >= user_flags
