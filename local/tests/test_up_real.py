@@ -125,7 +125,9 @@ def test_a_second_ctrl_c_with_a_stream_open_ends_the_drains(tmp_path: Path) -> N
         line = up.stdout.readline()
         assert line, seen
         seen += line
-    assert "waiting for prefill-0, decode-0, router to drain and exit" in seen, seen
+    # The stream holds decode-0 and the router; prefill-0 finished its part with the first
+    # token and may have exited within the second before the stop line.
+    assert re.search(r"waiting for (prefill-0, )?decode-0, router to drain and exit", seen), seen
     up.send_signal(signal.SIGINT)
     events = response.read().decode()
     assert up.wait(timeout=60) == 0

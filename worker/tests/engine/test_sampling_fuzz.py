@@ -118,6 +118,17 @@ def shared() -> Engine:
 )
 @given(batch=BATCH)
 @example(batch=[(list(b"Hi"), p) for p in EXTREMES])
+@example(  # unsatisfiable: after `{"` the grammar allows only 'a', a stop min_tokens bans
+    batch=[
+        (
+            [0],
+            SamplingParams(
+                max_new_tokens=3, min_tokens=3, stop_token_ids=(97,), json_schema=SCHEMAS[2]
+            ),
+        ),
+        (list(b"Hi"), SamplingParams(max_new_tokens=2)),
+    ]
+)
 def test_every_accepted_sampling_value_is_served_and_the_engine_lives(
     shared: Engine, batch: list[tuple[list[int], SamplingParams]]
 ) -> None:
@@ -125,6 +136,14 @@ def test_every_accepted_sampling_value_is_served_and_the_engine_lives(
     shared.run_until_idle(max_steps=200)
     assert shared.failure is None
     for req in reqs:
+        if req.finish_reason == "error":
+            # Constraints that together allow no token fail that request alone (the engine
+            # lives, asserted above): a grammar whose only next token is a stop token that
+            # min_tokens still bans, or one a -100 logit bias removed (found: {"a": ...} with
+            # stop 'a' and min_tokens 3).
+            assert req.params.json_schema is not None, (req.params, req.error)
+            assert req.error is not None and "no token is allowed here" in req.error
+            continue
         assert req.finish_reason in ("stop", "length"), (req.params, req.error)
         assert all(0 <= t < VOCAB for t in req.output)
         entries = [*req.logprobs, *req.prompt_logprobs]
