@@ -65,9 +65,11 @@ def test_request_through_a_local_pd_deployment(
     assert "KV transfer handshake with prefill" in (tmp_path / "logs" / f"{decode}.log").read_text()
 
 
-def test_sigterm_stops_every_process(tmp_path: Path) -> None:
+def start_serving(workdir: Path) -> tuple[subprocess.Popen[str], str]:
+    """`dsv4 up` in `workdir`, read until it serves (its Ctrl-C line): the process and what it
+    printed so far."""
     up = subprocess.Popen(
-        [*UP, "--workdir", str(tmp_path)],
+        [*UP, "--workdir", str(workdir)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -78,6 +80,12 @@ def test_sigterm_stops_every_process(tmp_path: Path) -> None:
     while "Ctrl-C stops every process" not in seen:
         assert time.monotonic() < deadline and up.poll() is None, seen
         seen += up.stdout.readline()
+    return up, seen
+
+
+def test_sigterm_stops_every_process(tmp_path: Path) -> None:
+    up, seen = start_serving(tmp_path)
+    assert up.stdout is not None
     pids = [int(p) for p in re.findall(r"pid (\d+)", seen)]
     children = subprocess.run(
         ["pgrep", "-P", str(up.pid)], capture_output=True, text=True
@@ -97,18 +105,8 @@ def test_a_second_ctrl_c_with_a_stream_open_ends_the_drains(tmp_path: Path) -> N
     """Ctrl-C with a long stream open: the workers drain (up to 20 s) and `dsv4 up` says what
     it waits for; a second Ctrl-C ends the drains: the stream gets its error event and
     `[DONE]` (it was cut short, not finished) and everything exits."""
-    up = subprocess.Popen(
-        [*UP, "--workdir", str(tmp_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    up, seen = start_serving(tmp_path)
     assert up.stdout is not None
-    seen = ""
-    deadline = time.monotonic() + 300
-    while "Ctrl-C stops every process" not in seen:
-        assert time.monotonic() < deadline and up.poll() is None, seen
-        seen += up.stdout.readline()
     found = re.search(r"^api: +router +http://127\.0\.0\.1:(\d+)", seen, re.M)
     assert found, seen
     # Long: 8 choices of 2000 tokens each, EOS ignored (tiny's context is 2048).
