@@ -120,6 +120,23 @@ def _drift(kube: FakeKube) -> None:
             obj["metadata"].setdefault("labels", {})["edited"] = "by-hand"
 
 
+def _applied_drifted_then(
+    body: dict[str, Any], change: Callable[[dict[str, Any]], object]
+) -> RecordingKube:
+    """Reconciled from `body`, again after every child drifted, then again after `change`
+    edited a copy of the spec (what it applies, re-applies and prunes, recorded)."""
+    kube = RecordingKube(FakeKube(body))
+    deps = Deps(kube, FakeProbe(), OperatorConfig(), ReconcileGate())
+    run_reconcile(kube.inner.cr, deps, LOG)
+    _drift(kube.inner)
+    run_reconcile(kube.inner.cr, deps, LOG)
+    changed = copy.deepcopy(kube.inner.cr)
+    change(changed["spec"])
+    kube.inner.cr = changed
+    run_reconcile(kube.inner.cr, deps, LOG)
+    return kube
+
+
 def _scenarios(make_body: Callable[..., dict[str, Any]]) -> Iterator[RecordingKube]:
     """Each call site of the reconcile and the webhook, reached once at least."""
     # Create, converge (status), a broken pod's group restarted, replicas scaled down (prune).
@@ -146,16 +163,7 @@ def _scenarios(make_body: Callable[..., dict[str, Any]]) -> Iterator[RecordingKu
         body = make_body("flash-h200-volcano.yaml")
         body["spec"]["scheduling"]["gang"] = gang
         body["spec"]["scheduling"].pop("queue", None) if gang != "volcano" else None
-        kube = RecordingKube(FakeKube(body))
-        deps = Deps(kube, FakeProbe(), OperatorConfig(), ReconcileGate())
-        run_reconcile(kube.inner.cr, deps, LOG)
-        _drift(kube.inner)
-        run_reconcile(kube.inner.cr, deps, LOG)
-        other = copy.deepcopy(kube.inner.cr)
-        other["spec"]["scheduling"] = {"gang": "none"}
-        kube.inner.cr = other
-        run_reconcile(kube.inner.cr, deps, LOG)
-        yield kube
+        yield _applied_drifted_then(body, lambda spec: spec.update(scheduling={"gang": "none"}))
     # The Inference Extension's objects: applied, re-applied after an edit, pruned.
     body = make_body()
     body["spec"]["gateway"] = {
@@ -163,16 +171,7 @@ def _scenarios(make_body: Callable[..., dict[str, Any]]) -> Iterator[RecordingKu
         "parentRefs": [{"name": "gw"}],
         "allowFromNamespaces": ["gateway-system"],
     }
-    kube = RecordingKube(FakeKube(body))
-    deps = Deps(kube, FakeProbe(), OperatorConfig(), ReconcileGate())
-    run_reconcile(kube.inner.cr, deps, LOG)
-    _drift(kube.inner)
-    run_reconcile(kube.inner.cr, deps, LOG)
-    without = copy.deepcopy(kube.inner.cr)
-    del without["spec"]["gateway"]
-    kube.inner.cr = without
-    run_reconcile(kube.inner.cr, deps, LOG)
-    yield kube
+    yield _applied_drifted_then(body, lambda spec: spec.pop("gateway"))
     # An HPA's or KEDA's targets: each role's scaler read, applied with its HPA or
     # ScaledObject, re-applied after an edit, pruned when the operator scales again.
     for engine in ("hpa", "keda"):
@@ -181,16 +180,9 @@ def _scenarios(make_body: Callable[..., dict[str, Any]]) -> Iterator[RecordingKu
         body["spec"]["autoscaling"] = {"engine": engine}
         if engine == "keda":
             body["spec"]["autoscaling"]["prometheusAddress"] = "http://prometheus:9090"
-        kube = RecordingKube(FakeKube(body))
-        deps = Deps(kube, FakeProbe(), OperatorConfig(), ReconcileGate())
-        run_reconcile(kube.inner.cr, deps, LOG)
-        _drift(kube.inner)
-        run_reconcile(kube.inner.cr, deps, LOG)
-        operator_engine = copy.deepcopy(kube.inner.cr)
-        operator_engine["spec"]["autoscaling"] = {"engine": "operator"}
-        kube.inner.cr = operator_engine
-        run_reconcile(kube.inner.cr, deps, LOG)
-        yield kube
+        yield _applied_drifted_then(
+            body, lambda spec: spec.update(autoscaling={"engine": "operator"})
+        )
     # A configMapRef model: read from the API, by the reconcile and by the webhook.
     body = make_body("flash-configmap.yaml")
     kube = RecordingKube(FakeKube(body))
