@@ -12,10 +12,14 @@ Both engines compute in `--dtype` (float32 by default: transformers' CPU dtype, 
 with the same `--threads` (0: torch's default), and our KV rows are float32.
 
 Rows: greedy tokens/s at 1 and 16 concurrent requests (each request a different prompt of
-`--prompt-tokens`; transformers gets the 16 as one batch of equal-length prompts, its best
-case), and time to first token of one `--ttft-tokens`-token prompt (our chunked prefill vs
-transformers' one full forward). Medians over the rounds, each engine's best in brackets. With
-`--json`, a `@bench-json` line (bench/benchjson.py, for bench/compare.py).
+`--prompt-tokens`), against transformers twice: the 16 as one batch of equal-length prompts
+(its best case, which no server of it gives DeepSeek-V4), and the 16 one `generate` after
+another ("in turn": what `transformers serve` 5.24 does with concurrent requests by default,
+one `generate` at a time on its inference thread; its continuous batching is opt-in, and #38
+found it refuses DeepSeek-V4); then time to first token of one `--ttft-tokens`-token prompt
+(our chunked prefill vs transformers' one full forward). Medians over the rounds, each
+engine's best in brackets. With `--json`, a `@bench-json` line (bench/benchjson.py, for
+bench/compare.py).
 """
 
 from __future__ import annotations
@@ -172,6 +176,25 @@ def hf_tokens_per_s(reference: Any, prompts: list[list[int]], new: int) -> float
     return (out.shape[1] - ids.shape[1]) * len(prompts) / elapsed
 
 
+def hf_in_turn_tokens_per_s(reference: Any, prompts: list[list[int]], new: int) -> float:
+    """The requests one `generate` after another, as `transformers serve` runs concurrent
+    requests by default (its `GenerateManager`)."""
+    start = time.perf_counter()
+    tokens = 0
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = reference.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+            )
+        tokens += out.shape[1] - ids.shape[1]
+    return tokens / (time.perf_counter() - start)
+
+
 def ours_ttft_s(eng: Engine, prompt: list[int]) -> float:
     start = time.perf_counter()
     req = eng.submit(prompt, SamplingParams(max_new_tokens=1))
@@ -232,6 +255,15 @@ def main() -> None:
                 True,
             )
         )
+        if count > 1:
+            cases.append(
+                (
+                    f"tokens/s, {count:2d}, hf in turn",
+                    lambda p=prompts: ours_tokens_per_s(decoding, p, args.new_tokens),
+                    lambda p=prompts: hf_in_turn_tokens_per_s(reference, p, args.new_tokens),
+                    True,
+                )
+            )
     if args.ttft_tokens:
         (long_prompt,) = _prompts(1, args.ttft_tokens, vocab)
         cases.append(

@@ -39,9 +39,9 @@ def test_cpu_mode_workers_get_one_thread_from_the_default_request() -> None:
 @pytest.mark.parametrize(
     ("resources", "prefill", "decode"),
     [
-        ({"requests": {"cpu": "4"}}, 4, 4),  # spec.resources: every role
-        ({"limits": {"cpu": "2500m"}}, 2, 2),  # a limit alone is the request
-        ({"requests": {"cpu": "16"}, "limits": {"cpu": "32"}}, 16, 16),
+        ({"requests": {"cpu": "4"}}, 3, 3),  # spec.resources: every role
+        ({"limits": {"cpu": "2500m"}}, 1, 1),  # a limit alone is the request
+        ({"requests": {"cpu": "16"}, "limits": {"cpu": "32"}}, 15, 15),
     ],
 )
 def test_spec_resources_set_every_role(
@@ -61,12 +61,12 @@ def test_a_role_pod_template_wins_for_its_role_only() -> None:
     body["spec"]["resources"] = {"requests": {"cpu": "4"}}
     _worker_resources(body, "decode", {"requests": {"cpu": "8"}})
     spec = parse_spec(body)
-    assert (worker_torch_threads(spec)["prefill"], worker_torch_threads(spec)["decode"]) == (4, 8)
+    assert (worker_torch_threads(spec)["prefill"], worker_torch_threads(spec)["decode"]) == (3, 7)
 
 
 def test_gpu_workers_default_to_their_cpus_per_gpu() -> None:
     body = _body("flash-gpu.yaml")
-    assert worker_torch_threads(parse_spec(body))["decode"] == 16  # its 16-CPU request
+    assert worker_torch_threads(parse_spec(body))["decode"] == 15  # its 16-CPU request
     del body["spec"]["resources"]
     spec = parse_spec(body)
     assert worker_cpu_request(spec, "decode") == CPU_PER_GPU * spec.gpu.per_pod
@@ -84,5 +84,5 @@ def test_the_rank_configs_in_the_config_map_carry_it() -> None:
         if "-rank-" in key
     }
     assert threads and all(
-        v == (3 if key.startswith("prefill") else 1) for key, v in threads.items()
+        v == (2 if key.startswith("prefill") else 1) for key, v in threads.items()
     )

@@ -196,7 +196,7 @@ SERVE_FLAGS: Final = (
     Flag(
         "--torch-threads",
         "torch intra-op threads (default: the rank config's, else the CPUs this process may "
-        "use; see dsv4_common.plan.threads)",
+        "use less one for its own threads; see dsv4_common.plan.threads)",
         bounds=POSITIVE_INT,
     ),
     Flag(

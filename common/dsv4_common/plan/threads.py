@@ -4,17 +4,23 @@ The rule (the worker applies it to the CPUs its cgroup quota and affinity allow;
 to the pod's CPU request, which is all the CPU a pod without a limit is promised; `dsv4 up` to
 its machine's CPUs split evenly over the worker ranks it runs side by side):
 
-    intra-op threads = max(1, floor(cpus))
+    intra-op threads = max(1, floor(cpus) - RESERVED_CPUS)
     inter-op threads = INTEROP_THREADS
 
-Every usable CPU goes to torch (#38: a lone `dsv4 serve` on a 2-core machine took 1 of 2,
-and computing in float32 at hidden 1024 is bound by arithmetic, not dispatch). The worker's
-own Python threads (the asyncio loop, the PD control and transfer threads) mostly wait; what
-made a second torch thread cost tokens/s in issue #26 was torch's OpenMP workers spinning
-between parallel regions on the core the event loop needed, so the worker makes them sleep
-instead (`OMP_WAIT_POLICY=PASSIVE`, set by `dsv4_worker` before torch loads unless the
-environment already sets it). The inter-op pool serves only `torch.jit.fork` and a few
+RESERVED_CPUS is one core for the worker's own threads: the asyncio loop (HTTP, SSE,
+tokenizing), the PD control and transfer threads, and whatever else shares the machine. An
+OpenMP parallel region ends at a barrier, so a torch thread that another thread or process
+keeps off its core stalls every op of the step, not just its share. Measured on a 2-core VM
+(#38, docs/real-model.md "Torch threads"): serving tiny and medium over HTTP, one torch thread
+gave 1.4-2x the tokens/s of two; in one process with nothing else running, two threads gave
+medium's 16-request decode 1.2x and its 1-request decode nothing. On a many-core node the core
+kept back costs at most 1/cpus of the arithmetic. `--torch-threads` (or the rank config's
+`torch_threads`) overrides the rule. The inter-op pool serves only `torch.jit.fork` and a few
 parallel ops the eager forward never uses: one thread.
+
+Torch's OpenMP workers also sleep between parallel regions rather than spin
+(`OMP_WAIT_POLICY=PASSIVE`, set by `dsv4_worker` before torch loads unless the environment sets
+it), so a worker with many threads does not spin on the cores its own threads need.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import math
 from typing import Final
 
+RESERVED_CPUS: Final = 1
 INTEROP_THREADS: Final = 1
 
 
@@ -29,4 +36,4 @@ def torch_threads(cpus: float) -> int:
     """Intra-op threads for a process that may use `cpus` cores (fractions from quotas)."""
     if not cpus > 0:
         raise ValueError(f"cpus={cpus}: must be > 0")
-    return max(1, math.floor(cpus + 1e-9))
+    return max(1, math.floor(cpus + 1e-9) - RESERVED_CPUS)
