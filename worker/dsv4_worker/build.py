@@ -38,6 +38,7 @@ from dsv4_worker.engine.role import Place, Role
 from dsv4_worker.options import ServeError, ServeOptions
 from dsv4_worker.pd import control as C
 from dsv4_worker.pd.auth import SessionKeys
+from dsv4_worker.pd.channel import OnFailure
 from dsv4_worker.pd.decode import DecodeAgent, DecodeFollower
 from dsv4_worker.pd.prefill import WRITE_TIMEOUT_S, PrefillAgent, PrefillFollower
 from dsv4_worker.pd.transfer import (
@@ -54,7 +55,10 @@ from dsv4_worker.server.runner import EngineRunner
 
 
 class Agent(Protocol):
-    """What serving does with a PD agent: run it, stop it, watch whether its thread died."""
+    """What serving does with a PD agent: run it, stop it, watch whether its thread died
+    (`failure`; `on_failure` is called, from the dying thread, once it is set)."""
+
+    on_failure: OnFailure
 
     @property
     def failure(self) -> str | None: ...

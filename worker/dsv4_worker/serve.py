@@ -22,6 +22,7 @@ so once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -275,15 +276,32 @@ def _admission_policy(opts: ServeOptions, max_running_requests: int) -> Admissio
     return default_policy(max_running_requests, opts.max_queue_requests, opts.queue_timeout_s)
 
 
-AGENT_WATCH_S = 0.2  # how often `_serve` looks whether the PD agent's thread died
+# After a PD agent's thread died: how long its failed requests may take to reach their handlers
+# (the engine thread fails them) before the drain aborts whatever is still in flight.
+AGENT_FAILED_SETTLE_S = 2.0
+SETTLE_POLL_S = 0.01
 
 
-async def _watch_agent(agent: Agent, stop: asyncio.Event) -> None:
+async def _watch_agent(agent: Agent, drain_state: Drain, stop: asyncio.Event) -> None:
     """A PD agent whose control thread died (it failed its requests and the engine, so /ready
-    answers 503): stop serving; `run` exits non-zero and a supervisor restarts the worker."""
-    while agent.failure is None:
-        await asyncio.sleep(AGENT_WATCH_S)
+    answers 503): stop serving; `run` exits non-zero and a supervisor restarts the worker.
+    The dying thread wakes this (`on_failure`): nothing polls while it lives. The requests it
+    failed get that error, not the drain's: the drain starts once their handlers have
+    answered (bounded: `AGENT_FAILED_SETTLE_S`)."""
+    loop = asyncio.get_running_loop()
+    died = asyncio.Event()
+
+    def wake(_why: str) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: serving is over
+            loop.call_soon_threadsafe(died.set)
+
+    agent.on_failure = wake
+    if agent.failure is None:  # (after the hook: a death in between is seen by one of them)
+        await died.wait()
     print(f"dsv4 serve: {agent.failure}: exiting", file=sys.stderr, flush=True)
+    settled_s = loop.time() + AGENT_FAILED_SETTLE_S
+    while drain_state.in_flight and loop.time() < settled_s:
+        await asyncio.sleep(SETTLE_POLL_S)
     stop.set()
 
 
@@ -306,7 +324,9 @@ async def _serve(built: Built, drain_timeout_s: float = DRAIN_S) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
-    watch = asyncio.ensure_future(_watch_agent(built.agent, stop)) if built.agent else None
+    watch = (
+        asyncio.ensure_future(_watch_agent(built.agent, built.drain, stop)) if built.agent else None
+    )
     try:
         for app, sockets in built.sites:
             # Past the drain every handler has answered: closing needs no long wait.

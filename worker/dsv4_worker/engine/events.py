@@ -9,7 +9,7 @@ no-op (a colocated engine's events), and a PD agent overrides those its role hea
                on_transfer_end (its transfer ends: before its pages decode, are held or freed)
     follower   on_note (what the leader's component told, `Engine.note`, in order)
     every      after_step (after each turn of the serving loop, `EngineRunner`)
-               clocked (after_step has deadlines or heartbeats to check: the loop keeps turning)
+               wake_at_s (when after_step next has a deadline or a heartbeat to check)
 """
 
 from __future__ import annotations
@@ -48,11 +48,14 @@ class EngineEvents:
     def after_step(self, finished: list[Request]) -> None:
         """After every turn of the serving loop, with the requests that finished in it."""
 
-    @property
-    def clocked(self) -> bool:
-        """`after_step` has something that depends on the clock (a deadline, a heartbeat),
-        so the serving loop must turn even while the engine is idle."""
-        return False
+    def wake_at_s(self, now_s: float) -> float | None:
+        """When (`time.monotonic()` seconds) `after_step` next has something to do that
+        depends on the clock (a deadline, a heartbeat), so the serving loop must turn by then
+        even while the engine is idle; at or before `now_s`: at once. None: nothing until a
+        step, a submission or a call. Waking earlier is harmless (the loop asks again);
+        another thread that makes something due earlier than this said must kick the loop
+        (`EngineRunner.call`)."""
+        return None
 
 
 NO_EVENTS: Final = EngineEvents()

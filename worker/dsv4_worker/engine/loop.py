@@ -430,6 +430,11 @@ class Engine:
         """A step left the engine idle and `check_if_idle` has not checked it since."""
         return self._idle_since_s is not None
 
+    def idle_check_due_s(self, settled_s: float) -> float | None:
+        """When `check_if_idle(settled_s)` will check (`time.monotonic()`), if it is pending."""
+        since = self._idle_since_s
+        return None if since is None else since + settled_s
+
     def check_if_idle(self, settled_s: float = 0.0) -> None:
         """The whole-state check (`check_integrity`, milliseconds) once the engine has stayed
         idle `settled_s` since a step left it idle. The serving loop waits a while, so the

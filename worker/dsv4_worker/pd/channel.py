@@ -32,6 +32,11 @@ Post = Callable[[Callable[[], None]], None]  # run a function on the engine thre
 # client now (any thread: `EngineRunner.show_first_token`)
 ShowFirst = Callable[[str, int, TokenLogprob | None, tuple[TokenLogprob, ...]], None]
 Context = zmq.Context[zmq.Socket[bytes]]
+OnFailure = Callable[[str], None]  # told, from the dying thread, why an agent's thread died
+
+
+def no_hook(why: str) -> None:
+    """The default `OnFailure`: nobody listens (the agent's `failure` still says why)."""
 
 
 def socket(ctx: Context, kind: int) -> zmq.Socket[bytes]:

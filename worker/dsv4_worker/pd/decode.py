@@ -60,6 +60,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from dsv4_common.api.manifest import Manifest
 from dsv4_common.core.layout import IndexSpace
+from dsv4_worker.engine import wake
 from dsv4_worker.engine.events import EngineEvents
 from dsv4_worker.engine.loop import Engine, Request
 from dsv4_worker.pd import control as C
@@ -74,24 +75,31 @@ from dsv4_worker.pd.auth import (
     instance_of,
     new_nonce,
 )
-from dsv4_worker.pd.channel import Mailbox, Post, ShowFirst, bound, guarded, socket
+from dsv4_worker.pd.channel import (
+    Mailbox,
+    OnFailure,
+    Post,
+    ShowFirst,
+    bound,
+    guarded,
+    no_hook,
+    socket,
+)
 from dsv4_worker.pd.columns import tail_cols
 from dsv4_worker.pd.liveness import (
     Heartbeat,
+    next_ping_s,
     ping_due,
     pong_verdict,
     rooms_of,
     silent,
+    silent_after_s,
 )
 from dsv4_worker.pd.transfer import Grant, TransferError, TransferTarget, epoch_of, landed_key
 from dsv4_worker.sched.scheduler import RequestId
 
 log = logging.getLogger(__name__)
 
-POLL_MS = 50
-# ... and with nothing in flight: what is left then is the heartbeat (pings every
-# HEARTBEAT_INTERVAL_S, pongs wake the poll) and reconnecting a lost prefill.
-IDLE_POLL_MS = 250
 # The most the engine thread waits, at a step's first admission, for the control thread to
 # send the request to prefill: the rest of the step holds the GIL and a core meanwhile.
 ADMIT_HANDOFF_S = 0.002
@@ -244,6 +252,8 @@ class DecodeAgent(EngineEvents):
         self._lock = threading.Lock()
         self._status: tuple[bool, str | None] = (False, None)
         self.failure: str | None = None  # set: the control thread died
+        self.on_failure: OnFailure = no_hook  # called once `failure` is set
+        self.control_turns = 0  # turns of the control loop (each wake-up: tests)
         self._crash_on_request = os.environ.get(FAULT_ENV) == "control-crash"
 
     def attach(self, engine: Engine, post: Post, show: ShowFirst) -> None:
@@ -276,6 +286,7 @@ class DecodeAgent(EngineEvents):
         with self._lock:
             self._status = (False, why)
         self.post(functools.partial(self._fail_all, why))
+        self.on_failure(why)
 
     def _fail_all(self, why: str) -> None:
         self.engine.fail_all_between(why)
@@ -360,8 +371,11 @@ class DecodeAgent(EngineEvents):
         if self._landed_in is not None:
             poller.register(self._landed_in, zmq.POLLIN)
         while not self._stop.is_set():
-            # A landed tag or stop() kicks the outbox; the heartbeat's next ping is the one timer.
-            for sock, _ in poller.poll(self._poll_ms(time.monotonic())):
+            # Messages, a landed tag and stop() wake it (the outbox's kicks); else it sleeps
+            # until the next thing due by the clock (`_due_s`): idle, the next ping.
+            self.control_turns += 1
+            now = time.monotonic()
+            for sock, _ in poller.poll(wake.wait_ms(self._due_s(now), now)):
                 if sock is self._outbox.pull:
                     for out in self._outbox.take():
                         self._outgoing(out)
@@ -387,18 +401,26 @@ class DecodeAgent(EngineEvents):
                 self._expecting = due
                 self.target.expect(due)
 
-    def _poll_ms(self, now: float) -> int:
-        """How long the control loop may sleep: until the next ping is due, at most POLL_MS
-        with transfers in flight, IDLE_POLL_MS without."""
-        bound_ms = POLL_MS if self._flights else IDLE_POLL_MS
-        due = [
-            (p.pinged_s or now) + self.heartbeat.interval_s
-            for p in self._prefills.values()
-            if p.state == "ready"
-        ]
-        if not due:
-            return bound_ms
-        return max(1, min(bound_ms, int((min(due) - now) * 1000) + 1))
+    def _due_s(self, now: float) -> float | None:
+        """The first instant at which `_heartbeat` or `_expire` has something to do: a ping
+        to send, a peer turning silent, a lost prefill to handshake again, a connection's
+        handshake or a flight's deadline passing, a dropped lame session counting as closed.
+        Only this thread changes any of them."""
+        hb, due = self.heartbeat, []
+        for p in self._prefills.values():
+            if p.state == "failed":
+                due.append(p.retry_at_s)
+                continue
+            due.append(silent_after_s(p.heard_s, hb))
+            if p.state == "ready":
+                due.append(next_ping_s(p.pinged_s, now, hb))
+            else:  # connecting
+                due.append(p.since_s + HANDSHAKE_TIMEOUT_S)
+        for lame in self._lame:
+            if lame.dropped_s is not None:
+                due.append(lame.dropped_s + 2 * hb.timeout_s)
+        due += [f.deadline_s for f in self._flights.values() if not f.held]
+        return wake.earliest(*due)
 
     def _peer(self, address: str) -> _Prefill:
         """The address's connection: a new one (hello sent) unless one is live."""
@@ -809,6 +831,7 @@ class DecodeFollower(EngineEvents):
         )
         self._thread.name = "dsv4-pd-landed"
         self.failure: str | None = None  # set: its thread died (the leader times out)
+        self.on_failure: OnFailure = no_hook  # called once `failure` is set
 
     def attach(self, engine: Engine) -> None:
         self.engine = engine
@@ -822,6 +845,7 @@ class DecodeFollower(EngineEvents):
 
     def _crashed(self, why: str) -> None:
         self.failure = why
+        self.on_failure(why)
 
     def start(self) -> None:
         self._thread.start()

@@ -89,13 +89,31 @@ def gone(fresh_s: float, now_s: float, hb: Heartbeat) -> bool:
     return now_s - fresh_s > hb.timeout_s + hb.interval_s
 
 
+def gone_after_s(fresh_s: float, hb: Heartbeat) -> float:
+    """The instant after which `gone` holds (while `fresh_s` stays: a pong echoed later only
+    moves it later), to within rounding: a thread that sleeps until it and finds `gone` not
+    quite true yet looks again a moment later (`engine.wake.MIN_WAIT_S`)."""
+    return fresh_s + hb.timeout_s + hb.interval_s
+
+
 def ping_due(last_ping_s: float | None, now_s: float, hb: Heartbeat) -> bool:
     return last_ping_s is None or now_s - last_ping_s >= hb.interval_s
+
+
+def next_ping_s(last_ping_s: float | None, now_s: float, hb: Heartbeat) -> float:
+    """When `ping_due` next holds (at or before `now_s`: it does now), to within rounding."""
+    return now_s if last_ping_s is None else last_ping_s + hb.interval_s
 
 
 def silent(last_heard_s: float, now_s: float, hb: Heartbeat) -> bool:
     """Nothing heard from the peer for longer than the timeout."""
     return now_s - last_heard_s > hb.timeout_s
+
+
+def silent_after_s(last_heard_s: float, hb: Heartbeat) -> float:
+    """The instant after which `silent` holds (unless the peer is heard from again), to
+    within rounding."""
+    return last_heard_s + hb.timeout_s
 
 
 def silent_peers(last_heard_s: Mapping[K, float], now_s: float, hb: Heartbeat) -> list[K]:

@@ -65,6 +65,7 @@ from dsv4_common.api.manifest import (
     shared_layers,
 )
 from dsv4_common.core.layout import IndexSpace
+from dsv4_worker.engine import wake
 from dsv4_worker.engine.events import EngineEvents
 from dsv4_worker.engine.loop import Engine, EngineFailed, Request
 from dsv4_worker.pd import control as C
@@ -80,15 +81,17 @@ from dsv4_worker.pd.auth import (
     new_session_id,
 )
 from dsv4_worker.pd.blocks import transfer_blocks
-from dsv4_worker.pd.channel import Mailbox, Post, bound, guarded
+from dsv4_worker.pd.channel import Mailbox, OnFailure, Post, bound, guarded, no_hook
 from dsv4_worker.pd.columns import SendStep
 from dsv4_worker.pd.flight import write_tag
-from dsv4_worker.pd.liveness import Echoes, Heartbeat, fresh, gone
+from dsv4_worker.pd.liveness import Echoes, Heartbeat, fresh, gone, gone_after_s
 from dsv4_worker.pd.transfer import Session, TransferError, TransferInitiator
 
 log = logging.getLogger(__name__)
 
-POLL_MS = 100
+# How often the engine thread looks whether a transfer paused on a stale session may write
+# again (a fresh ping arrived: only the control thread sees it) or a welcome went out.
+STALE_POLL_S = 0.05
 # The most the engine thread waits, after queuing a request's `done`, for the control thread
 # to send it: the first token then reaches decode while the last write is prepared and lands.
 DONE_HANDOFF_S = 0.002
@@ -348,6 +351,8 @@ class PrefillAgent(_StageWriter):
         self._sessions: dict[bytes, _Session] = {}  # zmq identity -> session (control thread)
         self.ready = False  # a decode worker completed the handshake
         self.failure: str | None = None  # set: the control thread died
+        self.on_failure: OnFailure = no_hook  # called once `failure` is set
+        self.control_turns = 0  # turns of the control loop (each wake-up: tests)
         self._write_when_stale = os.environ.get(FAULT_ENV) == "write-when-stale"
 
     def attach(self, engine: Engine, post: Post) -> None:
@@ -363,6 +368,7 @@ class PrefillAgent(_StageWriter):
 
     def stop(self) -> None:
         self._stop.set()
+        self._outbox.kick()
         self._thread.join(timeout=5)
         self._outbox.close()
         self._router.close(linger=0)
@@ -373,6 +379,7 @@ class PrefillAgent(_StageWriter):
         self.failure = why
         self.ready = False
         self.post(lambda: self._fail_everything(why))
+        self.on_failure(why)
 
     def _fail_everything(self, why: str) -> None:
         self._txs.clear()
@@ -385,7 +392,9 @@ class PrefillAgent(_StageWriter):
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._outbox.pull, zmq.POLLIN)
         while not self._stop.is_set():
-            for sock, _ in poller.poll(POLL_MS):
+            self.control_turns += 1
+            # Messages, the outbox and stop() wake it; the one timer: a handshake's expiry.
+            for sock, _ in poller.poll(wake.wait_ms(self._handshake_due_s(), time.monotonic())):
                 if sock is self._outbox.pull:
                     for out in self._outbox.take():
                         self._deliver(out)
@@ -459,6 +468,11 @@ class PrefillAgent(_StageWriter):
         proof = self.keys.challenge_proof(msg.nonce, sid, self.instance)
         challenge = C.Challenge(sid, self.instance, proof)
         self._router.send_multipart([identity, *C.encode(challenge)])
+
+    def _handshake_due_s(self) -> float | None:
+        """When the oldest challenged connection that has not joined is forgotten."""
+        pending = [s.since_s for s in self._sessions.values() if not s.joined and not s.closed]
+        return min(pending) + HANDSHAKE_TIMEOUT_S if pending else None
 
     def _forget_pending(self, now_s: float) -> None:
         """Closed sessions, and challenged connections that never joined (too old, or too
@@ -642,10 +656,31 @@ class PrefillAgent(_StageWriter):
             # once a step: the writes' polls sleep, which lets the control thread send the rest).
             self._outbox.hand_over(ticket, DONE_HANDOFF_S, self.engine.steps)
 
-    @property
-    def clocked(self) -> bool:
-        """Sessions to watch for fresh pings, transfers with deadlines, messages to settle."""
-        return bool(self._peers or self._txs or self._unsettled)
+    def wake_at_s(self, now_s: float) -> float | None:
+        """When `after_step` next has something to do by the clock: a message to settle (at
+        once: it goes after the next step), a session whose freshest echoed pong is about to
+        be too old (`gone`), a transfer's deadline; a transfer whose session is not fresh
+        waits for a ping that only the control thread sees: it looks again every
+        `STALE_POLL_S`. The control thread only makes things due later (a pong echoed moves
+        `fresh_s` on), except a welcome going out (`echoes` set): looked at every
+        `STALE_POLL_S` too, until then."""
+        if self._unsettled:
+            return now_s
+        hb, due = self.heartbeat, []
+        for peer in self._peers.values():
+            e = peer.session.echoes
+            if e is None:
+                due.append(now_s + STALE_POLL_S)
+            elif not self._write_when_stale:
+                due.append(gone_after_s(e.fresh_s, hb))
+        for tx in self._txs.values():
+            live = self._peers.get(tx.peer)
+            e = live.session.echoes if live is not None else None
+            if e is None or not (self._write_when_stale or fresh(e.fresh_s, now_s, hb)):
+                due.append(now_s + STALE_POLL_S)
+            else:
+                due.append(tx.deadline_s)
+        return wake.earliest(*due)
 
     def after_step(self, finished: list[Request]) -> None:
         """Send what this step computed; finish transfers whose first token is out."""
@@ -694,6 +729,7 @@ class PrefillFollower(_StageWriter):
         super().__init__(initiator, manifest, keys, rank=rank, write_timeout_s=write_timeout_s)
         self.ready = False
         self.failure: str | None = None  # no thread of its own: nothing dies here
+        self.on_failure: OnFailure = no_hook  # (never called)
         self._failed: set[str] = set()  # peers this stage could not connect to
 
     def attach(self, engine: Engine) -> None:

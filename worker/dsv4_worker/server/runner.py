@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dsv4_common.api.request_id import new_request_id
+from dsv4_worker.engine import wake
 from dsv4_worker.engine.failures import INTERNAL_CODE
 from dsv4_worker.engine.logprobs import TokenLogprob
 from dsv4_worker.engine.loop import DuplicateRequest as DuplicateRequest
@@ -56,7 +57,7 @@ from dsv4_worker.server.admission import (
 
 log = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.05  # how long the runner blocks waiting for work while time still matters
+IDLE_WAIT_S = 0.05  # how long a PP stage's runner blocks waiting for work
 IDLE_CHECK_S = 0.05  # the engine's integrity check waits for this much quiet (it is slow)
 # The most the engine thread waits, before its next step, for an event loop to take what was
 # published between steps (a PD decode's first token): the step would hold the GIL meanwhile.
@@ -165,6 +166,7 @@ class EngineRunner:
         self._started = self._stopping = False
         self.error: BaseException | None = None  # set (under _lock): the engine thread died
         self.call_errors = 0  # calls (`call`) that raised; the thread went on
+        self.timed_wakes = 0  # times the idle thread woke by itself, nothing having arrived
 
     # -- any thread ------------------------------------------------------------------------------
 
@@ -334,21 +336,25 @@ class EngineRunner:
                 _emit(item.loop, item.handle, _dead(exc))
 
     def _wait_s(self) -> float | None:
-        """How long the engine thread may block on its inbox: until work arrives (None) when
-        nothing it holds depends on the clock (an idle single-stage engine, its integrity
-        check done, no queued request with a deadline, no PD session or transfer whose
-        heartbeat or deadline `after_step` checks), else IDLE_WAIT_S. An idle worker then
-        makes no wake-ups of its own (a PP leader's heartbeat steps keep the bound)."""
+        """How long the engine thread may block on its inbox: until the first thing it holds
+        that depends on the clock is due (`wake`): the engine's integrity check once it has
+        been idle `IDLE_CHECK_S`, the oldest queued request's queue deadline, and what the
+        engine's events' `after_step` checks (a PD session's heartbeat, a transfer's
+        deadline); until work arrives (None) when nothing is. An idle worker then wakes only
+        when something is due (a PD prefill with a live session: about once per heartbeat
+        timeout). A PP stage keeps IDLE_WAIT_S: its leader's heartbeat steps keep the bound."""
         engine = self.engine
-        if (
-            engine.idle
-            and not engine.idle_check_pending
-            and not self._queued
-            and engine.config.place is Place.SINGLE
-            and not engine.events.clocked
-        ):
-            return None
-        return IDLE_WAIT_S
+        if engine.config.place is not Place.SINGLE:
+            return IDLE_WAIT_S
+        now = time.monotonic()
+        with self._lock:
+            oldest_s = next(iter(self._queued.values()), None)
+        due = wake.earliest(
+            engine.idle_check_due_s(IDLE_CHECK_S),
+            None if oldest_s is None else oldest_s + self.policy.queue_timeout_s,
+            engine.events.wake_at_s(now),
+        )
+        return wake.wait_s(due, now)
 
     def _drain(self, *, block: bool) -> int | None:
         """Take every queued command; how many calls ran, or None on stop."""
@@ -359,6 +365,7 @@ class EngineRunner:
                     self._inbox.get(timeout=self._wait_s()) if block else self._inbox.get_nowait()
                 )
             except queue.Empty:
+                self.timed_wakes += block  # woke by itself: something was due
                 return calls
             block = False
             if item is None:

@@ -23,6 +23,7 @@ from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.mem.memory import KVMemory
 from dsv4_worker.pd.auth import SessionKeys
 from dsv4_worker.pd.decode import DecodeAgent
+from dsv4_worker.pd.liveness import Heartbeat
 from dsv4_worker.pd.prefill import PrefillAgent
 from dsv4_worker.pd.transfer import Block, Region, make_initiator, make_target
 from dsv4_worker.pd.transfer.nixl_backend import NixlTarget
@@ -132,9 +133,8 @@ class Relay(EngineEvents):
     def after_step(self, finished: list[Request]) -> None:
         self.to.after_step(finished)
 
-    @property
-    def clocked(self) -> bool:
-        return self.to.clocked
+    def wake_at_s(self, now_s: float) -> float | None:
+        return self.to.wake_at_s(now_s)
 
 
 @contextmanager
@@ -144,6 +144,7 @@ def pd_pair(
     make_decode: Callable[[], Engine],
     *,
     transfer_timeout_s: float = 60.0,
+    heartbeat: Heartbeat | None = None,
 ) -> Iterator[Pair]:
     made_p, made_d = make_prefill(), make_decode()
     initiator = make_initiator(backend, name=f"p-{time.monotonic_ns()}")
@@ -151,7 +152,9 @@ def pd_pair(
     target = make_target(backend, keys(), host="127.0.0.1")
     target.register(_regions(made_d.mem))
     # Agents first, then each side's engine with its agent as events (as `dsv4_worker.build`).
-    pa = PrefillAgent(initiator, _manifest(made_p.mem), "tcp://127.0.0.1:0", keys())
+    pa = PrefillAgent(
+        initiator, _manifest(made_p.mem), "tcp://127.0.0.1:0", keys(), heartbeat=heartbeat
+    )
     address = f"127.0.0.1:{pa.port}"
     da = DecodeAgent(
         target,
@@ -159,6 +162,7 @@ def pd_pair(
         keys(),
         default_prefill=address,
         transfer_timeout_s=transfer_timeout_s,
+        heartbeat=heartbeat,
     )
     relay = Relay(pa)
     pe, de = as_role(made_p, Role.PREFILL, relay), as_role(made_d, Role.DECODE, da)

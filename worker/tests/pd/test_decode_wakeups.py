@@ -1,9 +1,9 @@
 """The decode agent drives its transfer target's hints: `expect(True)` when a request's `done`
 arrived and it waits for its tags (never before: the prefill is still computing), `expect(False)`
-once none waits. Its control loop needs no timer: with the poll timeout patched to ten minutes,
-requests complete (messages and the target's `on_landed` kicks wake it) and the agent stops
-cleanly (`stop()` kicks it; without the kick the thread would outlive `stop` and fail on its
-closed sockets)."""
+once none waits. Its control loop has no polling timer, only the clock's due times (the next
+ping): with a heartbeat of ten minutes, requests complete (messages and the target's
+`on_landed` kicks wake it) and the agent stops cleanly (`stop()` kicks it; without the kick the
+thread would outlive `stop` and fail on its closed sockets)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from dsv4_worker.engine.loop import Engine, Request
 from dsv4_worker.engine.sampler import SamplingParams
 from dsv4_worker.model.weights import init_weights
 from dsv4_worker.pd import decode
+from dsv4_worker.pd.liveness import Heartbeat
 from dsv4_worker.pd.transfer.nixl_backend import NixlTarget
 from dsv4_worker.pd.transfer.zmq_backend import ZmqTarget
 from dsv4_worker.server.runner import Done, Token
@@ -49,12 +50,11 @@ def test_decode_waits_on_wakeups_and_tells_its_target_when_writes_are_due(
         real(self, expecting)  # type: ignore[arg-type]
 
     monkeypatch.setattr(cls, "expect", record)
-    # no timer: only messages and the target's on_landed kicks wake the control loop
-    monkeypatch.setattr(decode, "POLL_MS", 600_000)
 
     prompts = [[(7 * i + j) % 200 + 3 for j in range(20 + 9 * i)] for i in range(4)]
     params = [SamplingParams(max_new_tokens=3) for _ in prompts]
-    with pd_pair(backend, _make, _make) as pair:
+    # no timer within the test: only messages and the target's on_landed kicks wake the loop
+    with pd_pair(backend, _make, _make, heartbeat=Heartbeat(600.0, 1200.0)) as pair:
         for _ in range(2):  # two bursts: waiting starts and ends twice
             outputs = pair.generate(prompts, params)
             assert all(len(tokens) == 3 for tokens, _ in outputs)

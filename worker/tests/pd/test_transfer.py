@@ -330,6 +330,20 @@ def test_nixl_pump_polls_fast_while_busy_and_backs_off_while_idle() -> None:
     assert nixl_backend.PUMP_IDLE_INTERVAL_S < quiet <= 0.05
 
 
+@given(previous_s=st.floats(nixl_backend.PUMP_INTERVAL_S, nixl_backend.PUMP_UNGRANTED_INTERVAL_S))
+def test_nixl_pump_backs_off_further_while_nothing_is_granted(previous_s: float) -> None:
+    """With no grant live nothing may land: the quiet back-off goes on up to the ungranted
+    period (an idle decode wakes twice a second, not 20 times: #38 item 6), and a grant brings
+    it back under the quiet period at once (its writes are coming)."""
+    quiet = nixl_backend.PUMP_QUIET_INTERVAL_S
+    ungranted = nixl_backend.PUMP_UNGRANTED_INTERVAL_S
+    interval = nixl_backend.pump_interval_s
+    assert quiet < ungranted <= 1.0
+    assert interval(previous_s, busy=False, granted=False) == min(2 * previous_s, ungranted)
+    assert interval(previous_s, busy=False, granted=True) == min(2 * previous_s, quiet)
+    assert interval(previous_s, busy=True, granted=False) == nixl_backend.PUMP_INTERVAL_S
+
+
 @given(
     previous_s=st.floats(nixl_backend.PUMP_INTERVAL_S, nixl_backend.PUMP_IDLE_INTERVAL_S),
     busy=st.booleans(),
@@ -365,10 +379,17 @@ def test_nixl_target_drops_to_its_idle_poll_once_told_to_stop_expecting(
     real = nixl_backend.pump_interval_s
 
     def spy(
-        previous_s: float, *, busy: bool, expecting: bool = False, told_idle: bool = False
+        previous_s: float,
+        *,
+        busy: bool,
+        expecting: bool = False,
+        told_idle: bool = False,
+        granted: bool = True,
     ) -> float:
         calls.append((expecting, told_idle))
-        return real(previous_s, busy=busy, expecting=expecting, told_idle=told_idle)
+        return real(
+            previous_s, busy=busy, expecting=expecting, told_idle=told_idle, granted=granted
+        )
 
     monkeypatch.setattr(nixl_backend, "pump_interval_s", spy)
     target = granted_target("nixl", make_regions(REGIONS, seed=100))

@@ -99,6 +99,11 @@ class Fence:
                     gen[idx[gen[idx] == epoch]] = 0
         return grant
 
+    @property
+    def granted(self) -> bool:
+        """Some grant is live (a write may land now)."""
+        return bool(self._grants)
+
     def live(self, epoch: int) -> Grant | None:
         return self._grants.get(epoch)
 

@@ -3,8 +3,9 @@ module that imports NIXL, lazily (`load_nixl`).
 
 No NIXL listen thread and no NIXL progress thread (it spins a whole core): the target's agent
 metadata and region addresses travel in its descriptor over our own control channel, and a
-target thread polls notifications every `PUMP_INTERVAL_S`, which also progresses UCX (without
-it, writes over TCP never complete).
+target thread polls notifications (every `PUMP_INTERVAL_S` while writes are due, backing off to
+`PUMP_QUIET_INTERVAL_S`, and `PUMP_UNGRANTED_INTERVAL_S` while no grant is live), which also
+progresses UCX (without it, writes over TCP never complete).
 NOTE: after `register`, only that thread touches the target's agent (until `close`).
 
 Authentication and fencing: a write's notification is `auth.notification` (its session, the
@@ -85,6 +86,11 @@ PUMP_IDLE_INTERVAL_S: Final = 0.002  # ... right after the owner stopped expecti
 # landed thread polls: pd/decode.py LANDED_POLL_S). 2 ms kept an idle decode at ~1% of a core
 # in UCX progress calls (#38 item 6).
 PUMP_QUIET_INTERVAL_S: Final = 0.05
+# ... and while no grant is live (nothing may land; `grant` wakes the pump, which then drops
+# to the quiet period): a write under a revoked grant, which UCX over TCP completes only as
+# this side progresses, waits this long at worst (#38 item 6: 20 polls a second kept an idle
+# decode at ~0.3% of a core).
+PUMP_UNGRANTED_INTERVAL_S: Final = 0.5
 # The initiator's poll period while a write is in flight. It sleeps rather than spins: the last
 # write is off a stream's first token's path (decode shows it from `done`, sent before that
 # write), and on a shared host a spinning prefill takes the core decode needs to send it on.
@@ -186,6 +192,7 @@ class NixlTarget:
                 self._fence.grant(grant)
             except ValueError as exc:
                 raise TransferError(f"kv transfer nixl: {exc}") from exc
+        self._wake.set()  # writes are coming: leave the ungranted period (`pump_interval_s`)
 
     def revoke(self, epoch: int) -> None:
         with self._lock:
@@ -239,8 +246,14 @@ class NixlTarget:
                     log.exception("kv transfer nixl: target %s: on_landed", self.name)
             seen, quiets = quiets, self._quiets  # read once, before `_expecting`
             told_idle = quiets != seen
+            with self._lock:  # a grant after this sets `_wake`: the next wait ends at once
+                granted = self._fence.granted
             interval_s = pump_interval_s(
-                interval_s, busy=bool(notifs), expecting=self._expecting, told_idle=told_idle
+                interval_s,
+                busy=bool(notifs),
+                expecting=self._expecting,
+                told_idle=told_idle,
+                granted=granted,
             )
 
     def _notified(self, raw: bytes) -> None:
@@ -259,18 +272,28 @@ class NixlTarget:
 
 
 def pump_interval_s(
-    previous_s: float, *, busy: bool, expecting: bool = False, told_idle: bool = False
+    previous_s: float,
+    *,
+    busy: bool,
+    expecting: bool = False,
+    told_idle: bool = False,
+    granted: bool = True,
 ) -> float:
     """A target's next poll period: PUMP_INTERVAL_S while the owner expects writes; else
     PUMP_IDLE_INTERVAL_S at once when the owner stopped expecting since the last poll (what it
     waited for landed; faster polls would take the CPU its engine and HTTP threads need to
     answer); else PUMP_INTERVAL_S while busy (a tag just arrived: an owner that never calls
-    `expect` may get more), else twice the last, up to PUMP_QUIET_INTERVAL_S."""
+    `expect` may get more), else twice the last, up to PUMP_QUIET_INTERVAL_S while some grant
+    is live, PUMP_UNGRANTED_INTERVAL_S while none is (back to the quiet one at once when one
+    is granted)."""
     if expecting:
         return PUMP_INTERVAL_S
     if told_idle:
         return PUMP_IDLE_INTERVAL_S
-    return PUMP_INTERVAL_S if busy else min(2 * previous_s, PUMP_QUIET_INTERVAL_S)
+    if busy:
+        return PUMP_INTERVAL_S
+    ceiling_s = PUMP_QUIET_INTERVAL_S if granted else PUMP_UNGRANTED_INTERVAL_S
+    return min(2 * previous_s, ceiling_s)
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,7 +53,6 @@ log = logging.getLogger(__name__)
 
 BACKEND: Final = "zmq"
 MESSAGE_NBYTES: Final = 16 << 20
-RECV_POLL_MS: Final = 250  # how often the receiver thread checks for `close` (its only timer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +132,6 @@ class ZmqTarget:
         self._descriptor: bytes | None = None
         self._landed: deque[str] = deque()
         self._on_landed: Callable[[], None] = nothing
-        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failed: dict[bytes, tuple[int, str]] = {}  # identity -> (seq, error); thread only
 
@@ -186,25 +184,28 @@ class ZmqTarget:
         del expecting  # the receiver thread wakes on each message
 
     def close(self) -> None:
-        self._stop.set()
+        if self._ctx is not None:
+            # Interrupts the receiver thread's blocking receive (ETERM), and returns once it
+            # closed its socket: the thread needs no timer to notice.
+            self._ctx.term()
+            self._ctx = None
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
 
     def _receive(self, sock: zmq.Socket[bytes]) -> None:
         try:
-            while not self._stop.is_set():
-                if not sock.poll(RECV_POLL_MS, zmq.POLLIN):
-                    continue
-                frames = sock.recv_multipart(copy=False)
+            while True:
+                frames = sock.recv_multipart(copy=False)  # blocks: `close` interrupts it
                 try:
                     with self._lock:
                         self._handle(sock, frames[0].bytes, frames[1:])
+                except zmq.ContextTerminated:
+                    raise
                 except Exception:  # keep serving the other writes; this one times out
                     log.exception("kv transfer zmq: target: handling a message")
+        except zmq.ContextTerminated:
+            return  # closed
         finally:
             sock.close(linger=0)
 
