@@ -15,12 +15,19 @@ echo "== import-linter"; lint-imports
 # served model, start once): min(CPUs, 4) workers, or DSV4_TEST_WORKERS (0: in this process).
 # Most tests wait on subprocesses and sockets, so 2 workers on a 2-core machine took the suite
 # from 28 to 15 minutes. Arguments given here come after, so `-n 0` still wins.
-workers=${DSV4_TEST_WORKERS:-$(python -c 'import os; print(min(len(os.sched_getaffinity(0)), 4))')}
+workers=${DSV4_TEST_WORKERS:-$(python -c 'import os
+cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+print(min(cpus or 1, 4))')}
+case "$workers" in
+  ''|*[!0-9]*) echo "DSV4_TEST_WORKERS=$workers: must be a whole number (0: in one process)" >&2; exit 2 ;;
+esac
 parallel=()
+how="in one process"
 if [ "$workers" -gt 0 ]; then
   parallel=(-n "$workers" --dist loadfile)
+  how="$workers workers"
 fi
-echo "== pytest (${workers} workers)"
+echo "== pytest ($how)"
 set +e
 python -m pytest ${parallel[@]+"${parallel[@]}"} "$@"
 rc=$?
