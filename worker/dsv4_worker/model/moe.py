@@ -67,10 +67,13 @@ def moe(m: DSV4Config, p: Params, layer: int, x: torch.Tensor, ids: torch.Tensor
     dispatch = by_expert if host_shortcuts(x.device) else every_expert
     out = dispatch(m, p, layer, x, chosen, weights)
     if f"{f}.shared_experts.w1.weight" in p:
-        s = f"{f}.shared_experts"
-        limit = m.arch.swiglu_limit
-        out = out + swiglu(x, p, f"{s}.w1.weight", f"{s}.w3.weight", f"{s}.w2.weight", limit)
+        out = out + expert(x, p, f"{f}.shared_experts", m.arch.swiglu_limit)
     return out
+
+
+def expert(x: torch.Tensor, p: Params, prefix: str, limit: float) -> torch.Tensor:
+    """The SwiGLU expert whose weights are `{prefix}.w1/.w3/.w2.weight` over `x` [T, H]."""
+    return swiglu(x, p, f"{prefix}.w1.weight", f"{prefix}.w3.weight", f"{prefix}.w2.weight", limit)
 
 
 def by_expert(
@@ -89,8 +92,7 @@ def by_expert(
     out = torch.zeros_like(x)
     for e in torch.unique(chosen).tolist():
         rows, slot = torch.nonzero(chosen == e, as_tuple=True)
-        w = (f"{e_}.{e}.w1.weight", f"{e_}.{e}.w3.weight", f"{e_}.{e}.w2.weight")
-        y = swiglu(x[rows], p, *w, limit)
+        y = expert(x[rows], p, f"{e_}.{e}", limit)
         out.index_add_(0, rows, y * weights[rows, slot, None].to(y.dtype))
     return out
 
@@ -115,7 +117,6 @@ def every_expert(
     picked = torch.zeros(shape, dtype=torch.bool, device=x.device).scatter_(1, chosen, True)
     out = torch.zeros_like(x)
     for e in range(shape[1]):
-        w = (f"{e_}.{e}.w1.weight", f"{e_}.{e}.w3.weight", f"{e_}.{e}.w2.weight")
-        y = swiglu(x, p, *w, limit)
+        y = expert(x, p, f"{e_}.{e}", limit)
         out += torch.where(picked[:, e, None], y * coef[:, e, None], 0.0)
     return out
