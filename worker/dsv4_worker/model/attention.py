@@ -56,11 +56,11 @@ def attend(
 ) -> torch.Tensor:
     """q [T, heads, D] over one K == V head `kv` [K, D] where `mask` [T, K] is True; each head
     also has a sink logit. Returns [T, heads, D]."""
-    logits = torch.einsum("thd,kd->thk", q, kv) * q.shape[-1] ** -0.5
+    logits = torch.matmul(q, kv.t()) * q.shape[-1] ** -0.5
     logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
     sink = sinks.view(1, -1, 1).expand(len(q), -1, 1)
     probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
-    return torch.einsum("thk,kd->thd", probs, kv)
+    return torch.matmul(probs, kv)
 
 
 def attend_rows(
@@ -68,11 +68,11 @@ def attend_rows(
 ) -> torch.Tensor:
     """`attend` for tokens with keys of their own: q [N, heads, D] over `kv` [N, K, D] where
     `mask` [N, K] is True (decode tokens of different requests in one batch)."""
-    logits = torch.einsum("nhd,nkd->nhk", q, kv) * q.shape[-1] ** -0.5
+    logits = torch.bmm(q, kv.transpose(1, 2)) * q.shape[-1] ** -0.5
     logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
     sink = sinks.view(1, -1, 1).expand(len(q), -1, 1)
     probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
-    return torch.einsum("nhk,nkd->nhd", probs, kv)
+    return torch.bmm(probs, kv)
 
 
 def output(
@@ -89,5 +89,6 @@ def output(
     grouped = rotate(out, positions, freq, inverse=True).reshape(t, groups, -1)
     wo_a = p.dense(f"{a}.wo_a.weight", out.dtype)
     per_group = wo_a.view(groups, -1, wo_a.shape[-1])  # [groups, o_lora_rank, in]
-    mid = torch.einsum("tgi,goi->tgo", grouped, per_group).reshape(t, -1)
+    mid = torch.bmm(grouped.transpose(0, 1), per_group.transpose(1, 2)).transpose(0, 1)
+    mid = mid.reshape(t, -1)
     return p.linear(mid, f"{a}.wo_b.weight")

@@ -73,7 +73,8 @@ def expand(
     dtype = streams.dtype
     if post.dtype != dtype:
         post, comb = post.to(dtype), comb.to(dtype)
-    return post.unsqueeze(-1) * out.unsqueeze(1) + torch.einsum("tjk,tjd->tkd", comb, streams)
+    # new[t, k] = post[t, k] * out[t] + sum_j comb[t, j, k] * streams[t, j]: one batched product
+    return torch.baddbmm(post.unsqueeze(-1) * out.unsqueeze(1), comb.transpose(1, 2), streams)
 
 
 def head(streams: torch.Tensor, p: Params, a: DSV4Arch) -> torch.Tensor:

@@ -45,14 +45,20 @@ def rotate(m: DSV4Config, x: torch.Tensor) -> torch.Tensor:
 
 def scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Scores [T, C] of compressed rows with indexer keys [C, dim]."""
-    dots = torch.relu(torch.einsum("thd,cd->thc", q, keys)) * q.shape[-1] ** -0.5
-    return torch.einsum("th,thc->tc", w, dots)
+    dots = torch.relu(torch.matmul(q, keys.t())) * q.shape[-1] ** -0.5
+    return _weighted(w, dots)
 
 
 def row_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """`scores` for tokens with keys of their own: keys [T, C, dim] -> scores [T, C]."""
-    dots = torch.relu(torch.einsum("thd,tcd->thc", q, keys)) * q.shape[-1] ** -0.5
-    return torch.einsum("th,thc->tc", w, dots)
+    dots = torch.relu(torch.bmm(q, keys.transpose(1, 2))) * q.shape[-1] ** -0.5
+    return _weighted(w, dots)
+
+
+def _weighted(w: torch.Tensor, dots: torch.Tensor) -> torch.Tensor:
+    """sum_h w[t, h] * dots[t, h, c] -> [T, C] (a batched product: einsum's own plan for it,
+    without einsum's per-call parsing)."""
+    return torch.bmm(w.unsqueeze(1), dots).squeeze(1)
 
 
 def top_k_mask(scores: torch.Tensor, available: torch.Tensor, k: int) -> torch.Tensor:

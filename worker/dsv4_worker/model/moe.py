@@ -10,10 +10,10 @@ depends on the batch. The router scores in float32 at least (DeepSeek's referenc
 
 Two dispatches compute the same sum (within the rounding of matmuls over different row counts):
 `by_expert` runs each chosen expert over the tokens that chose it, reading the choice back to
-the host (a `unique`, then a `nonzero` per expert); on a CPU that read is free, on a device
-each one is a sync. `every_expert` runs every routed expert over every token, weighted by a
-[T, E] matrix scattered from the choice (0 where not chosen): fixed shapes, nothing read back
-(no device sync; the shapes a captured CUDA graph needs), at E / k times the expert FLOPs,
+the host and grouping it there (numpy); on a CPU that read is free, on a device it is a
+sync. `every_expert` runs every routed expert over every token, weighted by a [T, E] matrix
+scattered from the choice (0 where not chosen): fixed shapes, nothing read back (no device
+sync; the shapes a captured CUDA graph needs), at E / k times the expert FLOPs,
 which a decode-sized batch on a GPU hardly notices (reading each expert's weights dominates)
 and a large prefill chunk does (a grouped GEMM over expert-sorted rows would remove that).
 `moe` takes `by_expert` where the host may read the device's tensors (`host_shortcuts`: a CPU
@@ -22,6 +22,7 @@ without DSV4_EMULATE_DEVICE=1), `every_expert` elsewhere.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -89,11 +90,22 @@ def by_expert(
     device)."""
     e_ = f"layers.{layer}.ffn.experts"
     limit = m.arch.swiglu_limit
+    k = chosen.shape[1]
+    flat = chosen.cpu().numpy().ravel()
+    order = np.argsort(flat, kind="stable")  # (row, slot) pairs grouped by expert, rows ascending
+    experts, starts = np.unique(flat[order], return_index=True)
+    bounds = np.append(starts, len(order))
+    w = weights.to(x.dtype)
     out = torch.zeros_like(x)
-    for e in torch.unique(chosen).tolist():
-        rows, slot = torch.nonzero(chosen == e, as_tuple=True)
+    for e, lo, hi in zip(experts.tolist(), bounds[:-1], bounds[1:], strict=True):
+        picks = order[lo:hi]
+        rows, slot = torch.from_numpy(picks // k), torch.from_numpy(picks % k)
+        if len(picks) == len(x) and (len(x) == 1 or bool((np.diff(picks // k) > 0).all())):
+            # every row chose e once (always so for one decode token): no gather, no scatter
+            out += expert(x, p, f"{e_}.{e}", limit) * w.gather(1, slot[:, None])
+            continue
         y = expert(x[rows], p, f"{e_}.{e}", limit)
-        out.index_add_(0, rows, y * weights[rows, slot, None].to(y.dtype))
+        out.index_add_(0, rows, y * w[rows, slot, None])
     return out
 
 

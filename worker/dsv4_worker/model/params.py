@@ -29,7 +29,7 @@ from dsv4_worker.model.stored import FP4Packed, FP8Block, Stored
 
 
 class Params:
-    __slots__ = ("_held", "_scratch", "dtype")
+    __slots__ = ("_held", "_laid_out", "_scratch", "dtype")
 
     def __init__(self, held: Mapping[str, Stored], dtype: torch.dtype) -> None:
         if not dtype.is_floating_point:
@@ -38,6 +38,7 @@ class Params:
         self.dtype = dtype  # the compute dtype (embeddings and dense/vector/rows come in it)
         # (dtype, slot) -> flat buffer; slot 0: linear's, 1: dense's
         self._scratch: dict[tuple[torch.dtype, int], Tensor] = {}
+        self._laid_out: set[str] = set()  # names `linear` has chosen a memory layout for
 
     @classmethod
     def of(
@@ -91,7 +92,11 @@ class Params:
         """x [..., in] @ W.T [in, out], in x's dtype."""
         s = self._held[name]
         if isinstance(s, Tensor):
-            return F.linear(x, s if s.dtype == x.dtype else self._materialize(s, x.dtype, 0))
+            if s.dtype != x.dtype:
+                return F.linear(x, self._materialize(s, x.dtype, 0))
+            if name not in self._laid_out:
+                s = self._lay_out(name, s)
+            return F.linear(x, s)
         if isinstance(s, FP8Block):
             out = scaled_linear(x, s)
             if out is not None:
@@ -124,6 +129,19 @@ class Params:
         s = self._held[name]
         assert isinstance(s, Tensor) and not s.is_floating_point(), f"{name} is not a table"
         return s
+
+    def _lay_out(self, name: str, w: Tensor) -> Tensor:
+        """`w` [out, in] in the memory layout `linear` reads fastest, held from now on in
+        place of the original (the same bytes): column-major (W.T contiguous) on a CPU when
+        out > in. A decode step multiplies one row per request, and oneDNN/MKL's one-row
+        product streams a wide, short matrix 1.3-1.9x faster that way on the 2-core EPYC
+        (bench/layout.py); at 16-64 rows the two layouts are within ~10%."""
+        self._laid_out.add(name)
+        out_features, in_features = w.shape if w.dim() == 2 else (0, 0)
+        if w.device.type != "cpu" or out_features <= in_features or w.requires_grad:
+            return w
+        w = self._held[name] = w.t().contiguous().t()
+        return w
 
     # -- scratch ----------------------------------------------------------------------------------
 

@@ -164,3 +164,23 @@ def test_quantized_linears_on_cuda_match_the_dequantized_ones() -> None:
     got = p.linear(xb, "fp8").double()
     assert ((got - want).abs().max() / want.abs().max()).item() <= 3e-2
     print(fp8_matmul.probe_report)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_wide_linear_weight_is_held_column_major_after_its_first_use(dtype: torch.dtype) -> None:
+    wide, tall = _w(96, 32, 1).to(dtype), _w(32, 96, 2).to(dtype)
+    p = Params({"wide": wide, "tall": tall}, dtype)
+    x = torch.randn(3, 32, dtype=dtype)
+    got = p.linear(x, "wide")
+    torch.testing.assert_close(
+        got, F.linear(x, wide), rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-5
+    )
+    held = p.held("wide")
+    assert held.shape == wide.shape and held.t().is_contiguous() and torch.equal(held, wide)
+    assert p.nbytes == wide.nbytes + tall.nbytes  # the same bytes, not a second copy
+    p.linear(torch.randn(3, 96, dtype=dtype), "tall")
+    assert p.held("tall") is tall  # out <= in: the row-major layout reads faster
+    # every other read of a laid-out weight gives what it gave before
+    assert torch.equal(p.dense("wide"), wide)
+    assert torch.equal(p.rows("wide", torch.tensor([5, 0])), wide[[5, 0]])
+    torch.testing.assert_close(p.linear(x, "wide"), got, rtol=0, atol=0)
