@@ -18,8 +18,9 @@ another ("in turn": what `transformers serve` 5.24 does with concurrent requests
 one `generate` at a time on its inference thread; its continuous batching is opt-in, and #38
 found it refuses DeepSeek-V4); then time to first token of one `--ttft-tokens`-token prompt
 (our chunked prefill vs transformers' one full forward). Medians over the rounds, each
-engine's best in brackets. With `--json`, a `@bench-json` line (bench/benchjson.py, for
-bench/compare.py).
+engine's best in brackets; the ratio is the median of the rounds' ratios (each round runs
+ours, then transformers, back to back). `--ttft-tokens 0` skips the TTFT row. With `--json`,
+a `@bench-json` line (bench/benchjson.py, for bench/compare.py).
 """
 
 from __future__ import annotations
@@ -207,7 +208,10 @@ def hf_ttft_s(reference: Any, prompt: list[int]) -> float:
 def _cell(ours: list[float], theirs: list[float], higher_is_better: bool) -> tuple[str, float]:
     pick = max if higher_is_better else min
     a, b = statistics.median(ours), statistics.median(theirs)
-    ratio = a / b if higher_is_better else b / a
+    # the ratio of each round's pair (run back to back), then their median: a slow drift of
+    # the machine's speed between rounds moves both of a pair, not their ratio
+    pairs = [x / y if higher_is_better else y / x for x, y in zip(ours, theirs, strict=True)]
+    ratio = statistics.median(pairs)
     text = (
         f"ours {a:9.2f} [{pick(ours):9.2f}]   transformers {b:9.2f} [{pick(theirs):9.2f}]"
         f"   ours/transformers {ratio:6.2f}x"
