@@ -99,13 +99,14 @@ def by_expert(
     out = torch.zeros_like(x)
     for e, lo, hi in zip(experts.tolist(), bounds[:-1], bounds[1:], strict=True):
         picks = order[lo:hi]
-        rows, slot = torch.from_numpy(picks // k), torch.from_numpy(picks % k)
-        if len(picks) == len(x) and (len(x) == 1 or bool((np.diff(picks // k) > 0).all())):
+        rows, slot = picks // k, torch.from_numpy(picks % k)
+        if len(rows) == len(x) and (len(x) == 1 or bool((np.diff(rows) > 0).all())):
             # every row chose e once (always so for one decode token): no gather, no scatter
             out += expert(x, p, f"{e_}.{e}", limit) * w.gather(1, slot[:, None])
             continue
-        y = expert(x[rows], p, f"{e_}.{e}", limit)
-        out.index_add_(0, rows, y * w[rows, slot, None])
+        index = torch.from_numpy(rows)
+        y = expert(x[index], p, f"{e_}.{e}", limit)
+        out.index_add_(0, index, y * w[index, slot, None])
     return out
 
 
