@@ -133,9 +133,9 @@ class Params:
     def _lay_out(self, name: str, w: Tensor) -> Tensor:
         """`w` [out, in] in the memory layout `linear` reads fastest, held from now on in
         place of the original (the same bytes): column-major (W.T contiguous) on a CPU when
-        out > in. A decode step multiplies one row per request, and oneDNN/MKL's one-row
-        product streams a wide, short matrix 1.3-1.9x faster that way on the 2-core EPYC
-        (bench/layout.py); at 16-64 rows the two layouts are within ~10%."""
+        out > in. A decode step multiplies one row per request, and MKL's one-row product
+        reads a wide matrix 1.2-2.0x faster that way on the 2-core EPYC, 16 rows 1.0-1.2x;
+        a matrix with out <= in reads faster row-major (bench/layout.py)."""
         self._laid_out.add(name)
         out_features, in_features = w.shape if w.dim() == 2 else (0, 0)
         if w.device.type != "cpu" or out_features <= in_features or w.requires_grad:
