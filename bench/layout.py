@@ -25,23 +25,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchjson import Figure, emit
+from hf import model_of  # tiny, medium or a config path, as bench/hf.py reads --config
 
 from dsv4_common.core.model import DSV4Config
-from dsv4_common.core.presets import load_model_config, tiny
 from dsv4_worker.model.params import Params
 from dsv4_worker.model.weights import init_weights
 
 CACHE_BYTES = 96 << 20  # more than the L3 of the machines we run on: every call reads DRAM
-
-
-def _config(name: str) -> DSV4Config:
-    if name == "tiny":
-        return tiny()
-    if name == "medium":
-        from hf import medium  # bench/hf.py's model
-
-        return medium()
-    return load_model_config(Path(name))
 
 
 def _linear_shapes(model: DSV4Config) -> list[tuple[int, int]]:
@@ -92,7 +82,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="also print a @bench-json line")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = _config(args.config)
+    model = model_of(args.config)
     print(f"model {model.name}, torch threads {torch.get_num_threads()}, {args.rounds} rounds")
     print(
         f"{'[out, in]':>14} {'rows':>5} {'row-major us':>13} {'col-major us':>13} "
