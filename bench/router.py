@@ -46,7 +46,6 @@ import contextlib
 import http.client
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -58,6 +57,8 @@ from pathlib import Path
 from typing import Any, Final
 
 from benchjson import Figure, emit
+
+from dsv4_local.ports import free_ports
 
 BENCH_DIR: Final = Path(__file__).resolve().parent
 DEFAULT_SGLANG_PYTHON: Final = "/tmp/sglr/bin/python"
@@ -86,9 +87,10 @@ class Target:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+    """A port below the ephemeral range (`dsv4_local.ports`): no outgoing connection takes it
+    before the server binds it."""
+    (port,) = free_ports(1)
+    return port
 
 
 AUTHORIZATION: dict[str, str] = {}  # `--api-key`: every request's Authorization header

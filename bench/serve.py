@@ -20,7 +20,6 @@ import argparse
 import http.client
 import json
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from benchjson import Figure, emit
+
+from dsv4_local.ports import free_ports
 
 if TYPE_CHECKING:
     from dsv4_worker.engine.loop import Engine
@@ -47,9 +48,10 @@ def serve_argv(*args: str) -> list[str]:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port below the ephemeral range (`dsv4_local.ports`): no outgoing connection takes it
+    before the server binds it."""
+    (port,) = free_ports(1)
+    return port
 
 
 def _wait_ready(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 180) -> None:

@@ -8,13 +8,13 @@ import subprocess
 import time
 from collections.abc import Iterator
 
+from dsv4_local.ports import free_ports
+
 
 @contextlib.contextmanager
 def port_forward(kubectl: str, namespace: str, service: str, port: int) -> Iterator[int]:
     """`kubectl port-forward svc/SERVICE` to a free local port, yielded once it accepts."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        local = int(s.getsockname()[1])
+    (local,) = free_ports(1)
     proc = subprocess.Popen(
         [kubectl, "port-forward", "-n", namespace, f"svc/{service}", f"{local}:{port}"],
         stdout=subprocess.DEVNULL,

@@ -10,12 +10,13 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from dsv4_local.ports import free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -37,12 +38,7 @@ def bash_block(doc: str, marker: str) -> str:
 def on_free_ports(block: str) -> tuple[str, dict[int, int]]:
     """Every port of the block (its 4- and 5-digit numbers) swapped for a distinct free one."""
     ports = sorted({int(p) for p in re.findall(r"\b\d{4,5}\b", block)})
-    socks = [socket.socket() for _ in ports]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    free = {p: s.getsockname()[1] for p, s in zip(ports, socks, strict=True)}
-    for s in socks:
-        s.close()
+    free = dict(zip(ports, free_ports(len(ports)), strict=True))
     return re.sub(r"\b\d{4,5}\b", lambda m: str(free[int(m.group())]), block), free
 
 

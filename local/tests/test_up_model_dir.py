@@ -5,7 +5,6 @@ greedy output through the router equals transformers' own generation, token for 
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from hf_support import hf_greedy, save_model_dir
-from serve_support import post
+from serve_support import free_port, post
 
 from dsv4_common.core.presets import tiny
 
@@ -43,19 +42,13 @@ spec:
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_a_transformers_checkpoint_through_a_local_pd_deployment(tmp_path: Path) -> None:
     root = tmp_path / "model"
     reference = save_model_dir(tiny(), seed=9, root=root)
     want, _ = hf_greedy(reference, PROMPT, NEW_TOKENS)
     cr = tmp_path / "cr.yaml"
     cr.write_text(CR.format(root=root))
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "dsv4_cli", "up", str(cr), "--port", str(port)]
     up = subprocess.Popen(
         [*argv, "--workdir", str(tmp_path / "work")],

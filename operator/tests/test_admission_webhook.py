@@ -40,6 +40,7 @@ import yaml
 from kubernetes.client.rest import ApiException
 from model_samples import tiny_hf_config
 from repo_paths import CRD_FILE, SAMPLES
+from serve_support import free_port
 from support import crd_support as S
 from support.fake_apiserver import FakeApiServer, Webhook, load_crd
 from support.live_operator import NS, OperatorThread
@@ -54,12 +55,6 @@ TIMEOUT_S = 30.0
 DENIED = f'admission webhook "{admission.WEBHOOK_NAME}" denied the request: '
 
 pytestmark = needs_openssl
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait(what: str, check: Callable[[], Any], timeout: float = TIMEOUT_S) -> Any:
@@ -130,7 +125,7 @@ def served(
 ) -> Iterator[Served]:
     threads_before = set(threading.enumerate())
     tls = make_tls(tmp_path / "webhook-tls")
-    port = _free_port()
+    port = free_port()
     url = f"https://127.0.0.1:{port}{admission.WEBHOOK_PATH}"
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the DynamicClient's cache
     monkeypatch.setattr(kubernetes.client.Configuration, "_default", None)
@@ -372,7 +367,7 @@ def test_a_webhook_that_cannot_be_called_follows_the_failure_policy(
     tmp_path: Path, policy: str, created: bool
 ) -> None:
     tls = make_tls(tmp_path / "tls")
-    url = f"https://127.0.0.1:{_free_port()}{admission.WEBHOOK_PATH}"  # nobody listens
+    url = f"https://127.0.0.1:{free_port()}{admission.WEBHOOK_PATH}"  # nobody listens
     with FakeApiServer([load_crd(CRD_FILE)]) as server:
         webhook = Webhook("down.example.com", url, tls.ca_file, failure_policy=policy)
         server.add_webhook(L.API_VERSION, L.KIND, webhook)

@@ -12,7 +12,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 from repo_paths import CRD_FILE, SAMPLES
+from serve_support import free_port
 from support.chart_support import CHART, needs_helm, render
 from support.fake_apiserver import FakeApiServer, load_crd
 
@@ -34,12 +34,6 @@ T = TypeVar("T")
 # SIGTERM to exit, even with a reconcile stuck in an API call (the chart's grace is 30 s; kopf
 # needs a few seconds to stop its tasks on a loaded machine).
 STOP_WITHIN_S = 15.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait(what: str, probe: Callable[[], T | None], timeout_s: float = 30.0) -> T:
@@ -85,7 +79,7 @@ def _environment(
             value = downward[item["valueFrom"]["fieldRef"]["fieldPath"]]
         env[item["name"]] = value
     env["HOME"] = str(home)  # /tmp in the image; keep the test's files in its own folder
-    env["DSV4_OPERATOR_METRICS_PORT"] = str(metrics_port or _free_port())
+    env["DSV4_OPERATOR_METRICS_PORT"] = str(metrics_port or free_port())
     env["DSV4_OPERATOR_METRICS_HOST"] = "127.0.0.1"
     return env
 
@@ -179,7 +173,7 @@ def server() -> Iterator[FakeApiServer]:
 @needs_helm
 def test_the_charts_command_line_runs_the_operator(server: FakeApiServer, tmp_path: Path) -> None:
     container = _operator_container()
-    liveness_port, metrics_port = _free_port(), _free_port()
+    liveness_port, metrics_port = free_port(), free_port()
     chart_env = {e["name"]: e.get("value") for e in container["env"]}
     assert chart_env["DSV4_OPERATOR_METRICS_PORT"] == "8090"  # made a free one below
     kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
@@ -231,7 +225,7 @@ def test_sigterm_stops_the_operator_within_its_grace_mid_api_call(
     container = _operator_container()
     kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
     env = _environment(container, kubeconfig, tmp_path)
-    liveness_port = _free_port()
+    liveness_port = free_port()
     op = OperatorProcess(_command_line(container, env, liveness_port), env, tmp_path / "op.log")
     held = server.hold("PATCH", "/statefulsets/")  # the reconcile's first StatefulSet apply
     try:
@@ -268,7 +262,7 @@ def test_two_replicas_peer_and_the_standby_takes_over(tmp_path: Path) -> None:
     try:
         server.create(peering)
         for index in (0, 1):
-            port = _free_port()
+            port = free_port()
             env = _environment(container, kubeconfig, tmp_path, pod_index=index)
             command = _command_line(container, env, port)
             assert f"--priority=-{index}" in command and "--peering=dsv4-operator" in command

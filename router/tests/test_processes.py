@@ -24,6 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from serve_support import free_port
 from test_starvation import stub_process
 
 from dsv4_common.api.http_rules import HttpLimits
@@ -36,12 +37,6 @@ pytestmark = pytest.mark.slow
 DEADLINE_S: Final = 30.0
 BODY: Final = json.dumps({"prompt": "hi", "max_tokens": 2})
 RULE: Final = LivenessRule(misses=3, grace_s=10.0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _call(port: int, method: str, path: str, body: str | None = None) -> tuple[int, bytes]:
@@ -95,7 +90,7 @@ def _router(
     with ExitStack() as stack:
         _, prefill = stack.enter_context(stub_process("prefill"))
         _, decode = stack.enter_context(stub_process("decode", decode_mode))
-        port = _free_port()
+        port = free_port()
         argv = [sys.executable, "-m", "dsv4_cli", "serve", "--role", "router"]
         argv += ["--port", str(port), "--router-processes", str(processes)]
         for role, inst in (("prefill", prefill), ("decode", decode)):

@@ -6,21 +6,16 @@ from __future__ import annotations
 import http.client
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from serve_support import free_port
+
 from dsv4_common.api.rank_config import ROUTER_CONFIG_KEY
 
 DEADLINE_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def get(port: int, path: str) -> tuple[int, bytes]:

@@ -6,12 +6,13 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from dsv4_local.ports import free_ports
 
 START_TIMEOUT_S = 120.0
 WAIT_S = 60.0
@@ -27,10 +28,20 @@ ENV = {
 }
 
 
+# Every port `free_port` handed out in this test process: never handed out twice.
+_HANDED_PORTS: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port free now, for a process this test starts to bind later.
+
+    It comes from below the kernel's ephemeral range (`dsv4_local.ports`): a port the kernel
+    hands out by itself (bind to 0) can be taken, before the server binds it, by any outgoing
+    connection on the machine (gloo, UCX, HTTP clients of the other test workers).
+    """
+    (port,) = free_ports(1, frozenset(_HANDED_PORTS))
+    _HANDED_PORTS.add(port)
+    return port
 
 
 def wait_ready(
