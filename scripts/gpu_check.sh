@@ -118,6 +118,8 @@ if [[ $SCALE == 1 ]]; then
   # Flash-shaped layers (bench/flash_layers.py): real dimensions, 2 layers (CSA + HCA), random
   # weights as stored (FP8/FP4), the default KV format; decode steps at 1/64/256 running.
   FLASH=(--layers 2 --running 1 64 256 --steps 8 --prompt-tokens 256)
+  # One Flash MoE layer's routed experts (FP4 as stored): every_expert against on_device.
+  MOE=(--tokens 1 64 256 --rounds 3)
 else
   ALLOC=(--rounds 1 --repeats 2 --pages 16) ENGINE=(--rounds 1 --steps 2 --running 1 64)
   XFER=(--total-mib 8 --repeats 1) BIG_PAGE=(--page-kib 4096)
@@ -126,6 +128,7 @@ else
   PP=(--rounds 1 --requests 1 --max-tokens 4 --clients 1)
   PROFILE=(--steps 2)
   FLASH=(--layers 2 --experts 8 --vocab 1024 --running 1 2 --steps 2 --prompt-tokens 130)
+  MOE=(--experts 8 --hidden 256 --inter 128 --tokens 1 4 --rounds 1)
 fi
 D=(--device "$DEVICE")
 # The allocator per operation on the device (#38 item 7: target <= 30 us, 95-520 us before the
@@ -142,6 +145,7 @@ step profile 40 "$OUT/serve.log" "$PY" bench/profile_step.py "${D[@]}" "${PROFIL
 # Weights held as stored on the device, and which path block-FP8 linears take (a scaled FP8
 # matmul or dequantize-then-matmul): the script prints both before its step times.
 step flash-layers 120 "$OUT/flash.log" "$PY" bench/flash_layers.py "${D[@]}" "${FLASH[@]}"
+step moe 40 "$OUT/flash.log" "$PY" bench/moe.py "${D[@]}" "${MOE[@]}"
 step serve 50 "$OUT/serve.log" "$PY" bench/serve.py "${D[@]}" "${SERVE[@]}"
 step pd 80 "$OUT/pd.log" "$PY" bench/pd.py "${D[@]}" --transfer nixl "${PD[@]}"
 # PP=2 puts both stages on the one GPU (NCCL may refuse that); last, so a failure costs least.

@@ -8,19 +8,30 @@ outputs (clamped at swiglu_limit); the shared experts add to every token.
 NOTE: ties in the top-k go to the lower expert index (a stable sort), so the choice never
 depends on the batch. The router scores in float32 at least (DeepSeek's reference does).
 
-Two dispatches compute the same sum (within the rounding of matmuls over different row counts):
-`by_expert` runs each chosen expert over the tokens that chose it, reading the choice back to
-the host and grouping it there (numpy); on a CPU that read is free, on a device it is a
-sync. `every_expert` runs every routed expert over every token, weighted by a [T, E] matrix
-scattered from the choice (0 where not chosen): fixed shapes, nothing read back (no device
-sync; the shapes a captured CUDA graph needs), at E / k times the expert FLOPs,
-which a decode-sized batch on a GPU hardly notices (reading each expert's weights dominates)
-and a large prefill chunk does (a grouped GEMM over expert-sorted rows would remove that).
+The dispatches compute the same sum (within the rounding of matmuls over different row counts):
+- `by_expert` runs each chosen expert over the tokens that chose it, reading the choice back to
+  the host and grouping it there (numpy); on a CPU that read is free, on a device it is a sync.
+- The device's, which read nothing back (no sync; fixed shapes, as a captured CUDA graph needs)
+  and compute only the chosen (token, expert) pairs, on the experts' stacked stored bytes
+  (`Params.experts`): `by_slot` while the N * k (token, slot) pairs are no more than the E
+  experts (decode batches), gathering and dequantizing each pair's expert (N * k experts, not
+  E) for one batched product a pair; `grouped` beyond, dequantizing every expert once and
+  running one grouped GEMM over the pairs sorted by expert.
+- `every_expert` runs every expert over every token, weighted by a [T, E] matrix scattered
+  from the choice: E / k times the expert FLOPs and every expert dequantized each step. The
+  device falls back to it only where the others cannot run (experts that do not stack, or a
+  grouped GEMM the device lacks for the dtype).
 `moe` takes `by_expert` where the host may read the device's tensors (`host_shortcuts`: a CPU
-without DSV4_EMULATE_DEVICE=1), `every_expert` elsewhere.
+without DSV4_EMULATE_DEVICE=1), `on_device` elsewhere.
+
+NOTE: the device dispatches bound the experts they hold dequantized at once to
+`EXPERT_SCRATCH_BYTES` (chunks of pairs or of experts; sizes come from shapes, never from
+the choice).
 """
 
 from __future__ import annotations
+
+from typing import Final
 
 import numpy as np
 import torch
@@ -29,7 +40,7 @@ import torch.nn.functional as F
 from dsv4_common.core.model import DSV4Config
 from dsv4_worker.mem.device import host_shortcuts
 from dsv4_worker.model.compute import at_least_float32
-from dsv4_worker.model.ops import swiglu
+from dsv4_worker.model.ops import gated, swiglu
 from dsv4_worker.model.params import Params
 
 
@@ -65,7 +76,7 @@ def moe(m: DSV4Config, p: Params, layer: int, x: torch.Tensor, ids: torch.Tensor
     ids (hash routing)."""
     f = f"layers.{layer}.ffn"
     chosen, weights = route(m, p, layer, x, ids)
-    dispatch = by_expert if host_shortcuts(x.device) else every_expert
+    dispatch = by_expert if host_shortcuts(x.device) else on_device
     out = dispatch(m, p, layer, x, chosen, weights)
     if f"{f}.shared_experts.w1.weight" in p:
         out = out + expert(x, p, f"{f}.shared_experts", m.arch.swiglu_limit)
@@ -133,3 +144,116 @@ def every_expert(
         y = expert(x, p, f"{e_}.{e}", limit)
         out += torch.where(picked[:, e, None], y * coef[:, e, None], 0.0)
     return out
+
+
+EXPERT_SCRATCH_BYTES: Final = 1 << 30  # dequantized experts of one matrix held at once
+MATRICES: Final = ("w1", "w3", "w2")  # gate, up, down
+
+
+def on_device(
+    m: DSV4Config,
+    p: Params,
+    layer: int,
+    x: torch.Tensor,
+    chosen: torch.Tensor,
+    weights: torch.Tensor,
+    scratch_bytes: int = EXPERT_SCRATCH_BYTES,
+) -> torch.Tensor:
+    """The routed experts' weighted sum [T, H] without reading the choice back: `by_slot`,
+    `grouped`, or `every_expert` where neither can run."""
+    num = m.weights.num_routed_experts
+    names = [[f"layers.{layer}.ffn.experts.{e}.{w}.weight" for e in range(num)] for w in MATRICES]
+    stacks = [p.stack(n) for n in names]
+    if any(s is None for s in stacks):
+        return every_expert(m, p, layer, x, chosen, weights)
+    per_expert = max(s.rows * s.cols for s in stacks if s is not None) * x.element_size()
+    chunk = max(1, scratch_bytes // per_expert)
+    w1, w3, w2 = names
+    if chosen.numel() <= num:
+        return by_slot(m, p, (w1, w3, w2), x, chosen, weights, chunk)
+    if not grouped_mm_runs(x, m):
+        return every_expert(m, p, layer, x, chosen, weights)
+    return grouped(m, p, (w1, w3, w2), x, chosen, weights, chunk)
+
+
+def by_slot(
+    m: DSV4Config,
+    p: Params,
+    names: tuple[list[str], list[str], list[str]],
+    x: torch.Tensor,
+    chosen: torch.Tensor,
+    weights: torch.Tensor,
+    chunk: int,
+) -> torch.Tensor:
+    """Each (token, slot) pair times its own gathered expert: [N * k] experts dequantized (in
+    chunks of `chunk` pairs), one batched one-row product a pair per matrix."""
+    w1, w3, w2 = names
+    tokens, k = chosen.shape
+    flat = chosen.reshape(-1)
+    rows = x.repeat_interleave(k, dim=0).unsqueeze(1)  # [N * k, 1, H], pair order
+    out = torch.empty_like(rows)
+    for lo in range(0, flat.shape[0], chunk):
+        index, part = flat[lo : lo + chunk], rows[lo : lo + chunk]
+        g = torch.bmm(part, p.experts(w1, index).transpose(1, 2))
+        u = torch.bmm(part, p.experts(w3, index).transpose(1, 2))
+        h = gated(g, u, m.arch.swiglu_limit)
+        torch.bmm(h, p.experts(w2, index).transpose(1, 2), out=out[lo : lo + chunk])
+    return _weighted_sum(out.view(tokens, k, -1), weights)
+
+
+def grouped(
+    m: DSV4Config,
+    p: Params,
+    names: tuple[list[str], list[str], list[str]],
+    x: torch.Tensor,
+    chosen: torch.Tensor,
+    weights: torch.Tensor,
+    chunk: int,
+) -> torch.Tensor:
+    """The (token, slot) pairs sorted by expert, every expert dequantized once (`chunk` at a
+    time), one grouped GEMM per matrix and chunk over the pairs that chose its experts."""
+    w1, w3, w2 = names
+    tokens, k = chosen.shape
+    num, pairs = len(w1), chosen.numel()
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pairs by expert, then in pair order
+    counts = torch.zeros(num, dtype=torch.int64, device=x.device)
+    ends = counts.scatter_add_(0, flat, torch.ones_like(flat)).cumsum(0)  # [E]: ends of groups
+    rows = x.index_select(0, order // k)  # [pairs, H], sorted
+    out = torch.empty(pairs + 1, x.shape[1], dtype=x.dtype, device=x.device)  # + a dump row
+    position = torch.arange(pairs, device=x.device)
+    for lo in range(0, num, chunk):
+        hi = min(lo + chunk, num)
+        if lo == 0:  # the chunk's pairs come first in sorted order
+            start, part, at = None, rows, position
+        else:  # rotate the chunk's pairs to the front: the GEMM skips rows past its last group
+            start = ends[lo - 1]
+            at = (position + start) % pairs
+            part = rows.index_select(0, at)
+        offs = (ends[lo:hi] if start is None else ends[lo:hi] - start).to(torch.int32)
+        g = F.grouped_mm(part, p.experts(w1, slice(lo, hi)).transpose(1, 2), offs=offs)
+        u = F.grouped_mm(part, p.experts(w3, slice(lo, hi)).transpose(1, 2), offs=offs)
+        h = gated(g, u, m.arch.swiglu_limit)
+        y = F.grouped_mm(h, p.experts(w2, slice(lo, hi)).transpose(1, 2), offs=offs)
+        mine = torch.where(position < offs[-1], at, pairs)  # rows past the chunk: the dump row
+        out.index_copy_(0, mine, y)
+    by_pair = torch.empty_like(rows).index_copy_(0, order, out[:pairs])
+    return _weighted_sum(by_pair.view(tokens, k, -1), weights)
+
+
+def grouped_mm_runs(x: torch.Tensor, m: DSV4Config) -> bool:
+    """Whether `F.grouped_mm` takes `x`'s dtype and the experts' shapes on `x`'s device: on a
+    CPU float32/bfloat16/float16, on CUDA bfloat16 from compute capability 8.0; every row a
+    multiple of 16 bytes."""
+    if x.device.type == "cuda":
+        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0):
+            return False
+    elif x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    dims = (m.weights.hidden_size, m.weights.moe_intermediate_size)
+    return all(d * x.element_size() % 16 == 0 for d in dims)
+
+
+def _weighted_sum(per_pair: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum over slots of per_pair [N, k, H] x weights [N, k], in per_pair's dtype."""
+    return (per_pair * weights.to(per_pair.dtype)[:, :, None]).sum(dim=1)

@@ -60,10 +60,15 @@ def swiglu(
 ) -> torch.Tensor:
     """down(silu(gate x) * up x) with the named weights; `limit` > 0 clamps gate x from above
     and up x to [-limit, limit] first (DeepSeek-V4's SwiGLU clamp)."""
-    g, u = p.linear(x, gate), p.linear(x, up)
+    return p.linear(gated(p.linear(x, gate), p.linear(x, up), limit), down)
+
+
+def gated(g: torch.Tensor, u: torch.Tensor, limit: float = 0.0) -> torch.Tensor:
+    """silu(g) * u, the SwiGLU's inner product of its gate and up projections `g` and `u`,
+    with DeepSeek-V4's clamp when `limit` > 0 (g from above, u to [-limit, limit])."""
     if limit > 0:
         g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
-    return p.linear(F.silu(g) * u, down)
+    return F.silu(g) * u
 
 
 def stored(x: torch.Tensor, dtype_name: str) -> torch.Tensor:

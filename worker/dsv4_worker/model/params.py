@@ -8,37 +8,44 @@ code reads parameters only through it:
     vector(name)         a float parameter (norm gain, bias, sink, ...) in the compute dtype
     rows(name, index)    W[index] in the compute dtype (embeddings, per-slot biases)
     table(name)          an integer table as held (hash routing)
+    experts(names, i)    the same-shaped weights `names` [E] at `i` (an index tensor or a slice),
+                         [M, out, in] in the compute dtype, from one stack (`stacked.py`)
 
 NOTE (scratch): a quantized or differently-typed weight is materialized into one of two flat
 buffers per dtype, reused by every layer (`linear`'s is consumed before it returns; `dense`'s
 result stays valid until the next `dense` call). So besides the stored weights the stage holds
 at most two of its largest matrices in the compute dtype, never a widened copy of the model.
+`experts` has a third buffer for the experts it selects (the MoE selects in chunks that bound it).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, KeysView, Mapping
+from collections.abc import Iterable, KeysView, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from dsv4_worker.model.fp8_matmul import scaled_linear
+from dsv4_worker.model.stacked import Stack
 from dsv4_worker.model.stored import FP4Packed, FP8Block, Stored
 
 
 class Params:
-    __slots__ = ("_held", "_laid_out", "_scratch", "dtype")
+    __slots__ = ("_held", "_laid_out", "_scratch", "_stacks", "dtype")
 
     def __init__(self, held: Mapping[str, Stored], dtype: torch.dtype) -> None:
         if not dtype.is_floating_point:
             raise ValueError(f"compute dtype {dtype} is not a float dtype")
         self._held = dict(held)
         self.dtype = dtype  # the compute dtype (embeddings and dense/vector/rows come in it)
-        # (dtype, slot) -> flat buffer; slot 0: linear's, 1: dense's
+        # (dtype, slot) -> flat buffer; slot 0: linear's, 1: dense's, 2: experts'
         self._scratch: dict[tuple[torch.dtype, int], Tensor] = {}
         self._laid_out: set[str] = set()  # names `linear` has chosen a memory layout for
+        # names -> their stack (None: they cannot share one); the names' held entries are
+        # views into it
+        self._stacks: dict[tuple[str, ...], Stack | None] = {}
 
     @classmethod
     def of(
@@ -125,6 +132,33 @@ class Params:
             return s[index].to(dtype or self.dtype)
         return self.dense(name, dtype)[index].clone()
 
+    def stack(self, names: Sequence[str]) -> Stack | None:
+        """The weights `names` held as one stack from now on (their entries become views into
+        it: the same bytes), or None when they cannot share one (different kinds or shapes)."""
+        key = tuple(names)
+        if key not in self._stacks:
+            stack = Stack.of([self._held[n] for n in key])
+            if stack is not None:
+                self._held.update(zip(key, stack.views(), strict=True))
+                self._laid_out.difference_update(key)
+            self._stacks[key] = stack
+        return self._stacks[key]
+
+    def experts(
+        self, names: Sequence[str], index: Tensor | slice, dtype: torch.dtype | None = None
+    ) -> Tensor:
+        """The stackable weights `names` [E] at `index` (a long tensor [M] on their device,
+        never read back, or a slice of them) as [M, out, in] in `dtype` (default: the compute
+        dtype); valid until the next `experts` call."""
+        stack = self.stack(names)
+        if stack is None:
+            raise ValueError(f"{names[0]} and the rest cannot be stacked (kinds or shapes differ)")
+        count = (
+            index.shape[0] if isinstance(index, Tensor) else len(range(*index.indices(stack.num)))
+        )
+        out = self._buffer((count, stack.rows, stack.cols), dtype or self.dtype, stack.device, 2)
+        return stack.select_into(index, out)
+
     def table(self, name: str) -> Tensor:
         s = self._held[name]
         assert isinstance(s, Tensor) and not s.is_floating_point(), f"{name} is not a table"
@@ -145,14 +179,18 @@ class Params:
 
     # -- scratch ----------------------------------------------------------------------------------
 
-    def _materialize(self, s: Stored, dtype: torch.dtype, slot: int) -> Tensor:
-        shape = tuple(s.shape)
-        device = _device(s)
+    def _buffer(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, slot: int
+    ) -> Tensor:
+        """Scratch slot `slot`'s buffer for `dtype`, grown to `shape` when smaller."""
         numel = math.prod(shape)
         buf = self._scratch.get((dtype, slot))
         if buf is None or buf.numel() < numel or buf.device != device:
             buf = self._scratch[(dtype, slot)] = torch.empty(numel, dtype=dtype, device=device)
-        out = buf[:numel].view(shape)
+        return buf[:numel].view(shape)
+
+    def _materialize(self, s: Stored, dtype: torch.dtype, slot: int) -> Tensor:
+        out = self._buffer(tuple(s.shape), dtype, _device(s), slot)
         if isinstance(s, Tensor):
             return out.copy_(s)
         return s.dequantize_into(out)

@@ -36,6 +36,7 @@ FP4_GROUP: Final = 32
 E2M1_MAGNITUDES: Final = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E8M0_MIN_EXP: Final = -127
 E8M0_MAX_EXP: Final = 127
+F32_SMALLEST: Final = 2.0**-149  # the smallest positive float32 (a subnormal)
 
 _E2M1_TABLE = torch.tensor([*E2M1_MAGNITUDES, *(-v for v in E2M1_MAGNITUDES)])
 _E2M1_MIDPOINTS = torch.tensor([(a + b) / 2 for a, b in itertools.pairwise(E2M1_MAGNITUDES)])
@@ -86,7 +87,9 @@ def quantize_fp8_block(
         scale = pow2_scales(amax, FP8_MAX)
     else:
         scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-        scale = scale.to(torch.float32).to(torch.float64)
+        # A block of subnormals (amax < 448 * 2**-149) would round its scale to 0 (and its
+        # values to 0 / 0): the smallest float32 keeps it, its values <= 448 of it.
+        scale = scale.to(torch.float32).clamp(min=F32_SMALLEST).to(torch.float64)
     q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
     q = q.reshape(x.shape)[..., :rows, :cols].to(torch.float8_e4m3fn)
     return q, to_e8m0(scale) if pow2 else scale.to(torch.float32)

@@ -1,8 +1,10 @@
-"""The MoE's two dispatches (issue #38 item 5): `every_expert`, the fixed-shape one a device
-takes (no read-back), gives what `by_expert`, the host's (a chosen expert over the rows that
-chose it), gives: for top-k and hash layers, any k, batch size and compute dtype. The values
-come from matmuls over different row counts, so they agree within a few ulps (a BLAS result
-for a row may depend on how many rows it is computed with), never by contract to the bit."""
+"""The MoE's dispatches (issue #38 items 5 and 7): the device's (`on_device`: `by_slot` for
+decode-sized batches, `grouped` beyond, `every_expert` where neither runs), which read nothing
+back, give what `by_expert`, the host's (a chosen expert over the rows that chose it), gives:
+for top-k and hash layers, any k, batch size, compute dtype, stored expert format (floats, FP8
+blocks, packed FP4) and chunking of the dequantized experts. The values come from matmuls over
+different row counts, so they agree within a few ulps (a BLAS result for a row may depend on
+how many rows it is computed with), never by contract to the bit."""
 
 from __future__ import annotations
 
@@ -17,17 +19,29 @@ from model_helpers import tiny_moe, ulp_tolerance
 
 from dsv4_common.core.model import DSV4Config
 from dsv4_worker.mem.sync_counter import SyncCounter
-from dsv4_worker.model.moe import by_expert, every_expert, moe, route
+from dsv4_worker.model.moe import by_expert, every_expert, moe, on_device, route
 from dsv4_worker.model.params import Params
+from dsv4_worker.model.quant import quantize_fp4, quantize_fp8_block
+from dsv4_worker.model.stored import FP4Packed, FP8Block, Stored
 from dsv4_worker.model.weights import init_weights
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def _stored(name: str, w: torch.Tensor, experts: str) -> Stored:
+    """`w` as a release stores it when `name` is a routed expert's and `experts` says so."""
+    if ".experts." not in name or experts == "float":
+        return w
+    if experts == "fp4":
+        return FP4Packed(*quantize_fp4(w.double()), w.shape[1])
+    return FP8Block(*quantize_fp8_block(w.double(), (16, 16)), (16, 16))
+
+
 def _inputs(
-    model: DSV4Config, seed: int, tokens: int, dtype: torch.dtype
+    model: DSV4Config, seed: int, tokens: int, dtype: torch.dtype, experts: str = "float"
 ) -> tuple[Params, torch.Tensor, torch.Tensor]:
-    p = Params.of(init_weights(model, seed=seed), dtype)
+    held = {n: _stored(n, w, experts) for n, w in init_weights(model, seed=seed).items()}
+    p = Params(held, dtype)
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, model.weights.hidden_size, generator=gen).to(dtype)
     ids = torch.randint(0, model.weights.vocab_size, (tokens,), generator=gen)
@@ -58,41 +72,91 @@ def test_every_expert_equals_by_expert(
     torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=tol)
 
 
-def test_a_token_that_lists_an_expert_twice_gets_both_weights() -> None:
-    """A hash table may name one expert twice for a token: both dispatches add it twice."""
+@settings(max_examples=60, deadline=None)
+@given(
+    k=st.integers(1, 4),
+    tokens=st.integers(1, 24),  # k * tokens <= 4 experts: by_slot; beyond: grouped
+    layer=st.sampled_from([0, 1]),
+    dtype=st.sampled_from(sorted(DTYPES)),  # float64 beyond 4 pairs: every_expert
+    experts=st.sampled_from(["float", "fp8", "fp4"]),
+    # chunks of 1 expert, of 3 in float32 (6 in bfloat16, 1 in float64), of all 4
+    scratch_bytes=st.sampled_from([1, 3 * 32 * 64 * 4, 1 << 30]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_device_dispatch_equals_by_expert(
+    k: int, tokens: int, layer: int, dtype: str, experts: str, scratch_bytes: int, seed: int
+) -> None:
+    model = tiny_moe(k)
+    p, x, ids = _inputs(model, seed, tokens, DTYPES[dtype], experts)
+    chosen, weights = route(model, p, layer, x, ids)
+    want = by_expert(model, p, layer, x, chosen, weights)
+    got = on_device(model, p, layer, x, chosen, weights, scratch_bytes)
+    assert got.dtype == want.dtype == x.dtype and got.shape == want.shape
+    tol = ulp_tolerance(want.float(), 64) if dtype != "bfloat16" else 0.0
+    if dtype == "bfloat16":  # both round each expert's output to bfloat16: a few of its ulps
+        tol = 8 * torch.finfo(torch.bfloat16).eps * max(float(want.float().abs().max()), 1.0)
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=tol)
+
+
+def _on_device_in_chunks_of_one(
+    m: DSV4Config, p: Params, layer: int, x: torch.Tensor, c: torch.Tensor, w: torch.Tensor
+) -> torch.Tensor:
+    return on_device(m, p, layer, x, c, w, scratch_bytes=1)
+
+
+DISPATCHES = {
+    "every_expert": every_expert,
+    "on_device": on_device,
+    "on_device-chunks-of-1": _on_device_in_chunks_of_one,
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("dispatch", sorted(DISPATCHES))
+def test_a_token_that_lists_an_expert_twice_gets_both_weights(
+    dispatch: str, dtype: torch.dtype
+) -> None:
+    """A hash table may name one expert twice for a token: every dispatch adds it twice (one
+    token: 3 pairs, by_slot; six: 18 pairs, grouped in float32, every_expert in float64)."""
     model = tiny_moe(3)
-    p, x, _ = _inputs(model, 5, 6, torch.float64)
+    p, x, _ = _inputs(model, 5, 6, dtype)
     chosen = torch.tensor([[0, 0, 1], [2, 3, 3], [1, 2, 3], [0, 0, 0], [3, 1, 3], [2, 0, 1]])
-    weights = torch.rand(6, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    want = by_expert(model, p, 1, x, chosen, weights)
-    got = every_expert(model, p, 1, x, chosen, weights)
-    torch.testing.assert_close(got, want, rtol=0, atol=ulp_tolerance(want))
+    weights = torch.rand(6, 3, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    for rows in (slice(0, 1), slice(3, 4), slice(0, 6)):
+        args = (x[rows], chosen[rows], weights[rows])
+        want = by_expert(model, p, 1, *args)
+        got = DISPATCHES[dispatch](model, p, 1, *args)
+        torch.testing.assert_close(got, want, rtol=0, atol=ulp_tolerance(want))
 
 
-def test_an_expert_no_token_chose_adds_nothing() -> None:
-    """An expert no token chose leaves `every_expert`'s output as `by_expert`'s even when its
-    own output is not finite (NaN weights here): its rows are dropped, not multiplied by 0."""
+@pytest.mark.parametrize("dispatch", sorted(DISPATCHES))
+def test_an_expert_no_token_chose_adds_nothing(dispatch: str) -> None:
+    """An expert no token chose leaves the output as `by_expert`'s even when its own output
+    is not finite (NaN weights here): its rows are dropped, never multiplied by 0."""
     model = tiny_moe(1)
-    p, x, _ = _inputs(model, 7, 5, torch.float64)
+    p, x, _ = _inputs(model, 7, 5, torch.float32)
     chosen = torch.tensor([[0], [2], [0], [3], [2]])  # expert 1 unused
-    weights = torch.full((5, 1), 0.75, dtype=torch.float64)
+    weights = torch.full((5, 1), 0.75)
     held = {n: p.held(n) for n in p.names()}
     for n in ("w1", "w3", "w2"):
         name = f"layers.1.ffn.experts.1.{n}.weight"
         held[name] = torch.full_like(held[name], float("nan"))  # NaN x 0 would be NaN
-    poisoned = Params.of(held, torch.float64)
-    want = by_expert(model, p, 1, x, chosen, weights)
-    got = every_expert(model, poisoned, 1, x, chosen, weights)
-    assert bool(torch.isfinite(got).all())
-    torch.testing.assert_close(got, want, rtol=0, atol=ulp_tolerance(want))
+    poisoned = Params.of(held, torch.float32)
+    for rows in (slice(0, 4), slice(0, 5)):  # 4 pairs: by_slot; 5: grouped
+        want = by_expert(model, p, 1, x[rows], chosen[rows], weights[rows])
+        got = DISPATCHES[dispatch](model, poisoned, 1, x[rows], chosen[rows], weights[rows])
+        assert bool(torch.isfinite(got).all())
+        torch.testing.assert_close(got, want, rtol=0, atol=ulp_tolerance(want))
 
 
+@pytest.mark.parametrize("experts", ["float", "fp8", "fp4"])
+@pytest.mark.parametrize("tokens", [1, 24], ids=["by-slot", "grouped"])
 @pytest.mark.parametrize("layer", [0, 2], ids=["hash", "top-k"])
-def test_moe_reads_nothing_back_on_a_device(layer: int) -> None:
+def test_moe_reads_nothing_back_on_a_device(layer: int, tokens: int, experts: str) -> None:
     """Under DSV4_EMULATE_DEVICE=1 (the code CUDA runs) `moe` makes no device sync and gives
     what it gives on the host path."""
     model = dataclasses.replace(tiny_moe(2), name="tiny-moe")
-    p, x, ids = _inputs(model, 11, 24, torch.float32)
+    p, x, ids = _inputs(model, 11, tokens, torch.float32, experts)
     host = moe(model, p, layer, x, ids)
     with emulating_device(), SyncCounter() as counter:
         device = moe(model, p, layer, x, ids)
