@@ -162,7 +162,7 @@ def on_device(
     """The routed experts' weighted sum [T, H] without reading the choice back: `by_slot`,
     `grouped`, or `every_expert` where neither can run."""
     num = m.weights.num_routed_experts
-    names = [[f"layers.{layer}.ffn.experts.{e}.{w}.weight" for e in range(num)] for w in MATRICES]
+    names = expert_names(m, layer)
     stacks = [p.stack(n) for n in names]
     if any(s is None for s in stacks):
         return every_expert(m, p, layer, x, chosen, weights)
@@ -174,6 +174,23 @@ def on_device(
     if not grouped_mm_runs(x, m):
         return every_expert(m, p, layer, x, chosen, weights)
     return grouped(m, p, (w1, w3, w2), x, chosen, weights, chunk)
+
+
+def expert_names(m: DSV4Config, layer: int) -> list[list[str]]:
+    """The routed experts' weight names of `layer`, one list (expert order) per matrix."""
+    num = m.weights.num_routed_experts
+    return [[f"layers.{layer}.ffn.experts.{e}.{w}.weight" for e in range(num)] for w in MATRICES]
+
+
+def hold_stacked(m: DSV4Config, p: Params) -> None:
+    """Holds every MoE layer's routed experts in `p` as the stacks `on_device` reads: at
+    load, before the KV pools take the device's memory, so that the one stack being copied
+    at a time fits beside the weights."""
+    experts = (n for n in p.names() if n.startswith("layers.") and ".ffn.experts." in n)
+    for layer in sorted({int(n.split(".")[1]) for n in experts}):
+        for names in expert_names(m, layer):
+            if all(n in p for n in names):
+                p.stack(names)
 
 
 def by_slot(

@@ -140,7 +140,7 @@ class Params:
             stack = Stack.of([self._held[n] for n in key])
             if stack is not None:
                 self._held.update(zip(key, stack.views(), strict=True))
-                self._laid_out.difference_update(key)
+                self._laid_out.update(key)  # views stay as they are: no second copy
             self._stacks[key] = stack
         return self._stacks[key]
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4_common.core.model import DSV4Config
 from dsv4_common.plan.inputs import PlanInputs
 from dsv4_common.plan.planner import Plan, RankPlan, plan, split_layers
 from dsv4_worker.engine.events import NO_EVENTS, EngineEvents
@@ -25,7 +26,9 @@ from dsv4_worker.engine.paged import PagedModel, Stage
 from dsv4_worker.engine.role import EngineConfig, Place, Role
 from dsv4_worker.engine.steps import Planner, StepSource
 from dsv4_worker.mem.alloc_config import AllocatorConfig
+from dsv4_worker.mem.device import host_shortcuts
 from dsv4_worker.mem.memory import KVMemory
+from dsv4_worker.model.moe import hold_stacked
 from dsv4_worker.model.params import Params
 from dsv4_worker.model.stored import Stored
 from dsv4_worker.model.weights import stage_param_names
@@ -135,6 +138,8 @@ def build_stage(
     draft = inputs.speculative_draft_tokens > 0
     names = stage_param_names(model, stage.layers, first=stage.first, last=stage.last, draft=draft)
     params = Params.of(load_weights(names), dtype)
+    if isinstance(model, DSV4Config) and not host_shortcuts(device):
+        hold_stacked(model, params)  # before the KV pools: see hold_stacked
     weight_bytes = params.nbytes
     link = None
     if pp.size > 1:

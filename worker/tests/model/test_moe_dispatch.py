@@ -18,12 +18,14 @@ from mem_helpers import emulating_device
 from model_helpers import tiny_moe, ulp_tolerance
 
 from dsv4_common.core.model import DSV4Config
+from dsv4_common.plan.inputs import PlanInputs
 from dsv4_worker.mem.sync_counter import SyncCounter
-from dsv4_worker.model.moe import by_expert, every_expert, moe, on_device, route
+from dsv4_worker.model.moe import by_expert, every_expert, expert_names, moe, on_device, route
 from dsv4_worker.model.params import Params
 from dsv4_worker.model.quant import quantize_fp4, quantize_fp8_block
 from dsv4_worker.model.stored import FP4Packed, FP8Block, Stored
-from dsv4_worker.model.weights import init_weights
+from dsv4_worker.model.weights import init_weights, stage_weights
+from dsv4_worker.pp.group import build_stage
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -162,3 +164,25 @@ def test_moe_reads_nothing_back_on_a_device(layer: int, tokens: int, experts: st
         device = moe(model, p, layer, x, ids)
     assert dict(counter.counts) == {}
     torch.testing.assert_close(device, host, rtol=0, atol=ulp_tolerance(host))
+
+
+@pytest.mark.parametrize("emulate", [True, False], ids=["device", "host"])
+def test_a_stage_built_for_a_device_holds_its_experts_stacked_in_the_same_bytes(
+    emulate: bool,
+) -> None:
+    """`build_stage` stacks every MoE layer's experts before the KV pools where the device
+    path reads them (the per-expert entries become views: the bytes held do not change), and
+    leaves them as loaded on a host that reads the choice."""
+    model = dataclasses.replace(tiny_moe(2), name="tiny-moe")
+    inputs = PlanInputs(model=model, role="colocated", gpu_memory_bytes=1 << 30)
+    full = init_weights(model, seed=3)
+    with emulating_device(emulate):
+        built = build_stage(inputs, lambda names: stage_weights(full, names), torch.device("cpu"))
+    p = built.paged.p
+    assert p.nbytes == sum(full[n].nbytes for n in p.names())
+    for layer in range(model.num_hidden_layers):
+        for names in expert_names(model, layer):
+            held = p.held(names[0])
+            assert isinstance(held, torch.Tensor)
+            stacked = held.untyped_storage().nbytes() == len(names) * held.nbytes
+            assert stacked == emulate, names[0]
