@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import pytest
 import torch
 from engine_helpers import engine as make_engine
 from mem_helpers import emulating_device, small_memory
 
-from dsv4_common.core.model import DSV4Config, ModelConfig
+from dsv4_common.core.model import DSV4Config, ModelConfig, Quantization
 from dsv4_common.core.presets import hybrid_tiny, tiny
 from dsv4_worker.engine.loop import Engine
 from dsv4_worker.engine.paged import Segment
@@ -25,7 +25,9 @@ from dsv4_worker.mem.memory import KVMemory
 from dsv4_worker.mem.sync_counter import SyncCounter
 from dsv4_worker.model.checkpoint import load_checkpoint
 from dsv4_worker.model.params import Params
-from dsv4_worker.model.weights import init_weights
+from dsv4_worker.model.random_stored import random_weights
+from dsv4_worker.model.stored import Stored
+from dsv4_worker.model.weights import init_weights, stage_param_names
 from dsv4_worker.precheck import PACKAGED_MODELS
 from dsv4_worker.sched.scheduler import SchedulerConfig
 
@@ -102,15 +104,27 @@ def _tiny_fp8() -> DSV4Config:
     )
 
 
-@pytest.mark.parametrize("model", [hybrid_tiny(), tiny(), _tiny_fp8()], ids=lambda m: m.name)
+def _tiny_release() -> DSV4Config:
+    """tiny with its weights as the release stores them: FP8 block linears, FP4 experts."""
+    return dataclasses.replace(tiny(), name="tiny-release", quantization=Quantization())
+
+
+def _weights(model: ModelConfig) -> Mapping[str, Stored]:
+    if isinstance(model, DSV4Config) and model.quantization is not None:
+        layers = range(model.num_hidden_layers)
+        return random_weights(model, 5, stage_param_names(model, layers, first=True, last=True))
+    return init_weights(model, seed=5)
+
+
+@pytest.mark.parametrize(
+    "model", [hybrid_tiny(), tiny(), _tiny_fp8(), _tiny_release()], ids=lambda m: m.name
+)
 def test_the_paged_forward_adds_no_sync(model: ModelConfig) -> None:
     """Prefill chunks and decode steps through the real paged forward (DeepSeek-V4's MoE
-    takes its fixed-shape dispatch on a device; fp8 rows quantize and dequantize on the
-    device): one sync per step, the read-back."""
+    takes its device dispatch, on stacked FP4 experts for tiny-release; fp8 rows quantize and
+    dequantize on the device): one sync per step, the read-back."""
     with emulating_device():
-        eng = make_engine(
-            model, init_weights(model, seed=5), full_pages=96, swa_pages=64, slots=6, chunk=48
-        )
+        eng = make_engine(model, _weights(model), full_pages=96, swa_pages=64, slots=6, chunk=48)
     for i in range(6):
         eng.submit([(7 * i + j) % 200 + 3 for j in range(6 + 5 * i)], SamplingParams(24))
     steps = list(_counted_steps(eng, 10))
