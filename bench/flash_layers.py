@@ -124,6 +124,15 @@ def step_ms(
     return timed
 
 
+def device_and_sync(device: str, dtype_name: str) -> tuple[torch.dtype, Callable[[], None]]:
+    """(the compute dtype `dtype_name` means on `device`, a call that waits for `device`);
+    exits naming --device where CUDA is asked for and absent."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device")
+    sync: Callable[[], None] = torch.cuda.synchronize if device == "cuda" else lambda: None
+    return compute_dtype(dtype_name, device), sync
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
@@ -136,10 +145,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device")
-    dtype = compute_dtype(args.dtype, args.device)
-    sync: Callable[[], None] = torch.cuda.synchronize if args.device == "cuda" else lambda: None
+    dtype, sync = device_and_sync(args.device, args.dtype)
     model = flash_layers(args.layers, args.experts, args.vocab)
     names = stage_param_names(model, range(args.layers), first=True, last=True)
     t0 = time.perf_counter()

@@ -29,10 +29,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchjson import Figure, emit
+from flash_layers import device_and_sync
 
 from dsv4_common.core.model import DSV4Config, Quantization
 from dsv4_common.core.presets import deepseek_v4_flash
-from dsv4_worker.model.compute import compute_dtype
 from dsv4_worker.model.moe import by_expert, every_expert, on_device, route
 from dsv4_worker.model.params import Params
 from dsv4_worker.model.random_stored import random_weights
@@ -89,10 +89,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device")
-    dtype = compute_dtype(args.dtype, args.device)
-    sync: Callable[[], None] = torch.cuda.synchronize if args.device == "cuda" else lambda: None
+    dtype, sync = device_and_sync(args.device, args.dtype)
     model = model_of(args)
     prefix = f"layers.{LAYER}.ffn"
     names = {f"{prefix}.gate.weight", f"{prefix}.gate.bias"}

@@ -31,6 +31,8 @@ the choice).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Final
 
 import numpy as np
@@ -150,6 +152,29 @@ EXPERT_SCRATCH_BYTES: Final = 1 << 30  # dequantized experts of one matrix held 
 MATRICES: Final = ("w1", "w3", "w2")  # gate, up, down
 
 
+Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # batched or grouped matmul
+
+
+@dataclass(frozen=True, slots=True)
+class Experts:
+    """One layer's routed experts as the device dispatches read them."""
+
+    p: Params
+    w1: list[str]  # gate, one name an expert (expert order)
+    w3: list[str]  # up
+    w2: list[str]  # down
+    limit: float  # the SwiGLU clamp
+    chunk: int  # experts dequantized at once (a bound on the scratch)
+
+    def gated(self, x: torch.Tensor, index: torch.Tensor | slice, mm: Product) -> torch.Tensor:
+        """silu(x W1^T) * (x W3^T) with the experts at `index`, through `mm`."""
+        g = mm(x, self.p.experts(self.w1, index).transpose(1, 2))
+        return gated(g, mm(x, self.p.experts(self.w3, index).transpose(1, 2)), self.limit)
+
+    def down(self, h: torch.Tensor, index: torch.Tensor | slice, mm: Product) -> torch.Tensor:
+        return mm(h, self.p.experts(self.w2, index).transpose(1, 2))
+
+
 def on_device(
     m: DSV4Config,
     p: Params,
@@ -161,19 +186,21 @@ def on_device(
 ) -> torch.Tensor:
     """The routed experts' weighted sum [T, H] without reading the choice back: `by_slot`,
     `grouped`, or `every_expert` where neither can run."""
-    num = m.weights.num_routed_experts
-    names = expert_names(m, layer)
-    stacks = [p.stack(n) for n in names]
+    w1, w3, w2 = expert_names(m, layer)
+    stacks = [p.stack(n) for n in (w1, w3, w2)]
     if any(s is None for s in stacks):
         return every_expert(m, p, layer, x, chosen, weights)
     per_expert = max(s.rows * s.cols for s in stacks if s is not None) * x.element_size()
     chunk = max(1, scratch_bytes // per_expert)
-    w1, w3, w2 = names
-    if chosen.numel() <= num:
-        return by_slot(m, p, (w1, w3, w2), x, chosen, weights, chunk)
-    if not grouped_mm_runs(x, m):
+    experts = Experts(p, w1, w3, w2, m.arch.swiglu_limit, chunk)
+    if chosen.numel() <= len(w1):
+        per_pair = by_slot(experts, x, chosen)
+    elif grouped_mm_runs(x, m):
+        per_pair = grouped(experts, x, chosen)
+    else:
         return every_expert(m, p, layer, x, chosen, weights)
-    return grouped(m, p, (w1, w3, w2), x, chosen, weights, chunk)
+    # sum over slots of each pair's output times its routing weight, in x's dtype
+    return (per_pair.view(*chosen.shape, -1) * weights.to(x.dtype)[:, :, None]).sum(dim=1)
 
 
 def expert_names(m: DSV4Config, layer: int) -> list[list[str]]:
@@ -193,69 +220,49 @@ def hold_stacked(m: DSV4Config, p: Params) -> None:
                 p.stack(names)
 
 
-def by_slot(
-    m: DSV4Config,
-    p: Params,
-    names: tuple[list[str], list[str], list[str]],
-    x: torch.Tensor,
-    chosen: torch.Tensor,
-    weights: torch.Tensor,
-    chunk: int,
-) -> torch.Tensor:
+def by_slot(experts: Experts, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     """Each (token, slot) pair times its own gathered expert: [N * k] experts dequantized (in
-    chunks of `chunk` pairs), one batched one-row product a pair per matrix."""
-    w1, w3, w2 = names
-    tokens, k = chosen.shape
+    chunks of `chunk` pairs), one batched one-row product a pair per matrix. The pairs'
+    outputs [N * k, H], in pair order."""
     flat = chosen.reshape(-1)
-    rows = x.repeat_interleave(k, dim=0).unsqueeze(1)  # [N * k, 1, H], pair order
+    rows = x.repeat_interleave(chosen.shape[1], dim=0).unsqueeze(1)  # [N * k, 1, H]
     out = torch.empty_like(rows)
-    for lo in range(0, flat.shape[0], chunk):
-        index, part = flat[lo : lo + chunk], rows[lo : lo + chunk]
-        g = torch.bmm(part, p.experts(w1, index).transpose(1, 2))
-        u = torch.bmm(part, p.experts(w3, index).transpose(1, 2))
-        h = gated(g, u, m.arch.swiglu_limit)
-        torch.bmm(h, p.experts(w2, index).transpose(1, 2), out=out[lo : lo + chunk])
-    return _weighted_sum(out.view(tokens, k, -1), weights)
+    for lo in range(0, flat.shape[0], experts.chunk):
+        index, part = flat[lo : lo + experts.chunk], rows[lo : lo + experts.chunk]
+        out[lo : lo + experts.chunk] = experts.down(
+            experts.gated(part, index, torch.bmm), index, torch.bmm
+        )
+    return out.squeeze(1)
 
 
-def grouped(
-    m: DSV4Config,
-    p: Params,
-    names: tuple[list[str], list[str], list[str]],
-    x: torch.Tensor,
-    chosen: torch.Tensor,
-    weights: torch.Tensor,
-    chunk: int,
-) -> torch.Tensor:
+def grouped(experts: Experts, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     """The (token, slot) pairs sorted by expert, every expert dequantized once (`chunk` at a
-    time), one grouped GEMM per matrix and chunk over the pairs that chose its experts."""
-    w1, w3, w2 = names
-    tokens, k = chosen.shape
-    num, pairs = len(w1), chosen.numel()
+    time), one grouped GEMM per matrix and chunk over the pairs that chose its experts. The
+    pairs' outputs [N * k, H], in pair order."""
+    num, pairs = len(experts.w1), chosen.numel()
     flat = chosen.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs by expert, then in pair order
     counts = torch.zeros(num, dtype=torch.int64, device=x.device)
     ends = counts.scatter_add_(0, flat, torch.ones_like(flat)).cumsum(0)  # [E]: ends of groups
-    rows = x.index_select(0, order // k)  # [pairs, H], sorted
+    rows = x.index_select(0, order // chosen.shape[1])  # [pairs, H], sorted
     out = torch.empty(pairs + 1, x.shape[1], dtype=x.dtype, device=x.device)  # + a dump row
     position = torch.arange(pairs, device=x.device)
-    for lo in range(0, num, chunk):
-        hi = min(lo + chunk, num)
+    for lo in range(0, num, experts.chunk):
+        chunk = slice(lo, min(lo + experts.chunk, num))
         if lo == 0:  # the chunk's pairs come first in sorted order
-            start, part, at = None, rows, position
+            part, at, offs = rows, position, ends[chunk]
         else:  # rotate the chunk's pairs to the front: the GEMM skips rows past its last group
-            start = ends[lo - 1]
-            at = (position + start) % pairs
-            part = rows.index_select(0, at)
-        offs = (ends[lo:hi] if start is None else ends[lo:hi] - start).to(torch.int32)
-        g = F.grouped_mm(part, p.experts(w1, slice(lo, hi)).transpose(1, 2), offs=offs)
-        u = F.grouped_mm(part, p.experts(w3, slice(lo, hi)).transpose(1, 2), offs=offs)
-        h = gated(g, u, m.arch.swiglu_limit)
-        y = F.grouped_mm(h, p.experts(w2, slice(lo, hi)).transpose(1, 2), offs=offs)
+            at = (position + ends[lo - 1]) % pairs
+            part, offs = rows.index_select(0, at), ends[chunk] - ends[lo - 1]
+        offs = offs.to(torch.int32)
+
+        def mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor = offs) -> torch.Tensor:
+            return F.grouped_mm(a, b, offs=offs)
+
+        y = experts.down(experts.gated(part, chunk, mm), chunk, mm)
         mine = torch.where(position < offs[-1], at, pairs)  # rows past the chunk: the dump row
         out.index_copy_(0, mine, y)
-    by_pair = torch.empty_like(rows).index_copy_(0, order, out[:pairs])
-    return _weighted_sum(by_pair.view(tokens, k, -1), weights)
+    return torch.empty_like(rows).index_copy_(0, order, out[:pairs])
 
 
 def grouped_mm_runs(x: torch.Tensor, m: DSV4Config) -> bool:
@@ -269,8 +276,3 @@ def grouped_mm_runs(x: torch.Tensor, m: DSV4Config) -> bool:
         return False
     dims = (m.weights.hidden_size, m.weights.moe_intermediate_size)
     return all(d * x.element_size() % 16 == 0 for d in dims)
-
-
-def _weighted_sum(per_pair: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """sum over slots of per_pair [N, k, H] x weights [N, k], in per_pair's dtype."""
-    return (per_pair * weights.to(per_pair.dtype)[:, :, None]).sum(dim=1)
