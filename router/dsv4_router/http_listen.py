@@ -84,6 +84,12 @@ class GuardedSite(web.BaseSite):
         )
         self._sock.listen(LISTEN_BACKLOG)
 
+    def stop_accepting(self) -> None:
+        """Close the listening socket; the connections it accepted stay open (`stop` closes
+        them)."""
+        if self._server is not None:
+            self._server.close()
+
     async def stop(self) -> None:
         await super().stop()
         for conn in list(self._guard.fast):  # aiohttp's own close with the runner

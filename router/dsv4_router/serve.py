@@ -39,7 +39,7 @@ from dsv4_router.drain import drain
 from dsv4_router.fast_path import FastFront
 from dsv4_router.http_auth import require_api_key
 from dsv4_router.http_guard import GUARD, make_runner, new_protocol
-from dsv4_router.http_listen import ListenError, bind, raise_fd_limit, serve_on
+from dsv4_router.http_listen import GuardedSite, ListenError, bind, raise_fd_limit, serve_on
 from dsv4_router.metrics import RouterMetrics, SharedCounts
 from dsv4_router.processes import STOP_SIGNAL, Prebound, run_processes
 from dsv4_router.proxy import Proxy
@@ -49,6 +49,10 @@ from dsv4_router.upstream import Upstream
 
 # Status probes in flight at once (one /status and one /ready per instance per round).
 MAX_PROBE_CONNECTIONS: Final = 256
+# Past its drain the router stops accepting, then answers what arrives on the connections it
+# had accepted for this long before it closes them: a request sent just before the listeners
+# closed gets a 503 `draining`, never a connection closed without a response.
+ACCEPTED_LINGER_S: Final = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +60,14 @@ class Listening:
     state: RouterState
     api_port: int
     status_port: int | None  # None: probes on the API port only
+    sites: tuple[GuardedSite, ...]
+
+    async def stop_accepting(self, linger_s: float = ACCEPTED_LINGER_S) -> None:
+        """Close the listening sockets (a new connection is refused), then keep serving the
+        connections already accepted for `linger_s`."""
+        for site in self.sites:
+            site.stop_accepting()
+        await asyncio.sleep(linger_s)
 
 
 @contextlib.asynccontextmanager
@@ -125,7 +137,8 @@ async def start_router(
             status_app = build_probe_app(state)
             require_api_key(status_app, settings.auth, status_port=True)
             status_port = await _listen(status_app, settings, prebound.status, runners)
-        yield Listening(state, api_port, status_port)
+        sites = [s for runner in runners for s in runner.sites if isinstance(s, GuardedSite)]
+        yield Listening(state, api_port, status_port, tuple(sites))
     finally:
         for runner in reversed(runners):
             await runner.cleanup()
@@ -236,6 +249,8 @@ async def _serve(settings: RouterSettings, *, child: _Child | None = None) -> No
             listening.state.drain.start()
             timeout_s = settings.shutdown_timeout_s
             await drain(listening.state.drain, timeout_s=timeout_s, hurried=hurry)
+            if not hurry.is_set():
+                await listening.stop_accepting()
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)

@@ -73,3 +73,49 @@ async def test_a_drain_with_nothing_open_ends_at_once() -> None:
         state.drain.start()
         done = drain(state.drain, timeout_s=30.0, hurried=asyncio.Event())
         assert await asyncio.wait_for(done, 5.0) == 0
+
+
+async def _answer(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes
+) -> tuple[int, bytes]:
+    """(status, body) of one completion request sent on an open connection."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+    writer.write(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    await writer.drain()
+    headers = await reader.readuntil(b"\r\n\r\n")
+    status = int(headers.split(b" ", 2)[1])
+    length = [ln for ln in headers.split(b"\r\n") if ln.lower().startswith(b"content-length:")]
+    return status, await reader.readexactly(int(length[0].split(b":")[1]))
+
+
+@run_async
+async def test_past_its_drain_the_router_refuses_new_connections_and_answers_accepted_ones() -> (
+    None
+):
+    """Past the drain the listeners close first (a new connection is refused) and a request
+    that arrives meanwhile on a connection accepted before gets a 503 `draining` within the
+    linger, not a connection closed without a response (issue #25's fault matrix saw one)."""
+    async with routed([StubWorker("prefill")], [StubWorker("decode")]) as h:
+        h.listening.state.drain.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", h.listening.api_port)
+        body = json.dumps(BODY).encode()
+        status, answer = await _answer(reader, writer, body)  # accepted, kept alive
+        assert status == 503 and json.loads(answer)["error"]["code"] == DRAIN_CODE
+        stopping = asyncio.create_task(h.listening.stop_accepting(linger_s=30.0))
+
+        async def refused() -> bool:
+            try:
+                _, probe = await asyncio.open_connection("127.0.0.1", h.listening.api_port)
+            except ConnectionRefusedError:
+                return True
+            except ConnectionResetError:  # caught in the listener's closing: look again
+                return False
+            probe.close()
+            return False
+
+        await wait_until(refused, "the listener to refuse new connections")
+        status, answer = await _answer(reader, writer, body)
+        assert status == 503 and json.loads(answer)["error"]["code"] == DRAIN_CODE
+        assert not stopping.done()
+        stopping.cancel()
+        writer.close()
