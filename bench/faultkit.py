@@ -9,7 +9,8 @@ bench/soak.py and local/tests/test_fault_matrix.py (issue #25).
 
 A client request is judged by what it heard: `ok` (2xx, streams ending with [DONE] and no error
 event), `error` (an error status, or an error event), `reset` (the connection broke after it was
-accepted, with no error event), `refused` (nothing listened), `timeout` (nothing heard for the
+accepted, with no error event), `refused` (no connection was made: nothing listened, or the
+handshake was reset as the listener closed), `timeout` (nothing heard for the
 client's timeout). Its longest silence (start, or the fault's end if later, to a byte or the
 end) is what "answered within 5 s" is judged on: a stream that keeps sending tokens is being
 answered. A client that disconnects on purpose mid-request ends `left`. Side effects:
@@ -280,7 +281,10 @@ def completion(
     conn = http.client.HTTPConnection(host, int(port), timeout=wait_s)
     leave_at_s = record.started_s + (float("inf") if leave_after_s is None else leave_after_s)
     kind: Kind = "ok"
+    connected = False
     try:
+        conn.connect()
+        connected = True
         conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "text/json"})
         resp = conn.getresponse()
         record.status = resp.status
@@ -298,8 +302,10 @@ def completion(
     except TimeoutError:
         kind = "left" if time.monotonic() >= leave_at_s else "timeout"
     except (OSError, http.client.HTTPException, ValueError) as exc:
-        refused = isinstance(exc, ConnectionRefusedError) or (
-            getattr(exc, "errno", None) == errno.ECONNREFUSED
+        refused = (
+            not connected
+            or isinstance(exc, ConnectionRefusedError)
+            or getattr(exc, "errno", None) == errno.ECONNREFUSED
         )
         kind = "refused" if refused else "reset"
         record.detail = repr(exc)[:300]
