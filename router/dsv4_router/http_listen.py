@@ -14,7 +14,7 @@ import asyncio
 import json
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Final, cast
 
 from aiohttp import web
@@ -27,6 +27,9 @@ from dsv4_router.listen_sockets import ListenError as ListenError
 from dsv4_router.listen_sockets import bind as bind
 from dsv4_router.listen_sockets import raise_fd_limit as raise_fd_limit
 
+# Past a drain a server stops accepting, then answers what arrives on the connections it had
+# accepted for this long before it closes them (`stop_accepting`).
+ACCEPTED_LINGER_S: Final = 0.5
 REFUSED: Final = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
     b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
@@ -130,6 +133,20 @@ class GuardedSite(web.BaseSite):
         guard.opened_s[handler] = now_s
         guard.fresh.append(handler)
         return handler
+
+
+async def stop_accepting(
+    runners: Iterable[BaseRunner], linger_s: float = ACCEPTED_LINGER_S
+) -> None:
+    """Close every listening socket of `runners` (a new connection is refused), then keep
+    serving the connections they had accepted for `linger_s` before the runners' cleanup
+    closes them: a request sent just before the listeners closed gets its answer (a 503
+    `draining` past a drain), never a connection closed without a response."""
+    for runner in runners:
+        for site in runner.sites:
+            if isinstance(site, GuardedSite):
+                site.stop_accepting()
+    await asyncio.sleep(linger_s)
 
 
 async def serve_on(

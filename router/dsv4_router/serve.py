@@ -39,7 +39,14 @@ from dsv4_router.drain import drain
 from dsv4_router.fast_path import FastFront
 from dsv4_router.http_auth import require_api_key
 from dsv4_router.http_guard import GUARD, make_runner, new_protocol
-from dsv4_router.http_listen import GuardedSite, ListenError, bind, raise_fd_limit, serve_on
+from dsv4_router.http_listen import (
+    ACCEPTED_LINGER_S,
+    ListenError,
+    bind,
+    raise_fd_limit,
+    serve_on,
+    stop_accepting,
+)
 from dsv4_router.metrics import RouterMetrics, SharedCounts
 from dsv4_router.processes import STOP_SIGNAL, Prebound, run_processes
 from dsv4_router.proxy import Proxy
@@ -49,10 +56,6 @@ from dsv4_router.upstream import Upstream
 
 # Status probes in flight at once (one /status and one /ready per instance per round).
 MAX_PROBE_CONNECTIONS: Final = 256
-# Past its drain the router stops accepting, then answers what arrives on the connections it
-# had accepted for this long before it closes them: a request sent just before the listeners
-# closed gets a 503 `draining`, never a connection closed without a response.
-ACCEPTED_LINGER_S: Final = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,14 +63,10 @@ class Listening:
     state: RouterState
     api_port: int
     status_port: int | None  # None: probes on the API port only
-    sites: tuple[GuardedSite, ...]
+    runners: tuple[web.AppRunner, ...]
 
     async def stop_accepting(self, linger_s: float = ACCEPTED_LINGER_S) -> None:
-        """Close the listening sockets (a new connection is refused), then keep serving the
-        connections already accepted for `linger_s`."""
-        for site in self.sites:
-            site.stop_accepting()
-        await asyncio.sleep(linger_s)
+        await stop_accepting(self.runners, linger_s)
 
 
 @contextlib.asynccontextmanager
@@ -137,8 +136,7 @@ async def start_router(
             status_app = build_probe_app(state)
             require_api_key(status_app, settings.auth, status_port=True)
             status_port = await _listen(status_app, settings, prebound.status, runners)
-        sites = [s for runner in runners for s in runner.sites if isinstance(s, GuardedSite)]
-        yield Listening(state, api_port, status_port, tuple(sites))
+        yield Listening(state, api_port, status_port, tuple(runners))
     finally:
         for runner in reversed(runners):
             await runner.cleanup()

@@ -45,7 +45,7 @@ from dsv4_common.plan.inputs import PlanError, PlanInputs
 from dsv4_common.plan.weights import estimate_weight_bytes
 from dsv4_router.http_auth import require_api_key
 from dsv4_router.http_guard import make_runner
-from dsv4_router.http_listen import serve_on
+from dsv4_router.http_listen import serve_on, stop_accepting
 from dsv4_worker.build import Agent, wire
 from dsv4_worker.engine.grammar import GrammarCompiler
 from dsv4_worker.engine.role import Place
@@ -346,6 +346,8 @@ async def _serve(built: Built, drain_timeout_s: float = DRAIN_S) -> int:
             built.drain, built.runner, timeout_s=timeout_s, hurried=hurry, busy=busy
         )
         print(f"dsv4 serve: drained ({aborted} requests aborted); stopping", flush=True)
+        if not hurry.is_set():
+            await stop_accepting(runners)
     finally:
         if watch is not None:
             watch.cancel()
