@@ -145,7 +145,7 @@ step profile 40 "$OUT/serve.log" "$PY" bench/profile_step.py "${D[@]}" "${PROFIL
 # Weights held as stored on the device, and which path block-FP8 linears take (a scaled FP8
 # matmul or dequantize-then-matmul): the script prints both before its step times.
 step flash-layers 120 "$OUT/flash.log" "$PY" bench/flash_layers.py "${D[@]}" "${FLASH[@]}"
-step moe 40 "$OUT/flash.log" "$PY" bench/moe.py "${D[@]}" "${MOE[@]}"
+step moe 30 "$OUT/flash.log" "$PY" bench/moe.py "${D[@]}" "${MOE[@]}"
 step serve 50 "$OUT/serve.log" "$PY" bench/serve.py "${D[@]}" "${SERVE[@]}"
 step pd 80 "$OUT/pd.log" "$PY" bench/pd.py "${D[@]}" --transfer nixl "${PD[@]}"
 # PP=2 puts both stages on the one GPU (NCCL may refuse that); last, so a failure costs least.
