@@ -186,3 +186,35 @@ def test_a_stage_built_for_a_device_holds_its_experts_stacked_in_the_same_bytes(
             assert isinstance(held, torch.Tensor)
             stacked = held.untyped_storage().nbytes() == len(names) * held.nbytes
             assert stacked == emulate, names[0]
+
+
+def _on(s: Stored, device: torch.device) -> Stored:
+    if isinstance(s, FP4Packed):
+        return FP4Packed(s.packed.to(device), s.scale.to(device), s.cols)
+    if isinstance(s, FP8Block):
+        return FP8Block(s.values.to(device), s.scale.to(device), s.block, s.row_offset)
+    return s.to(device)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("tokens", [1, 24], ids=["by-slot", "grouped"])
+def test_on_cuda_the_device_dispatch_equals_by_expert_without_a_sync(tokens: int) -> None:
+    """On CUDA in bfloat16 with FP4 experts (grouped: `F.grouped_mm`'s CUDA kernel) the device
+    dispatch gives `by_expert`'s sum, and CUDA's own sync check finds no sync in it."""
+    model = tiny_moe(2)
+    host, x, ids = _inputs(model, 13, tokens, torch.float32, "fp4")
+    dev = torch.device("cuda")
+    p = Params({n: _on(host.held(n), dev) for n in host.names()}, torch.bfloat16)
+    xd = x.to(dev, torch.bfloat16)
+    chosen, weights = route(model, p, 1, xd, ids.to(dev))
+    want = by_expert(model, p, 1, xd, chosen, weights)
+    on_device(model, p, 1, xd, chosen, weights)  # stacks the experts (a one-time copy)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = on_device(model, p, 1, xd, chosen, weights)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    tol = 8 * torch.finfo(torch.bfloat16).eps * max(float(want.float().abs().max()), 1.0)
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=tol)
