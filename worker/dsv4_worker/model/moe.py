@@ -31,6 +31,7 @@ the choice).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
@@ -160,9 +161,9 @@ class Experts:
     """One layer's routed experts as the device dispatches read them."""
 
     p: Params
-    w1: list[str]  # gate, one name an expert (expert order)
-    w3: list[str]  # up
-    w2: list[str]  # down
+    w1: tuple[str, ...]  # gate, one name an expert (expert order)
+    w3: tuple[str, ...]  # up
+    w2: tuple[str, ...]  # down
     limit: float  # the SwiGLU clamp
     chunk: int  # experts dequantized at once (a bound on the scratch)
 
@@ -203,10 +204,17 @@ def on_device(
     return (per_pair.view(*chosen.shape, -1) * weights.to(x.dtype)[:, :, None]).sum(dim=1)
 
 
-def expert_names(m: DSV4Config, layer: int) -> list[list[str]]:
-    """The routed experts' weight names of `layer`, one list (expert order) per matrix."""
-    num = m.weights.num_routed_experts
-    return [[f"layers.{layer}.ffn.experts.{e}.{w}.weight" for e in range(num)] for w in MATRICES]
+def expert_names(m: DSV4Config, layer: int) -> tuple[tuple[str, ...], ...]:
+    """The routed experts' weight names of `layer`, one tuple (expert order) per matrix."""
+    return _expert_names(layer, m.weights.num_routed_experts)
+
+
+@functools.cache
+def _expert_names(layer: int, num: int) -> tuple[tuple[str, ...], ...]:
+    # Built once: every decode step asks for them (3 x 256 names a layer on Flash, 130 us).
+    return tuple(
+        tuple(f"layers.{layer}.ffn.experts.{e}.{w}.weight" for e in range(num)) for w in MATRICES
+    )
 
 
 def hold_stacked(m: DSV4Config, p: Params) -> None:
