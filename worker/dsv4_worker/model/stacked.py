@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, cast
 
 import torch
 from torch import Tensor
@@ -42,44 +42,24 @@ class Stack:
     @classmethod
     def of(cls, weights: Sequence[Stored]) -> Stack | None:
         """`weights` stacked (copies), or None when they differ in kind, shape, dtype or
-        device, or are row slices of an FP8 block grid (`row_offset`)."""
+        device, are not 2-D float matrices, or are row slices of an FP8 block grid
+        (`row_offset`)."""
         first = weights[0]
-        if isinstance(first, Tensor):
-            plain = [w for w in weights if isinstance(w, Tensor)]
-            if len(plain) != len(weights) or first.dim() != 2 or not first.is_floating_point():
-                return None
-            if any(w.shape != first.shape or w.dtype != first.dtype for w in plain):
-                return None
-            if any(w.device != first.device for w in plain):
-                return None
-            return cls(torch.stack(plain), None, first.shape[1], None)
+        if len({_layout(w) for w in weights}) != 1:
+            return None
         if isinstance(first, FP4Packed):
-            fp4 = [w for w in weights if isinstance(w, FP4Packed)]
-            if len(fp4) != len(weights) or any(
-                w.packed.shape != first.packed.shape
-                or w.cols != first.cols
-                or w.scale.dtype != first.scale.dtype
-                or w.packed.device != first.packed.device
-                for w in fp4
-            ):
+            fp4 = cast(Sequence[FP4Packed], weights)
+            values, scales = [w.packed for w in fp4], [w.scale for w in fp4]
+            return cls(torch.stack(values), torch.stack(scales), first.cols, None)
+        if isinstance(first, FP8Block):
+            if first.row_offset:
                 return None
-            values = torch.stack([w.packed for w in fp4])
-            return cls(values, torch.stack([w.scale for w in fp4]), first.cols, None)
-        fp8 = [w for w in weights if isinstance(w, FP8Block)]
-        if len(fp8) != len(weights):
+            fp8 = cast(Sequence[FP8Block], weights)
+            values, scales = [w.values for w in fp8], [w.scale for w in fp8]
+            return cls(torch.stack(values), torch.stack(scales), first.shape[1], first.block)
+        if first.dim() != 2 or not first.is_floating_point():
             return None
-        if any(
-            w.row_offset
-            or w.values.shape != first.values.shape
-            or w.block != first.block
-            or w.scale.shape != first.scale.shape
-            or w.scale.dtype != first.scale.dtype
-            or w.values.device != first.values.device
-            for w in fp8
-        ):
-            return None
-        values = torch.stack([w.values for w in fp8])
-        return cls(values, torch.stack([w.scale for w in fp8]), first.shape[1], first.block)
+        return cls(torch.stack(list(cast(Sequence[Tensor], weights))), None, first.shape[1], None)
 
     @property
     def num(self) -> int:
@@ -151,3 +131,13 @@ class Stack:
         block_rows, block_cols = self.block
         per_row = scale.repeat_interleave(block_rows, dim=1)[:, : self.rows]
         return FP8Block(flat_values, per_row.reshape(-1, scale.shape[-1]), (1, block_cols))
+
+
+def _layout(w: Stored) -> tuple[object, ...]:
+    """What weights must share to stack: kind, shapes, dtypes, device (and FP8's block grid)."""
+    if isinstance(w, FP4Packed):
+        return ("fp4", w.packed.shape, w.cols, w.scale.dtype, w.packed.device)
+    if isinstance(w, FP8Block):
+        grid = (w.block, w.row_offset, w.scale.shape, w.scale.dtype)
+        return ("fp8", w.values.shape, *grid, w.values.device)
+    return ("plain", w.shape, w.dtype, w.device)
