@@ -246,7 +246,7 @@ def _read_items(
                 parts = _decode(stored, scale, read, block)
                 del stored, scale
                 for n, value in parts.items():
-                    out[n] = _placed(value, dtype, device)
+                    out[n] = placed(value, dtype, device)
     return out
 
 
@@ -331,7 +331,7 @@ def _rows(w: FP8Block | FP4Packed, start: int, stop: int) -> FP8Block | FP4Packe
     return FP4Packed(w.packed[start:stop].clone(), w.scale[start:stop].clone(), w.cols)
 
 
-def _placed(value: Stored, dtype: torch.dtype | None, device: torch.device | str) -> Stored:
+def placed(value: Stored, dtype: torch.dtype | None, device: torch.device | str) -> Stored:
     """`value` on `device`; a float or quantized one dequantized to `dtype` when asked."""
     if isinstance(value, torch.Tensor):
         if dtype is None or not value.is_floating_point():

@@ -20,6 +20,7 @@ from model_helpers import tiny_moe, ulp_tolerance
 from dsv4_common.core.model import DSV4Config
 from dsv4_common.plan.inputs import PlanInputs
 from dsv4_worker.mem.sync_counter import SyncCounter
+from dsv4_worker.model.checkpoint import placed
 from dsv4_worker.model.moe import by_expert, every_expert, expert_names, moe, on_device, route
 from dsv4_worker.model.params import Params
 from dsv4_worker.model.quant import quantize_fp4, quantize_fp8_block
@@ -188,14 +189,6 @@ def test_a_stage_built_for_a_device_holds_its_experts_stacked_in_the_same_bytes(
             assert stacked == emulate, names[0]
 
 
-def _on(s: Stored, device: torch.device) -> Stored:
-    if isinstance(s, FP4Packed):
-        return FP4Packed(s.packed.to(device), s.scale.to(device), s.cols)
-    if isinstance(s, FP8Block):
-        return FP8Block(s.values.to(device), s.scale.to(device), s.block, s.row_offset)
-    return s.to(device)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("tokens", [1, 24], ids=["by-slot", "grouped"])
@@ -205,7 +198,7 @@ def test_on_cuda_the_device_dispatch_equals_by_expert_without_a_sync(tokens: int
     model = tiny_moe(2)
     host, x, ids = _inputs(model, 13, tokens, torch.float32, "fp4")
     dev = torch.device("cuda")
-    p = Params({n: _on(host.held(n), dev) for n in host.names()}, torch.bfloat16)
+    p = Params({n: placed(host.held(n), None, dev) for n in host.names()}, torch.bfloat16)
     xd = x.to(dev, torch.bfloat16)
     chosen, weights = route(model, p, 1, xd, ids.to(dev))
     want = by_expert(model, p, 1, xd, chosen, weights)
