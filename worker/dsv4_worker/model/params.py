@@ -3,7 +3,8 @@ experts, BF16/F32 floats, integer tables) and the compute dtype the model uses t
 code reads parameters only through it:
 
     linear(x, name)      x @ W.T in x's dtype (W dequantized or cast at use, or a scaled FP8
-                         matmul on a device that has one)
+                         matmul on a device that has one; a few rows on a CPU split over
+                         torch's threads: cpu_linear.py)
     dense(name)          W in the compute dtype (grouped projections)
     vector(name)         a float parameter (norm gain, bias, sink, ...) in the compute dtype
     rows(name, index)    W[index] in the compute dtype (embeddings, per-slot biases)
@@ -24,16 +25,16 @@ import math
 from collections.abc import Iterable, KeysView, Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from dsv4_worker.model import cpu_linear
 from dsv4_worker.model.fp8_matmul import scaled_linear
 from dsv4_worker.model.stacked import Stack
 from dsv4_worker.model.stored import FP4Packed, FP8Block, Stored
 
 
 class Params:
-    __slots__ = ("_held", "_laid_out", "_scratch", "_stacks", "dtype")
+    __slots__ = ("_blocks", "_held", "_laid_out", "_scratch", "_stacks", "dtype")
 
     def __init__(self, held: Mapping[str, Stored], dtype: torch.dtype) -> None:
         if not dtype.is_floating_point:
@@ -46,6 +47,8 @@ class Params:
         # names -> their stack (None: they cannot share one); the names' held entries are
         # views into it
         self._stacks: dict[tuple[str, ...], Stack | None] = {}
+        # name -> its held weight cut into blocks for cpu_linear (views of the held tensor)
+        self._blocks: dict[str, Tensor] = {}
 
     @classmethod
     def of(
@@ -100,15 +103,15 @@ class Params:
         s = self._held[name]
         if isinstance(s, Tensor):
             if s.dtype != x.dtype:
-                return F.linear(x, self._materialize(s, x.dtype, 0))
+                return cpu_linear.linear(x, self._materialize(s, x.dtype, 0))
             if name not in self._laid_out:
                 s = self._lay_out(name, s)
-            return F.linear(x, s)
+            return cpu_linear.linear(x, s, self._blocks, name)
         if isinstance(s, FP8Block):
             out = scaled_linear(x, s)
             if out is not None:
                 return out
-        return F.linear(x, self._materialize(s, x.dtype, 0))
+        return cpu_linear.linear(x, self._materialize(s, x.dtype, 0))
 
     def dense(self, name: str, dtype: torch.dtype | None = None) -> Tensor:
         """W in `dtype` (default: the compute dtype); valid until the next `dense` call."""
@@ -140,6 +143,8 @@ class Params:
             stack = Stack.of([self._held[n] for n in key])
             if stack is not None:
                 self._held.update(zip(key, stack.views(), strict=True))
+                for name in key:  # blocks of the replaced tensors would keep them alive
+                    self._blocks.pop(name, None)
                 self._laid_out.update(key)  # views stay as they are: no second copy
             self._stacks[key] = stack
         return self._stacks[key]
@@ -169,7 +174,8 @@ class Params:
         place of the original (the same bytes): column-major (W.T contiguous) on a CPU when
         out > in. A decode step multiplies one row per request, and MKL's one-row product
         reads a wide matrix 1.2-2.0x faster that way on the 2-core EPYC, 16 rows 1.0-1.2x;
-        a matrix with out <= in reads faster row-major (bench/layout.py)."""
+        a matrix with out <= in reads faster row-major (bench/layout.py). The layout holds
+        with `cpu_linear`'s split too: each thread's block reads faster in it."""
         self._laid_out.add(name)
         out_features, in_features = w.shape if w.dim() == 2 else (0, 0)
         if w.device.type != "cpu" or out_features <= in_features or w.requires_grad:
