@@ -475,6 +475,7 @@ class Engine:
             return Scored([], [], [], batch=batch_failure(exc))
         return self.sample(logits, segments, sample_at, score_at)
 
+    @torch.inference_mode()  # the logits are the forward's inference tensors
     def sample(
         self,
         logits: torch.Tensor,

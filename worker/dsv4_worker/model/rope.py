@@ -91,13 +91,15 @@ def _turns(
     """exp(+-1j * positions x freq) [T, dims/2], remembered for the last few (positions, freq)
     tensors: one forward rotates the same positions with the same table in every layer (queries,
     window keys, outputs, indexer). A key holds its tensors (so their ids stay theirs) and
-    their version counters (an in-place change misses)."""
+    their version counters (an in-place change misses). An inference tensor (the engine's
+    forward runs in inference mode) has no version counter: the forward never writes its
+    positions or tables in place."""
     for key, turn in _recent_turns:
         if (
             key[0] is positions
-            and key[1] == positions._version
+            and key[1] == _version(positions)
             and key[2] is freq
-            and key[3] == freq._version
+            and key[3] == _version(freq)
             and key[4:] == (dtype, inverse)
         ):
             return turn
@@ -105,7 +107,11 @@ def _turns(
     turn = torch.polar(torch.ones_like(angles), -angles if inverse else angles)
     if not turn.requires_grad:
         _recent_turns.insert(
-            0, ((positions, positions._version, freq, freq._version, dtype, inverse), turn)
+            0, ((positions, _version(positions), freq, _version(freq), dtype, inverse), turn)
         )
         del _recent_turns[8:]
     return turn
+
+
+def _version(t: torch.Tensor) -> int:
+    return -1 if t.is_inference() else t._version
