@@ -105,6 +105,13 @@ def by_expert(
     e_ = f"layers.{layer}.ffn.experts"
     limit = m.arch.swiglu_limit
     k = chosen.shape[1]
+    if len(x) == 1:  # one decode token: its k experts in ascending order, no grouping
+        picks = chosen[0].tolist()
+        w = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for slot in sorted(range(k), key=picks.__getitem__):  # stable: as the grouping orders
+            out += expert(x, p, f"{e_}.{picks[slot]}", limit) * w[:, slot : slot + 1]
+        return out
     flat = chosen.cpu().numpy().ravel()
     order = np.argsort(flat, kind="stable")  # (row, slot) pairs grouped by expert, rows ascending
     experts, starts = np.unique(flat[order], return_index=True)
