@@ -106,11 +106,11 @@ def by_expert(
     limit = m.arch.swiglu_limit
     k = chosen.shape[1]
     if len(x) == 1:  # one decode token: its k experts in ascending order, no grouping
-        picks = chosen[0].tolist()
+        named: list[int] = chosen[0].tolist()
         w = weights.to(x.dtype)
         out = torch.zeros_like(x)
-        for slot in sorted(range(k), key=picks.__getitem__):  # stable: as the grouping orders
-            out += expert(x, p, f"{e_}.{picks[slot]}", limit) * w[:, slot : slot + 1]
+        for j in sorted(range(k), key=named.__getitem__):  # stable: as the grouping orders
+            out += expert(x, p, f"{e_}.{named[j]}", limit) * w[:, j : j + 1]
         return out
     flat = chosen.cpu().numpy().ravel()
     order = np.argsort(flat, kind="stable")  # (row, slot) pairs grouped by expert, rows ascending
