@@ -1,5 +1,6 @@
 """`Params`: weights held as stored, read in the compute dtype. A quantized linear equals
-F.linear with the dequantized weight (quant.py's reference dequantizers), for any shape: partial
+the same product (`cpu_linear.linear`: F.linear, or its split over threads on a CPU) with the
+dequantized weight (quant.py's reference dequantizers), for any shape: partial
 blocks, row slices of a block grid (transformers' stacked experts), odd FP4 widths, E8M0 and
 float32 scales; the scratch buffers are reused and never corrupt a result still in use."""
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dsv4_worker.model import cpu_linear
 from dsv4_worker.model.compute import compute_dtype
 from dsv4_worker.model.params import Params
 from dsv4_worker.model.quant import (
@@ -44,7 +46,7 @@ def test_an_fp8_linear_is_the_dequantized_linear(
     x = torch.randn(5, cols, dtype=torch.float64).to(dtype)
     dense = dequantize_fp8_block(q, s, dtype)
     # Same weight values, same shapes, same kernel: bit for bit.
-    assert torch.equal(p.linear(x, "w"), F.linear(x, dense))
+    assert torch.equal(p.linear(x, "w"), cpu_linear.linear(x, dense))
     assert torch.equal(p.dense("w"), dense)
 
 
@@ -82,14 +84,14 @@ def test_an_fp4_linear_is_the_dequantized_linear(rows: int, cols: int, dtype: to
     p = Params({"w": FP4Packed(packed, s, cols)}, dtype)
     x = torch.randn(3, cols, dtype=torch.float64).to(dtype)
     dense = dequantize_fp4(packed, s, dtype, cols=cols)
-    assert torch.equal(p.linear(x, "w"), F.linear(x, dense))
+    assert torch.equal(p.linear(x, "w"), cpu_linear.linear(x, dense))
 
 
 def test_a_float_weight_of_another_dtype_is_cast_at_use_not_at_load() -> None:
     w = _w(8, 16, 0).to(torch.bfloat16)
     p = Params({"w": w, "v": torch.ones(16, dtype=torch.bfloat16)}, torch.float32)
     x = torch.randn(2, 16)
-    assert torch.equal(p.linear(x, "w"), F.linear(x, w.float()))
+    assert torch.equal(p.linear(x, "w"), cpu_linear.linear(x, w.float()))
     assert p.held("w") is w and p.nbytes == w.nbytes + 32  # held as bf16
     assert p.vector("v").dtype == torch.float32
 
@@ -184,3 +186,24 @@ def test_a_wide_linear_weight_is_held_column_major_after_its_first_use(dtype: to
     assert torch.equal(p.dense("wide"), wide)
     assert torch.equal(p.rows("wide", torch.tensor([5, 0])), wide[[5, 0]])
     torch.testing.assert_close(p.linear(x, "wide"), got, rtol=0, atol=0)
+
+
+def test_what_params_keeps_is_made_outside_inference_mode() -> None:
+    """The engine's forward runs in inference mode; the scratch buffers, layouts and stacks
+    Params makes during it stay normal tensors, so a later forward outside inference mode (the
+    oracle, export) may still write into them."""
+    q, s = quantize_fp8_block(_w(64, 32, 3))
+    held = {"q": FP8Block(q, s, (128, 128)), "wide": _w(96, 32, 1).float()}
+    held |= {f"e{i}": _w(16, 32, 10 + i).float() for i in range(2)}
+    p = Params(held, torch.float32)
+    x = torch.randn(3, 32)
+    with torch.inference_mode():
+        inside = [p.linear(x, "q"), p.linear(x, "wide")]
+        assert p.stack(["e0", "e1"]) is not None
+        experts = p.experts(["e0", "e1"], slice(0, 2)).clone()
+    assert all(t.is_inference() for t in inside)
+    kept = [p.held(n) for n in p.names() if isinstance(p.held(n), torch.Tensor)]
+    assert not any(t.is_inference() for t in kept + list(p._scratch.values()))
+    outside = [p.linear(x, "q"), p.linear(x, "wide")]  # writes into the same scratch
+    assert all(torch.equal(a, b) for a, b in zip(inside, outside, strict=True))
+    assert torch.equal(p.experts(["e0", "e1"], slice(0, 2)), experts)
