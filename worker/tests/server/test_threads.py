@@ -46,18 +46,28 @@ def test_the_measured_case_two_cores_one_thread() -> None:
         torch_threads(0)
 
 
-def test_the_worker_makes_torch_s_openmp_workers_sleep_unless_told_otherwise() -> None:
+def test_the_worker_makes_torch_s_openmp_workers_spin_briefly_unless_told_otherwise() -> None:
     import os
     import subprocess
     import sys
 
-    code = "import dsv4_worker, os; print(os.environ['OMP_WAIT_POLICY'])"
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.stdout.strip() == "PASSIVE"
-    env["OMP_WAIT_POLICY"] = "ACTIVE"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.stdout.strip() == "ACTIVE"
+    code = (
+        "import dsv4_worker, os; "
+        "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
+    )
+    chosen = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+    env = {k: v for k, v in os.environ.items() if k not in chosen}
+
+    def run(**extra: str) -> str:
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env | extra, capture_output=True, text=True
+        )
+        return out.stdout.strip()
+
+    assert run() == "None 10000"  # no policy: libgomp spins that long, then sleeps
+    assert run(OMP_WAIT_POLICY="PASSIVE") == "PASSIVE None"  # the environment's choice stands
+    assert run(OMP_WAIT_POLICY="ACTIVE") == "ACTIVE None"
+    assert run(GOMP_SPINCOUNT="500") == "None 500"
 
 
 @given(COUNT, COUNT, CPUS)
