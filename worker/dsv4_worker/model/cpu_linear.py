@@ -4,8 +4,9 @@ MKL multiplies a few rows by W [out, in] (a decode step's shape) on one thread, 
 torch's thread count: on the 2-core EPYC it streams W from memory at 13-15 GB/s where two
 threads stream 19-25. `linear` cuts W's out dimension into one part per thread (views, no copy,
 in either memory layout) and multiplies the parts as one batched product, whose items torch
-runs on separate threads: the same dot products, 1.2-2.0x faster at 1 row and 1.0-1.5x at 16
-(bench/layout.py, "split" column); from 64 rows one product already keeps every thread busy.
+runs on separate threads: the same dot products, 1.15-1.7x faster at 1 row and 0.95-1.27x at
+16 on medium's shapes (bench/layout.py, "split" column); from 64 rows one product already keeps
+every thread busy.
 
 Invariant: the result equals F.linear(x, w) within float rounding (each output is the same
 dot product; only the kernel summing it differs), with x's shape and dtype.
@@ -20,8 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 SPLIT_MAX_ROWS: Final = 32  # from 64 rows on, MKL's one product uses every thread
-# below this a part's memory read costs less than handing it to a thread (64K-float parts
-# gain nothing on the 2-core EPYC, 8K-float ones take 3x as long)
+# below this a part's memory read costs less than handing it to a thread (on the 2-core EPYC
+# parts of 128 KiB gained nothing, parts of 16 KiB took 3x as long as the plain product)
 SPLIT_MIN_PART_BYTES: Final = 256 << 10
 
 

@@ -22,8 +22,8 @@ from dsv4_worker.model.compute import at_least_float32
 from dsv4_worker.model.ops import rms_norm
 from dsv4_worker.model.params import Params
 
-Mixes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-_sum = np.add.reduce  # ndarray.sum without its Python wrapper  # pre [T, hc], post [T, hc], comb
+Mixes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # pre [T, hc], post [T, hc], comb
+_sum = np.add.reduce  # ndarray.sum without its Python wrapper
 
 
 def mixes(streams: torch.Tensor, p: Params, prefix: str, a: DSV4Arch) -> Mixes:
