@@ -142,8 +142,9 @@ class Params:
         if key not in self._stacks:
             with torch.inference_mode(False):  # held from now on, outside any forward too
                 stack = Stack.of([self._held[n] for n in key])
+                views = stack.views() if stack is not None else []
             if stack is not None:
-                self._held.update(zip(key, stack.views(), strict=True))
+                self._held.update(zip(key, views, strict=True))
                 for name in key:  # blocks of the replaced tensors would keep them alive
                     self._blocks.pop(name, None)
                 self._laid_out.update(key)  # views stay as they are: no second copy
