@@ -207,6 +207,18 @@ def replay_tps(
     return out
 
 
+def _last_model(argv: Sequence[str]) -> str:
+    """The model `dsv4 serve` takes from `argv` (its last --model: a --serve-arg may override
+    tiny)."""
+    model = "tiny"
+    for i, arg in enumerate(argv):
+        if arg == "--model" and i + 1 < len(argv):
+            model = argv[i + 1]
+        elif arg.startswith("--model="):
+            model = arg.split("=", 1)[1]
+    return model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -232,7 +244,10 @@ def main() -> None:
     try:
         _wait_ready(port, proc)
         _round(port, 1, 1, 4)  # warm-up
-        print(f"dsv4 serve tiny over HTTP, device={args.device}, {args.max_tokens} tokens/request")
+        print(
+            f"dsv4 serve {_last_model(cmd)} over HTTP, device={args.device}, "
+            f"{args.max_tokens} tokens/request"
+        )
         served = {}
         for clients in args.clients:
             runs = [

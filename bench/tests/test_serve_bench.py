@@ -39,3 +39,11 @@ def refusing_port() -> Iterator[int]:
 def test_a_refused_request_stops_the_round_with_its_answer(refusing_port: int) -> None:
     with pytest.raises(RuntimeError, match=r"HTTP 503.*group failed"):
         http_bench._round(refusing_port, clients=3, requests=2, max_tokens=4)
+
+
+def test_the_table_names_the_model_the_server_serves() -> None:
+    """A --serve-arg=--model=DIR overrides the bench's tiny, and the header says so."""
+    base = ["dsv4", "serve", *http_bench.TINY]
+    assert http_bench._last_model(base) == "tiny"
+    assert http_bench._last_model([*base, "--model=/models/medium"]) == "/models/medium"
+    assert http_bench._last_model([*base, "--model", "/m", "--port", "1"]) == "/m"
