@@ -121,8 +121,8 @@ def by_expert(
     for e, lo, hi in zip(experts.tolist(), bounds[:-1], bounds[1:], strict=True):
         picks = order[lo:hi]
         rows, slot = picks // k, torch.from_numpy(picks % k)
-        if len(rows) == len(x) and (len(x) == 1 or bool((np.diff(rows) > 0).all())):
-            # every row chose e once (always so for one decode token): no gather, no scatter
+        if len(rows) == len(x) and bool((np.diff(rows) > 0).all()):
+            # every row chose e once: no gather, no scatter
             out += expert(x, p, f"{e_}.{e}", limit) * w.gather(1, slot[:, None])
             continue
         index = torch.from_numpy(rows)
