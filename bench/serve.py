@@ -208,15 +208,11 @@ def replay_tps(
 
 
 def _last_model(argv: Sequence[str]) -> str:
-    """The model `dsv4 serve` takes from `argv` (its last --model: a --serve-arg may override
-    tiny)."""
-    model = "tiny"
-    for i, arg in enumerate(argv):
-        if arg == "--model" and i + 1 < len(argv):
-            model = argv[i + 1]
-        elif arg.startswith("--model="):
-            model = arg.split("=", 1)[1]
-    return model
+    """The model `dsv4 serve` takes from `argv`: its last --model, as its own argparse reads
+    it (a --serve-arg may override tiny)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--model", default="tiny")
+    return str(parser.parse_known_args(list(argv))[0].model)
 
 
 def main() -> None:
