@@ -5,12 +5,15 @@
 #
 #   OUT=/some/dir bash scripts/gpu_check.sh
 #
-# Wheels the device image lacks (pyzmq, llguidance, nixl_cu13) travel in `.whl/` (git-ignored
-# through .git/info/exclude; the run's `carry`) and are installed into GPU_CHECK_SITE. The nixl
+# Wheels the device image lacks (pyzmq, llguidance, nixl_cu13) travel in `.whl/` (made here by
+# scripts/gpu_wheels.sh, git-ignored through .git/info/exclude; the run's `carry`) and are
+# installed into GPU_CHECK_SITE. The nixl
 # wheel is too big to travel whole (59 MB of 64): scripts/slim_nixl_wheel.sh keeps its UCX
 # plugin and the libraries that plugin loads (12 MB).
-# At most 9 logs come back from $OUT: env.log (wheels, versions, per-step summary),
-# gpu-tests.log and one log per bench.
+# 8 logs, the most the device tool brings back from $OUT: env.log (wheels, versions, each step's
+# status as it ends, the summary), gpu-tests.log, alloc.log (allocator and engine loop),
+# flash.log (Flash-shaped layers and MoE), transfer.log, serve.log (profile and serve), pd.log
+# and pp.log.
 #
 # Switches (defaults are the device machine's):
 #   GPU_CHECK_PYTHON      python that runs tests and benches         (python3)
@@ -20,6 +23,13 @@
 #                         run whose python is not the wheels' 3.12)   (1)
 #   GPU_CHECK_DEVICE      the benches' --device                       (cuda)
 #   GPU_CHECK_SCALE       1: the device arguments; 0: the smallest runs (a CPU dry run)
+#   GPU_CHECK_BUDGET_S    seconds for the whole script: each step's limit is cut to what is
+#                         left, a step with under 10 s left is skipped, so the summary prints
+#                         inside the device tool's 600 s per command    (540)
+#
+# The wheels: `bash scripts/gpu_wheels.sh` here first (fetches and slims them into .whl/); then
+# one device call, e.g. run(command="OUT=$OUT bash scripts/gpu_check.sh", carry=[".whl"],
+# timeout_s=600). The steps #38 item 7 asks for (allocator, Flash-shaped layers, MoE) run first.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder for the logs}"
@@ -33,18 +43,28 @@ export PYTHONUNBUFFERED=1 UCX_NET_DEVICES=lo GLOO_SOCKET_IFNAME=lo
 ENV_LOG=$OUT/env.log
 SUMMARY=()
 START_S=$SECONDS
+DEADLINE_S=$((SECONDS + ${GPU_CHECK_BUDGET_S:-540}))
 
-# step NAME LIMIT_S LOG CMD...: run CMD under `timeout`, its output appended to LOG; records
-# the exit status (124: timed out) and seconds in the summary. Never stops the script.
+# step NAME LIMIT_S LOG CMD...: run CMD under `timeout` (LIMIT_S, cut to the budget left), its
+# output appended to LOG; records the exit status (124: timed out; "skip": no budget left) and
+# seconds in the summary, and at once in env.log (a run killed later keeps it). Never stops the
+# script.
 step() {
   local name=$1 limit_s=$2 log=$3
   shift 3
-  local t0=$SECONDS rc
-  echo "=== $name (limit ${limit_s}s): $*" | tee -a "$log"
-  timeout -k 5 "$limit_s" "$@" 2>&1 | tee -a "$log"
-  rc=${PIPESTATUS[0]}
-  SUMMARY+=("$(printf '%-14s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
+  local t0=$SECONDS rc left_s=$((DEADLINE_S - SECONDS))
+  if ((left_s < 10)); then
+    rc=skip
+    echo "=== $name: skipped, ${left_s}s of the budget left" | tee -a "$log"
+  else
+    ((limit_s > left_s)) && limit_s=$left_s
+    echo "=== $name (limit ${limit_s}s): $*" | tee -a "$log"
+    timeout -k 5 "$limit_s" "$@" 2>&1 | tee -a "$log"
+    rc=${PIPESTATUS[0]}
+  fi
+  SUMMARY+=("$(printf '%-14s rc=%-4s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
   echo "=== $name: rc=$rc in $((SECONDS - t0))s" | tee -a "$log"
+  [[ $log == "$ENV_LOG" ]] || echo "step ${SUMMARY[-1]}" >>"$ENV_LOG"
 }
 
 # (a) Wheels, then PYTHONPATH: the wheels' site, the package roots and the pytest helper
@@ -100,14 +120,8 @@ for name in ("zmq", "llguidance", "nixl_cu12", "nixl_cu13", "nixl", "aiohttp", "
 EOF
 } 2>&1 | tee -a "$ENV_LOG"
 
-# (c) The gpu-marked tests: the files that carry the mark (the cluster ones need Kubernetes and
-# are left out), so no unrelated test module is imported.
-mapfile -t GPU_TESTS < <(grep -rl --include='test_*.py' 'mark\.gpu' common worker router local bench \
-  2>/dev/null | sort)
-step gpu-tests 120 "$OUT/gpu-tests.log" "$PY" -m pytest -m "gpu and not cluster" -q \
-  -p no:cacheprovider --continue-on-collection-errors -rs "${GPU_TESTS[@]}"
-
-# (d) The benches that take --device, smallest first; a few rounds each, medians printed.
+# (c) The benches that take --device, a few rounds each, medians printed: #38 item 7's first
+# (allocator, Flash-shaped layers, MoE), then the gpu tests, then the rest.
 if [[ $SCALE == 1 ]]; then
   ALLOC=(--rounds 3 --repeats 20) ENGINE=(--rounds 3 --steps 20)
   XFER=(--total-mib 1024 --repeats 5) BIG_PAGE=(--page-kib 16384)
@@ -133,19 +147,25 @@ fi
 D=(--device "$DEVICE")
 # The allocator per operation on the device (#38 item 7: target <= 30 us, 95-520 us before the
 # host tables) and the calls in each that would sync (--syncs: 0 expected in every row; the gpu
-# tests above also run them under torch.cuda.set_sync_debug_mode("error")).
+# tests below also run them under torch.cuda.set_sync_debug_mode("error")).
 step alloc 60 "$OUT/alloc.log" "$PY" bench/alloc.py "${D[@]}" "${ALLOC[@]}" --syncs
-step engine 25 "$OUT/engine.log" "$PY" bench/engine.py "${D[@]}" "${ENGINE[@]}"
+# Weights held as stored on the device, and which path block-FP8 linears take (a scaled FP8
+# matmul or dequantize-then-matmul): the script prints both before its step times.
+step flash-layers 120 "$OUT/flash.log" "$PY" bench/flash_layers.py "${D[@]}" "${FLASH[@]}"
+step moe 30 "$OUT/flash.log" "$PY" bench/moe.py "${D[@]}" "${MOE[@]}"
+# (d) The gpu-marked tests: the files that carry the mark (the cluster ones need Kubernetes and
+# are left out), so no unrelated test module is imported.
+mapfile -t GPU_TESTS < <(grep -rl --include='test_*.py' 'mark\.gpu' common worker router local bench \
+  2>/dev/null | sort)
+step gpu-tests 120 "$OUT/gpu-tests.log" "$PY" -m pytest -m "gpu and not cluster" -q \
+  -p no:cacheprovider --continue-on-collection-errors -rs "${GPU_TESTS[@]}"
+step engine 25 "$OUT/alloc.log" "$PY" bench/engine.py "${D[@]}" "${ENGINE[@]}"
 # NIXL between two processes' GPU memory (VRAM_SEG) at two page sizes; zmq through host frames.
 step transfer 60 "$OUT/transfer.log" "$PY" bench/transfer.py "${D[@]}" --backends nixl,zmq \
   "${XFER[@]}"
 step transfer-big 40 "$OUT/transfer.log" "$PY" bench/transfer.py "${D[@]}" --backends nixl \
   "${BIG_PAGE[@]}" "${XFER[@]}"
 step profile 40 "$OUT/serve.log" "$PY" bench/profile_step.py "${D[@]}" "${PROFILE[@]}"
-# Weights held as stored on the device, and which path block-FP8 linears take (a scaled FP8
-# matmul or dequantize-then-matmul): the script prints both before its step times.
-step flash-layers 120 "$OUT/flash.log" "$PY" bench/flash_layers.py "${D[@]}" "${FLASH[@]}"
-step moe 30 "$OUT/flash.log" "$PY" bench/moe.py "${D[@]}" "${MOE[@]}"
 step serve 50 "$OUT/serve.log" "$PY" bench/serve.py "${D[@]}" "${SERVE[@]}"
 step pd 80 "$OUT/pd.log" "$PY" bench/pd.py "${D[@]}" --transfer nixl "${PD[@]}"
 # PP=2 puts both stages on the one GPU (NCCL may refuse that); last, so a failure costs least.
