@@ -7,7 +7,7 @@ model's default KV format, on one device; `--running` requests decode together.
 
     .venv/bin/python bench/flash_layers.py [--device cuda] [--running 1 64 256] [--steps 8]
         [--layers 2] [--prompt-tokens 256] [--experts 256] [--vocab 129280] [--dtype auto]
-        [--json]
+        [--launches] [--json]
 
 Printed: the weight bytes held (equal to the planner's for these layers), which path block-FP8
 linears took (a scaled FP8 matmul or dequantize-then-matmul: `fp8_matmul.probe_report`), and
@@ -15,6 +15,9 @@ per running count the median decode step (ms) over `--steps` steps after warm-up
 device synchronized around each. `--experts` and `--vocab` shrink the routed experts and the
 vocabulary (a CPU dry run); the
 KV format falls back to bf16 rows, said so, where this tree cannot store the default one.
+`--launches` also counts, per running count, one more decode step's kernel-launching operators
+(`launches.py`; on a CPU run it under DSV4_EMULATE_DEVICE=1 to count CUDA's code) and the
+functions that launch the most.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchjson import Figure, emit
+from launches import LaunchCounter, by_function
 
 from dsv4_common.core.model import DSV4Config
 from dsv4_common.core.presets import deepseek_v4_flash
@@ -101,8 +105,14 @@ def build(model: DSV4Config, params: Params, running: int, tokens: int, device: 
 
 
 def step_ms(
-    engine: Engine, running: int, prompt_tokens: int, steps: int, sync: Callable[[], None]
+    engine: Engine,
+    running: int,
+    prompt_tokens: int,
+    steps: int,
+    sync: Callable[[], None],
+    counter: LaunchCounter | None = None,
 ) -> list[float]:
+    """The decode steps' milliseconds; `counter` counts one more step's launches."""
     gen = torch.Generator().manual_seed(running)
     vocab = engine.paged.model.weights.vocab_size
     params = SamplingParams(max_new_tokens=steps + 4)
@@ -118,6 +128,9 @@ def step_ms(
         engine.step()
         sync()
         timed.append((time.perf_counter() - t0) * 1e3)
+    if counter is not None:
+        with counter:
+            engine.step()
     for rid in list(engine.requests):
         engine.abort(rid)
     engine.run_until_idle()
@@ -143,6 +156,7 @@ def main() -> None:
     ap.add_argument("--running", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--launches", action="store_true", help="count a step's kernel launches")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     dtype, sync = device_and_sync(args.device, args.dtype)
@@ -160,14 +174,15 @@ def main() -> None:
     figures: list[Figure] = []
     for running in args.running:
         tokens = args.prompt_tokens + args.steps + 8
+        counter = LaunchCounter() if args.launches else None
         try:
             engine = build(model, params, running, tokens, args.device)
-            timed = step_ms(engine, running, args.prompt_tokens, args.steps, sync)
+            timed = step_ms(engine, running, args.prompt_tokens, args.steps, sync, counter)
         except NotImplementedError as exc:  # this tree cannot store the default KV rows
             print(f"KV {model.kv_dtype}: {exc}; using bf16 rows")
             model = flash_layers(args.layers, args.experts, args.vocab, kv_dtype="bf16")
             engine = build(model, params, running, tokens, args.device)
-            timed = step_ms(engine, running, args.prompt_tokens, args.steps, sync)
+            timed = step_ms(engine, running, args.prompt_tokens, args.steps, sync, counter)
         ms = statistics.median(timed)
         print(
             f"running {running:4d}: decode step {ms:9.2f} ms (min {min(timed):.2f}), "
@@ -175,6 +190,10 @@ def main() -> None:
             flush=True,
         )
         figures.append(Figure(f"decode step ms, {running} running", ms, "ms", "lower"))
+        if counter is not None:
+            top = ", ".join(f"{f} {n}" for f, n in by_function(counter.sites).most_common(4))
+            print(f"  kernel launches a step: {counter.total} (most: {top})", flush=True)
+            figures.append(Figure(f"launches, {running} running", counter.total, "ops", "lower"))
         del engine
         if args.device == "cuda":
             torch.cuda.empty_cache()

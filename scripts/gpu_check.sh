@@ -131,7 +131,7 @@ if [[ $SCALE == 1 ]]; then
   PROFILE=(--steps 16)
   # Flash-shaped layers (bench/flash_layers.py): real dimensions, 2 layers (CSA + HCA), random
   # weights as stored (FP8/FP4), the default KV format; decode steps at 1/64/256 running.
-  FLASH=(--layers 2 --running 1 64 256 --steps 8 --prompt-tokens 256)
+  FLASH=(--layers 2 --running 1 64 256 --steps 8 --prompt-tokens 256 --launches)
   # One Flash MoE layer's routed experts (FP4 as stored): every_expert against on_device.
   MOE=(--tokens 1 64 256 --rounds 3)
 else
@@ -141,7 +141,7 @@ else
   PD=(--rounds 1 --requests 1 --ttft-requests 2 --max-tokens 4 --clients 1)
   PP=(--rounds 1 --requests 1 --max-tokens 4 --clients 1)
   PROFILE=(--steps 2)
-  FLASH=(--layers 2 --experts 8 --vocab 1024 --running 1 2 --steps 2 --prompt-tokens 130)
+  FLASH=(--layers 2 --experts 8 --vocab 1024 --running 1 2 --steps 2 --prompt-tokens 130 --launches)
   MOE=(--experts 8 --hidden 256 --inter 128 --tokens 1 4 --rounds 1)
 fi
 D=(--device "$DEVICE")

@@ -391,22 +391,23 @@ class PagedModel:
         states: Tensor,
         batch: _Batch,
     ) -> None:
-        """Write token states in position order, R tokens at a time (R consecutive positions
-        of a request never share a ring row; different requests never share a ring), so the
-        last writer of every row is its latest token."""
-        positions, slots, bounds = batch.positions, batch.slots, batch.bounds
-        stride = self.memory.layout.component(name).rows_per_unit
-        longest = max(hi - lo for lo, hi in bounds)
-        for k in range(0, longest, stride):
-            pick = torch.cat(
-                [
-                    torch.arange(lo + k, min(hi, lo + k + stride), device=self.device)
-                    for lo, hi in bounds
-                    if lo + k < hi
-                ]
-            )
-            index = self._ring_index(name, slots[pick], positions[pick])
-            ring[index] = states[pick].to(ring.dtype)
+        """Write each ring row's latest token state, in one write: the batch rows that no
+        later token of their segment overwrites (`ring_writers`, decided on the host; every
+        row at decode), whose ring indices are therefore distinct."""
+        c = self.memory.layout.component(name)
+        ends = np.array([seg.end for seg in batch.segments], dtype=np.int64)
+        lengths = np.array([hi - lo for lo, hi in batch.bounds], dtype=np.int64)
+        per_page = self.page if c.index_space is IndexSpace.SWA_PAGE else None
+        keep = ring_writers(
+            batch.host_positions, np.repeat(ends, lengths), c.rows_per_unit, per_page
+        )
+        if keep is None:
+            index = self._ring_index(name, batch.slots, batch.positions)
+            ring[index] = states.to(ring.dtype)
+            return
+        pick = upload(keep, self.device)
+        index = self._ring_index(name, batch.slots[pick], batch.positions[pick])
+        ring[index] = states[pick].to(ring.dtype)
 
     def _online(
         self,
@@ -515,6 +516,24 @@ def _batch_rows(
     slots = np.repeat(np.array([s.slot for s in segments], dtype=np.int64), count)
     ids = np.array([t for s in segments for t in s.token_ids], dtype=np.int64)
     return [positions, slots, starts, ids, np.array(logit_rows, dtype=np.int64)]
+
+
+def ring_writers(
+    positions: np.ndarray, ends: np.ndarray, ring_rows: int, page_size: int | None
+) -> np.ndarray | None:
+    """The batch rows (ascending) whose ring row no later token of the same segment writes,
+    or None when that is every row. A token at position p writes row p % ring_rows of its
+    request's ring (`page_size` None) or of its SWA page's ring (p // page_size), so the next
+    token to write the same row is p + ring_rows, when it is in the segment (< `ends`, the
+    token's segment end) and, per page, in the same page. Writing just these rows leaves every
+    ring row as writing all of them in position order would, and no two of them share a row."""
+    later = positions + ring_rows
+    keep = later >= ends
+    if page_size is not None:
+        keep |= later // page_size != positions // page_size
+    if keep.all():
+        return None
+    return np.flatnonzero(keep)
 
 
 def _bounds(lengths: Sequence[int]) -> list[tuple[int, int]]:
