@@ -54,6 +54,7 @@ from dsv4_worker.model.weights import stage_param_names
 from dsv4_worker.sched.scheduler import Phase, SchedulerConfig
 
 PAGE = 256  # the release's page (a multiple of 128)
+CHUNK_TOKENS = 8192  # prefill tokens a step
 GIB = 1 << 30
 
 
@@ -87,7 +88,7 @@ def build(model: DSV4Config, params: Params, running: int, tokens: int, device: 
             role="colocated",
             gpu_memory_bytes=held + 8 * GIB,
             page_size=PAGE,
-            chunked_prefill_tokens=8192,
+            chunked_prefill_tokens=CHUNK_TOKENS,
             max_running_requests=max(running, 1),
             weight_bytes_per_rank=(held,),
             context_len=tokens + 64,
@@ -97,11 +98,19 @@ def build(model: DSV4Config, params: Params, running: int, tokens: int, device: 
     config = AllocatorConfig.from_rank_plan(rank)
     sched = SchedulerConfig(
         page_size=config.page_size,
-        chunk_tokens=8192,
+        chunk_tokens=CHUNK_TOKENS,
         max_tokens_per_request=config.max_tokens_per_request,
         retained_tokens=config.retained_tokens,
     )
     return Engine(PagedModel(model, params, memory), EngineConfig(sched))
+
+
+def new_tokens(running: int, prompt_tokens: int, steps: int) -> int:
+    """Tokens each request may generate so that none finishes before the measured steps end:
+    the first admitted decode while the others prefill (`CHUNK_TOKENS` a step), then the
+    warm-up, the timed and the counted steps."""
+    prefill_steps = -(-running * prompt_tokens // CHUNK_TOKENS) + 1
+    return prefill_steps + steps + 4
 
 
 def step_ms(
@@ -112,10 +121,11 @@ def step_ms(
     sync: Callable[[], None],
     counter: LaunchCounter | None = None,
 ) -> list[float]:
-    """The decode steps' milliseconds; `counter` counts one more step's launches."""
+    """The decode steps' milliseconds, every step decoding all `running` requests; `counter`
+    counts one more step's launches."""
     gen = torch.Generator().manual_seed(running)
     vocab = engine.paged.model.weights.vocab_size
-    params = SamplingParams(max_new_tokens=steps + 4)
+    params = SamplingParams(max_new_tokens=new_tokens(running, prompt_tokens, steps))
     for _ in range(running):
         engine.submit(torch.randint(2, vocab, (prompt_tokens,), generator=gen).tolist(), params)
     while any(r.phase is not Phase.DECODE for r in engine.requests.values()):
@@ -131,6 +141,9 @@ def step_ms(
     if counter is not None:
         with counter:
             engine.step()
+    decoding = sum(r.phase is Phase.DECODE for r in engine.requests.values())
+    if decoding != running:  # the figures would be another batch's
+        raise RuntimeError(f"{decoding} of {running} requests decoding at the end of the steps")
     for rid in list(engine.requests):
         engine.abort(rid)
     engine.run_until_idle()
@@ -173,7 +186,7 @@ def main() -> None:
     )
     figures: list[Figure] = []
     for running in args.running:
-        tokens = args.prompt_tokens + args.steps + 8
+        tokens = args.prompt_tokens + new_tokens(running, args.prompt_tokens, args.steps) + 8
         counter = LaunchCounter() if args.launches else None
         try:
             engine = build(model, params, running, tokens, args.device)
