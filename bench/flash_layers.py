@@ -117,15 +117,16 @@ def step_ms(
     engine: Engine,
     running: int,
     prompt_tokens: int,
+    max_new_tokens: int,
     steps: int,
     sync: Callable[[], None],
     counter: LaunchCounter | None = None,
 ) -> list[float]:
-    """The decode steps' milliseconds, every step decoding all `running` requests; `counter`
-    counts one more step's launches."""
+    """The decode steps' milliseconds, every step decoding all `running` requests (each may
+    generate `max_new_tokens`: `new_tokens`); `counter` counts one more step's launches."""
     gen = torch.Generator().manual_seed(running)
     vocab = engine.paged.model.weights.vocab_size
-    params = SamplingParams(max_new_tokens=new_tokens(running, prompt_tokens, steps))
+    params = SamplingParams(max_new_tokens=max_new_tokens)
     for _ in range(running):
         engine.submit(torch.randint(2, vocab, (prompt_tokens,), generator=gen).tolist(), params)
     while any(r.phase is not Phase.DECODE for r in engine.requests.values()):
@@ -186,16 +187,17 @@ def main() -> None:
     )
     figures: list[Figure] = []
     for running in args.running:
-        tokens = args.prompt_tokens + new_tokens(running, args.prompt_tokens, args.steps) + 8
+        max_new = new_tokens(running, args.prompt_tokens, args.steps)
+        tokens = args.prompt_tokens + max_new + 8
         counter = LaunchCounter() if args.launches else None
         try:
             engine = build(model, params, running, tokens, args.device)
-            timed = step_ms(engine, running, args.prompt_tokens, args.steps, sync, counter)
+            timed = step_ms(engine, running, args.prompt_tokens, max_new, args.steps, sync, counter)
         except NotImplementedError as exc:  # this tree cannot store the default KV rows
             print(f"KV {model.kv_dtype}: {exc}; using bf16 rows")
             model = flash_layers(args.layers, args.experts, args.vocab, kv_dtype="bf16")
             engine = build(model, params, running, tokens, args.device)
-            timed = step_ms(engine, running, args.prompt_tokens, args.steps, sync, counter)
+            timed = step_ms(engine, running, args.prompt_tokens, max_new, args.steps, sync, counter)
         ms = statistics.median(timed)
         print(
             f"running {running:4d}: decode step {ms:9.2f} ms (min {min(timed):.2f}), "

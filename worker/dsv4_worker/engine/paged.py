@@ -66,6 +66,7 @@ class _Batch(NamedTuple):
     bounds: list[tuple[int, int]]
     starts: Tensor  # per token: its segment's first position
     host_positions: np.ndarray  # `positions` on the host: sizes are decided from it, no sync
+    host_ends: np.ndarray  # per token, on the host: its segment's end position
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +170,8 @@ class PagedModel:
         host = _batch_rows(segments, lengths, _logit_rows(bounds, every))
         rows = upload(np.concatenate(host), self.device)
         positions, slots, starts, ids, last = torch.split(rows, [len(a) for a in host])
-        batch = _Batch(positions, slots, segments, bounds, starts, host[0])
+        ends = np.repeat(np.array([s.end for s in segments], dtype=np.int64), lengths)
+        batch = _Batch(positions, slots, segments, bounds, starts, host[0], ends)
         if isinstance(self.model, DSV4Config):
             m = self.model
             if self.stage.first:
@@ -395,12 +397,8 @@ class PagedModel:
         later token of their segment overwrites (`ring_writers`, decided on the host; every
         row at decode), whose ring indices are therefore distinct."""
         c = self.memory.layout.component(name)
-        ends = np.array([seg.end for seg in batch.segments], dtype=np.int64)
-        lengths = np.array([hi - lo for lo, hi in batch.bounds], dtype=np.int64)
         per_page = self.page if c.index_space is IndexSpace.SWA_PAGE else None
-        keep = ring_writers(
-            batch.host_positions, np.repeat(ends, lengths), c.rows_per_unit, per_page
-        )
+        keep = ring_writers(batch.host_positions, batch.host_ends, c.rows_per_unit, per_page)
         if keep is None:
             index = self._ring_index(name, batch.slots, batch.positions)
             ring[index] = states.to(ring.dtype)
